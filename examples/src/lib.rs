@@ -1,0 +1,1 @@
+//! Small programs on the runtime API live in `examples/`.

@@ -1,0 +1,650 @@
+//! The closed set of operations a decode step is made of.
+//!
+//! Each variant documents its typing rule as `name(args) -> results`, where
+//! `D` is a float dtype shared by the activations of the op, `T` the number of
+//! tokens in the step (`batch * query`), `B` the batch, `H` a hidden size and
+//! `hd` a head dimension. [`Op::infer`] implements exactly these rules; the
+//! verifier and the graph builder both use it, so a rule lives in one place.
+//!
+//! Attributes are constants baked into the plan (eps, head counts, rope
+//! frequencies). Nothing that changes from step to step is an attribute: such
+//! values are graph inputs read from device memory.
+//!
+//! Fused variants (`QkvRopeKvWrite`, `AddRmsNorm`, the one-argument forms of
+//! `SiluMul`/`GeluTanhMul`) are produced by compiler passes; frontends emit the
+//! plain ones. They are in the same enum so the verifier, the printer and the
+//! backends see one closed set.
+
+use crate::types::{DType, Shape, TensorType};
+use serde::{Deserialize, Serialize};
+
+/// Rotary frequency scaling.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum RopeScaling {
+    /// `inv_freq[i] = theta^(-2i/hd)`.
+    None,
+    /// Positions divided by `factor` (HF "linear").
+    Linear { factor: f32 },
+    /// Llama 3.1 wavelength-dependent scaling (HF "llama3").
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position: u32,
+    },
+}
+
+/// Rotary embedding parameters (rotate-half convention, full head dim rotated).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Rope {
+    pub theta: f32,
+    pub scaling: RopeScaling,
+}
+
+impl Rope {
+    /// The inverse frequencies for `head_dim`, `head_dim / 2` of them, in f64.
+    /// Kernels on every backend use this table (uploaded or baked), so they
+    /// agree bit for bit on the angles' inputs.
+    pub fn inv_freq(&self, head_dim: u32) -> Vec<f64> {
+        let half = head_dim / 2;
+        let base: Vec<f64> = (0..half)
+            .map(|i| 1.0 / (self.theta as f64).powf((2 * i) as f64 / head_dim as f64))
+            .collect();
+        match self.scaling {
+            RopeScaling::None => base,
+            RopeScaling::Linear { factor } => base.iter().map(|f| f / factor as f64).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => {
+                let (factor, lo, hi) = (
+                    factor as f64,
+                    low_freq_factor as f64,
+                    high_freq_factor as f64,
+                );
+                let old = original_max_position as f64;
+                let low_wavelen = old / lo;
+                let high_wavelen = old / hi;
+                base.iter()
+                    .map(|&f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (old / wavelen - lo) / (hi - lo);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// One operation. See the module docs for the notation of the typing rules.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    /// `embedding(ids: i32[T], table: D[V,H]) -> D[T,H]`: row gather.
+    Embedding,
+    /// `rms_norm(x: D[T,H], w: D[H]) -> D[T,H]`:
+    /// `x / sqrt(mean(x^2) + eps) * w`, or `* (1 + w)` when `unit_offset` (Gemma).
+    RmsNorm { eps: f32, unit_offset: bool },
+    /// `add_rms_norm(x: D[T,H], residual: D[T,H], w: D[H]) -> (normed: D[T,H], sum: D[T,H])`:
+    /// `sum = x + residual` (rounded to D), `normed = rms_norm(sum)`.
+    AddRmsNorm { eps: f32, unit_offset: bool },
+    /// `matmul(x: D[T,K], w: D[N,K] [, bias: D[N]]) -> out[T,N]`: `x @ w^T (+ bias)`,
+    /// weights stored `[out, in]` as in HF checkpoints. `out` is the result dtype
+    /// (f32 for logits). Arity 3 exactly when `bias`.
+    MatMul { bias: bool, out: DType },
+    /// `head_rms_norm(x: D[T, heads*hd], w: D[hd]) -> D[T, heads*hd]`: RMSNorm of
+    /// each head's `hd` slice (Qwen3 q_norm/k_norm).
+    HeadRmsNorm {
+        heads: u32,
+        head_dim: u32,
+        eps: f32,
+        unit_offset: bool,
+    },
+    /// `rope(x: D[T, heads*hd], pos: i32[T]) -> D[T, heads*hd]`: rotate-half RoPE
+    /// at each token's position.
+    Rope {
+        heads: u32,
+        head_dim: u32,
+        rope: Rope,
+    },
+    /// `kv_write(k: D[T, kvh*hd], v: D[T, kvh*hd], slots: i32[T], kc: D[S, kvh*hd], vc: D[S, kvh*hd])
+    ///   -> (kc': D[S, kvh*hd], vc': D[S, kvh*hd])`: row `t` of k/v goes to slot
+    /// `slots[t]` of the caches. The results are the caches themselves (in place):
+    /// they exist so attention is ordered after the write.
+    KvWrite,
+    /// `paged_attention(q: D[B*Q, heads*hd], kc: D[S, kvh*hd], vc: D[S, kvh*hd],
+    ///   block_tables: i32[B, M], context_lens: i32[B]) -> D[B*Q, heads*hd]`.
+    /// Query token `i` of sequence `b` sits at position `context_lens[b] - Q + i`
+    /// and attends to positions `<= ` its own (causal inside the query window),
+    /// and only to the last `window` positions when `window` is set. Position
+    /// `p` of sequence `b` lives in slot `block_tables[b][p / block_size] *
+    /// block_size + p % block_size`. Scores are `q.k * scale`, then
+    /// `softcap * tanh(s / softcap)` when `softcap` is set. GQA: head `h` reads
+    /// kv head `h / (heads / kv_heads)`.
+    PagedAttention {
+        heads: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        query: u32,
+        block_size: u32,
+        scale: f32,
+        window: Option<u32>,
+        softcap: Option<f32>,
+    },
+    /// Fused q/k norm + RoPE + KV write over a packed qkv projection:
+    /// `qkv_rope_kv_write(qkv: D[T, (heads + 2*kvh)*hd], pos: i32[T], slots: i32[T],
+    ///   kc: D[S, kvh*hd], vc: D[S, kvh*hd] [, q_norm: D[hd], k_norm: D[hd]])
+    ///   -> (q: D[T, heads*hd], kc', vc')`. Arity 7 exactly when `qk_norm` is set.
+    QkvRopeKvWrite {
+        heads: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        rope: Rope,
+        /// `eps` of the per-head RMSNorm applied to q and k before RoPE.
+        qk_norm: Option<f32>,
+        unit_offset: bool,
+    },
+    /// `silu_mul(gate: D[T,I], up: D[T,I]) -> D[T,I]`, or the fused form
+    /// `silu_mul(gate_up: D[T,2I]) -> D[T,I]` (gate is the first half).
+    SiluMul,
+    /// As `SiluMul` with GELU (tanh approximation) instead of SiLU.
+    GeluTanhMul,
+    /// `add(a: D[..], b: D[..]) -> D[..]`: same type in and out.
+    Add,
+    /// `gather_last(x: D[B*group, H]) -> D[B, H]`: the last row of each group of
+    /// `group` rows (the one position whose logits a prefill chunk needs).
+    GatherLast { group: u32 },
+    /// `argmax(x: F[R, V]) -> i32[R]`: index of the first maximum of each row.
+    Argmax,
+    /// `accept_greedy(pred: i32[B*(spec+1)], drafts: i32[B*spec]) -> i32[B]`:
+    /// per sequence, the number of leading drafts equal to the model's own
+    /// greedy prediction at the previous position (`drafts[b,j] == pred[b,j]`).
+    /// The host then takes `accepted + 1` tokens from `pred` (the bonus token).
+    AcceptGreedy { spec: u32 },
+}
+
+/// Why an op's operands do not type-check. The verifier adds the location.
+pub type TypeError = String;
+
+impl Op {
+    /// The mnemonic used in the text form.
+    pub fn mnemonic(&self) -> &'static str {
+        match self {
+            Op::Embedding => "embedding",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::AddRmsNorm { .. } => "add_rms_norm",
+            Op::MatMul { .. } => "matmul",
+            Op::HeadRmsNorm { .. } => "head_rms_norm",
+            Op::Rope { .. } => "rope",
+            Op::KvWrite => "kv_write",
+            Op::PagedAttention { .. } => "paged_attention",
+            Op::QkvRopeKvWrite { .. } => "qkv_rope_kv_write",
+            Op::SiluMul => "silu_mul",
+            Op::GeluTanhMul => "gelu_tanh_mul",
+            Op::Add => "add",
+            Op::GatherLast { .. } => "gather_last",
+            Op::Argmax => "argmax",
+            Op::AcceptGreedy { .. } => "accept_greedy",
+        }
+    }
+
+    /// All mnemonics, for error messages ("expected one of ...").
+    pub const MNEMONICS: [&'static str; 15] = [
+        "embedding",
+        "rms_norm",
+        "add_rms_norm",
+        "matmul",
+        "head_rms_norm",
+        "rope",
+        "kv_write",
+        "paged_attention",
+        "qkv_rope_kv_write",
+        "silu_mul",
+        "gelu_tanh_mul",
+        "add",
+        "gather_last",
+        "argmax",
+        "accept_greedy",
+    ];
+
+    /// Accepted argument counts.
+    pub fn arity(&self) -> &'static [usize] {
+        match self {
+            Op::Embedding => &[2],
+            Op::RmsNorm { .. } => &[2],
+            Op::AddRmsNorm { .. } => &[3],
+            Op::MatMul { bias: false, .. } => &[2],
+            Op::MatMul { bias: true, .. } => &[3],
+            Op::HeadRmsNorm { .. } => &[2],
+            Op::Rope { .. } => &[2],
+            Op::KvWrite => &[5],
+            Op::PagedAttention { .. } => &[5],
+            Op::QkvRopeKvWrite { qk_norm: None, .. } => &[5],
+            Op::QkvRopeKvWrite {
+                qk_norm: Some(_), ..
+            } => &[7],
+            Op::SiluMul | Op::GeluTanhMul => &[1, 2],
+            Op::Add => &[2],
+            Op::GatherLast { .. } => &[1],
+            Op::Argmax => &[1],
+            Op::AcceptGreedy { .. } => &[2],
+        }
+    }
+
+    /// Indices of results that alias an argument (in-place ops): `(result, arg)`.
+    /// The planner gives such a result the argument's memory.
+    pub fn aliases(&self) -> &'static [(usize, usize)] {
+        match self {
+            Op::KvWrite => &[(0, 3), (1, 4)],
+            Op::QkvRopeKvWrite { .. } => &[(1, 3), (2, 4)],
+            _ => &[],
+        }
+    }
+
+    /// Whether the op may write its result over argument `arg` when that
+    /// argument dies at this op (elementwise, same size): `(result, arg)` pairs.
+    pub fn may_reuse(&self) -> &'static [(usize, usize)] {
+        match self {
+            Op::Add => &[(0, 0), (0, 1)],
+            Op::Rope { .. } => &[(0, 0)],
+            Op::HeadRmsNorm { .. } => &[(0, 0)],
+            Op::SiluMul | Op::GeluTanhMul => &[(0, 0)],
+            _ => &[],
+        }
+    }
+
+    /// Result types from argument types, per the typing rules above.
+    pub fn infer(&self, args: &[TensorType]) -> Result<Vec<TensorType>, TypeError> {
+        if !self.arity().contains(&args.len()) {
+            let want: Vec<String> = self.arity().iter().map(|a| a.to_string()).collect();
+            return Err(format!(
+                "`{}` takes {} argument(s), got {}",
+                self.mnemonic(),
+                want.join(" or "),
+                args.len()
+            ));
+        }
+        let m = self.mnemonic();
+        let float = |i: usize, what: &str| -> Result<(), TypeError> {
+            if args[i].dtype.is_float() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "`{m}` {what} (argument {i}) must be a float tensor, got {}",
+                    args[i]
+                ))
+            }
+        };
+        let int = |i: usize, what: &str| -> Result<(), TypeError> {
+            if args[i].dtype == DType::I32 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "`{m}` {what} (argument {i}) must be i32, got {}",
+                    args[i]
+                ))
+            }
+        };
+        let rank = |i: usize, r: usize, what: &str| -> Result<&[u32], TypeError> {
+            let d = args[i].shape.dims();
+            if d.len() == r {
+                Ok(d)
+            } else {
+                Err(format!(
+                    "`{m}` {what} (argument {i}) must have rank {r}, got {}",
+                    args[i]
+                ))
+            }
+        };
+        let same_dtype = |i: usize, j: usize| -> Result<(), TypeError> {
+            if args[i].dtype == args[j].dtype {
+                Ok(())
+            } else {
+                Err(format!(
+                    "`{m}` arguments {i} and {j} must share a dtype, got {} and {}",
+                    args[i], args[j]
+                ))
+            }
+        };
+        let want = |cond: bool, msg: String| -> Result<(), TypeError> {
+            if cond {
+                Ok(())
+            } else {
+                Err(format!("`{m}` {msg}"))
+            }
+        };
+        let tt = |d: DType, s: Vec<u32>| TensorType::new(d, Shape(s));
+        match self {
+            Op::Embedding => {
+                int(0, "ids")?;
+                let ids = rank(0, 1, "ids")?;
+                float(1, "table")?;
+                let tab = rank(1, 2, "table")?;
+                Ok(vec![tt(args[1].dtype, vec![ids[0], tab[1]])])
+            }
+            Op::RmsNorm { .. } => {
+                float(0, "x")?;
+                let x = rank(0, 2, "x")?;
+                let w = rank(1, 1, "weight")?;
+                same_dtype(0, 1)?;
+                want(
+                    w[0] == x[1],
+                    format!("weight length {} must equal the row length {}", w[0], x[1]),
+                )?;
+                Ok(vec![args[0].clone()])
+            }
+            Op::AddRmsNorm { .. } => {
+                float(0, "x")?;
+                let x = rank(0, 2, "x")?;
+                want(
+                    args[1] == args[0],
+                    format!("residual {} must have the type of x {}", args[1], args[0]),
+                )?;
+                let w = rank(2, 1, "weight")?;
+                same_dtype(0, 2)?;
+                want(
+                    w[0] == x[1],
+                    format!("weight length {} must equal the row length {}", w[0], x[1]),
+                )?;
+                Ok(vec![args[0].clone(), args[0].clone()])
+            }
+            Op::MatMul { bias, out } => {
+                float(0, "x")?;
+                let x = rank(0, 2, "x")?;
+                float(1, "weight")?;
+                let w = rank(1, 2, "weight")?;
+                same_dtype(0, 1)?;
+                want(
+                    x[1] == w[1],
+                    format!(
+                        "x {} and weight {} disagree on the inner dimension ({} vs {})",
+                        args[0], args[1], x[1], w[1]
+                    ),
+                )?;
+                want(
+                    out.is_float(),
+                    format!("result dtype must be float, got {out}"),
+                )?;
+                if *bias {
+                    let b = rank(2, 1, "bias")?;
+                    same_dtype(0, 2)?;
+                    want(
+                        b[0] == w[0],
+                        format!(
+                            "bias length {} must equal the output features {}",
+                            b[0], w[0]
+                        ),
+                    )?;
+                }
+                Ok(vec![tt(*out, vec![x[0], w[0]])])
+            }
+            Op::HeadRmsNorm {
+                heads, head_dim, ..
+            } => {
+                float(0, "x")?;
+                let x = rank(0, 2, "x")?;
+                let w = rank(1, 1, "weight")?;
+                same_dtype(0, 1)?;
+                want(
+                    *head_dim > 0 && x[1] == heads * head_dim,
+                    format!(
+                        "x row length {} must be heads*head_dim = {}*{}",
+                        x[1], heads, head_dim
+                    ),
+                )?;
+                want(
+                    w[0] == *head_dim,
+                    format!("weight length {} must equal head_dim {}", w[0], head_dim),
+                )?;
+                Ok(vec![args[0].clone()])
+            }
+            Op::Rope {
+                heads, head_dim, ..
+            } => {
+                float(0, "x")?;
+                let x = rank(0, 2, "x")?;
+                int(1, "positions")?;
+                let p = rank(1, 1, "positions")?;
+                want(
+                    *head_dim > 0 && head_dim % 2 == 0,
+                    format!("head_dim {head_dim} must be even and positive"),
+                )?;
+                want(
+                    x[1] == heads * head_dim,
+                    format!(
+                        "x row length {} must be heads*head_dim = {}*{}",
+                        x[1], heads, head_dim
+                    ),
+                )?;
+                want(
+                    p[0] == x[0],
+                    format!(
+                        "positions length {} must equal the token count {}",
+                        p[0], x[0]
+                    ),
+                )?;
+                Ok(vec![args[0].clone()])
+            }
+            Op::KvWrite => {
+                float(0, "k")?;
+                let k = rank(0, 2, "k")?;
+                want(
+                    args[1] == args[0],
+                    format!("v {} must have the type of k {}", args[1], args[0]),
+                )?;
+                int(2, "slots")?;
+                let s = rank(2, 1, "slots")?;
+                want(
+                    s[0] == k[0],
+                    format!("slots length {} must equal the token count {}", s[0], k[0]),
+                )?;
+                let kc = rank(3, 2, "k cache")?;
+                same_dtype(0, 3)?;
+                want(
+                    kc[1] == k[1],
+                    format!("k cache row {} must equal the k row {}", kc[1], k[1]),
+                )?;
+                want(
+                    args[4] == args[3],
+                    format!(
+                        "v cache {} must have the type of the k cache {}",
+                        args[4], args[3]
+                    ),
+                )?;
+                Ok(vec![args[3].clone(), args[4].clone()])
+            }
+            Op::PagedAttention {
+                heads,
+                kv_heads,
+                head_dim,
+                query,
+                block_size,
+                ..
+            } => {
+                float(0, "q")?;
+                let q = rank(0, 2, "q")?;
+                want(
+                    *kv_heads > 0 && *heads > 0 && heads % kv_heads == 0,
+                    format!("heads {heads} must be a positive multiple of kv_heads {kv_heads}"),
+                )?;
+                want(
+                    *query > 0 && *block_size > 0,
+                    "query and block_size must be positive".into(),
+                )?;
+                want(
+                    q[1] == heads * head_dim,
+                    format!(
+                        "q row length {} must be heads*head_dim = {}*{}",
+                        q[1], heads, head_dim
+                    ),
+                )?;
+                let kc = rank(1, 2, "k cache")?;
+                same_dtype(0, 1)?;
+                want(
+                    kc[1] == kv_heads * head_dim,
+                    format!(
+                        "k cache row {} must be kv_heads*head_dim = {}*{}",
+                        kc[1], kv_heads, head_dim
+                    ),
+                )?;
+                want(
+                    args[2] == args[1],
+                    format!(
+                        "v cache {} must have the type of the k cache {}",
+                        args[2], args[1]
+                    ),
+                )?;
+                int(3, "block_tables")?;
+                let bt = rank(3, 2, "block_tables")?;
+                int(4, "context_lens")?;
+                let cl = rank(4, 1, "context_lens")?;
+                want(
+                    cl[0] == bt[0],
+                    format!(
+                        "context_lens length {} must equal the block_tables rows {}",
+                        cl[0], bt[0]
+                    ),
+                )?;
+                want(
+                    q[0] == bt[0] * query,
+                    format!("q rows {} must be batch*query = {}*{}", q[0], bt[0], query),
+                )?;
+                Ok(vec![args[0].clone()])
+            }
+            Op::QkvRopeKvWrite {
+                heads,
+                kv_heads,
+                head_dim,
+                qk_norm,
+                ..
+            } => {
+                float(0, "qkv")?;
+                let x = rank(0, 2, "qkv")?;
+                want(
+                    *head_dim > 0 && head_dim % 2 == 0,
+                    format!("head_dim {head_dim} must be even and positive"),
+                )?;
+                want(
+                    x[1] == (heads + 2 * kv_heads) * head_dim,
+                    format!(
+                        "qkv row length {} must be (heads + 2*kv_heads)*head_dim = ({} + 2*{})*{}",
+                        x[1], heads, kv_heads, head_dim
+                    ),
+                )?;
+                for (i, what) in [(1, "positions"), (2, "slots")] {
+                    int(i, what)?;
+                    let p = rank(i, 1, what)?;
+                    want(
+                        p[0] == x[0],
+                        format!("{what} length {} must equal the token count {}", p[0], x[0]),
+                    )?;
+                }
+                let kc = rank(3, 2, "k cache")?;
+                same_dtype(0, 3)?;
+                want(
+                    kc[1] == kv_heads * head_dim,
+                    format!(
+                        "k cache row {} must be kv_heads*head_dim = {}*{}",
+                        kc[1], kv_heads, head_dim
+                    ),
+                )?;
+                want(
+                    args[4] == args[3],
+                    format!(
+                        "v cache {} must have the type of the k cache {}",
+                        args[4], args[3]
+                    ),
+                )?;
+                if qk_norm.is_some() {
+                    for i in [5, 6] {
+                        let w = rank(i, 1, "norm weight")?;
+                        same_dtype(0, i)?;
+                        want(
+                            w[0] == *head_dim,
+                            format!(
+                                "norm weight length {} must equal head_dim {}",
+                                w[0], head_dim
+                            ),
+                        )?;
+                    }
+                }
+                Ok(vec![
+                    tt(args[0].dtype, vec![x[0], heads * head_dim]),
+                    args[3].clone(),
+                    args[4].clone(),
+                ])
+            }
+            Op::SiluMul | Op::GeluTanhMul => {
+                float(0, "gate")?;
+                let g = rank(0, 2, "gate")?;
+                if args.len() == 2 {
+                    want(
+                        args[1] == args[0],
+                        format!("up {} must have the type of gate {}", args[1], args[0]),
+                    )?;
+                    Ok(vec![args[0].clone()])
+                } else {
+                    want(
+                        g[1] % 2 == 0,
+                        format!("packed gate_up row length {} must be even", g[1]),
+                    )?;
+                    Ok(vec![tt(args[0].dtype, vec![g[0], g[1] / 2])])
+                }
+            }
+            Op::Add => {
+                float(0, "a")?;
+                want(
+                    args[1] == args[0],
+                    format!(
+                        "operands must have one type, got {} and {}",
+                        args[0], args[1]
+                    ),
+                )?;
+                Ok(vec![args[0].clone()])
+            }
+            Op::GatherLast { group } => {
+                let x = rank(0, 2, "x")?;
+                want(
+                    *group > 0 && x[0] % group == 0,
+                    format!("row count {} must be a multiple of group {}", x[0], group),
+                )?;
+                Ok(vec![tt(args[0].dtype, vec![x[0] / group, x[1]])])
+            }
+            Op::Argmax => {
+                float(0, "x")?;
+                let x = rank(0, 2, "x")?;
+                want(x[1] > 0, "rows must not be empty".into())?;
+                Ok(vec![tt(DType::I32, vec![x[0]])])
+            }
+            Op::AcceptGreedy { spec } => {
+                int(0, "pred")?;
+                let p = rank(0, 1, "pred")?;
+                int(1, "drafts")?;
+                let d = rank(1, 1, "drafts")?;
+                want(*spec > 0, "spec must be at least 1".into())?;
+                want(
+                    p[0] % (spec + 1) == 0,
+                    format!(
+                        "pred length {} must be a multiple of spec+1 = {}",
+                        p[0],
+                        spec + 1
+                    ),
+                )?;
+                let b = p[0] / (spec + 1);
+                want(
+                    d[0] == b * spec,
+                    format!("drafts length {} must be batch*spec = {}*{}", d[0], b, spec),
+                )?;
+                Ok(vec![tt(DType::I32, vec![b])])
+            }
+        }
+    }
+}

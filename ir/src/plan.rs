@@ -1,0 +1,270 @@
+//! Plan types: what `kiln compile` writes and the runtime replays.
+//!
+//! These live in `kiln-ir` so a serving process links the runtime and the IR
+//! and never the compiler. The encoding (magic, version, checksum) is in
+//! [`crate::artifact`].
+//!
+//! Memory is addressed by [`BufRef`]: a region and an offset. The runtime
+//! allocates each region once, before any capture, and resolves a `BufRef` to
+//! `base(region) + offset`; nothing in a plan is a raw device address.
+
+use crate::graph::{Graph, InputRole, NodeId, ValueId};
+use crate::key::Key;
+use crate::manifest::WeightManifest;
+use crate::op::Op;
+use crate::types::{DType, TensorType};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Arena offsets are aligned to this many bytes.
+pub const ARENA_ALIGN: u64 = 256;
+
+/// What the plan's kernels were built for.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Target {
+    /// The CPU reference backend.
+    Cpu,
+    /// NVIDIA, by SM version (`cuda:sm_90` is `Cuda { sm: 90 }`).
+    Cuda { sm: u32 },
+    /// AMD, by gfx architecture name (`hip:gfx1100`).
+    Hip { gfx: String },
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Cpu => f.write_str("cpu"),
+            Target::Cuda { sm } => write!(f, "cuda:sm_{sm}"),
+            Target::Hip { gfx } => write!(f, "hip:{gfx}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Target {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Target, String> {
+        let err = || {
+            format!("unknown target `{s}`: expected cpu, cuda:sm_<NN> (e.g. cuda:sm_90) or hip:gfx<ARCH> (e.g. hip:gfx1100)")
+        };
+        if s == "cpu" {
+            return Ok(Target::Cpu);
+        }
+        if let Some(sm) = s.strip_prefix("cuda:sm_") {
+            if !sm.is_empty() && sm.bytes().all(|c| c.is_ascii_digit()) {
+                return sm.parse().map(|sm| Target::Cuda { sm }).map_err(|_| err());
+            }
+            return Err(err());
+        }
+        if let Some(gfx) = s.strip_prefix("hip:") {
+            if gfx.starts_with("gfx")
+                && gfx.len() > 3
+                && gfx.bytes().all(|c| c.is_ascii_alphanumeric())
+            {
+                return Ok(Target::Hip {
+                    gfx: gfx.to_string(),
+                });
+            }
+        }
+        Err(err())
+    }
+}
+
+/// A source weight file the plan was compiled against.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceFile {
+    /// Name relative to the model directory.
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Hex SHA-256 of the safetensors header (length prefix + JSON).
+    pub header_sha256: String,
+}
+
+/// Model facts the runtime needs without reading config.json.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    pub vocab_size: u32,
+    pub hidden_size: u32,
+    pub num_layers: u32,
+    pub num_heads: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    /// Longest context a sequence may reach (prompt + generated).
+    pub max_context: u32,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    /// Activation and weight dtype of the plan.
+    pub dtype: DType,
+}
+
+/// Metadata of the compiled model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelMeta {
+    /// HF architecture name, e.g. `LlamaForCausalLM`.
+    pub architecture: String,
+    pub files: Vec<SourceFile>,
+    /// `kiln-compiler` version that wrote the plan.
+    pub compiler_version: String,
+    pub target: Target,
+    pub info: ModelInfo,
+}
+
+/// Paged KV cache layout.
+///
+/// Each layer has a K and a V cache of `num_blocks * block_size` slots, each
+/// slot `kv_heads * head_dim` elements of `dtype`. Block `null_block` is
+/// reserved: padding rows write there, and no sequence ever owns it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvLayout {
+    pub layers: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub dtype: DType,
+    pub block_size: u32,
+    /// Total blocks per layer, the null block included.
+    pub num_blocks: u32,
+    /// The reserved block (0).
+    pub null_block: u32,
+    /// Width `M` of the block tables: `ceil(max_context / block_size)`.
+    pub max_blocks_per_seq: u32,
+}
+
+impl KvLayout {
+    pub fn slots(&self) -> u64 {
+        self.num_blocks as u64 * self.block_size as u64
+    }
+    /// Bytes of one layer's K (or V) cache.
+    pub fn cache_bytes(&self) -> u64 {
+        self.slots() * self.kv_heads as u64 * self.head_dim as u64 * self.dtype.size() as u64
+    }
+    /// The slot padding rows write to.
+    pub fn null_slot(&self) -> u32 {
+        self.null_block * self.block_size
+    }
+}
+
+/// A memory region the runtime allocates once, before any capture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Region {
+    /// Scratch shared by every key's graph (they never run concurrently).
+    Arena,
+    /// This key's staging inputs and outputs (host-written before replay,
+    /// host-read after); one Io region per key.
+    Io,
+    /// Manifest entry `i`.
+    Weight(u32),
+    /// Layer `l`'s K cache.
+    KCache(u32),
+    /// Layer `l`'s V cache.
+    VCache(u32),
+    /// The BLAS workspace (`workspace_bytes`).
+    Workspace,
+}
+
+/// Bytes `[offset, offset + bytes)` of a region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BufRef {
+    pub region: Region,
+    pub offset: u64,
+    pub bytes: u64,
+}
+
+/// An operand of a planned op: where it lives and its type.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Operand {
+    pub buf: BufRef,
+    pub ty: TensorType,
+}
+
+/// One launch (or library call) of a key's step, in stream order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanOp {
+    /// The graph node this op executes.
+    pub node: NodeId,
+    /// Kernel catalog name (e.g. `rms_norm_bf16`, `gemm` for BLAS calls).
+    pub kernel: String,
+    /// The op with its constant attributes.
+    pub op: Op,
+    pub args: Vec<Operand>,
+    pub results: Vec<Operand>,
+    /// BLAS workspace this op may use (GEMMs only; 0 otherwise).
+    pub workspace_bytes: u64,
+}
+
+/// Placement and lifetime of one value in a key's plan (the memory map).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BufferPlan {
+    pub value: ValueId,
+    pub buf: BufRef,
+    /// Index in `ops` of the op defining it (`None` for inputs and weights).
+    pub first_use: Option<u32>,
+    /// Index in `ops` of the last op reading it (`None` if never read by an op).
+    pub last_use: Option<u32>,
+}
+
+/// Everything one shape key needs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KeyPlan {
+    pub key: Key,
+    /// The graph after passes (what `kiln inspect` prints).
+    pub graph: Graph,
+    pub ops: Vec<PlanOp>,
+    pub buffers: Vec<BufferPlan>,
+    /// Staging inputs, in the Io region.
+    pub inputs: Vec<(InputRole, BufRef)>,
+    /// Named outputs, in the Io region.
+    pub outputs: Vec<(String, Operand)>,
+    /// Size of this key's Io region.
+    pub io_bytes: u64,
+    /// Planned arena high-water mark.
+    pub arena_peak: u64,
+    /// Largest set of simultaneously live arena bytes (aligned sizes).
+    pub arena_lower_bound: u64,
+    /// Largest workspace any GEMM of this key needs.
+    pub workspace_bytes: u64,
+    pub launches: u32,
+    pub flops: u64,
+    /// Bytes the step must move (weights + KV read + activations).
+    pub bytes_moved: u64,
+}
+
+/// How a kernel image is stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ImageKind {
+    /// NVRTC-compiled cubin for `Target::Cuda`.
+    Cubin,
+    /// HIP code object for `Target::Hip`.
+    CodeObject,
+    /// Source compiled at load (HIP without an offline compiler), cached by hash.
+    Source,
+}
+
+/// A compiled kernel module.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelImage {
+    /// Module name.
+    pub name: String,
+    pub kind: ImageKind,
+    pub code: Vec<u8>,
+}
+
+/// A whole plan artifact.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub meta: ModelMeta,
+    pub manifest: WeightManifest,
+    pub kv: KvLayout,
+    /// Arena bytes: the maximum of the keys' peaks.
+    pub arena_bytes: u64,
+    /// BLAS workspace bytes: the maximum over keys; grown before any capture.
+    pub workspace_bytes: u64,
+    pub keys: Vec<KeyPlan>,
+    /// Empty for `Target::Cpu`.
+    pub kernels: Vec<KernelImage>,
+}
+
+impl Plan {
+    pub fn key_plan(&self, key: Key) -> Option<&KeyPlan> {
+        self.keys.iter().find(|k| k.key == key)
+    }
+}

@@ -1,0 +1,1 @@
+//! End-to-end tests across crates live in `tests/tests/`; shared helpers here.
