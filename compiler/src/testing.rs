@@ -202,7 +202,7 @@ fn check(spec: &TinySpec) -> io::Result<()> {
             return Err(invalid(format!("TinySpec.{what} must be at least 1")));
         }
     }
-    if spec.head_dim.is_none() && spec.hidden % spec.heads != 0 {
+    if spec.head_dim.is_none() && !spec.hidden.is_multiple_of(spec.heads) {
         return Err(invalid(format!(
             "TinySpec: hidden {} is not divisible by heads {}; set head_dim",
             spec.hidden, spec.heads
@@ -343,7 +343,7 @@ pub fn safetensors_bytes(tensors: &[(String, DType, Vec<u32>, Vec<u8>)]) -> Vec<
         offset += data.len();
     }
     let mut json = Value::Object(header).to_string().into_bytes();
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let mut out = Vec::with_capacity(8 + json.len() + offset);

@@ -95,14 +95,14 @@ pub enum FrontendError {
         searched: Vec<String>,
         hint: String,
     },
-    #[error("tensor `{tensor}` in {file} has shape {found:?} but config.json implies {expected}; the checkpoint does not match its config (check hidden_size, intermediate_size, vocab_size, num_attention_heads, num_key_value_heads, head_dim)")]
+    #[error("tensor `{tensor}` in {file} has shape [{}] but config.json implies {expected}; the checkpoint does not match its config (check hidden_size, intermediate_size, vocab_size, num_attention_heads, num_key_value_heads, head_dim)", found.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","))]
     ShapeMismatch {
         tensor: String,
         file: String,
         expected: Shape,
         found: Vec<u64>,
     },
-    #[error("tensor `{tensor}` in {file} is stored as {found}; expected a float weight (BF16, F16 or F32). Quantized or integer checkpoints must be dequantized first (e.g. `kiln import`)")]
+    #[error("tensor `{tensor}` in {file} is stored as {found}; expected a float weight (BF16, F16 or F32). a quantized or integer checkpoint must be converted to BF16, F16 or F32 safetensors first")]
     DtypeMismatch {
         tensor: String,
         file: String,
