@@ -128,6 +128,9 @@ pub struct FamilyDefaults {
     /// `Some(d)`: HF's default head_dim is the constant `d` (Qwen3: 128);
     /// `None`: it is `hidden_size / num_attention_heads`.
     pub head_dim: Option<u32>,
+    /// HF's default `num_key_value_heads` when absent: `None` means
+    /// `num_attention_heads` (Llama, Qwen); Mistral's is 8.
+    pub num_key_value_heads: Option<u32>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -197,15 +200,23 @@ pub fn resolve_common(cfg: &HfConfig, d: &FamilyDefaults) -> Result<DecoderConfi
         "the number of query heads",
     )?;
     let num_kv_heads = match cfg.num_key_value_heads {
-        None => num_heads,
+        None => d.num_key_value_heads.unwrap_or(num_heads),
         Some(0) => return Err(invalid("num_key_value_heads", "must be at least 1")),
         Some(k) => k,
     };
     if num_heads % num_kv_heads != 0 {
+        let source = if cfg.num_key_value_heads.is_none() {
+            format!(
+                " (the key is absent, so {}'s default applies; add `num_key_value_heads` to config.json)",
+                d.architecture
+            )
+        } else {
+            String::new()
+        };
         return Err(invalid(
             "num_key_value_heads",
             format!(
-                "{num_kv_heads} does not divide num_attention_heads {num_heads}; grouped-query attention needs every kv head to serve the same number of query heads"
+                "{num_kv_heads} does not divide num_attention_heads {num_heads}{source}; grouped-query attention needs every kv head to serve the same number of query heads"
             ),
         ));
     }
@@ -417,6 +428,7 @@ mod tests {
             architecture: "LlamaForCausalLM",
             max_position_embeddings: 2048,
             head_dim: None,
+            num_key_value_heads: None,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
         }

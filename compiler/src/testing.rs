@@ -355,6 +355,12 @@ pub fn safetensors_bytes(tensors: &[(String, DType, Vec<u32>, Vec<u8>)]) -> Vec<
     out
 }
 
+/// The f64 with the f32's shortest decimal spelling, so `1e-5f32` is written
+/// `1e-5`, not `9.999999747378752e-6`.
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
 fn config_json(family: Family, spec: &TinySpec) -> Value {
     let mut c = Map::new();
     c.insert("architectures".into(), json!([family.architecture()]));
@@ -370,14 +376,14 @@ fn config_json(family: Family, spec: &TinySpec) -> Value {
     }
     c.insert("hidden_act".into(), json!("silu"));
     c.insert("max_position_embeddings".into(), json!(spec.max_position));
-    c.insert("rms_norm_eps".into(), json!(spec.rms_norm_eps));
-    c.insert("rope_theta".into(), json!(spec.rope_theta));
+    c.insert("rms_norm_eps".into(), json!(decimal(spec.rms_norm_eps)));
+    c.insert("rope_theta".into(), json!(decimal(spec.rope_theta)));
     match spec.rope_scaling {
         RopeScaling::None => {}
         RopeScaling::Linear { factor } => {
             c.insert(
                 "rope_scaling".into(),
-                json!({"type": "linear", "factor": factor}),
+                json!({"type": "linear", "factor": decimal(factor)}),
             );
         }
         RopeScaling::Llama3 {
@@ -388,8 +394,8 @@ fn config_json(family: Family, spec: &TinySpec) -> Value {
         } => {
             c.insert(
                 "rope_scaling".into(),
-                json!({"rope_type": "llama3", "factor": factor,
-                    "low_freq_factor": low_freq_factor, "high_freq_factor": high_freq_factor,
+                json!({"rope_type": "llama3", "factor": decimal(factor),
+                    "low_freq_factor": decimal(low_freq_factor), "high_freq_factor": decimal(high_freq_factor),
                     "original_max_position_embeddings": original_max_position}),
             );
         }

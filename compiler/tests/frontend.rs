@@ -678,3 +678,30 @@ fn kv_layout_helper_covers_max_context() {
         (2, 2, 16, DType::BF16)
     );
 }
+
+#[test]
+fn mistral_without_num_key_value_heads_takes_hf_default_of_8() {
+    let spec = TinySpec {
+        heads: 8,
+        kv_heads: 8,
+        ..TinySpec::for_family(Family::Mistral)
+    };
+    let dir = tiny(Family::Mistral, &spec);
+    patch_config(dir.path(), |c| {
+        c.remove("num_key_value_heads");
+    });
+    assert_eq!(open(dir.path()).unwrap().info().num_kv_heads, 8);
+    let dir = tiny(Family::Mistral, &TinySpec::for_family(Family::Mistral));
+    patch_config(dir.path(), |c| {
+        c.remove("num_key_value_heads");
+    });
+    let e = open(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("8 does not divide num_attention_heads 4 (the key is absent, so MistralForCausalLM's default applies; add `num_key_value_heads`"), "{e}");
+    // Llama's default is the head count: 4 kv heads, so k_proj should be [64,64].
+    let dir = tiny(Family::Llama, &TinySpec::default());
+    patch_config(dir.path(), |c| {
+        c.remove("num_key_value_heads");
+    });
+    let e = open(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("k_proj.weight") && e.contains("[64,64]"), "{e}");
+}

@@ -1,7 +1,8 @@
 //! `MistralForCausalLM`: Llama-shaped, with sliding-window attention on every
 //! layer when `sliding_window` is set (HF's default is 4096 when the key is
 //! absent; `null`, as in Mistral 7B v0.2+, means full attention). The window
-//! becomes `PagedAttention.window`.
+//! becomes `PagedAttention.window`. HF's `MistralConfig` also defaults
+//! `num_key_value_heads` to 8 (not to the head count), and so does kiln.
 
 use crate::config::{resolve_common, ConfigError, DecoderConfig, FamilyDefaults, HfConfig};
 
@@ -14,6 +15,7 @@ pub fn defaults() -> FamilyDefaults {
         architecture: ARCHITECTURE,
         max_position_embeddings: 4096 * 32,
         head_dim: None,
+        num_key_value_heads: Some(8),
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
     }

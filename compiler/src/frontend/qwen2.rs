@@ -16,6 +16,7 @@ pub fn defaults() -> FamilyDefaults {
         architecture: ARCHITECTURE,
         max_position_embeddings: 32768,
         head_dim: None,
+        num_key_value_heads: None,
         bos_token_id: None,
         eos_token_ids: vec![],
     }
