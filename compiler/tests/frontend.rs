@@ -705,3 +705,47 @@ fn mistral_without_num_key_value_heads_takes_hf_default_of_8() {
     let e = open(dir.path()).unwrap_err().to_string();
     assert!(e.contains("k_proj.weight") && e.contains("[64,64]"), "{e}");
 }
+
+#[test]
+fn llama_attention_and_mlp_bias_flags_add_bias_operands() {
+    let dir = tiny(Family::Llama, &TinySpec::default());
+    patch_config(dir.path(), |c| {
+        c.insert("attention_bias".into(), serde_json::json!(true));
+        c.insert("mlp_bias".into(), serde_json::json!(true));
+    });
+    let e = open(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("model.layers.0.self_attn.q_proj.bias"), "{e}");
+    frontend_common::rewrite_tensors(&dir.path().join("model.safetensors"), |t| {
+        let mut rng = kiln_compiler::testing::SplitMix64::new(5);
+        let mut add = |name: String, n: u32| {
+            let data = (0..n)
+                .flat_map(|_| half::bf16::from_f32(rng.normal() as f32 * 0.1).to_le_bytes())
+                .collect();
+            t.push((name, DType::BF16, vec![n], data));
+        };
+        for l in 0..2 {
+            for (proj, n) in [
+                ("self_attn.q_proj", 64),
+                ("self_attn.k_proj", 32),
+                ("self_attn.v_proj", 32),
+                ("self_attn.o_proj", 64),
+                ("mlp.gate_proj", 128),
+                ("mlp.up_proj", 128),
+                ("mlp.down_proj", 64),
+            ] {
+                add(format!("model.layers.{l}.{proj}.bias"), n);
+            }
+        }
+    });
+    let m = open(dir.path()).unwrap();
+    let g = m
+        .trace(Key::new(2, 1, 0), &kv_for(&m), &TraceOptions::default())
+        .unwrap();
+    let biased = g
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::MatMul { bias: true, .. }))
+        .count();
+    assert_eq!(biased, 14);
+    assert_eq!(m.manifest().entries.len(), 1 + 2 * (9 + 7) + 2);
+}
