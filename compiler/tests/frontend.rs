@@ -48,6 +48,9 @@ fn every_family_traces_every_key_with_the_expected_ops_inputs_and_outputs() {
             let key: Key = ks.parse().unwrap();
             let g = m.trace(key, &kv, &TraceOptions::default()).unwrap();
             let ctx = format!("{name} {ks}");
+            if let Err(e) = kiln_ir::verify(&g, Some(m.manifest())) {
+                panic!("{ctx}: {}", e.render(&g));
+            }
             assert_eq!(g.name, format!("{} {ks}", family.architecture()), "{ctx}");
             let (b, q, s) = (key.batch, key.query, key.spec);
             let t = b * q;
@@ -285,6 +288,7 @@ fn prefill_keys_gather_the_last_row_before_the_lm_head_and_spec_keys_score_every
     let kv = kv_for(&m);
     let opts = TraceOptions { logits: true };
     let g = m.trace(Key::new(4, 2, 0), &kv, &opts).unwrap();
+    kiln_ir::verify(&g, Some(m.manifest())).unwrap_or_else(|e| panic!("{}", e.render(&g)));
     let gather = g
         .nodes
         .iter()
@@ -302,6 +306,7 @@ fn prefill_keys_gather_the_last_row_before_the_lm_head_and_spec_keys_score_every
     assert_eq!(g.ty(logits), &TensorType::new(DType::F32, [4, 256]));
 
     let g = m.trace(Key::new(3, 4, 3), &kv, &opts).unwrap();
+    kiln_ir::verify(&g, Some(m.manifest())).unwrap_or_else(|e| panic!("{}", e.render(&g)));
     let logits = g.outputs.iter().find(|(n, _)| n == "logits").unwrap().1;
     assert_eq!(g.ty(logits), &TensorType::new(DType::F32, [12, 256]));
     let acc = g

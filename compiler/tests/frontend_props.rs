@@ -83,6 +83,9 @@ proptest! {
             return Ok(());
         }
         let g = r.unwrap();
+        if let Err(e) = kiln_ir::verify(&g, Some(m.manifest())) {
+            panic!("{}", e.render(&g));
+        }
         let l = spec.layers as usize;
         let extra = usize::from(s == 0 && query > 1) + usize::from(s > 0);
         let qk = if family == Family::Qwen3 { 2 * l } else { 0 };
