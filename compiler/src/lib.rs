@@ -1,1 +1,5 @@
 //! kiln compiler.
+pub mod fetch;
+pub mod gguf;
+pub mod import;
+pub mod tokenizer_build;
