@@ -15,6 +15,7 @@
 //! (`rope_freqs.weight`, `llama.rope.scaling.*`), partial rotary
 //! dimensions, and tensors this mapping does not know.
 
+use crate::gguf::dequant;
 use crate::gguf::permute::{self, PermuteError};
 use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
 use crate::tokenizer_build::{self, TokenizerBuildError};
@@ -351,6 +352,13 @@ fn plan_tensors<'a>(
             hf_name: hf_name.clone(),
             layers: h.layers,
         })?;
+        if !dequant::is_supported(info.ggml_type) {
+            return Err(GgufError::UnsupportedDequant {
+                name,
+                ty: info.ggml_type,
+            }
+            .into());
+        }
         if info.shape() != shape {
             return Err(ImportError::ShapeMismatch {
                 name,

@@ -56,7 +56,8 @@ pub fn is_supported(ty: GgmlType) -> bool {
 /// whole number of blocks.
 pub fn byte_len(ty: GgmlType, n: usize) -> Option<usize> {
     let block = ty.block_size() as usize;
-    n.is_multiple_of(block).then(|| n / block * ty.block_bytes() as usize)
+    n.is_multiple_of(block)
+        .then(|| n / block * ty.block_bytes() as usize)
 }
 
 /// Decodes `n` elements of type `ty` from `data` to f32.

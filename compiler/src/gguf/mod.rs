@@ -5,7 +5,8 @@
 //! bridge that lets `kiln import` turn a GGUF into one. It parses the file
 //! defensively ([`reader`]), dequantizes the tensor types the default model
 //! uses and a few more ([`dequant`]), and undoes llama.cpp's q/k row
-//! permutation ([`permute`]). [`writer`] writes small GGUF files for tests.
+//! permutation ([`permute`]). [`writer`] writes small GGUF files and
+//! [`fixture`] builds tiny random llama GGUFs, both for tests.
 //!
 //! Deliberately not here: the GGUF→Hugging Face name mapping and config
 //! translation (that is `crate::import`), the tokenizer (`crate::tokenizer_build`),
@@ -13,6 +14,7 @@
 
 pub mod dequant;
 pub mod error;
+pub mod fixture;
 pub mod permute;
 pub mod reader;
 pub mod types;
