@@ -14,7 +14,7 @@ ordinary safetensors path, and compares:
    f32 on the CPU (the HF model's weights rounded to bf16 first, so both
    see identical values when (1) passes).
 
-Usage (needs `pip install torch transformers gguf`):
+Usage (needs `pip install torch transformers accelerate gguf`):
 
     python3 scripts/weights_parity.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf \
         --imported /tmp/smol --out bench/results/weights-parity
