@@ -176,7 +176,7 @@ def cmd_reference(a) -> None:
         write_json(os.path.join(wd, "hf.json"), ref)
         write_json(
             os.path.join(wd, "drafts.json"),
-            {"model": name, "continuations": [s["tokens"] for s in runs["f32"]]},
+            {"model": name, "kind": "oracle", "continuations": [s["tokens"] for s in runs["f32"]]},
         )
         ident = {v: sum(variants[v]["identical_to_f32"]) for v in ("bf16", "bf16h")}
         margins = np.concatenate([s["margins"] for s in runs["f32"]])
@@ -190,11 +190,114 @@ def cmd_reference(a) -> None:
         del loaded, m32
 
 
+def _fake_run(path: str, seqs: list[dict], first: np.ndarray, name: str) -> None:
+    """An oracle_run-shaped JSON (and first-logits file) from HF results."""
+    stem = os.path.basename(path)[:-5]
+    first.astype("<f4").tofile(os.path.join(os.path.dirname(path), f"{stem}.first-logits.f32"))
+    write_json(
+        path,
+        {
+            "tool": f"oracle.py selftest ({name})",
+            "device": "cpu",
+            "device_kind": "cpu",
+            "mode": "greedy",
+            "batch": 1,
+            "sequences": [
+                {"prompt": i, "tokens": s["tokens"], "margins": s["margins"], "top2": s["top2"]}
+                for i, s in enumerate(seqs)
+            ],
+            "first_logits": {"file": f"{stem}.first-logits.f32", "rows": len(seqs), "vocab": first.shape[1]},
+        },
+    )
+
+
+def _break(model, bug: str) -> None:
+    """Plants a bug of the kind a kernel or frontend could have."""
+    import torch
+
+    layers = model.model.layers
+    with torch.no_grad():
+        if bug == "norm-weight":
+            # layer 0's post-attention RMSNorm weight ignored (taken as ones)
+            layers[0].post_attention_layernorm.weight.fill_(1.0)
+        elif bug == "rope-theta":
+            # rotary frequencies of a theta 4x too small: inv_freq_i =
+            # theta^(-i/n) for i < n = head_dim/2, so each scales by 4^(i/n)
+            for mod in model.modules():
+                if hasattr(mod, "inv_freq") and hasattr(mod, "original_inv_freq"):
+                    n = mod.inv_freq.numel()
+                    i = torch.arange(n, dtype=mod.inv_freq.dtype, device=mod.inv_freq.device)
+                    mod.inv_freq.mul_(4.0 ** (i / n))
+        else:
+            raise SystemExit(f"unknown bug {bug}")
+
+
+def cmd_selftest(a) -> None:
+    """Negative and positive controls for the judge: HF's bf16 decoder with
+    an f32 head (kiln's numerics) must pass, and the same decoder with a
+    planted bug must fail."""
+    import shutil
+
+    import compare
+
+    failures = []
+    for name, d in model_dirs(a.work, a.models):
+        src = os.path.join(a.work, name)
+        ref = read_json(os.path.join(src, "hf.json"))
+        prompts = read_json(os.path.join(src, "prompts.json"))["prompts"]
+        for case in ["faithful"] + a.bugs:
+            tw = os.path.join(a.work, "selftest", case)
+            shutil.rmtree(tw, ignore_errors=True)
+            os.makedirs(os.path.join(tw, "models"))
+            os.symlink(os.path.abspath(d), os.path.join(tw, "models", name))
+            wd = os.path.join(tw, name)
+            os.makedirs(wd)
+            for f in ("hf.json", "prompts.json", "hf-f32-first-logits.npy"):
+                shutil.copy(os.path.join(src, f), wd)
+            if case == "faithful":
+                seqs = ref["variants"]["bf16h"]["sequences"]
+                first = np.load(os.path.join(src, "hf-bf16h-first-logits.npy"))
+            else:
+                m = hf.load(d, "bf16", a.device)
+                _break(m, case)
+                seqs, rows = [], []
+                for p in prompts:
+                    g = hf.greedy(m, p, ref["new_tokens"], a.device, "f32")
+                    rows.append(g.pop("first_logits"))
+                    seqs.append(g)
+                first = np.stack(rows)
+                del m
+            _fake_run(os.path.join(wd, "kiln-cpu-b1.json"), seqs, first, case)
+            ns = argparse.Namespace(
+                work=tw, models=[name], device=a.device, out=os.path.join(tw, "out"),
+                command="selftest", threads=a.threads,
+            )
+            try:
+                compare.run(ns)
+                passed = True
+            except SystemExit as e:
+                passed = e.code in (0, None)
+            want = case == "faithful"
+            log(f"selftest {name} {case}: judge says {'PASS' if passed else 'FAIL'} (want {'PASS' if want else 'FAIL'})")
+            if passed != want:
+                failures.append(f"{name} {case}")
+    if failures:
+        raise SystemExit(f"selftest: the judge got these wrong: {failures}")
+
+
 def rel_errors(x: np.ndarray, ref: np.ndarray) -> list[float]:
     """Per row: ||x - ref|| / ||ref||."""
     x = x.astype(np.float64)
     ref = ref.astype(np.float64)
     return (np.linalg.norm(x - ref, axis=1) / np.linalg.norm(ref, axis=1)).tolist()
+
+
+def cmd_self_drafts(a) -> None:
+    """Drafts from kiln's own plain greedy run: verification must accept all
+    of them wherever the verified step agrees with plain decoding."""
+    run = read_json(a.run)
+    seqs = sorted(run["sequences"], key=lambda s: s["prompt"])
+    write_json(a.out, {"source": os.path.basename(a.run), "kind": "self", "continuations": [s["tokens"] for s in seqs]})
 
 
 def main() -> None:
@@ -219,6 +322,17 @@ def main() -> None:
     p.add_argument("--command", default="", help="the command line to record in the report")
     p.add_argument("--threads", type=int, default=0)
     p.set_defaults(fn=lambda a: __import__("compare").run(a))
+    p = sub.add_parser("selftest", help="check that the judge passes HF bf16 and fails planted bugs")
+    p.add_argument("--work", required=True)
+    p.add_argument("--models", nargs="*")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--bugs", nargs="*", default=["norm-weight", "rope-theta"])
+    p.add_argument("--threads", type=int, default=0)
+    p.set_defaults(fn=cmd_selftest)
+    p = sub.add_parser("self-drafts", help="drafts.json from a kiln greedy run")
+    p.add_argument("--run", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_self_drafts)
     a = ap.parse_args()
     a.fn(a)
 
