@@ -191,7 +191,7 @@ mod tests {
             s ^= s >> 7;
             s ^= s << 17;
             let i = (s % 4) as usize;
-            if s % 3 == 0 {
+            if s.is_multiple_of(3) {
                 kv.release(&mut tables[i]);
             } else {
                 let len = tables[i].len() as u32 + 1 + (s >> 8) as u32 % 2;

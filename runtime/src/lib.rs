@@ -19,6 +19,7 @@ pub mod error;
 pub mod kv;
 pub mod loader;
 pub mod policy;
+pub mod testing;
 pub mod weights;
 
 pub use backend::{Backend, BackendError, DeviceInfo};

@@ -252,10 +252,8 @@ fn validate_key(plan: &Plan, kp: &KeyPlan) -> Result<(), EngineError> {
                     ));
                 }
             }
-            "accepted" => {
-                if o.ty.dtype != DType::I32 || dims != [b as u32] {
-                    return bad(format!("output accepted is {} but must be i32[{b}]", o.ty));
-                }
+            "accepted" if o.ty.dtype != DType::I32 || dims != [b as u32] => {
+                return bad(format!("output accepted is {} but must be i32[{b}]", o.ty));
             }
             "logits" => {
                 let rows_ok = dims.len() == 2 && (dims[0] as u64 == b || dims[0] as u64 == b * q);
