@@ -20,6 +20,7 @@ pub mod kv;
 pub mod loader;
 pub mod policy;
 pub mod testing;
+pub mod text;
 pub mod weights;
 
 pub use backend::{Backend, BackendError, DeviceInfo};
