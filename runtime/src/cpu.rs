@@ -59,6 +59,8 @@ pub struct CpuStats {
     pub frees: AtomicU64,
     /// Bytes currently allocated.
     pub live_bytes: AtomicU64,
+    /// Host to device copies.
+    pub uploads: AtomicU64,
     /// Bytes copied host to device.
     pub upload_bytes: AtomicU64,
     /// Ops executed (eagerly or by a replay).
@@ -333,6 +335,7 @@ impl Backend for CpuBackend {
         // SAFETY: `p` is valid for data.len() bytes; host and emulated memory
         // never overlap.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
+        self.stats.uploads.fetch_add(1, Ordering::Relaxed);
         self.stats
             .upload_bytes
             .fetch_add(data.len() as u64, Ordering::Relaxed);

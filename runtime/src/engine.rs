@@ -180,17 +180,33 @@ pub struct SeqView<'a> {
     pub finished: Option<&'a FinishReason>,
 }
 
-/// A staging input: host values and the fixed device address they go to.
+/// A staging input: where its values start in the key's host mirror of the
+/// Io region (in i32 units).
+#[derive(Clone, Copy)]
 struct Staged {
-    ptr: DevPtr,
-    host: Vec<i32>,
+    at: usize,
 }
 
-impl Staged {
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: i32 has no padding and any alignment works for u8.
-        unsafe { std::slice::from_raw_parts(self.host.as_ptr() as *const u8, self.host.len() * 4) }
+/// Byte ranges of the Io region that hold staging inputs, merged where only
+/// alignment padding separates them, so a step refreshes its staging with as
+/// few copies as possible (one, for a plan that packs its inputs).
+fn upload_runs(inputs: &[(InputRole, BufRef)]) -> Vec<(usize, usize)> {
+    let mut spans: Vec<(usize, usize)> = inputs
+        .iter()
+        .filter(|(r, _)| r.is_staging())
+        .map(|(_, b)| (b.offset as usize, (b.offset + b.bytes) as usize))
+        .collect();
+    spans.sort_unstable();
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (a, b) in spans {
+        match runs.last_mut() {
+            Some(last) if a <= last.1 + kiln_ir::plan::ARENA_ALIGN as usize => {
+                last.1 = last.1.max(b)
+            }
+            _ => runs.push((a, b)),
+        }
     }
+    runs
 }
 
 struct Output {
@@ -210,6 +226,11 @@ impl Output {
 struct KeyRt {
     key: Key,
     launches: Vec<Launch>,
+    io: DevPtr,
+    /// Host mirror of the Io region; staging inputs are written here, then
+    /// `upload_runs` of it are copied to the device.
+    io_host: Vec<i32>,
+    upload_runs: Vec<(usize, usize)>,
     token_ids: Staged,
     positions: Option<Staged>,
     slots: Option<Staged>,
@@ -348,8 +369,7 @@ impl Engine {
                     .iter()
                     .find(|(r, _)| *r == role)
                     .map(|(_, b)| Staged {
-                        ptr: io.offset(b.offset),
-                        host: vec![0; (b.bytes / 4) as usize],
+                        at: (b.offset / 4) as usize,
                     })
             };
             let output = |name: &str| {
@@ -366,6 +386,9 @@ impl Engine {
             keys.push(KeyRt {
                 key: kp.key,
                 launches,
+                io,
+                io_host: vec![0; kp.io_bytes.div_ceil(4) as usize],
+                upload_runs: upload_runs(&kp.inputs),
                 token_ids: staged(InputRole::TokenIds).expect("validated"),
                 positions: staged(InputRole::Positions),
                 slots: staged(InputRole::SlotMapping),
@@ -614,48 +637,53 @@ impl Engine {
     /// Picks the rows of the next step into `self.rows`; returns its query and
     /// spec, or `None` when nothing is live.
     fn schedule(&mut self) -> Option<(u32, u32)> {
-        self.rows.clear();
-        let live = || self.seqs.iter().filter(|(_, s)| s.finished.is_none());
-        if self.options.prefill == PrefillMode::Chunked && !self.chunk_queries.is_empty() {
+        let Engine {
+            seqs,
+            rows,
+            chunk_queries,
+            options,
+            plan,
+            ..
+        } = self;
+        rows.clear();
+        let live = || seqs.iter().filter(|(_, s)| s.finished.is_none());
+        if options.prefill == PrefillMode::Chunked && !chunk_queries.is_empty() {
             let best = live()
                 .filter_map(|(_, s)| {
-                    let left = s.prompt_len - s.computed.min(s.prompt_len);
-                    self.chunk_queries.iter().copied().find(|&q| q <= left)
+                    let left = s.prompt_len.saturating_sub(s.computed);
+                    chunk_queries.iter().copied().find(|&q| q <= left)
                 })
                 .max();
             if let Some(q) = best {
-                let rows: Vec<SeqId> = live()
-                    .filter(|(_, s)| s.prompt_len.saturating_sub(s.computed) >= q)
-                    .map(|(&id, _)| id)
-                    .collect();
-                self.rows.extend(rows);
+                rows.extend(
+                    live()
+                        .filter(|(_, s)| s.prompt_len.saturating_sub(s.computed) >= q)
+                        .map(|(&id, _)| id),
+                );
                 return Some((q, 0));
             }
         }
+        let decoding = |s: &Seq| s.computed + 1 == s.tokens.len() as u32;
         let spec = live()
-            .find(|(_, s)| !s.drafts.is_empty() && s.computed + 1 == s.tokens.len() as u32)
+            .find(|(_, s)| !s.drafts.is_empty() && decoding(s))
             .map(|(_, s)| s.drafts.len() as u32);
         if let Some(spec) = spec {
-            let max_context = self.plan.meta.info.max_context;
-            let rows: Vec<SeqId> = live()
-                .filter(|(_, s)| {
-                    s.drafts.len() as u32 == spec
-                        && s.computed + 1 == s.tokens.len() as u32
-                        && s.tokens.len() as u32 + spec <= max_context
-                })
-                .map(|(&id, _)| id)
-                .collect();
+            let max_context = plan.meta.info.max_context;
+            rows.extend(
+                live()
+                    .filter(|(_, s)| {
+                        s.drafts.len() as u32 == spec
+                            && decoding(s)
+                            && s.tokens.len() as u32 + spec <= max_context
+                    })
+                    .map(|(&id, _)| id),
+            );
             if !rows.is_empty() {
-                self.rows.extend(rows);
                 return Some((spec + 1, spec));
             }
         }
-        let rows: Vec<SeqId> = live().map(|(&id, _)| id).collect();
-        if rows.is_empty() {
-            return None;
-        }
-        self.rows.extend(rows);
-        Some((1, 0))
+        rows.extend(live().map(|(&id, _)| id));
+        (!rows.is_empty()).then_some((1, 0))
     }
 
     /// Runs one step: every scheduled sequence advances by one token, one
@@ -763,30 +791,30 @@ impl Engine {
                     }
                     None => (0, i as i32, null_slot),
                 };
-                k.token_ids.host[t] = tok;
-                if let Some(p) = &mut k.positions {
-                    p.host[t] = pos;
+                k.io_host[k.token_ids.at + t] = tok;
+                if let Some(p) = k.positions {
+                    k.io_host[p.at + t] = pos;
                 }
-                if let Some(p) = &mut k.slots {
-                    p.host[t] = slot;
+                if let Some(p) = k.slots {
+                    k.io_host[p.at + t] = slot;
                 }
             }
-            if let Some(bt) = &mut k.block_tables {
-                let row = &mut bt.host[r * m..(r + 1) * m];
+            if let Some(bt) = k.block_tables {
+                let row = &mut k.io_host[bt.at + r * m..bt.at + (r + 1) * m];
                 match seq {
                     Some(s) => kv.fill_row(&s.blocks, row),
                     None => row.fill(kv.null_block() as i32),
                 }
             }
-            if let Some(cl) = &mut k.context_lens {
-                cl.host[r] = match seq {
+            if let Some(cl) = k.context_lens {
+                k.io_host[cl.at + r] = match seq {
                     Some(s) => (s.computed as usize + q) as i32,
                     None => q as i32,
                 };
             }
-            if let Some(d) = &mut k.drafts {
+            if let Some(d) = k.drafts {
                 for j in 0..spec {
-                    d.host[r * spec + j] = seq.map_or(0, |s| s.drafts[j] as i32);
+                    k.io_host[d.at + r * spec + j] = seq.map_or(0, |s| s.drafts[j] as i32);
                 }
             }
         }
@@ -805,18 +833,12 @@ impl Engine {
         let key = k.key;
         let be = self.backend.as_mut();
         if !(faults.freeze_staging && k.staged_once) {
-            be.upload(k.token_ids.ptr, k.token_ids.bytes())?;
-            for s in [
-                &k.positions,
-                &k.slots,
-                &k.block_tables,
-                &k.context_lens,
-                &k.drafts,
-            ]
-            .into_iter()
-            .flatten()
-            {
-                be.upload(s.ptr, s.bytes())?;
+            // SAFETY: i32 has no padding; u8 has no alignment requirement.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(k.io_host.as_ptr() as *const u8, k.io_host.len() * 4)
+            };
+            for &(a, b) in &k.upload_runs {
+                be.upload(k.io.offset(a as u64), &bytes[a..b])?;
             }
             k.staged_once = true;
         }

@@ -202,6 +202,13 @@ fn validate_key(plan: &Plan, kp: &KeyPlan) -> Result<(), EngineError> {
             ));
         }
         check_buf(plan, kp, buf, &|| format!("input {}", role.name()))?;
+        if buf.offset % 4 != 0 {
+            return bad(format!(
+                "input {} at Io offset {} is not aligned for i32",
+                role.name(),
+                buf.offset
+            ));
+        }
         let elems = match role {
             InputRole::TokenIds | InputRole::Positions | InputRole::SlotMapping => b * q,
             InputRole::BlockTables => b * m,

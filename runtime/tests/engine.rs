@@ -7,6 +7,7 @@ mod common;
 
 use common::*;
 use kiln_ir::DType;
+use kiln_runtime::cpu::CpuStats;
 use kiln_runtime::testing::{Rng, TinyModel};
 use kiln_runtime::{
     EagerFallback, EngineError, FinishReason, GraphMode, KeyCounters, PrefillMode, SeqId,
@@ -316,4 +317,40 @@ fn generation_stops_at_eos_max_tokens_and_the_context_length() {
     assert_eq!(s.finished, Some(&FinishReason::ContextFull));
     // Finished sequences gave their blocks back.
     assert_eq!(e.free_kv_blocks(), base.num_blocks - 1);
+}
+
+#[test]
+fn steps_allocate_nothing_and_copy_only_their_staging_in_one_upload() {
+    let model = TinyModel::default();
+    let (dir, plan) = build(&model);
+    let (mut e, stats) = engine_with(&plan, dir.path(), options(GraphMode::On));
+    let (allocs, uploads, bytes) = (
+        CpuStats::get(&stats.allocs),
+        CpuStats::get(&stats.uploads),
+        CpuStats::get(&stats.upload_bytes),
+    );
+    let mut rng = Rng::new(8);
+    for len in [3, 7, 1] {
+        let p = prompt(&mut rng, model.vocab, len);
+        e.add_sequence_with(
+            &p,
+            SeqOptions {
+                max_new_tokens: 20,
+                stop_on_eos: false,
+            },
+        )
+        .unwrap();
+    }
+    let mut steps = 0;
+    while e.has_work() {
+        e.step().unwrap();
+        steps += 1;
+    }
+    assert!(steps >= 20);
+    assert_eq!(CpuStats::get(&stats.allocs), allocs, "a step allocated");
+    // The tiny plan packs its staging inputs: one copy per key run.
+    let runs = e.total_counters().replays;
+    assert_eq!(CpuStats::get(&stats.uploads) - uploads, runs);
+    let max_io = plan.keys.iter().map(|k| k.io_bytes).max().unwrap();
+    assert!(CpuStats::get(&stats.upload_bytes) - bytes <= runs * max_io);
 }
