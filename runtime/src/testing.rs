@@ -835,3 +835,19 @@ pub fn write_byte_tokenizer(dir: &Path) -> std::io::Result<u32> {
     std::fs::rename(&tmp, dir.join("tokenizer.json"))?;
     Ok(256)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_tiny_key_graph_passes_the_ir_verifier() {
+        let m = TinyModel::default();
+        let manifest = m.manifest();
+        for &k in &m.keys {
+            if let Err(e) = kiln_ir::verify(&m.graph(k), Some(&manifest)) {
+                panic!("{k}: {e}");
+            }
+        }
+    }
+}
