@@ -71,6 +71,8 @@ pub enum EngineError {
     GraphsEnv(String),
     #[error("tokenizer {path}: {message}")]
     Tokenizer { path: PathBuf, message: String },
+    #[error("{0}")]
+    Device(String),
     #[error("{what} is not valid UTF-8 (first bad byte at offset {offset}); save it as UTF-8")]
     InvalidUtf8 { what: String, offset: usize },
 }

@@ -10,10 +10,11 @@
 //! * [`loader`] and [`weights`]: everything checked before anything is
 //!   allocated, then weights bound to device memory;
 //! * [`kv`]: the paged KV cache's block allocator; [`policy`]: graphs or eager;
-//! * [`text`]: tokenizer in and streaming text out.
+//! * [`text`]: tokenizer in and streaming text out; [`device`]: backends by name.
 
 pub mod backend;
 pub mod cpu;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod kv;
@@ -25,6 +26,7 @@ pub mod weights;
 
 pub use backend::{Backend, BackendError, DeviceInfo};
 pub use cpu::CpuBackend;
+pub use device::{open_backend, DeviceSpec};
 pub use engine::{
     Engine, EngineOptions, EngineStats, Faults, FinishReason, KeyCounters, PrefillMode, SeqId,
     SeqOptions, SeqView,
