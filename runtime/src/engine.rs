@@ -938,7 +938,8 @@ impl Engine {
                 (if per_position { r * q + q - 1 } else { r }, 1)
             };
             let mut new = Vec::with_capacity(count);
-            let mut last_row = first;
+            // Which of the row's query positions produced the last new token.
+            let mut last_pos = if spec > 0 { 0 } else { q - 1 };
             for j in 0..count {
                 let t = k.next_tokens.i32_at(first + j);
                 if t < 0 || t as u32 >= vocab {
@@ -952,7 +953,9 @@ impl Engine {
                 s.tokens.push(t);
                 s.generated += 1;
                 new.push(t);
-                last_row = first + j;
+                if spec > 0 {
+                    last_pos = j;
+                }
                 if s.opts.stop_on_eos && info.eos_token_ids.contains(&t) {
                     s.finished = Some(FinishReason::Eos);
                 } else if s.generated >= s.opts.max_new_tokens {
@@ -966,8 +969,9 @@ impl Engine {
             }
             if self.options.keep_logits {
                 if let Some(l) = &k.logits {
-                    let lrow = if l.rows as usize == b * q && q > 1 {
-                        last_row
+                    // Logits are per row ([B, V]) or per scored position ([B*Q, V]).
+                    let lrow = if l.rows as usize == b * q {
+                        r * q + last_pos
                     } else {
                         r
                     };

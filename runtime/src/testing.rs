@@ -72,6 +72,9 @@ pub struct TinyModel {
     /// Dtype of the tensors in the safetensors file (the plan computes in f32,
     /// so bf16/f16 exercise the binder's conversion).
     pub file_dtype: DType,
+    /// Prefill chunks score every position (no `gather_last`): next tokens
+    /// and logits are per position, `[B*Q]` and `[B*Q, V]`.
+    pub per_position_chunks: bool,
     pub seed: u64,
 }
 
@@ -93,6 +96,7 @@ impl Default for TinyModel {
                 .collect(),
             eos: vec![],
             file_dtype: DType::F32,
+            per_position_chunks: false,
             seed: 7,
         }
     }
@@ -281,7 +285,7 @@ impl TinyModel {
             let o = mm(&mut g, att, &format!("l{l}.o"));
             x = g.push1(Op::Add, &[x, o]);
         }
-        if q > 1 && s == 0 {
+        if q > 1 && s == 0 && !self.per_position_chunks {
             x = g.push1(Op::GatherLast { group: q }, &[x]);
         }
         let logits = g.push1(

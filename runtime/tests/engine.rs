@@ -37,6 +37,8 @@ fn serve_and_check(
         .collect();
     let mut ids: HashMap<SeqId, usize> = HashMap::new();
     let mut got: HashMap<usize, Vec<u32>> = HashMap::new();
+    // (sequence, index of the generated token, the logits that produced it)
+    let mut logits: Vec<(usize, usize, Vec<f32>)> = Vec::new();
     let mut step = 0;
     while step < 200 {
         for (i, &(at, _, n)) in seqs.iter().enumerate() {
@@ -54,7 +56,10 @@ fn serve_and_check(
             }
         }
         for (id, toks) in e.step().unwrap() {
-            got.entry(ids[&id]).or_default().extend(toks);
+            let g = got.entry(ids[&id]).or_default();
+            g.extend(toks);
+            let l = e.last_logits(id).expect("keep_logits is on").to_vec();
+            logits.push((ids[&id], g.len() - 1, l));
         }
         step += 1;
         if !e.has_work() && seqs.iter().all(|s| s.0 < step) {
@@ -62,9 +67,18 @@ fn serve_and_check(
         }
     }
     for (i, &(_, _, n)) in seqs.iter().enumerate() {
-        let (want, _) = model.greedy_reference(&w, &prompts[i], n);
+        let (want, want_logits) = model.greedy_reference(&w, &prompts[i], n);
         assert_eq!(got[&i], want, "sequence {i} (prompt {:?})", prompts[i]);
+        for (_, j, l) in logits.iter().filter(|x| x.0 == i) {
+            let d = l
+                .iter()
+                .zip(&want_logits[*j])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(d <= 1e-5, "sequence {i} token {j}: logits differ by {d}");
+        }
     }
+    assert!(logits.len() >= seqs.len());
     (
         e.total_counters(),
         e.counters()[&"b2q4s0".parse().unwrap()].clone(),
@@ -118,6 +132,16 @@ fn token_by_token_prefill_matches_the_reference() {
         MIXED,
     );
     assert_eq!(chunk, Default::default());
+}
+
+#[test]
+fn chunks_scoring_every_position_match_the_reference() {
+    let model = TinyModel {
+        per_position_chunks: true,
+        ..TinyModel::default()
+    };
+    let (c, chunk) = serve_and_check(&model, GraphMode::On, PrefillMode::Chunked, MIXED);
+    assert!(c.replays > 0 && chunk.replays > 0, "{chunk:?}");
 }
 
 #[test]
