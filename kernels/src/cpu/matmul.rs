@@ -11,17 +11,14 @@
 //! by one thread in a fixed order, so results do not depend on thread count.
 //!
 //! Summation order of `out[t,n]` (normative for the CPU backend, not for
-//! GPUs, which agree within tolerance): lane `j` sums `x[t,k] * w[n,k]` over
-//! `k = j, j+16, ...` below `K - K % 16` in increasing `k`; the 16 lanes are
-//! added pairwise (`l[j] + l[j+8]`, then `+4`, `+2`, `+1`); the tail products
-//! `k >= K - K % 16` are summed in order into a separate value added last;
-//! then `+ bias[n]`; then one rounding to the result dtype.
+//! GPUs, which agree within tolerance): the 16-lane fma order of `dot`,
+//! then `+ bias[n]`, then one rounding to the result dtype.
 //!
 //! Not here: large-T (prefill) blocking for cache reuse beyond the row group,
 //! and quantized weights.
 
 use super::buf::Buf;
-use super::dot::{dot_each, Kernel, Row};
+use super::dot::{dot_each, Kernel, Row, ROWS};
 use super::par;
 use super::simd::{self, multiversion};
 use half::f16;
@@ -59,19 +56,27 @@ unsafe fn column_block_impl<K: Kernel>(p: &Problem<'_>, n0: usize, n1: usize) {
     let (k, cols) = (p.k, n1 - n0);
     let mut res = vec![0f32; p.t * cols];
     let mut row = Vec::new();
-    for n in n0..n1 {
-        let bias = p.bias.map_or(0.0, |b| b[n]);
-        let w = match p.w {
-            Weights::Bf16(w) => Row::Bf16(&w[n * k..(n + 1) * k]),
-            Weights::F32(w) => Row::F32(&w[n * k..(n + 1) * k]),
-            Weights::F16(w) => {
-                row.resize(k, 0f32);
-                w[n * k..(n + 1) * k].convert_to_f32_slice(&mut row);
-                Row::F32(&row[..])
-            }
-        };
-        let col = n - n0;
-        dot_each::<K>(w, p.x, k, p.t, |t, v| res[t * cols + col] = v + bias);
+    // A group of ROWS rows of x stays in L1 while the block's weight rows
+    // stream past it (from memory once, then from L2 for later groups).
+    let mut t0 = 0;
+    while t0 < p.t {
+        let rows = ROWS.min(p.t - t0);
+        let xg = &p.x[t0 * k..(t0 + rows) * k];
+        for n in n0..n1 {
+            let bias = p.bias.map_or(0.0, |b| b[n]);
+            let w = match p.w {
+                Weights::Bf16(w) => Row::Bf16(&w[n * k..(n + 1) * k]),
+                Weights::F32(w) => Row::F32(&w[n * k..(n + 1) * k]),
+                Weights::F16(w) => {
+                    row.resize(k, 0f32);
+                    w[n * k..(n + 1) * k].convert_to_f32_slice(&mut row);
+                    Row::F32(&row[..])
+                }
+            };
+            let col = n - n0;
+            dot_each::<K>(w, xg, k, rows, |r, v| res[(t0 + r) * cols + col] = v + bias);
+        }
+        t0 += rows;
     }
     for t in 0..p.t {
         p.out.store(t * p.n + n0, &res[t * cols..(t + 1) * cols]);

@@ -16,7 +16,9 @@
 //! * No fused multiply-add contraction: expressions are evaluated as written
 //!   in the kernel modules (Rust never contracts). A GPU kernel that wants to
 //!   be bit-identical must use `__fmul_rn`/`__fadd_rn` or `--fmad=false`;
-//!   otherwise it agrees within the tolerances the tests state.
+//!   otherwise it agrees within the tolerances the tests state. The one
+//!   exception is the dot products of `matmul` and attention scores, which
+//!   use explicit fma by design (`dot`).
 //! * Reductions (dot products, sums of squares) accumulate in f32 in a fixed
 //!   order that does not depend on the SIMD level or the thread count, so the
 //!   CPU backend is deterministic on every x86_64 and non-x86 host.
