@@ -13,8 +13,8 @@
 //! the matmul kernels' 16-lane order, see `dot`); with softcap `s = cap * tanh(s / cap)`; softmax in f32 with the
 //! max subtracted (`e = exp(s - max)` with `math::exp`, a vectorizable exp
 //! within 2 ulp of libm's; `l = sum e` in `math::sum`'s 16-lane order);
-//! `out = (sum_p e_p * v_p) / l` (accumulated in position order, one
-//! division per element), rounded to D once. This is the two-pass form; GPU
+//! `out = (sum_p e_p * v_p) / l` (per element, fma in position order, then
+//! one division), rounded to D once. This is the two-pass form; GPU
 //! kernels using an online softmax agree within tolerance.
 //!
 //! Validation before any write: `ctx >= Q` (the context includes this
@@ -23,8 +23,11 @@
 //! blocks no query token reads (beyond `ctx`, or before the window) are not
 //! looked at, so they may hold padding such as -1.
 //!
-//! Work is split over (sequence, kv head) pairs across threads (`par`); each
-//! pair's query heads share one pass over that kv head's keys and values.
+//! Work is split over sequences, and over ranges of kv heads only when there
+//! are fewer sequences than threads (`par`): an item covering all kv heads
+//! reads each cache row contiguously. An item's query heads share one pass
+//! over its keys and values; the V pass keeps up to four rows' accumulators
+//! in registers over tiles of positions (`dot::Kernel::weighted_rows`).
 
 use super::buf::Buf;
 use super::dot::{dot_each, Kernel, Row};
@@ -78,115 +81,182 @@ struct Item<'a> {
     lens: &'a [i32],
 }
 
-/// Widens bf16 bits to f32 (a loop the compiler vectorizes).
+/// Positions ahead whose K/V rows are prefetched.
+const PREFETCH_AHEAD: usize = 8;
+
+/// Asks the CPU to start loading the `bytes` at `p` into cache (a hint: no
+/// effect on results, nothing on non-x86 targets).
 #[inline(always)]
-fn widen_bf16(src: &[u16], dst: &mut [f32]) {
-    for (d, &b) in dst.iter_mut().zip(src) {
-        *d = f32::from_bits((b as u32) << 16);
+fn prefetch(p: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut off = 0;
+        while off < bytes {
+            // SAFETY: prefetch never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    p.wrapping_add(off) as *const i8,
+                )
+            };
+            off += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, bytes);
+}
+
+/// Positions per tile of the V pass (their rows stay in L1 while every
+/// 16-lane column chunk is accumulated).
+const V_TILE: usize = 64;
+
+/// `acc[rows] += sum_p e[rows][p] * v_p` over `offs`, rows in groups of up
+/// to 4 (accumulators in registers), positions in tiles of [`V_TILE`].
+#[inline(always)]
+unsafe fn weighted_rows<K: Kernel>(
+    acc: &mut [f32],
+    e: &[f32],
+    es: usize,
+    v: Row,
+    offs: &[usize],
+    hd: usize,
+    rows: usize,
+) {
+    for (t, tile) in offs.chunks(V_TILE).enumerate() {
+        let e = &e[t * V_TILE..];
+        let mut r0 = 0;
+        while r0 < rows {
+            let (acc, e) = (&mut acc[r0 * hd..], &e[r0 * es..]);
+            match rows - r0 {
+                1 => K::weighted_rows::<1>(acc, e, es, v, tile, hd),
+                2 => K::weighted_rows::<2>(acc, e, es, v, tile, hd),
+                3 => K::weighted_rows::<3>(acc, e, es, v, tile, hd),
+                _ => K::weighted_rows::<4>(acc, e, es, v, tile, hd),
+            }
+            r0 += (rows - r0).min(4);
+        }
     }
 }
 
-/// One (sequence `b`, kv head `g`) pair: all `group * Q` query rows.
+/// One sequence `b` and the kv heads `g0..g1`: all their query rows. Row
+/// `r = (gi * Q + i) * group + hg` is query token `i` of head
+/// `(g0 + gi) * group + hg`; the `group` rows of one (kv head, token) share
+/// a position range and are processed together. Covering several kv heads
+/// per item makes the reads of each cache row contiguous.
 #[inline(always)]
-unsafe fn item_impl<K: Kernel>(it: &Item<'_>, b: usize, g: usize) {
+unsafe fn item_impl<K: Kernel>(it: &Item<'_>, b: usize, g0: usize, g1: usize) {
     let p = &it.p;
     let (hd, q_len) = (p.hd, p.query);
     let group = p.heads / p.kv_heads;
+    let ng = g1 - g0;
     let ctx = it.lens[b] as usize;
     let table = &it.tables[b * p.m..(b + 1) * p.m];
     let lo = first_pos(p, ctx, 0);
     let span = ctx - lo;
-    // Rows r = (head-in-group, query token): q vectors, scores, accumulators.
-    let rows = group * q_len;
     let q_width = p.heads * hd;
     let kv_width = p.kv_heads * hd;
-    let mut q = vec![0f32; rows * hd];
-    for hg in 0..group {
-        let h = g * group + hg;
+    // q rows, grouped (kv head, token, head in group).
+    let mut q = vec![0f32; ng * q_len * group * hd];
+    for gi in 0..ng {
         for i in 0..q_len {
-            let r = hg * q_len + i;
-            it.q.load(
-                (b * q_len + i) * q_width + h * hd,
-                &mut q[r * hd..(r + 1) * hd],
-            );
+            for hg in 0..group {
+                let r = (gi * q_len + i) * group + hg;
+                let h = (g0 + gi) * group + hg;
+                it.q.load(
+                    (b * q_len + i) * q_width + h * hd,
+                    &mut q[r * hd..(r + 1) * hd],
+                );
+            }
         }
     }
-    // Valid position range [first, last] of each row.
-    let bounds: Vec<(usize, usize)> = (0..rows)
-        .map(|r| {
-            let i = r % q_len;
-            (first_pos(p, ctx, i), ctx - q_len + i)
-        })
+    // Element offset of each position's row (kv head g0) in the caches.
+    let offs: Vec<usize> = (lo..ctx)
+        .map(|pos| slot(p, table, pos) * kv_width + g0 * hd)
         .collect();
     let bf16 = it.kc.dtype == DType::BF16;
-    let (kbits, vbits) = if bf16 {
-        (it.kc.u16s(), it.vc.u16s())
+    // Non-bf16 caches are converted to f32 once for this item, densely:
+    // row j holds the ng heads of position lo + j.
+    let width = ng * hd;
+    let (kf, vf, dense) = if bf16 {
+        (Vec::new(), Vec::new(), Vec::new())
     } else {
-        (&[][..], &[][..])
+        let mut kf = vec![0f32; span * width];
+        let mut vf = vec![0f32; span * width];
+        for (j, &off) in offs.iter().enumerate() {
+            it.kc.load(off, &mut kf[j * width..(j + 1) * width]);
+            it.vc.load(off, &mut vf[j * width..(j + 1) * width]);
+        }
+        (kf, vf, (0..span).map(|j| j * width).collect::<Vec<_>>())
     };
-    // Element offset of each position's head slice in the caches.
-    let offs: Vec<usize> = (lo..ctx)
-        .map(|pos| slot(p, table, pos) * kv_width + g * hd)
-        .collect();
-    let mut scores = vec![f32::NEG_INFINITY; rows * span];
-    let mut kv = vec![0f32; hd];
-    for (pos, &off) in (lo..ctx).zip(&offs) {
-        let key = if bf16 {
-            Row::Bf16(&kbits[off..off + hd])
-        } else {
-            it.kc.load(off, &mut kv);
-            Row::F32(&kv)
-        };
-        dot_each::<K>(key, &q, hd, rows, |r, d| {
-            let (first, last) = bounds[r];
-            if pos >= first && pos <= last {
-                let mut s = d * p.scale;
-                if let Some(cap) = p.softcap {
-                    s = cap * (s / cap).tanh();
+    let (rowoffs, keys, values) = if bf16 {
+        (&offs[..], Row::Bf16(it.kc.u16s()), Row::Bf16(it.vc.u16s()))
+    } else {
+        (&dense[..], Row::F32(&kf[..]), Row::F32(&vf[..]))
+    };
+    let es = it.kc.dtype.size();
+    let mut scores = vec![0f32; ng * group * span];
+    let mut acc = vec![0f32; group * hd];
+    let mut voffs = vec![0usize; span];
+    for i in 0..q_len {
+        let first = first_pos(p, ctx, i);
+        let last = ctx - q_len + i;
+        let (a, z) = (first - lo, last + 1 - lo);
+        // Scores of this token's rows over its positions; each cache row
+        // (all ng heads) is read once, contiguously.
+        for j in a..z {
+            if bf16 {
+                if let Some(&ahead) = rowoffs.get(j + PREFETCH_AHEAD) {
+                    prefetch(it.kc.ptr.wrapping_add(ahead * es), width * es);
                 }
-                scores[r * span + pos - lo] = s;
             }
-        });
-    }
-    let mut denom = vec![0f32; rows];
-    for (r, &(first, last)) in bounds.iter().enumerate() {
-        let row = &mut scores[r * span + first - lo..r * span + last + 1 - lo];
-        let max = math::max(row);
-        for s in row.iter_mut() {
-            *s = math::exp(*s - max);
-        }
-        denom[r] = math::sum(row);
-    }
-    let mut acc = vec![0f32; rows * hd];
-    for (pos, &off) in (lo..ctx).zip(&offs) {
-        if bf16 {
-            widen_bf16(&vbits[off..off + hd], &mut kv);
-        } else {
-            it.vc.load(off, &mut kv);
-        }
-        for (r, &(first, last)) in bounds.iter().enumerate() {
-            if pos < first || pos > last {
-                continue;
-            }
-            let e = scores[r * span + pos - lo];
-            for (a, v) in acc[r * hd..(r + 1) * hd].iter_mut().zip(&kv) {
-                *a += e * v;
+            for gi in 0..ng {
+                let o = rowoffs[j] + gi * hd;
+                let key = match keys {
+                    Row::Bf16(k) => Row::Bf16(&k[o..o + hd]),
+                    Row::F32(k) => Row::F32(&k[o..o + hd]),
+                };
+                let qi = &q[(gi * q_len + i) * group * hd..(gi * q_len + i + 1) * group * hd];
+                let sc = &mut scores[gi * group * span..(gi + 1) * group * span];
+                dot_each::<K>(key, qi, hd, group, |r, d| {
+                    let mut s = d * p.scale;
+                    if let Some(cap) = p.softcap {
+                        s = cap * (s / cap).tanh();
+                    }
+                    sc[r * span + j] = s;
+                });
             }
         }
-    }
-    for (r, &l) in denom.iter().enumerate() {
-        let (hg, i) = (r / q_len, r % q_len);
-        let h = g * group + hg;
-        let out = &mut acc[r * hd..(r + 1) * hd];
-        for a in out.iter_mut() {
-            *a /= l;
+        for gi in 0..ng {
+            let sc = &mut scores[gi * group * span..(gi + 1) * group * span];
+            // Softmax weights (unnormalized) and their sums.
+            let mut denom = vec![0f32; group];
+            for (r, l) in denom.iter_mut().enumerate() {
+                let row = &mut sc[r * span + a..r * span + z];
+                let max = math::max(row);
+                for s in row.iter_mut() {
+                    *s = math::exp(*s - max);
+                }
+                *l = math::sum(row);
+            }
+            // Weighted sum of values, then one division per element.
+            for (v, &o) in voffs[a..z].iter_mut().zip(&rowoffs[a..z]) {
+                *v = o + gi * hd;
+            }
+            acc.fill(0.0);
+            weighted_rows::<K>(&mut acc, &sc[a..], span, values, &voffs[a..z], hd, group);
+            for (hg, l) in denom.iter().enumerate() {
+                let h = (g0 + gi) * group + hg;
+                let out = &mut acc[hg * hd..(hg + 1) * hd];
+                for v in out.iter_mut() {
+                    *v /= l;
+                }
+                it.out.store((b * q_len + i) * q_width + h * hd, out);
+            }
         }
-        it.out.store((b * q_len + i) * q_width + h * hd, out);
     }
 }
 
 multiversion! {
-    unsafe fn item(it: &Item<'_>, b: usize, g: usize) => item_impl
+    unsafe fn item(it: &Item<'_>, b: usize, g0: usize, g1: usize) => item_impl
 }
 
 /// Checks lengths and block table entries of every sequence.
@@ -291,17 +361,25 @@ pub(crate) unsafe fn paged_attention(
         lens,
     };
     let level = simd::level();
-    let items = batch * p.kv_heads;
     let macs: usize = lens.iter().map(|&c| c as usize).sum::<usize>() * p.query * p.heads * p.hd;
     if macs < PARALLEL_MIN_MACS {
-        for x in 0..items {
-            item(level, &it, x / p.kv_heads, x % p.kv_heads);
+        for b in 0..batch {
+            item(level, &it, b, 0, p.kv_heads);
         }
-    } else {
-        par::for_each_chunk(items, |x| {
-            // SAFETY: items write disjoint (sequence, head) output slices.
-            unsafe { item(level, &it, x / p.kv_heads, x % p.kv_heads) };
-        });
+        return Ok(());
     }
+    // Split each sequence's kv heads only as far as needed to give every
+    // thread work: whole sequences read the caches most efficiently.
+    let splits = rayon::current_num_threads()
+        .div_ceil(batch.max(1))
+        .clamp(1, p.kv_heads);
+    let per = p.kv_heads.div_ceil(splits);
+    let splits = p.kv_heads.div_ceil(per);
+    par::for_each_chunk(batch * splits, |x| {
+        let (b, s) = (x / splits, x % splits);
+        let g0 = s * per;
+        // SAFETY: items write disjoint (sequence, head) output slices.
+        unsafe { item(level, &it, b, g0, (g0 + per).min(p.kv_heads)) };
+    });
     Ok(())
 }

@@ -98,6 +98,66 @@ pub(crate) trait Kernel {
     unsafe fn dot_bf16<const R: usize>(w: &[u16], x: &[f32], k: usize, t0: usize) -> [f32; R];
     /// The same with an f32 weight row.
     unsafe fn dot_f32<const R: usize>(w: &[f32], x: &[f32], k: usize, t0: usize) -> [f32; R];
+
+    /// Weighted sum of rows of `v` into `R` accumulator rows: for each
+    /// position `p` of `offs` in order, each row `r < R` and each `j < hd`,
+    /// `acc[r*hd + j] = fma(e[r*es + p], v[offs[p] + j], acc[r*hd + j])`.
+    /// (Attention's `sum_p e_p * v_p`; every level performs exactly these
+    /// fmas in this order per element.)
+    #[inline(always)]
+    unsafe fn weighted_rows<const R: usize>(
+        acc: &mut [f32],
+        e: &[f32],
+        es: usize,
+        v: Row,
+        offs: &[usize],
+        hd: usize,
+    ) {
+        for (p, &off) in offs.iter().enumerate() {
+            for r in 0..R {
+                let w = e[r * es + p];
+                let a = &mut acc[r * hd..(r + 1) * hd];
+                match v {
+                    Row::Bf16(v) => {
+                        for (a, &b) in a.iter_mut().zip(&v[off..off + hd]) {
+                            *a = w.mul_add(f32::from_bits((b as u32) << 16), *a);
+                        }
+                    }
+                    Row::F32(v) => {
+                        for (a, &b) in a.iter_mut().zip(&v[off..off + hd]) {
+                            *a = w.mul_add(b, *a);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The scalar columns `j0..hd` of [`Kernel::weighted_rows`], in its order.
+#[inline(always)]
+fn weighted_tail<const R: usize>(
+    acc: &mut [f32],
+    e: &[f32],
+    es: usize,
+    v: Row,
+    offs: &[usize],
+    hd: usize,
+    j0: usize,
+) {
+    for r in 0..R {
+        for j in j0..hd {
+            let mut a = acc[r * hd + j];
+            for (p, &off) in offs.iter().enumerate() {
+                let x = match v {
+                    Row::Bf16(v) => f32::from_bits((v[off + j] as u32) << 16),
+                    Row::F32(v) => v[off + j],
+                };
+                a = e[r * es + p].mul_add(x, a);
+            }
+            acc[r * hd + j] = a;
+        }
+    }
 }
 
 /// Portable Rust (the compiler vectorizes what it can).
@@ -129,7 +189,7 @@ pub(crate) mod x86 {
     //! AVX2 and AVX-512 versions of the dot kernels: lanes 0..8 and 8..16
     //! in two ymm registers (AVX2) or all 16 in one zmm register (AVX-512),
     //! fused multiply-add, the pairwise lane sum of `hsum`.
-    use super::{tail, Bf16Row, F32Row, Kernel, LANES};
+    use super::{tail, weighted_tail, Bf16Row, F32Row, Kernel, Row, LANES};
     use std::arch::x86_64::*;
 
     #[inline]
@@ -175,7 +235,10 @@ pub(crate) mod x86 {
             k: usize,
             t0: usize,
         ) -> [[__m256; 2]; R] {
-            let xp: [*const f32; R] = std::array::from_fn(|r| x.as_ptr().add((t0 + r) * k));
+            let mut xp = [x.as_ptr(); R];
+            for (r, p) in xp.iter_mut().enumerate() {
+                *p = x.as_ptr().add((t0 + r) * k);
+            }
             let mut acc = [[_mm256_setzero_ps(); 2]; R];
             let kb = k - k % LANES;
             let mut i = 0;
@@ -199,16 +262,77 @@ pub(crate) mod x86 {
         }
     }
 
+    impl Avx2 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn weighted<const R: usize, const BF16: bool>(
+            acc: &mut [f32],
+            e: &[f32],
+            es: usize,
+            v: *const u8,
+            offs: &[usize],
+            hd: usize,
+        ) {
+            let mut c = 0;
+            while c + 8 <= hd {
+                let mut a = [_mm256_setzero_ps(); R];
+                for (r, a) in a.iter_mut().enumerate() {
+                    *a = _mm256_loadu_ps(acc.as_ptr().add(r * hd + c));
+                }
+                for (p, &off) in offs.iter().enumerate() {
+                    let x = if BF16 {
+                        bf16x8((v as *const u16).add(off + c))
+                    } else {
+                        _mm256_loadu_ps((v as *const f32).add(off + c))
+                    };
+                    for (r, a) in a.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(_mm256_set1_ps(*e.get_unchecked(r * es + p)), x, *a);
+                    }
+                }
+                for (r, a) in a.iter().enumerate() {
+                    _mm256_storeu_ps(acc.as_mut_ptr().add(r * hd + c), *a);
+                }
+                c += 8;
+            }
+        }
+    }
+
     impl Kernel for Avx2 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn weighted_rows<const R: usize>(
+            acc: &mut [f32],
+            e: &[f32],
+            es: usize,
+            v: Row,
+            offs: &[usize],
+            hd: usize,
+        ) {
+            debug_assert!(acc.len() >= R * hd && e.len() >= (R - 1) * es + offs.len());
+            match v {
+                Row::Bf16(s) => {
+                    debug_assert!(offs.iter().all(|&o| o + hd <= s.len()));
+                    Self::weighted::<R, true>(acc, e, es, s.as_ptr() as *const u8, offs, hd)
+                }
+                Row::F32(s) => {
+                    debug_assert!(offs.iter().all(|&o| o + hd <= s.len()));
+                    Self::weighted::<R, false>(acc, e, es, s.as_ptr() as *const u8, offs, hd)
+                }
+            }
+            weighted_tail::<R>(acc, e, es, v, offs, hd, hd - hd % 8);
+        }
+
         #[inline]
         #[target_feature(enable = "avx2,fma")]
         unsafe fn dot_bf16<const R: usize>(w: &[u16], x: &[f32], k: usize, t0: usize) -> [f32; R] {
             debug_assert!(w.len() >= k && x.len() >= (t0 + R) * k);
             let acc = Self::dot::<R, true>(w.as_ptr() as *const u8, x, k, t0);
             let kb = k - k % LANES;
-            std::array::from_fn(|r| {
-                hsum(acc[r][0], acc[r][1]) + tail(Bf16Row(w), &x[(t0 + r) * k..], kb, k)
-            })
+            let mut out = [0f32; R];
+            for r in 0..R {
+                out[r] = hsum(acc[r][0], acc[r][1]) + tail(Bf16Row(w), &x[(t0 + r) * k..], kb, k);
+            }
+            out
         }
         #[inline]
         #[target_feature(enable = "avx2,fma")]
@@ -216,9 +340,11 @@ pub(crate) mod x86 {
             debug_assert!(w.len() >= k && x.len() >= (t0 + R) * k);
             let acc = Self::dot::<R, false>(w.as_ptr() as *const u8, x, k, t0);
             let kb = k - k % LANES;
-            std::array::from_fn(|r| {
-                hsum(acc[r][0], acc[r][1]) + tail(F32Row(w), &x[(t0 + r) * k..], kb, k)
-            })
+            let mut out = [0f32; R];
+            for r in 0..R {
+                out[r] = hsum(acc[r][0], acc[r][1]) + tail(F32Row(w), &x[(t0 + r) * k..], kb, k);
+            }
+            out
         }
     }
 
@@ -233,7 +359,10 @@ pub(crate) mod x86 {
             k: usize,
             t0: usize,
         ) -> [__m512; R] {
-            let xp: [*const f32; R] = std::array::from_fn(|r| x.as_ptr().add((t0 + r) * k));
+            let mut xp = [x.as_ptr(); R];
+            for (r, p) in xp.iter_mut().enumerate() {
+                *p = x.as_ptr().add((t0 + r) * k);
+            }
             let mut acc = [_mm512_setzero_ps(); R];
             let kb = k - k % LANES;
             let mut i = 0;
@@ -253,14 +382,77 @@ pub(crate) mod x86 {
         }
     }
 
+    impl Avx512 {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+        unsafe fn weighted<const R: usize, const BF16: bool>(
+            acc: &mut [f32],
+            e: &[f32],
+            es: usize,
+            v: *const u8,
+            offs: &[usize],
+            hd: usize,
+        ) {
+            let mut c = 0;
+            while c + 16 <= hd {
+                let mut a = [_mm512_setzero_ps(); R];
+                for (r, a) in a.iter_mut().enumerate() {
+                    *a = _mm512_loadu_ps(acc.as_ptr().add(r * hd + c));
+                }
+                for (p, &off) in offs.iter().enumerate() {
+                    let x = if BF16 {
+                        bf16x16((v as *const u16).add(off + c))
+                    } else {
+                        _mm512_loadu_ps((v as *const f32).add(off + c))
+                    };
+                    for (r, a) in a.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(_mm512_set1_ps(*e.get_unchecked(r * es + p)), x, *a);
+                    }
+                }
+                for (r, a) in a.iter().enumerate() {
+                    _mm512_storeu_ps(acc.as_mut_ptr().add(r * hd + c), *a);
+                }
+                c += 16;
+            }
+        }
+    }
+
     impl Kernel for Avx512 {
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+        unsafe fn weighted_rows<const R: usize>(
+            acc: &mut [f32],
+            e: &[f32],
+            es: usize,
+            v: Row,
+            offs: &[usize],
+            hd: usize,
+        ) {
+            debug_assert!(acc.len() >= R * hd && e.len() >= (R - 1) * es + offs.len());
+            match v {
+                Row::Bf16(s) => {
+                    debug_assert!(offs.iter().all(|&o| o + hd <= s.len()));
+                    Self::weighted::<R, true>(acc, e, es, s.as_ptr() as *const u8, offs, hd)
+                }
+                Row::F32(s) => {
+                    debug_assert!(offs.iter().all(|&o| o + hd <= s.len()));
+                    Self::weighted::<R, false>(acc, e, es, s.as_ptr() as *const u8, offs, hd)
+                }
+            }
+            weighted_tail::<R>(acc, e, es, v, offs, hd, hd - hd % 16);
+        }
+
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
         unsafe fn dot_bf16<const R: usize>(w: &[u16], x: &[f32], k: usize, t0: usize) -> [f32; R] {
             debug_assert!(w.len() >= k && x.len() >= (t0 + R) * k);
             let acc = Self::dot::<R, true>(w.as_ptr() as *const u8, x, k, t0);
             let kb = k - k % LANES;
-            std::array::from_fn(|r| hsum16(acc[r]) + tail(Bf16Row(w), &x[(t0 + r) * k..], kb, k))
+            let mut out = [0f32; R];
+            for r in 0..R {
+                out[r] = hsum16(acc[r]) + tail(Bf16Row(w), &x[(t0 + r) * k..], kb, k);
+            }
+            out
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
@@ -268,7 +460,11 @@ pub(crate) mod x86 {
             debug_assert!(w.len() >= k && x.len() >= (t0 + R) * k);
             let acc = Self::dot::<R, false>(w.as_ptr() as *const u8, x, k, t0);
             let kb = k - k % LANES;
-            std::array::from_fn(|r| hsum16(acc[r]) + tail(F32Row(w), &x[(t0 + r) * k..], kb, k))
+            let mut out = [0f32; R];
+            for r in 0..R {
+                out[r] = hsum16(acc[r]) + tail(F32Row(w), &x[(t0 + r) * k..], kb, k);
+            }
+            out
         }
     }
 }
@@ -314,5 +510,84 @@ pub(crate) unsafe fn dot_each<K: Kernel>(
             _ => group!(ROWS),
         }
         t0 += left.min(ROWS);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::simd::{self, Level};
+
+    fn noise(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// `weighted_rows::<R>` at `level` (R dispatched at run time).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn weighted_at(
+        level: Level,
+        r: usize,
+        acc: &mut [f32],
+        e: &[f32],
+        es: usize,
+        v: Row,
+        offs: &[usize],
+        hd: usize,
+    ) {
+        macro_rules! go {
+            ($k:ty) => {
+                match r {
+                    1 => <$k>::weighted_rows::<1>(acc, e, es, v, offs, hd),
+                    2 => <$k>::weighted_rows::<2>(acc, e, es, v, offs, hd),
+                    3 => <$k>::weighted_rows::<3>(acc, e, es, v, offs, hd),
+                    _ => <$k>::weighted_rows::<4>(acc, e, es, v, offs, hd),
+                }
+            };
+        }
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx2 => go!(x86::Avx2),
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx512 => go!(x86::Avx512),
+            _ => go!(Portable),
+        }
+    }
+
+    #[test]
+    fn weighted_rows_gives_the_same_bits_at_every_simd_level() {
+        for &hd in &[64usize, 24, 72, 5, 16] {
+            for r in 1..=4 {
+                let n_pos = 37;
+                let rows = 50;
+                let vf = noise(rows * hd, hd as u64);
+                let vb: Vec<u16> = vf
+                    .iter()
+                    .map(|x| half::bf16::from_f32(*x).to_bits())
+                    .collect();
+                let offs: Vec<usize> = (0..n_pos).map(|p| (p * 7 % rows) * hd).collect();
+                let es = n_pos + 3;
+                let e = noise(r * es, 99);
+                let init = noise(r * hd, 7);
+                for v in [Row::Bf16(&vb), Row::F32(&vf)] {
+                    let mut base = init.clone();
+                    unsafe { weighted_at(Level::Generic, r, &mut base, &e, es, v, &offs, hd) };
+                    assert_ne!(base, init);
+                    for level in simd::available() {
+                        let mut got = init.clone();
+                        unsafe { weighted_at(level, r, &mut got, &e, es, v, &offs, hd) };
+                        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got), bits(&base), "{level:?} hd {hd} rows {r}");
+                    }
+                }
+            }
+        }
     }
 }
