@@ -10,9 +10,10 @@
 //! `h / (heads / kv_heads)`.
 //!
 //! Numerics: q, k, v loaded to f32; `s = dot(q, k) * scale` (the dot in
-//! the matmul kernels' 16-lane order, see `dot`); with softcap `s = cap * tanh(s / cap)`; softmax in f32 with the
-//! max subtracted (`e = exp(s - max)` with `math::exp`, a vectorizable exp
-//! within 2 ulp of libm's; `l = sum e` in `math::sum`'s 16-lane order);
+//! the matmul kernels' 16-lane fma order, see `dot`); with softcap
+//! `s = cap * tanh(s / cap)`; softmax in f32 with the max subtracted
+//! (`e = exp(s - max)` with `math::exp`, a vectorizable exp within 2 ulp of
+//! the exact value; `l = sum e` in `math::sum`'s 16-lane order);
 //! `out = (sum_p e_p * v_p) / l` (per element, fma in position order, then
 //! one division), rounded to D once. This is the two-pass form; GPU
 //! kernels using an online softmax agree within tolerance.
@@ -70,7 +71,7 @@ fn slot(p: &Params, table: &[i32], pos: usize) -> usize {
     table[pos / p.bs] as usize * p.bs + pos % p.bs
 }
 
-/// Everything one (sequence, kv head) item reads and writes.
+/// Everything the items of one call read and write.
 struct Item<'a> {
     p: Params,
     q: Buf,

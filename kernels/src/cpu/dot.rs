@@ -469,7 +469,7 @@ pub(crate) mod x86 {
     }
 }
 
-/// Rows of `x` that share one pass over `w` in [`dot_each`].
+/// Rows of `x` that share one pass over `w` in `dot_each`.
 pub const ROWS: usize = 4;
 
 /// One row in storage form.

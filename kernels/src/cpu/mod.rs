@@ -22,12 +22,25 @@
 //! * Reductions (dot products, sums of squares) accumulate in f32 in a fixed
 //!   order that does not depend on the SIMD level or the thread count, so the
 //!   CPU backend is deterministic on every x86_64 and non-x86 host.
+//! * Transcendentals are libm's f32 functions (`sinf`, `cosf`, `expf`,
+//!   `tanhf`), except softmax's exp, which is [`math::exp`] (within 2 ulp).
+//!   GPU `sinf`/`expf` differ by an ulp or two, which the tolerances absorb.
+//!
+//! # Threads and SIMD
+//! Matmul and attention split their work between the calling thread and
+//! rayon's current pool (the global pool, sized by `RAYON_NUM_THREADS`, or
+//! the pool whose `install` the backend calls `execute` from); results do
+//! not depend on the thread count. Hot loops are compiled for the baseline
+//! target, AVX2 and AVX-512 and picked at run time; `KILN_CPU_SIMD=generic`
+//! or `avx2` caps the level (results are the same bits at every level).
 //!
 //! # Layout
 //! [`convert`] dtype conversions (also the public `to_f32`/`from_f32`),
 //! `buf` the raw-memory view the kernels share, `simd` the instruction-set
-//! dispatch, and one module per op family: [`matmul`], [`norm`], [`rope`],
-//! [`attention`], [`kv`], [`elementwise`], [`gather`], [`reduce`].
+//! dispatch, [`dot`] the dot-product kernels (and their summation order),
+//! `par` the parallel loop, [`math`] vectorizable f32 math, and one module
+//! per op family: [`matmul`], [`norm`], [`rope`], [`attention`], [`kv`],
+//! [`elementwise`], [`gather`], [`reduce`].
 //!
 //! Not here: the backend (memory, capture, replay) lives in the runtime; the
 //! GPU kernels live next to this module. Only little-endian hosts are
@@ -39,7 +52,7 @@ compile_error!("kiln's CPU kernels assume a little-endian host");
 pub mod attention;
 mod buf;
 pub mod convert;
-mod dot;
+pub mod dot;
 pub mod elementwise;
 pub mod gather;
 pub mod kv;
