@@ -47,6 +47,21 @@ impl Job {
     }
 }
 
+/// Closes the job and waits for running helpers when the caller leaves
+/// `for_each_chunk`, also when a chunk panics on the calling thread, so no
+/// helper can call `f` after it is dropped.
+struct CloseAndWait<'a>(&'a Job);
+
+impl Drop for CloseAndWait<'_> {
+    fn drop(&mut self) {
+        let mut s = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.0 = true;
+        while s.1 > 0 {
+            s = self.0.idle.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
 /// Decrements the running-helper count even if a chunk panics.
 struct Running<'a>(&'a Job);
 
@@ -95,12 +110,8 @@ pub(crate) fn for_each_chunk<F: Fn(usize) + Sync>(chunks: usize, f: F) {
             job.run_chunks();
         });
     }
+    let _close = CloseAndWait(&job);
     job.run_chunks();
-    let mut s = job.state.lock().unwrap_or_else(|e| e.into_inner());
-    s.0 = true;
-    while s.1 > 0 {
-        s = job.idle.wait(s).unwrap_or_else(|e| e.into_inner());
-    }
 }
 
 #[cfg(test)]
@@ -119,6 +130,27 @@ mod tests {
                 "{chunks}"
             );
         }
+    }
+
+    #[test]
+    fn a_panicking_chunk_on_the_caller_waits_for_helpers_before_unwinding() {
+        let done = AtomicUsize::new(0);
+        let caller = std::thread::current().id();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for_each_chunk(64, |_| {
+                if std::thread::current().id() == caller {
+                    panic!("chunk failed");
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                done.fetch_add(1, Ordering::Relaxed);
+            });
+        }));
+        assert!(result.is_err());
+        // Whatever the helpers ran, they had finished before the unwinding
+        // left `for_each_chunk`: the count no longer changes.
+        let seen = done.load(Ordering::Relaxed);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(done.load(Ordering::Relaxed), seen);
     }
 
     #[test]
