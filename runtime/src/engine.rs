@@ -10,7 +10,8 @@
 //! tokens.
 //!
 //! Scheduling, per step: sequences with at least one compiled chunk of prompt
-//! left run a prefill chunk (query > 1 keys, largest chunk that fits);
+//! left run a prefill chunk (query > 1 keys, largest chunk that fits, at most
+//! the largest compiled batch of that chunk; the others wait a step);
 //! otherwise every live sequence runs one token (the rest of its prompt token
 //! by token, or decode), or, for sequences given drafts, a speculative
 //! verification through a spec key. The dispatcher maps the rows to the
@@ -643,6 +644,7 @@ impl Engine {
             chunk_queries,
             options,
             plan,
+            keys,
             ..
         } = self;
         rows.clear();
@@ -655,10 +657,19 @@ impl Engine {
                 })
                 .max();
             if let Some(q) = best {
+                // A prefill chunk takes at most the largest compiled batch
+                // of its shape; the other prompts wait for the next step.
+                let cap = keys
+                    .iter()
+                    .filter(|k| k.key.query == q && k.key.spec == 0)
+                    .map(|k| k.key.batch as usize)
+                    .max()
+                    .unwrap_or(1);
                 rows.extend(
                     live()
                         .filter(|(_, s)| s.prompt_len.saturating_sub(s.computed) >= q)
-                        .map(|(&id, _)| id),
+                        .map(|(&id, _)| id)
+                        .take(cap),
                 );
                 return Some((q, 0));
             }
