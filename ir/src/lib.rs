@@ -10,6 +10,7 @@
 //! Not here: model frontends, passes and planning (compiler), execution
 //! (runtime), kernels (kernels).
 
+pub mod artifact;
 pub mod graph;
 pub mod key;
 pub mod manifest;
