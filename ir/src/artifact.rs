@@ -124,7 +124,8 @@ pub fn decode(bytes: &[u8]) -> Result<Plan, ArtifactError> {
 /// least one encoded byte) plus the length of every string and byte buffer
 /// before allocating it. So a valid body never claims more than
 /// `8 * len`, and a corrupt one is refused before it allocates more than
-/// the limit. The limit is a const generic, hence the buckets.
+/// the limit. The limit is a const generic, hence the power-of-two buckets:
+/// the limit is at most twice what a valid body of this length can claim.
 fn decode_body(body: &[u8]) -> Result<Plan, ArtifactError> {
     let need = (body.len() as u64)
         .saturating_mul(8)
@@ -142,9 +143,9 @@ fn decode_body(body: &[u8]) -> Result<Plan, ArtifactError> {
         };
     }
     #[cfg(target_pointer_width = "64")]
-    bucket!(20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40);
+    bucket!(20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40);
     #[cfg(not(target_pointer_width = "64"))]
-    bucket!(20, 22, 24, 26, 28, 30);
+    bucket!(20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30);
     Err(ArtifactError::Body {
         message: format!(
             "a {}-byte body is larger than any plan kiln writes",
