@@ -16,11 +16,13 @@
 //! targets (a hook, [`kernel_images`], filled by the kernels crate), the
 //! runtime.
 
+use crate::frontend::{self, Model, TraceOptions};
 use crate::passes::{self, Pass, PassError, PassStats, DEFAULT_PIPELINE};
 use crate::planner::{self, PlanContext, PlanError};
 use kiln_ir::plan::{KernelImage, KvLayout, ModelInfo, ModelMeta, Plan, Target};
 use kiln_ir::{Graph, Key, WeightManifest};
 use std::fmt::Display;
+use std::path::{Path, PathBuf};
 
 /// KV cache block size when none is given.
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
@@ -83,8 +85,8 @@ impl Default for CompileOptions {
 pub enum CompileError {
     #[error("invalid options: {0}")]
     Options(String),
-    #[error("{0}")]
-    Frontend(String),
+    #[error(transparent)]
+    Frontend(#[from] crate::frontend::FrontendError),
     #[error("tracing key {key} failed: {message}")]
     Trace { key: Key, message: String },
     #[error(transparent)]
@@ -95,6 +97,11 @@ pub enum CompileError {
     Check(Vec<String>),
     #[error("kernel images for {target}: {message}")]
     Kernels { target: Target, message: String },
+    #[error("cannot write the plan to `{path}`: {source}")]
+    Write {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// Per-key facts of a compile, for reports and the benchmark.
@@ -293,4 +300,182 @@ pub fn compile_traced<E: Display>(
         planner::check::check_plan(&plan).map_err(CompileError::Check)?;
     }
     Ok(Compiled { plan, reports })
+}
+
+/// Compiles an opened model.
+pub fn compile_model(
+    model: &Model,
+    opts: &CompileOptions,
+    progress: &mut dyn FnMut(Stage, Key),
+) -> Result<Compiled, CompileError> {
+    let meta = ModelMeta {
+        architecture: model.architecture().to_string(),
+        files: model.source_files().to_vec(),
+        compiler_version: env!("CARGO_PKG_VERSION").to_string(),
+        target: opts.target.clone(),
+        info: model.info().clone(),
+    };
+    let trace_opts = TraceOptions {
+        logits: opts.logits,
+    };
+    compile_traced(
+        meta,
+        model.manifest().clone(),
+        opts,
+        |key, kv| model.trace(key, kv, &trace_opts),
+        progress,
+    )
+}
+
+/// Opens the model directory `dir` and compiles it.
+pub fn compile_dir(
+    dir: &Path,
+    opts: &CompileOptions,
+    progress: &mut dyn FnMut(Stage, Key),
+) -> Result<Compiled, CompileError> {
+    let model = frontend::open(dir)?;
+    compile_model(&model, opts, progress)
+}
+
+/// `kiln compile` arguments.
+#[derive(Clone, Debug, clap::Args)]
+pub struct CompileArgs {
+    /// Hugging Face model directory (config.json + safetensors).
+    pub model_dir: PathBuf,
+    /// Batch sizes to compile, with --query and --spec.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub batches: Vec<u32>,
+    /// Tokens per sequence per step (1: plain decode).
+    #[arg(long, default_value_t = 1)]
+    pub query: u32,
+    /// Draft tokens verified per step (query must be spec + 1).
+    #[arg(long, default_value_t = 0)]
+    pub spec: u32,
+    /// Explicit shape keys instead of --batches/--query/--spec, e.g. b1q1s0,b8q2s1.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["batches", "query", "spec"])]
+    pub keys: Vec<Key>,
+    /// cpu, cuda:sm_NN or hip:gfxNNNN.
+    #[arg(long, default_value = "cpu")]
+    pub target: Target,
+    /// Usable KV blocks per layer (a reserved null block is added).
+    #[arg(long)]
+    pub kv_blocks: Option<u32>,
+    /// Usable KV tokens per layer (alternative to --kv-blocks).
+    #[arg(long, conflicts_with = "kv_blocks")]
+    pub max_tokens: Option<u64>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
+    pub block_size: u32,
+    /// Longest context a sequence may reach (capped by the model's own limit).
+    #[arg(long, default_value_t = DEFAULT_MAX_CONTEXT)]
+    pub max_context: u32,
+    /// Also output the f32 logits of every scored row.
+    #[arg(long)]
+    pub logits: bool,
+    /// Skip graph verification between passes and the plan checker.
+    #[arg(long)]
+    pub no_verify: bool,
+    /// Where to write the plan.
+    #[arg(short = 'o', long, default_value = "model.kiln")]
+    pub output: PathBuf,
+    /// No progress bar.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+}
+
+impl CompileArgs {
+    /// The options these arguments describe.
+    pub fn options(&self) -> CompileOptions {
+        let keys = if self.keys.is_empty() {
+            self.batches
+                .iter()
+                .map(|&b| Key::new(b, self.query, self.spec))
+                .collect()
+        } else {
+            self.keys.clone()
+        };
+        CompileOptions {
+            keys,
+            target: self.target.clone(),
+            kv: KvOptions {
+                block_size: self.block_size,
+                kv_blocks: self.kv_blocks,
+                max_tokens: self.max_tokens,
+                max_context: Some(self.max_context),
+            },
+            logits: self.logits,
+            verify: !self.no_verify,
+            passes: DEFAULT_PIPELINE.to_vec(),
+        }
+    }
+}
+
+/// One line per key: what `kiln compile` prints when it is done.
+pub fn summary_table(plan: &Plan) -> String {
+    let mut s = format!(
+        "{:<10} {:>8} {:>12} {:>12} {:>7} {:>10} {:>14} {:>14}\n",
+        "key", "launches", "arena_peak", "lower_bound", "eff", "workspace", "flops", "bytes"
+    );
+    for k in &plan.keys {
+        s.push_str(&format!(
+            "{:<10} {:>8} {:>12} {:>12} {:>7.4} {:>10} {:>14} {:>14}\n",
+            k.key.to_string(),
+            k.launches,
+            k.arena_peak,
+            k.arena_lower_bound,
+            efficiency(k.arena_lower_bound, k.arena_peak),
+            k.workspace_bytes,
+            k.flops,
+            k.bytes_moved
+        ));
+    }
+    s
+}
+
+/// Runs `kiln compile`: compiles, writes the plan atomically, and returns
+/// the report to print.
+pub fn run(args: &CompileArgs) -> Result<String, CompileError> {
+    let start = std::time::Instant::now();
+    let opts = args.options();
+    let n = normalize_keys(&opts.keys)?.len() as u64;
+    let bar = if args.quiet {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(2 * n)
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {msg}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    let compiled = compile_dir(&args.model_dir, &opts, &mut |stage, key| {
+        bar.set_message(match stage {
+            Stage::Passes => format!("traced and fused {key}"),
+            Stage::Planned => format!("planned {key}"),
+        });
+        bar.inc(1);
+    });
+    bar.finish_and_clear();
+    let compiled = compiled?;
+    let bytes = kiln_ir::artifact::encode(&compiled.plan);
+    kiln_ir::artifact::write_bytes_atomic(&args.output, &bytes).map_err(|source| {
+        CompileError::Write {
+            path: args.output.clone(),
+            source,
+        }
+    })?;
+    let p = &compiled.plan;
+    Ok(format!(
+        "{}wrote {} ({} bytes): {} keys, {} weights ({} bytes), arena {} bytes, workspace {} bytes, target {}, in {:.2} s\n",
+        summary_table(p),
+        args.output.display(),
+        bytes.len(),
+        p.keys.len(),
+        p.manifest.entries.len(),
+        p.manifest.total_bytes(),
+        p.arena_bytes,
+        p.workspace_bytes,
+        p.meta.target,
+        start.elapsed().as_secs_f64()
+    ))
 }

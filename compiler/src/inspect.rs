@@ -159,7 +159,7 @@ fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
     );
     for (n, e) in plan.manifest.entries.iter().enumerate() {
         let src = match &e.source {
-            WeightSource::Tensor(t) if t.tensor == e.name => format!("{}", t.file),
+            WeightSource::Tensor(t) if t.tensor == e.name => t.file.to_string(),
             WeightSource::Tensor(t) => format!("{}:{}", t.file, t.tensor),
             WeightSource::ConcatRows(parts) => format!(
                 "concat_rows({})",
@@ -170,7 +170,11 @@ fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
                     .join(", ")
             ),
         };
-        let _ = writeln!(o, "    weight.{n:<4} {} {}{} <- {src}", e.name, e.dtype, e.shape);
+        let _ = writeln!(
+            o,
+            "    weight.{n:<4} {} {}{} <- {src}",
+            e.name, e.dtype, e.shape
+        );
     }
     for kp in keys {
         let _ = writeln!(o);

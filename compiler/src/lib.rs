@@ -2,6 +2,7 @@
 //! planner, plan emission and the `kiln` CLI's subcommands.
 
 pub mod compile;
+pub mod compile_bench;
 pub mod config;
 pub mod frontend;
 pub mod inspect;

@@ -93,7 +93,7 @@ impl SynthSpec {
     }
 
     /// Every checkpoint tensor, in checkpoint order, name -> shape.
-    fn tensors(&self) -> Vec<(String, Vec<u32>)> {
+    pub fn tensors(&self) -> Vec<(String, Vec<u32>)> {
         let (h, q, kv, i) = (
             self.hidden,
             self.heads * self.head_dim,

@@ -288,7 +288,7 @@ pub fn check_key(kp: &KeyPlan, manifest: &WeightManifest, kv: &KvLayout) -> Vec<
     };
     for (x, &u) in arena.iter().enumerate() {
         let bu = kp.buffers[u].buf;
-        if bu.offset % ARENA_ALIGN != 0 {
+        if !bu.offset.is_multiple_of(ARENA_ALIGN) {
             errs.push(format!(
                 "{k}: %{u} arena offset {} is not aligned",
                 bu.offset
@@ -367,7 +367,7 @@ pub fn check_key(kp: &KeyPlan, manifest: &WeightManifest, kv: &KvLayout) -> Vec<
         .collect();
     for (x, &u) in io.iter().enumerate() {
         let b = kp.buffers[u].buf;
-        if b.offset % ARENA_ALIGN != 0 || b.offset + b.bytes > kp.io_bytes {
+        if !b.offset.is_multiple_of(ARENA_ALIGN) || b.offset + b.bytes > kp.io_bytes {
             errs.push(format!(
                 "{k}: Io buffer of %{u} at {:?} is misaligned or outside io_bytes {}",
                 b, kp.io_bytes

@@ -12,7 +12,7 @@
 //! Values are f32 in the interpreter and rounded to their dtype after every
 //! op, as the CPU kernels round their results.
 
-#![allow(dead_code)]
+#![allow(dead_code, clippy::needless_range_loop, clippy::too_many_arguments)]
 
 use half::{bf16, f16};
 use kiln_ir::plan::{BufRef, KeyPlan, KvLayout, Region};
