@@ -12,8 +12,9 @@
 //! overlap it in time (lowest gap that fits, or the tightest one). Several
 //! orders are tried (by size, by start, by size x duration, by duration) and
 //! the lowest peak wins; the search stops as soon as a placement reaches the
-//! lower bound, which is optimal. Everything is deterministic: ties break on
-//! the block index.
+//! lower bound, which is optimal. When none does, a fixed number of random
+//! orders (from a fixed seed) is tried as well. Everything is deterministic:
+//! ties break on the block index.
 //!
 //! Not here: deciding lifetimes or in-place reuse (the caller merges reused
 //! buffers into one block first), alignment (sizes come in aligned).
@@ -131,12 +132,47 @@ pub fn place(blocks: &[Block]) -> Placement {
             }
         }
     }
-    best.unwrap_or(Placement {
+    let mut best = best.unwrap_or(Placement {
         offsets: Vec::new(),
         peak: 0,
         strategy: "empty",
-    })
+    });
+    // No heuristic reached the bound: search random orders (deterministic
+    // seed), which escapes the heuristics' shared blind spots on irregular
+    // lifetimes. Decoder graphs rarely get here: their chains place at the
+    // bound on the first try.
+    let mut rng = 0x243F_6A88_85A3_08D3u64 ^ n as u64;
+    let mut order = idx;
+    for t in 0..RANDOM_TRIES {
+        // Fisher-Yates with xorshift64.
+        for i in (1..n).rev() {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            order.swap(i, (rng % (i as u64 + 1)) as usize);
+        }
+        let fit = if t % 2 == 0 { Fit::First } else { Fit::Best };
+        let (offsets, peak) = greedy(blocks, &order, fit);
+        if peak < best.peak {
+            best = Placement {
+                offsets,
+                peak,
+                strategy: if t % 2 == 0 {
+                    "random/first-fit"
+                } else {
+                    "random/best-fit"
+                },
+            };
+            if peak <= lb {
+                break;
+            }
+        }
+    }
+    best
 }
+
+/// Random orders tried when no heuristic order reaches the lower bound.
+const RANDOM_TRIES: u32 = 64;
 
 fn greedy(blocks: &[Block], order: &[usize], fit: Fit) -> (Vec<u64>, u64) {
     let mut offsets = vec![0u64; blocks.len()];
