@@ -134,6 +134,18 @@ pub fn run_pipeline(
     passes: &[Pass],
     verify: bool,
 ) -> Result<(Graph, PassStats), PassError> {
+    pipeline(graph, manifest, passes, verify, run_pass)
+}
+
+/// [`run_pipeline`] with the pass application as a parameter, so tests can
+/// check what happens when a pass misbehaves.
+fn pipeline(
+    graph: Graph,
+    manifest: &mut WeightManifest,
+    passes: &[Pass],
+    verify: bool,
+    mut apply: impl FnMut(Pass, Graph, &mut WeightManifest, &mut PassStats) -> Result<Graph, PassError>,
+) -> Result<(Graph, PassStats), PassError> {
     let mut stats = PassStats {
         nodes_before: graph.nodes.len(),
         ..PassStats::default()
@@ -146,7 +158,7 @@ pub fn run_pipeline(
     }
     let mut g = graph;
     for &pass in passes {
-        g = run_pass(pass, g, manifest, &mut stats)?;
+        g = apply(pass, g, manifest, &mut stats)?;
         if verify {
             verify::verify(&g, Some(manifest)).map_err(|errors| PassError::Verify {
                 pass,
@@ -157,4 +169,43 @@ pub fn run_pipeline(
     }
     stats.nodes_after = g.nodes.len();
     Ok((g, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use synth::{SynthFamily, SynthSpec};
+
+    #[test]
+    fn a_pass_that_breaks_the_graph_is_named_unless_verification_is_off() {
+        let spec = SynthSpec::tiny(SynthFamily::Llama);
+        let key = kiln_ir::Key::new(2, 1, 0);
+        let g = spec.graph(key, &spec.kv_layout(16, 9, 64), false);
+        // A gate/up fusion that forgets to declare the weight it reads.
+        let broken = |pass: Pass, g: Graph, m: &mut WeightManifest, s: &mut PassStats| {
+            let mut g = run_pass(pass, g, m, s)?;
+            if pass == Pass::FuseGateUp {
+                g.weights.pop();
+            }
+            Ok(g)
+        };
+        let mut m = spec.manifest();
+        let e = pipeline(g.clone(), &mut m, &DEFAULT_PIPELINE, true, broken).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                PassError::Verify {
+                    pass: Pass::FuseGateUp,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let text = e.to_string();
+        assert!(text.contains("pass `fuse-gate-up`"), "{text}");
+        assert!(text.contains("--no-verify"), "{text}");
+        // With verification off the broken graph goes through unchecked.
+        let mut m = spec.manifest();
+        assert!(pipeline(g, &mut m, &DEFAULT_PIPELINE, false, broken).is_ok());
+    }
 }
