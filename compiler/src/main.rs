@@ -19,6 +19,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Compile a Hugging Face model directory into a plan (`*.kiln`).
+    Compile(kiln_compiler::compile::CompileArgs),
+    /// Print a plan as text, DOT or a JSON summary.
+    Inspect(kiln_compiler::inspect::InspectArgs),
+    /// Time compiling a Qwen3-0.6B-shaped model for 16 keys.
+    BenchCompile(kiln_compiler::compile_bench::BenchCompileArgs),
     /// Convert a llama-family GGUF file into a model directory
     /// (config.json, model.safetensors, tokenizer.json, ...).
     Import {
@@ -42,6 +48,9 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Cmd::Compile(a) => print!("{}", kiln_compiler::compile::run(&a)?),
+        Cmd::Inspect(a) => print!("{}", kiln_compiler::inspect::run(&a)?),
+        Cmd::BenchCompile(a) => print!("{}", kiln_compiler::compile_bench::run(&a)?),
         Cmd::Import { gguf, out, force } => {
             let report = import::import_gguf(&gguf, &out, &import::ImportOptions { force })
                 .with_context(|| format!("importing {}", gguf.display()))?;
