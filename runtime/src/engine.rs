@@ -445,6 +445,17 @@ impl Engine {
         })
     }
 
+    /// [`Engine::new`] with the plan read from a `*.kiln` file.
+    pub fn load(
+        plan_path: &Path,
+        weights_dir: &Path,
+        backend: Box<dyn Backend>,
+        options: EngineOptions,
+    ) -> Result<Engine, EngineError> {
+        let plan = crate::loader::read_plan_file(plan_path)?;
+        Engine::new(plan, weights_dir, backend, options)
+    }
+
     pub fn plan(&self) -> &Plan {
         &self.plan
     }

@@ -5,7 +5,8 @@
 //!
 //! A plan is data from a file; the engine trusts nothing in it that it has not
 //! checked here. Not here: weight files (see [`crate::weights`]) and the
-//! artifact encoding (magic, version, checksum: `kiln_ir::artifact`).
+//! artifact encoding (magic, version, checksum: `kiln_ir::artifact`, which
+//! [`read_plan_file`] calls).
 
 use crate::backend::DeviceInfo;
 use crate::error::EngineError;
@@ -13,6 +14,16 @@ use kiln_ir::graph::InputRole;
 use kiln_ir::plan::{BufRef, KeyPlan, Plan, Region, Target};
 use kiln_ir::DType;
 use std::collections::HashSet;
+
+/// Reads and decodes a plan file (magic, version, length and checksum are
+/// checked by `kiln_ir::artifact` before the body is decoded).
+pub fn read_plan_file(path: &std::path::Path) -> Result<kiln_ir::plan::Plan, EngineError> {
+    let bytes = std::fs::read(path).map_err(|e| EngineError::io(path, e))?;
+    kiln_ir::artifact::decode(&bytes).map_err(|e| EngineError::Artifact {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
 
 /// Checks that a plan built for `target` can run on the device `info`
 /// describes.

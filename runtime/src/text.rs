@@ -116,6 +116,8 @@ pub struct RunReport {
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
     pub finish: Option<FinishReason>,
+    /// Whether the engine replayed graphs (the policy's decision).
+    pub graphs: bool,
     /// Time to the first generated token (prefill).
     pub prefill_time: Duration,
     /// Time from the first generated token to the last.
@@ -161,6 +163,7 @@ pub fn generate_text(
     let mut first: Option<Instant> = None;
     let mut report = RunReport {
         prompt_tokens: ids.len(),
+        graphs: engine.graph_decision().graphs,
         ..RunReport::default()
     };
     let result = (|| {
