@@ -39,7 +39,7 @@ impl std::str::FromStr for DeviceSpec {
 }
 
 /// Opens the backend `spec` names.
-pub fn open_backend(spec: DeviceSpec) -> Result<Box<dyn Backend>, EngineError> {
+pub fn open_backend(spec: DeviceSpec) -> Result<Box<dyn Backend + Send>, EngineError> {
     match spec {
         DeviceSpec::Cpu => Ok(Box::new(crate::cpu::CpuBackend::new())),
         DeviceSpec::Cuda(ordinal) => open_cuda(ordinal),
@@ -48,18 +48,18 @@ pub fn open_backend(spec: DeviceSpec) -> Result<Box<dyn Backend>, EngineError> {
 }
 
 #[cfg(feature = "cuda")]
-fn open_cuda(ordinal: u32) -> Result<Box<dyn Backend>, EngineError> {
+fn open_cuda(ordinal: u32) -> Result<Box<dyn Backend + Send>, EngineError> {
     Ok(Box::new(crate::cuda::CudaBackend::new(ordinal)?))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(ordinal: u32) -> Result<Box<dyn Backend>, EngineError> {
+fn open_cuda(ordinal: u32) -> Result<Box<dyn Backend + Send>, EngineError> {
     Err(EngineError::Device(format!(
         "cuda:{ordinal} asked for, but this build has no CUDA backend; rebuild with `--features cuda`"
     )))
 }
 
-fn open_hip(ordinal: u32) -> Result<Box<dyn Backend>, EngineError> {
+fn open_hip(ordinal: u32) -> Result<Box<dyn Backend + Send>, EngineError> {
     if cfg!(feature = "rocm") {
         Err(EngineError::Device(format!(
             "hip:{ordinal} asked for, but the HIP backend is not wired into open_backend yet"

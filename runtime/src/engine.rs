@@ -249,7 +249,7 @@ struct KeyRt {
 /// A loaded plan serving sequences. See the module docs.
 pub struct Engine {
     plan: Plan,
-    backend: Box<dyn Backend>,
+    backend: Box<dyn Backend + Send>,
     decision: GraphDecision,
     options: EngineOptions,
     keys: Vec<KeyRt>,
@@ -298,7 +298,7 @@ impl Engine {
     pub fn new(
         plan: Plan,
         weights_dir: &Path,
-        mut backend: Box<dyn Backend>,
+        mut backend: Box<dyn Backend + Send>,
         options: EngineOptions,
     ) -> Result<Engine, EngineError> {
         validate_plan(&plan)?;
@@ -449,7 +449,7 @@ impl Engine {
     pub fn load(
         plan_path: &Path,
         weights_dir: &Path,
-        backend: Box<dyn Backend>,
+        backend: Box<dyn Backend + Send>,
         options: EngineOptions,
     ) -> Result<Engine, EngineError> {
         let plan = crate::loader::read_plan_file(plan_path)?;
@@ -1043,5 +1043,14 @@ impl Drop for Engine {
                 eprintln!("kiln: engine teardown: {e}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_engine_can_move_to_another_thread() {
+        fn send<T: Send>() {}
+        send::<super::Engine>();
     }
 }

@@ -61,7 +61,12 @@ fn smollm2_135m_sized_decode_runs_at_20_tokens_per_second_on_the_cpu() {
     let t = Instant::now();
     let mut n = 0;
     while e.has_work() {
-        n += e.step().unwrap().iter().map(|(_, t)| t.len()).sum::<usize>();
+        n += e
+            .step()
+            .unwrap()
+            .iter()
+            .map(|(_, t)| t.len())
+            .sum::<usize>();
     }
     let tps = n as f64 / t.elapsed().as_secs_f64();
     let c = e.total_counters();
@@ -70,5 +75,8 @@ fn smollm2_135m_sized_decode_runs_at_20_tokens_per_second_on_the_cpu() {
         c.replays, c.eager_steps
     );
     assert_eq!(n, 64);
-    assert!(tps >= 20.0, "{tps:.1} tokens/s is below the 20 tokens/s bar");
+    assert!(
+        tps >= 20.0,
+        "{tps:.1} tokens/s is below the 20 tokens/s bar"
+    );
 }
