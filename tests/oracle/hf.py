@@ -7,7 +7,9 @@ the only thing compared is the model's forward pass.
 
 * `greedy`: prompt prefilled in one forward pass, then one token per step;
   records every step's top-2 logits and margin, and the first step's full
-  logits row.
+  logits row. `head="f32"` computes the logits from the decoder's hidden
+  states with the lm_head weight in f32 (bf16 activations, f32 logits: kiln's
+  numerics); `head="model"` is HF's own lm_head.
 * `score`: one forward pass over prompt + a given continuation (teacher
   forcing); for every continuation position, HF's top-2 under that prefix and
   HF's logit of the given token. This is what judges a kiln sequence after it
@@ -38,6 +40,10 @@ def load(model_dir: str, dtype: str, device: str, gguf_file: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM
 
+    # The f32 oracle must be f32: no TF32 in matmuls on GPUs that have it.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
     kwargs = {"dtype": dtype_of(dtype), "attn_implementation": "eager"}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
