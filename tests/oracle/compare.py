@@ -146,7 +146,8 @@ def judge_spec(run: dict, plain: dict | None, ref: dict, T: float, scorer, promp
       `oracle` drafts, kiln's plain run itself for `self` drafts), every
       verification step must accept all its drafts, unless the verified run
       left plain decoding at a near-tie (regret under T);
-    * wrong drafts are never accepted;
+    * wrong drafts (kiln's own plain tokens + 1: never the argmax while the
+      run follows plain decoding) are never accepted;
     * the output equals kiln's plain greedy run, or departs from it only at
       near-ties (regret under HF f32 at most T).
     """
@@ -332,6 +333,14 @@ def markdown(r: dict) -> str:
         f"- oracle: transformers {r.get('transformers')} / torch {r.get('torch')} on {r.get('hf_device')}, "
         "f32 compute on the bf16 checkpoint"
     )
+    devs = sorted(
+        {
+            f"{j['device']} ({j.get('device_name')})"
+            for m in r["models"].values()
+            for j in m["runs"].values()
+        }
+    )
+    L.append(f"- kiln backends: {', '.join(devs) or '-'}")
     L.append(f"- verdict: **{'PASS' if r['pass'] else 'FAIL'}**\n")
     L.append("## Noise floor and near-tie threshold per model\n")
     L.append(

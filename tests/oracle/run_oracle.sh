@@ -131,16 +131,19 @@ for name in "${names[@]}"; do
                 b1) "$ORUN" "${common[@]}" --batch 1 --out "$wd/kiln-$dev-b1.json" ;;
                 b8) "$ORUN" "${common[@]}" --batch 8 --out "$wd/kiln-$dev-b8.json" ;;
                 spec)
+                    # Right drafts: HF f32's continuation (oracle) and kiln's own
+                    # plain greedy output (self). Wrong drafts: kiln's own output
+                    # plus one, so each first draft is certainly not the argmax
+                    # (HF's tokens plus one can be right where kiln left HF's path).
+                    [[ -f $wd/kiln-$dev-b1.json ]] || die "the spec runs need the b1 run (--runs \"b1 ... spec\")"
+                    "$PY" "$here/oracle.py" self-drafts --run "$wd/kiln-$dev-b1.json" \
+                        --out "$wd/self-drafts-$dev.json"
                     "$ORUN" "${common[@]}" --batch 1 --drafts "$wd/drafts.json" \
                         --out "$wd/kiln-$dev-spec-oracle.json"
-                    "$ORUN" "${common[@]}" --batch 1 --drafts "$wd/drafts.json" --wrong-drafts \
-                        --out "$wd/kiln-$dev-spec-wrong.json"
-                    if [[ -f $wd/kiln-$dev-b1.json ]]; then
-                        "$PY" "$here/oracle.py" self-drafts --run "$wd/kiln-$dev-b1.json" \
-                            --out "$wd/self-drafts-$dev.json"
-                        "$ORUN" "${common[@]}" --batch 1 --drafts "$wd/self-drafts-$dev.json" \
-                            --out "$wd/kiln-$dev-spec-self.json"
-                    fi ;;
+                    "$ORUN" "${common[@]}" --batch 1 --drafts "$wd/self-drafts-$dev.json" \
+                        --out "$wd/kiln-$dev-spec-self.json"
+                    "$ORUN" "${common[@]}" --batch 1 --drafts "$wd/self-drafts-$dev.json" --wrong-drafts \
+                        --out "$wd/kiln-$dev-spec-wrong.json" ;;
                 *) die "unknown run $r (expected b1, b8, spec)" ;;
             esac
         done
