@@ -4,3 +4,4 @@
 //! never the compiler.
 
 pub mod backend;
+pub mod hip;
