@@ -1,1 +1,6 @@
 //! kiln compiler.
+
+pub mod config;
+pub mod frontend;
+pub mod safetensors_header;
+pub mod testing;
