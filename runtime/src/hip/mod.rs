@@ -24,3 +24,10 @@ pub mod gemm;
 pub mod offline;
 pub mod policy;
 pub mod source;
+
+#[cfg(feature = "rocm")]
+pub mod blaslt;
+#[cfg(feature = "rocm")]
+pub mod ffi;
+#[cfg(feature = "rocm")]
+pub mod rtc;
