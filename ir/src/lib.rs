@@ -16,6 +16,7 @@
 //! Not here: model frontends, passes and planning (compiler), execution
 //! (runtime), kernels (kernels).
 
+pub mod artifact;
 pub mod dot;
 pub mod golden;
 pub mod graph;
