@@ -24,4 +24,4 @@ cargo clippy -p kiln-runtime --features rocm --all-targets -- -D warnings
 # then the integration tests: the catalog compiled by hiprtc for gfx90a, and
 # the backend contract (skipped without a device).
 cargo test -p kiln-runtime --features rocm --lib hip::
-# (integration tests hip_kernels / hip_contract land with the kernel catalog)
+cargo test -p kiln-runtime --features rocm --test 'hip*'

@@ -471,6 +471,11 @@ impl HipBlasLt {
         status(s, "hipblasLtMatmul", &what)
     }
 
+    /// Whether `prepare(p, granted)` has succeeded.
+    pub fn is_prepared(&self, p: &GemmProblem, granted: u64) -> bool {
+        self.prepared.contains_key(&(p.clone(), granted))
+    }
+
     /// Distinct GEMM problems prepared.
     pub fn prepared_count(&self) -> usize {
         self.prepared.len()

@@ -45,6 +45,12 @@ pub enum CacheOutcome {
     CompiledNotStored(String),
 }
 
+/// The hiprtc options kiln compiles kernel source with, for `target_id` (the
+/// device's full `gcnArchName`, so target features such as xnack match).
+pub fn hiprtc_options(target_id: &str) -> Vec<String> {
+    vec![format!("--offload-arch={target_id}"), "-O3".to_string()]
+}
+
 /// The cache key: hex SHA-256 over length-prefixed fields, so no two distinct
 /// inputs share a key by concatenation (`"ab" + "c"` is not `"a" + "bc"`).
 pub fn cache_key(source: &[u8], options: &[String], arch: &str, compiler: &str) -> String {
@@ -212,6 +218,14 @@ mod tests {
 
     fn opts(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn hiprtc_options_name_the_full_target_id() {
+        assert_eq!(
+            hiprtc_options("gfx942:sramecc+:xnack-"),
+            ["--offload-arch=gfx942:sramecc+:xnack-", "-O3"]
+        );
     }
 
     #[test]

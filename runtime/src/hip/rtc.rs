@@ -199,16 +199,10 @@ impl Hiprtc {
     }
 }
 
-/// The hiprtc options kiln compiles kernel source with, for `arch` (the
-/// device's full `gcnArchName`, so target features such as xnack match).
-pub fn compile_options(arch: &str) -> Vec<String> {
-    vec![format!("--offload-arch={arch}"), "-O3".to_string()]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hip::cache::is_code_object;
+    use crate::hip::cache::{hiprtc_options as compile_options, is_code_object};
 
     #[test]
     fn a_syntax_error_comes_back_with_the_compiler_log() {
@@ -237,13 +231,5 @@ mod tests {
         assert!(is_code_object(&code), "{} bytes", code.len());
         assert!(code.windows(5).any(|w| w == b"scale"));
         assert!(rtc.identity().contains("hiprtc"), "{}", rtc.identity());
-    }
-
-    #[test]
-    fn options_name_the_full_target_id() {
-        assert_eq!(
-            compile_options("gfx942:sramecc+:xnack-"),
-            ["--offload-arch=gfx942:sramecc+:xnack-", "-O3"]
-        );
     }
 }
