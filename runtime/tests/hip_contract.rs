@@ -446,6 +446,8 @@ mod sim {
         /// Device allocations alive.
         pub live: usize,
         pub rtc_compiles: usize,
+        /// Every kernel launched or recorded: entry and parameter bytes.
+        pub kernels: Vec<(String, Vec<Vec<u8>>)>,
     }
 
     thread_local! {
@@ -659,6 +661,17 @@ mod sim {
             }
         }
 
+        /// `len` bytes of device memory at `ptr`.
+        pub fn peek(&self, ptr: u64, len: u64) -> Vec<u8> {
+            let (&base, (_, buf)) = self
+                .memory
+                .range(..=ptr)
+                .next_back()
+                .expect("a live allocation");
+            let off = (ptr - base) as usize;
+            buf[off..off + len as usize].to_vec()
+        }
+
         /// A fake code object for `target_id`: an AMDGPU ELF header, then a
         /// line naming the architecture.
         pub fn code_object(target_id: &str) -> Vec<u8> {
@@ -828,9 +841,13 @@ mod sim {
         ) -> Result<(), DriverError> {
             self.call("launch_kernel");
             let name = self.functions[&f].clone();
-            let params = (0..params.len())
+            let params: Vec<Vec<u8>> = (0..params.len())
                 .map(|i| params.bytes(i).to_vec())
                 .collect();
+            self.trace
+                .borrow_mut()
+                .kernels
+                .push((name.clone(), params.clone()));
             self.submit(Node::Kernel { name, params })
         }
         fn begin_capture(&mut self, _s: Handle) -> Result<(), DriverError> {
@@ -1348,6 +1365,51 @@ mod on_sim {
         let trace = f.trace.clone();
         drop(f.b);
         assert_eq!(trace.borrow().live, 0, "and freed at teardown");
+    }
+
+    #[test]
+    fn completion_counters_are_allocated_zeroed_and_passed_apart_from_the_scratch() {
+        use kiln_kernels::gpu::{Lowered, Param};
+        let mut f = Fixture::new();
+        let b = &mut f.b;
+        let buf = b.alloc(1 << 20, "operands").unwrap();
+        let l = attention_launch(buf, buf, buf, buf, buf, 64);
+        let Lowered::Kernels {
+            calls,
+            counters,
+            scratch_bytes,
+        } = kiln_runtime::hip::catalog::lower(&l).unwrap()
+        else {
+            panic!("attention lowers to kernels")
+        };
+        assert!(counters > 0 && scratch_bytes > 0);
+        b.prepare(&l).unwrap();
+        b.launch(&l).unwrap();
+        let (entry, params) = f.trace.borrow().kernels.last().unwrap().clone();
+        assert_eq!(entry, calls[0].entry);
+        let word = |i: usize| u64::from_ne_bytes(params[i][..8].try_into().unwrap());
+        let ci = calls[0]
+            .params
+            .iter()
+            .position(|p| matches!(p, Param::Counters(0)))
+            .unwrap();
+        let si = calls[0]
+            .params
+            .iter()
+            .position(|p| matches!(p, Param::Scratch(0)))
+            .unwrap();
+        let (cp, sp) = (word(ci), word(si));
+        assert!(
+            f.b.driver()
+                .peek(cp, counters as u64 * 4)
+                .iter()
+                .all(|&x| x == 0),
+            "counters start at zero"
+        );
+        assert!(
+            cp + counters as u64 * 4 <= sp || sp + scratch_bytes <= cp,
+            "counters and scratch are apart"
+        );
     }
 
     #[test]

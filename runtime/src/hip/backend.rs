@@ -34,7 +34,7 @@ use crate::hip::cache::{
     cache_key, default_cache_dir, hiprtc_options as compile_options, CacheOutcome, CodeCache,
 };
 use crate::hip::capture::{CaptureState, GraphTable, HipCounters};
-use crate::hip::catalog::{lower, PackedParams};
+use crate::hip::catalog::{lower, OpBuffers, PackedParams};
 use crate::hip::driver::{
     Dims, DriverError, Handle, HipDriver, ERROR_INVALID_IMAGE, ERROR_NO_BINARY_FOR_GPU,
     ERROR_OUT_OF_MEMORY,
@@ -46,6 +46,13 @@ use kiln_ir::{Key, Op};
 use kiln_kernels::gpu::Lowered;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
+
+/// The buffers the backend owns for kernels.
+#[derive(Clone, Copy)]
+enum Owned {
+    Scratch,
+    Counters,
+}
 
 struct Allocation {
     bytes: u64,
@@ -71,9 +78,12 @@ pub struct HipBackendOn<D: HipDriver> {
     cache: Option<CodeCache>,
     ledger: WorkspaceLedger,
     workspace: Option<(DevPtr, u64)>,
-    /// The current kernel scratch buffer.
+    /// The current kernel scratch buffer (bytes).
     scratch: Option<(DevPtr, u64)>,
-    /// Scratch buffers outgrown after a capture: graphs may still use them.
+    /// The current zero-initialized completion counters (bytes; u32 each).
+    counters_buf: Option<(DevPtr, u64)>,
+    /// Scratch and counter buffers outgrown after a capture: graphs may still
+    /// use them, so they live until teardown.
     retired: Vec<DevPtr>,
     captured_any: bool,
     capture: CaptureState,
@@ -125,6 +135,7 @@ impl<D: HipDriver> HipBackendOn<D> {
             ledger: WorkspaceLedger::default(),
             workspace: None,
             scratch: None,
+            counters_buf: None,
             retired: Vec::new(),
             captured_any: false,
             capture: CaptureState::default(),
@@ -295,14 +306,36 @@ impl<D: HipDriver> HipBackendOn<D> {
         Err(BackendError::MissingKernel(entry.to_string()))
     }
 
-    /// Makes the scratch buffer at least `bytes`. An outgrown buffer is freed
-    /// only if no capture may hold its address yet.
-    fn grow_scratch(&mut self, bytes: u64) -> Result<()> {
-        if bytes == 0 || self.scratch.is_some_and(|(_, s)| s >= bytes) {
+    /// Makes a backend-owned buffer (`which`: scratch or counters) at least
+    /// `bytes`, zero-filled. An outgrown buffer is freed only if no capture
+    /// may hold its address yet; otherwise it is kept until teardown.
+    fn grow_owned(&mut self, which: Owned, bytes: u64) -> Result<()> {
+        let current = match which {
+            Owned::Scratch => self.scratch,
+            Owned::Counters => self.counters_buf,
+        };
+        if bytes == 0 || current.is_some_and(|(_, s)| s >= bytes) {
             return Ok(());
         }
-        let p = self.malloc(bytes, "kernel scratch")?;
-        if let Some((old, _)) = self.scratch.replace((p, bytes)) {
+        let what = match which {
+            Owned::Scratch => "kernel scratch",
+            Owned::Counters => "completion counters",
+        };
+        let p = self.malloc(bytes, what)?;
+        let zeroed = self
+            .driver
+            .memset_zero(p, bytes, self.stream)
+            .map_err(|e| e.during("hipMemsetAsync"))
+            .and_then(|()| self.sync_stream("zeroing a new buffer"));
+        if let Err(e) = zeroed {
+            self.release(p);
+            return Err(e);
+        }
+        let slot = match which {
+            Owned::Scratch => &mut self.scratch,
+            Owned::Counters => &mut self.counters_buf,
+        };
+        if let Some((old, _)) = slot.replace((p, bytes)) {
             if self.captured_any {
                 self.retired.push(old);
             } else {
@@ -310,6 +343,13 @@ impl<D: HipDriver> HipBackendOn<D> {
             }
         }
         Ok(())
+    }
+
+    fn op_buffers(&self) -> OpBuffers {
+        OpBuffers {
+            scratch: self.scratch,
+            counters: self.counters_buf.map(|(p, b)| (p, (b / 4) as u32)),
+        }
     }
 
     fn gemm_grant(&self, launch: &Launch, p: &GemmProblem) -> Result<(Option<DevPtr>, u64)> {
@@ -347,6 +387,7 @@ impl<D: HipDriver> HipBackendOn<D> {
         let Lowered::Kernels {
             calls,
             scratch_bytes,
+            counters,
         } = lower(launch)?
         else {
             return Err(BackendError::Device(format!(
@@ -354,14 +395,18 @@ impl<D: HipDriver> HipBackendOn<D> {
                 launch.kernel
             )));
         };
-        if self.scratch.map_or(0, |(_, s)| s) < scratch_bytes {
+        let counter_bytes = counters as u64 * 4;
+        let short = self.scratch.map_or(0, |(_, s)| s) < scratch_bytes
+            || self.counters_buf.map_or(0, |(_, s)| s) < counter_bytes;
+        if short {
             if capturing {
                 return Err(not_prepared(&format!(
-                    "{} (needs {scratch_bytes} bytes of scratch)",
+                    "{} (needs {scratch_bytes} bytes of scratch and {counters} completion counters)",
                     launch.kernel
                 )));
             }
-            self.grow_scratch(scratch_bytes)?;
+            self.grow_owned(Owned::Scratch, scratch_bytes)?;
+            self.grow_owned(Owned::Counters, counter_bytes)?;
         }
         for c in &calls {
             let f = match self.functions.get(&(c.module.to_string(), c.entry.clone())) {
@@ -369,7 +414,7 @@ impl<D: HipDriver> HipBackendOn<D> {
                 None if capturing => return Err(not_prepared(&c.entry)),
                 None => self.resolve(c.module, &c.entry)?,
             };
-            let mut params = PackedParams::new(&c.params, launch, self.scratch)?;
+            let mut params = PackedParams::new(&c.params, launch, self.op_buffers())?;
             let dims = Dims {
                 grid: c.grid,
                 block: c.block,
@@ -511,8 +556,10 @@ impl<D: HipDriver> Backend for HipBackendOn<D> {
             Lowered::Kernels {
                 calls,
                 scratch_bytes,
+                counters,
             } => {
-                self.grow_scratch(scratch_bytes)?;
+                self.grow_owned(Owned::Scratch, scratch_bytes)?;
+                self.grow_owned(Owned::Counters, counters as u64 * 4)?;
                 for c in &calls {
                     self.resolve(c.module, &c.entry)?;
                 }
@@ -649,6 +696,7 @@ impl<D: HipDriver> Drop for HipBackendOn<D> {
             .take()
             .into_iter()
             .chain(self.scratch.take())
+            .chain(self.counters_buf.take())
             .map(|(p, _)| p)
             .chain(std::mem::take(&mut self.retired))
             .chain(std::mem::take(&mut self.allocs).into_keys().map(DevPtr))

@@ -73,6 +73,15 @@ pub fn lower(launch: &Launch) -> Result<Lowered, BackendError> {
         .map_err(|e| BackendError::Device(format!("{}: {e}", launch.kernel)))
 }
 
+/// The backend-owned buffers an op's parameters may point into.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpBuffers {
+    /// Scratch: base and bytes.
+    pub scratch: Option<(DevPtr, u64)>,
+    /// Zero-initialized u32 completion counters: base and count.
+    pub counters: Option<(DevPtr, u32)>,
+}
+
 /// Kernel parameters with stable addresses, ready for `hipModuleLaunchKernel`.
 pub struct PackedParams {
     slots: Vec<Box<[u64]>>,
@@ -81,13 +90,14 @@ pub struct PackedParams {
 }
 
 impl PackedParams {
-    /// Resolves `params` against `launch`'s operands and the op's `scratch`
-    /// buffer (base and size).
+    /// Resolves `params` against `launch`'s operands and the backend's
+    /// scratch and counter buffers.
     pub fn new(
         params: &[Param],
         launch: &Launch,
-        scratch: Option<(DevPtr, u64)>,
+        buffers: OpBuffers,
     ) -> Result<PackedParams, BackendError> {
+        let scratch = buffers.scratch;
         let bad = |m: String| BackendError::Device(format!("{}: {m}", launch.kernel));
         let mut slots = Vec::with_capacity(params.len());
         let mut sizes = Vec::with_capacity(params.len());
@@ -115,6 +125,13 @@ impl PackedParams {
                         return Err(bad(format!("parameter {i} is scratch offset {off}, beyond the {size}-byte scratch buffer")))
                     }
                     None => return Err(bad(format!("parameter {i} needs the scratch buffer, which is not allocated; prepare() the launch first"))),
+                },
+                Param::Counters(c) => match buffers.counters {
+                    Some((base, n)) if *c < n => base.offset(*c as u64 * 4).0.to_ne_bytes().to_vec(),
+                    Some((_, n)) => {
+                        return Err(bad(format!("parameter {i} is completion counter {c}, beyond the {n} allocated")))
+                    }
+                    None => return Err(bad(format!("parameter {i} needs completion counters, which are not allocated; prepare() the launch first"))),
                 },
                 Param::Null => 0u64.to_ne_bytes().to_vec(),
                 Param::I32(v) => v.to_ne_bytes().to_vec(),
@@ -203,8 +220,13 @@ mod tests {
             Param::F32(0.1),
             Param::Blob(blob.clone()),
             Param::Arg(0),
+            Param::Counters(3),
         ];
-        let mut p = PackedParams::new(&params, &l, Some((DevPtr(0x7100_0000_0000), 4096))).unwrap();
+        let buffers = OpBuffers {
+            scratch: Some((DevPtr(0x7100_0000_0000), 4096)),
+            counters: Some((DevPtr(0x7200_0000_0000), 8)),
+        };
+        let mut p = PackedParams::new(&params, &l, buffers).unwrap();
         assert_eq!(p.len(), params.len());
         assert_eq!(p.bytes(0), 0x7000_0000_2000u64.to_ne_bytes());
         assert_eq!(p.bytes(1), 0x7000_0000_3000u64.to_ne_bytes());
@@ -215,6 +237,7 @@ mod tests {
         assert_eq!(p.bytes(6), 0.1f32.to_ne_bytes());
         assert_eq!(p.bytes(7), &blob[..]);
         assert_eq!(p.bytes(8), 0x7000_0000_1000u64.to_ne_bytes());
+        assert_eq!(p.bytes(9), 0x7200_0000_000cu64.to_ne_bytes());
         // The array HIP reads holds the same pointers, each 8-byte aligned.
         let arr = p.as_kernel_params();
         for (i, param) in params.iter().enumerate() {
@@ -231,7 +254,8 @@ mod tests {
     fn the_pointers_survive_moving_the_pack() {
         let f = TensorType::new(DType::F32, [4]);
         let l = launch(&[(0x1000, f.clone())], &[(0x2000, f)]);
-        let p = PackedParams::new(&[Param::Arg(0), Param::I32(7)], &l, None).unwrap();
+        let p =
+            PackedParams::new(&[Param::Arg(0), Param::I32(7)], &l, OpBuffers::default()).unwrap();
         let moved = Box::new(p);
         assert_eq!(moved.bytes(0), 0x1000u64.to_ne_bytes());
         assert_eq!(moved.bytes(1), 7i32.to_ne_bytes());
@@ -245,18 +269,25 @@ mod tests {
             (vec![Param::Arg(3)], "argument 3"),
             (vec![Param::Result(1)], "result 1"),
             (vec![Param::Scratch(0)], "not allocated"),
+            (vec![Param::Counters(0)], "not allocated"),
         ] {
-            let e = PackedParams::new(&params, &l, None)
+            let e = PackedParams::new(&params, &l, OpBuffers::default())
                 .err()
                 .unwrap()
                 .to_string();
             assert!(e.starts_with("add_f32:") && e.contains(want), "{e}");
         }
-        let e = PackedParams::new(&[Param::Scratch(4096)], &l, Some((DevPtr(0x9000), 4096)))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(e.contains("beyond"), "{e}");
+        let buffers = OpBuffers {
+            scratch: Some((DevPtr(0x9000), 4096)),
+            counters: Some((DevPtr(0xa000), 2)),
+        };
+        for p in [Param::Scratch(4096), Param::Counters(2)] {
+            let e = PackedParams::new(&[p], &l, buffers)
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(e.contains("beyond"), "{e}");
+        }
     }
 
     #[test]
