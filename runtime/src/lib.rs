@@ -4,3 +4,5 @@
 //! never the compiler.
 
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod cuda;

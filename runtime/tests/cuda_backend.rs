@@ -1,0 +1,677 @@
+//! The CUDA backend on a real GPU: every kernel against the host reference
+//! (and the shared CPU reference kernels once they exist) on random inputs
+//! at awkward sizes with poisoned outputs, GEMMs through cuBLASLt, the
+//! capture contract, replay against eager with changing inputs, teardown.
+//!
+//! Every test skips with a message when no CUDA device is present; on the
+//! GPU machine `scripts/gpu-check.sh` runs this binary.
+#![cfg(feature = "cuda")]
+
+mod cuda_support;
+
+use cuda_support::*;
+use kiln_ir::{DType, Key, Op, Rope, RopeScaling, TensorType};
+use kiln_runtime::backend::{Backend, BackendError, DevOperand, Launch};
+use kiln_runtime::cuda::CudaBackend;
+
+fn check_op(b: &mut CudaBackend, what: &str, op: &Op, args: &[HT]) {
+    let tys: Vec<TensorType> = args.iter().map(|a| a.ty.clone()).collect();
+    let rtys = op.infer(&tys).unwrap();
+    let got = run_op(b, op, args);
+    let want = reference(op, args, &rtys);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_close(&format!("{what} result {i} vs host reference"), g, w);
+    }
+    if let Some(cpu) = cpu_reference(op, args) {
+        for (i, (g, w)) in got.iter().zip(&cpu).enumerate() {
+            assert_close(&format!("{what} result {i} vs CPU kernels"), g, w);
+        }
+    }
+}
+
+fn rope(theta: f32) -> Rope {
+    Rope {
+        theta,
+        scaling: RopeScaling::None,
+    }
+}
+
+#[test]
+fn embedding_gathers_rows_and_zeroes_out_of_range_ids() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(1);
+    for d in [DType::BF16, DType::F32] {
+        let table = HT::random(&mut r, d, &[1000, 576], 1.0);
+        let ids = HT::ints(&[6], vec![0, 999, 17, 17, 512, 3]);
+        check_op(&mut b, "embedding", &Op::Embedding, &[ids, table]);
+    }
+}
+
+#[test]
+fn rms_norm_and_add_rms_norm_match_the_reference_at_awkward_widths() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(2);
+    for (d, t, h, unit) in [
+        (DType::BF16, 3, 1000, false),
+        (DType::BF16, 5, 1027, true),
+        (DType::F16, 2, 576, false),
+        (DType::F32, 4, 4097, false),
+    ] {
+        let x = HT::random(&mut r, d, &[t, h], 3.0);
+        let w = HT::random(&mut r, d, &[h], 1.0);
+        let op = Op::RmsNorm {
+            eps: 1e-6,
+            unit_offset: unit,
+        };
+        check_op(
+            &mut b,
+            &format!("rms_norm {d} {t}x{h}"),
+            &op,
+            &[x.clone(), w.clone()],
+        );
+        let res = HT::random(&mut r, d, &[t, h], 3.0);
+        let op = Op::AddRmsNorm {
+            eps: 1e-5,
+            unit_offset: unit,
+        };
+        check_op(
+            &mut b,
+            &format!("add_rms_norm {d} {t}x{h}"),
+            &op,
+            &[x, res, w],
+        );
+    }
+}
+
+#[test]
+fn head_rms_norm_normalizes_each_head_slice() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(3);
+    for (heads, hd) in [(5, 128), (3, 72), (2, 256)] {
+        let x = HT::random(&mut r, DType::BF16, &[3, heads * hd], 2.0);
+        let w = HT::random(&mut r, DType::BF16, &[hd], 1.0);
+        let op = Op::HeadRmsNorm {
+            heads,
+            head_dim: hd,
+            eps: 1e-6,
+            unit_offset: false,
+        };
+        check_op(&mut b, &format!("head_rms_norm {heads}x{hd}"), &op, &[x, w]);
+    }
+}
+
+#[test]
+fn rope_rotates_halves_at_each_tokens_position() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(4);
+    let llama3 = Rope {
+        theta: 500000.0,
+        scaling: RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8192,
+        },
+    };
+    for (heads, hd, rp) in [(3, 64, rope(10000.0)), (2, 128, llama3), (1, 8, rope(1e6))] {
+        let x = HT::random(&mut r, DType::BF16, &[4, heads * hd], 1.0);
+        let pos = HT::ints(&[4], vec![0, 1, 4097, r.below(30000) as i32]);
+        let op = Op::Rope {
+            heads,
+            head_dim: hd,
+            rope: rp,
+        };
+        check_op(&mut b, &format!("rope {heads}x{hd}"), &op, &[x, pos]);
+    }
+}
+
+#[test]
+fn kv_write_puts_each_row_in_its_slot_and_leaves_the_rest() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(5);
+    let row = 2 * 72;
+    let k = HT::random(&mut r, DType::BF16, &[5, row], 1.0);
+    let v = HT::random(&mut r, DType::BF16, &[5, row], 1.0);
+    let slots = HT::ints(&[5], vec![99, 0, 41, 42, 7]);
+    let kc = HT::random(&mut r, DType::BF16, &[100, row], 1.0);
+    let vc = HT::random(&mut r, DType::BF16, &[100, row], 1.0);
+    check_op(&mut b, "kv_write", &Op::KvWrite, &[k, v, slots, kc, vc]);
+}
+
+#[test]
+fn fused_qkv_rope_kv_write_matches_with_and_without_qk_norm() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(6);
+    for (heads, kvh, hd, norm) in [
+        (4, 2, 128, Some(1e-6)),
+        (3, 1, 64, None),
+        (2, 2, 256, Some(1e-5)),
+    ] {
+        let t = 3;
+        let qkv = HT::random(&mut r, DType::BF16, &[t, (heads + 2 * kvh) * hd], 2.0);
+        let pos = HT::ints(&[t], vec![5, 300, r.below(9000) as i32]);
+        let slots = HT::ints(&[t], vec![63, 2, 30]);
+        let kc = HT::random(&mut r, DType::BF16, &[64, kvh * hd], 1.0);
+        let vc = HT::random(&mut r, DType::BF16, &[64, kvh * hd], 1.0);
+        let mut args = vec![qkv, pos, slots, kc, vc];
+        if norm.is_some() {
+            args.push(HT::random(&mut r, DType::BF16, &[hd], 1.0));
+            args.push(HT::random(&mut r, DType::BF16, &[hd], 1.0));
+        }
+        let op = Op::QkvRopeKvWrite {
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            rope: rope(1e6),
+            qk_norm: norm,
+            unit_offset: false,
+        };
+        check_op(
+            &mut b,
+            &format!("qkv_rope_kv_write {heads}/{kvh}x{hd}"),
+            &op,
+            &args,
+        );
+    }
+}
+
+/// Builds paged-attention inputs: `ctx` per sequence, block tables over a
+/// shuffled set of physical blocks (block 0 reserved), random caches.
+#[allow(clippy::too_many_arguments)]
+fn attention_case(
+    r: &mut Rng,
+    d: DType,
+    ctx: &[i32],
+    query: u32,
+    heads: u32,
+    kvh: u32,
+    hd: u32,
+    bs: u32,
+    max_blocks: u32,
+) -> Vec<HT> {
+    let batch = ctx.len() as u32;
+    let num_blocks = batch * max_blocks + 1;
+    let mut phys: Vec<i32> = (1..num_blocks as i32).collect();
+    for i in (1..phys.len()).rev() {
+        let j = r.below(i as u32 + 1) as usize;
+        phys.swap(i, j);
+    }
+    let bt = HT::ints(
+        &[batch, max_blocks],
+        phys[..(batch * max_blocks) as usize].to_vec(),
+    );
+    let slots = num_blocks * bs;
+    vec![
+        HT::random(r, d, &[batch * query, heads * hd], 1.0),
+        HT::random(r, d, &[slots, kvh * hd], 1.0),
+        HT::random(r, d, &[slots, kvh * hd], 1.0),
+        bt,
+        HT::ints(&[batch], ctx.to_vec()),
+    ]
+}
+
+#[test]
+fn paged_attention_matches_for_gqa_causal_windows_softcap_and_long_contexts() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(7);
+    // (dtype, ctx lens, query, heads, kvh, hd, block size, max blocks, window, softcap)
+    #[allow(clippy::type_complexity)]
+    let cases: Vec<(
+        DType,
+        Vec<i32>,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        Option<u32>,
+        Option<f32>,
+    )> = vec![
+        (
+            DType::BF16,
+            vec![1, 17, 300],
+            1,
+            8,
+            2,
+            128,
+            16,
+            20,
+            None,
+            None,
+        ),
+        (
+            DType::BF16,
+            vec![4, 129, 257],
+            4,
+            4,
+            2,
+            64,
+            16,
+            17,
+            None,
+            None,
+        ),
+        (
+            DType::BF16,
+            vec![200, 33],
+            3,
+            6,
+            2,
+            72,
+            8,
+            30,
+            Some(37),
+            None,
+        ),
+        (
+            DType::BF16,
+            vec![90],
+            1,
+            4,
+            4,
+            256,
+            32,
+            4,
+            Some(64),
+            Some(50.0),
+        ),
+        (
+            DType::F16,
+            vec![45, 5],
+            2,
+            4,
+            1,
+            36,
+            16,
+            4,
+            None,
+            Some(30.0),
+        ),
+        (DType::F32, vec![70], 1, 2, 1, 64, 16, 5, None, None),
+        (
+            DType::BF16,
+            vec![4800, 1000],
+            1,
+            16,
+            8,
+            128,
+            16,
+            300,
+            None,
+            None,
+        ),
+        (DType::BF16, vec![40], 8, 8, 1, 128, 16, 3, None, None),
+    ];
+    for (d, ctx, q, heads, kvh, hd, bs, mb, window, softcap) in cases {
+        let args = attention_case(&mut r, d, &ctx, q, heads, kvh, hd, bs, mb);
+        let op = Op::PagedAttention {
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            query: q,
+            block_size: bs,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window,
+            softcap,
+        };
+        check_op(
+            &mut b,
+            &format!("paged_attention {d} ctx={ctx:?} q={q} {heads}/{kvh}x{hd} bs={bs} window={window:?} softcap={softcap:?}"),
+            &op,
+            &args,
+        );
+    }
+}
+
+#[test]
+fn gated_activations_match_in_both_forms() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(8);
+    for op in [Op::SiluMul, Op::GeluTanhMul] {
+        let g = HT::random(&mut r, DType::BF16, &[5, 1001], 4.0);
+        let u = HT::random(&mut r, DType::BF16, &[5, 1001], 2.0);
+        check_op(&mut b, &format!("{} 2-arg", op.mnemonic()), &op, &[g, u]);
+        let gu = HT::random(&mut r, DType::BF16, &[3, 2 * 777], 4.0);
+        check_op(&mut b, &format!("{} packed", op.mnemonic()), &op, &[gu]);
+    }
+}
+
+#[test]
+fn packed_silu_mul_written_in_place_over_its_input_is_still_correct() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(9);
+    let gu = HT::random(&mut r, DType::BF16, &[6, 2 * 1500], 4.0);
+    let out_ty = TensorType::new(DType::BF16, vec![6, 1500]);
+    let want = reference(&Op::SiluMul, std::slice::from_ref(&gu), std::slice::from_ref(&out_ty));
+    let x = put(&mut b, &gu);
+    let res = DevOperand {
+        ptr: x.ptr,
+        ty: out_ty,
+    };
+    let l = Launch {
+        kernel: "silu_mul_bf16".into(),
+        op: Op::SiluMul,
+        args: vec![x],
+        results: vec![res.clone()],
+        workspace: None,
+    };
+    b.prepare(&l).unwrap();
+    b.launch(&l).unwrap();
+    let got = get(&mut b, &res);
+    assert_close("in-place packed silu_mul", &got, &want[0]);
+}
+
+#[test]
+fn add_gather_last_argmax_and_accept_greedy_match() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(10);
+    let a = HT::random(&mut r, DType::BF16, &[1001], 5.0);
+    let c = HT::random(&mut r, DType::BF16, &[1001], 5.0);
+    let a2 = HT::floats(DType::BF16, &[7, 143], a.f[..1001].to_vec());
+    let c2 = HT::floats(DType::BF16, &[7, 143], c.f[..1001].to_vec());
+    check_op(&mut b, "add", &Op::Add, &[a2, c2]);
+    let x = HT::random(&mut r, DType::F32, &[6, 333], 1.0);
+    check_op(
+        &mut b,
+        "gather_last f32",
+        &Op::GatherLast { group: 3 },
+        &[x],
+    );
+    let xi = HT::ints(&[6, 2], (0..12).collect());
+    check_op(
+        &mut b,
+        "gather_last i32",
+        &Op::GatherLast { group: 2 },
+        &[xi],
+    );
+    // argmax over a real vocabulary, with planted ties: the first index wins.
+    let v = 151_936u32;
+    let mut logits = HT::random(&mut r, DType::F32, &[3, v], 10.0);
+    logits.f[5] = 50.0;
+    logits.f[v as usize - 1] = 50.0; // tie in row 0: index 5 must win
+    logits.f[v as usize + 150_000] = 60.0;
+    logits.f[2 * v as usize + 7] = 11.0;
+    logits.f[2 * v as usize + 8] = 11.0;
+    check_op(&mut b, "argmax f32", &Op::Argmax, &[logits]);
+    let lb = HT::random(&mut r, DType::BF16, &[2, 5000], 3.0);
+    check_op(&mut b, "argmax bf16", &Op::Argmax, &[lb]);
+    let pred = HT::ints(&[12], vec![1, 2, 3, 9, 4, 5, 6, 9, 7, 7, 7, 9]);
+    let drafts = HT::ints(&[9], vec![1, 2, 3, 4, 0, 6, 8, 7, 7]);
+    check_op(
+        &mut b,
+        "accept_greedy",
+        &Op::AcceptGreedy { spec: 3 },
+        &[pred, drafts],
+    );
+}
+
+#[test]
+fn matmul_through_cublaslt_matches_for_bf16_f32_outputs_and_bias() {
+    let Some(mut b) = device() else { return };
+    b.reserve_workspace(32 << 20).unwrap();
+    let mut r = Rng::new(11);
+    for (d, out, t, n, k, bias) in [
+        (DType::BF16, DType::BF16, 1, 1000, 1024, false),
+        (DType::BF16, DType::BF16, 7, 1000, 520, true),
+        (DType::BF16, DType::F32, 5, 3001, 256, false),
+        (DType::BF16, DType::BF16, 33, 768, 2048, false),
+        (DType::F16, DType::F16, 3, 128, 64, true),
+        (DType::F32, DType::F32, 4, 96, 200, false),
+    ] {
+        let x = HT::random(&mut r, d, &[t, k], 1.0);
+        let w = HT::random(&mut r, d, &[n, k], 0.1);
+        let mut args = vec![x, w];
+        if bias {
+            args.push(HT::random(&mut r, d, &[n], 1.0));
+        }
+        let op = Op::MatMul { bias, out };
+        check_op(
+            &mut b,
+            &format!("matmul {d}[{t},{k}]x[{n},{k}]^T -> {out} bias={bias}"),
+            &op,
+            &args,
+        );
+    }
+}
+
+#[test]
+fn gemm_algorithms_are_chosen_within_the_granted_workspace() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(12);
+    for granted in [0u64, 1 << 20, 32 << 20] {
+        b.reserve_workspace(granted).unwrap();
+        let x = put(&mut b, &HT::random(&mut r, DType::BF16, &[16, 4096], 1.0));
+        let w = put(
+            &mut b,
+            &HT::random(&mut r, DType::BF16, &[4096, 4096], 0.05),
+        );
+        let out = poisoned(&mut b, &TensorType::new(DType::BF16, vec![16, 4096]));
+        let l = Launch {
+            kernel: "gemm".into(),
+            op: Op::MatMul {
+                bias: false,
+                out: DType::BF16,
+            },
+            args: vec![x, w],
+            results: vec![out.clone()],
+            workspace: None,
+        };
+        b.prepare(&l).unwrap();
+        let used = b.gemm_workspace(&l).unwrap().expect("selected in prepare");
+        assert!(
+            used <= granted,
+            "algorithm needs {used} > granted {granted}"
+        );
+        b.launch(&l).unwrap();
+        let got = get(&mut b, &out);
+        assert!(
+            got.f.iter().all(|x| x.is_finite()),
+            "granted {granted}: unwritten output"
+        );
+        eprintln!("granted {granted}: algorithm uses {used} bytes");
+    }
+}
+
+// ------------------------------------------------------------ capture contract
+
+fn small_step(b: &mut CudaBackend, r: &mut Rng) -> (Vec<Launch>, DevOperand, DevOperand) {
+    // ids -> embedding -> rms_norm -> matmul(f32 logits) -> argmax
+    let (v, h) = (2048u32, 256u32);
+    let ids = poisoned(b, &TensorType::new(DType::I32, vec![4]));
+    let table = put(b, &HT::random(r, DType::BF16, &[v, h], 1.0));
+    let w = put(b, &HT::random(r, DType::BF16, &[h], 1.0));
+    let lm = put(b, &HT::random(r, DType::BF16, &[v, h], 0.2));
+    let x = poisoned(b, &TensorType::new(DType::BF16, vec![4, h]));
+    let y = poisoned(b, &TensorType::new(DType::BF16, vec![4, h]));
+    let logits = poisoned(b, &TensorType::new(DType::F32, vec![4, v]));
+    let next = poisoned(b, &TensorType::new(DType::I32, vec![4]));
+    let l = |kernel: &str, op: Op, args: Vec<DevOperand>, results: Vec<DevOperand>| Launch {
+        kernel: kernel.into(),
+        op,
+        args,
+        results,
+        workspace: None,
+    };
+    let launches = vec![
+        l(
+            "embedding_bf16",
+            Op::Embedding,
+            vec![ids.clone(), table],
+            vec![x.clone()],
+        ),
+        l(
+            "rms_norm_bf16",
+            Op::RmsNorm {
+                eps: 1e-6,
+                unit_offset: false,
+            },
+            vec![x, w],
+            vec![y.clone()],
+        ),
+        l(
+            "gemm",
+            Op::MatMul {
+                bias: false,
+                out: DType::F32,
+            },
+            vec![y, lm],
+            vec![logits.clone()],
+        ),
+        l("argmax_f32", Op::Argmax, vec![logits], vec![next.clone()]),
+    ];
+    (launches, ids, next)
+}
+
+fn read_ints(b: &mut CudaBackend, o: &DevOperand) -> Vec<i32> {
+    get(b, o).i
+}
+
+#[test]
+fn replay_equals_eager_with_fresh_inputs_every_step() {
+    let Some(mut b) = device() else { return };
+    b.reserve_workspace(4 << 20).unwrap();
+    let mut r = Rng::new(13);
+    let (launches, ids, next) = small_step(&mut b, &mut r);
+    for l in &launches {
+        b.prepare(l).unwrap();
+    }
+    let key = Key::new(4, 1, 0);
+    b.upload(ids.ptr, &HT::ints(&[4], vec![1, 2, 3, 4]).bytes())
+        .unwrap();
+    b.begin_capture(key).unwrap();
+    for l in &launches {
+        b.launch(l).unwrap();
+    }
+    let g = b.end_capture().unwrap();
+    let mut outputs = Vec::new();
+    for step in 0..6 {
+        let tokens: Vec<i32> = (0..4).map(|_| r.below(2048) as i32).collect();
+        let bytes = HT::ints(&[4], tokens.clone()).bytes();
+        // eager
+        b.upload(next.ptr, &[0xFF; 16]).unwrap();
+        b.upload(ids.ptr, &bytes).unwrap();
+        for l in &launches {
+            b.launch(l).unwrap();
+        }
+        let eager = read_ints(&mut b, &next);
+        // replay
+        b.upload(next.ptr, &[0xFF; 16]).unwrap();
+        b.upload(ids.ptr, &bytes).unwrap();
+        b.replay(g).unwrap();
+        let replayed = read_ints(&mut b, &next);
+        assert_eq!(replayed, eager, "step {step}: tokens {tokens:?}");
+        assert!(eager.iter().all(|&t| (0..2048).contains(&t)), "{eager:?}");
+        outputs.push(replayed);
+    }
+    // The inputs matter: a frozen input would repeat one answer.
+    outputs.dedup();
+    assert!(outputs.len() > 1, "replay ignored the refreshed token ids");
+    b.destroy_graph(g).unwrap();
+}
+
+#[test]
+fn allocation_inside_a_capture_fails_loudly_and_the_backend_recovers() {
+    let Some(mut b) = device() else { return };
+    b.reserve_workspace(4 << 20).unwrap();
+    let mut r = Rng::new(14);
+    let (launches, ids, next) = small_step(&mut b, &mut r);
+    for l in &launches {
+        b.prepare(l).unwrap();
+    }
+    let key = Key::new(4, 1, 0);
+    b.begin_capture(key).unwrap();
+    b.launch(&launches[0]).unwrap();
+    // kiln's own contract check.
+    match b.alloc(1 << 20, "lazy workspace") {
+        Err(BackendError::CaptureContract { key: k, call, .. }) => {
+            assert_eq!(k, key);
+            assert!(call.contains("alloc"), "{call}");
+        }
+        other => panic!("alloc inside capture must be refused, got {other:?}"),
+    }
+    for (what, e) in [
+        ("synchronize", b.synchronize().err()),
+        ("download", b.download(next.ptr, &mut [0u8; 16]).err()),
+        ("upload", b.upload(ids.ptr, &[0u8; 16]).err()),
+        ("reserve_workspace", b.reserve_workspace(8 << 20).err()),
+    ] {
+        assert!(
+            matches!(e, Some(BackendError::CaptureContract { .. })),
+            "{what} inside capture: {e:?}"
+        );
+    }
+    // The driver itself (GLOBAL capture mode) refuses a raw allocation, and
+    // the capture is then unusable: ending it fails, naming the key.
+    let raw = b.debug_driver_alloc(1 << 20);
+    eprintln!("raw cuMemAlloc inside capture: {raw:?}");
+    let end = b.end_capture();
+    assert!(
+        raw.is_err() || end.is_err(),
+        "a driver allocation inside a capture went unnoticed"
+    );
+    if let Err(e) = &end {
+        assert!(e.to_string().contains("b4q1s0"), "{e}");
+    }
+    if raw.is_err() {
+        assert!(
+            end.is_err(),
+            "the driver refused the allocation but the capture still ended"
+        );
+    }
+    // Eager work runs again afterwards.
+    b.upload(ids.ptr, &HT::ints(&[4], vec![5, 6, 7, 8]).bytes())
+        .unwrap();
+    for l in &launches {
+        b.launch(l).unwrap();
+    }
+    let out = read_ints(&mut b, &next);
+    assert!(out.iter().all(|&t| (0..2048).contains(&t)), "{out:?}");
+}
+
+#[test]
+fn a_gemm_not_prepared_before_capture_fails_the_capture_by_name() {
+    let Some(mut b) = device() else { return };
+    b.reserve_workspace(4 << 20).unwrap();
+    let mut r = Rng::new(15);
+    let (launches, _, _) = small_step(&mut b, &mut r);
+    let key = Key::new(4, 1, 0);
+    b.begin_capture(key).unwrap();
+    b.launch(&launches[0]).unwrap();
+    b.launch(&launches[1]).unwrap();
+    let e = b.launch(&launches[2]).unwrap_err();
+    assert!(
+        matches!(&e, BackendError::CaptureFailed { op, .. } if op == "gemm"),
+        "{e}"
+    );
+    b.abort_capture_now().unwrap();
+}
+
+#[test]
+fn dropping_the_backend_with_work_and_graphs_in_flight_is_safe() {
+    let Some(mut b) = device() else { return };
+    b.reserve_workspace(4 << 20).unwrap();
+    let mut r = Rng::new(16);
+    let (launches, _, _) = small_step(&mut b, &mut r);
+    for l in &launches {
+        b.prepare(l).unwrap();
+    }
+    b.begin_capture(Key::new(4, 1, 0)).unwrap();
+    for l in &launches {
+        b.launch(l).unwrap();
+    }
+    let g = b.end_capture().unwrap();
+    for _ in 0..50 {
+        b.replay(g).unwrap();
+    }
+    drop(b); // no synchronize: teardown must drain the stream itself
+}
+
+#[test]
+fn kernel_images_for_another_gpu_are_refused_with_the_fix() {
+    let Some(mut b) = device() else { return };
+    let other = if b.sm() == 90 { 80 } else { 90 };
+    let imgs = cubins(other);
+    let e = b.load_kernels(&imgs).unwrap_err().to_string();
+    assert!(e.contains("--target cuda:sm_"), "{e}");
+}
