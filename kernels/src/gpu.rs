@@ -32,7 +32,7 @@ pub struct GpuModule {
 }
 
 /// Every module, in a fixed order.
-pub const MODULES: [GpuModule; 5] = [
+pub const MODULES: [GpuModule; 6] = [
     GpuModule {
         name: "norm",
         file: "norm.cu",
@@ -52,6 +52,11 @@ pub const MODULES: [GpuModule; 5] = [
         name: "elementwise",
         file: "elementwise.cu",
         raw_source: include_str!("../gpu/elementwise.cu"),
+    },
+    GpuModule {
+        name: "gemv",
+        file: "gemv.cu",
+        raw_source: include_str!("../gpu/gemv.cu"),
     },
     GpuModule {
         name: "sampling",
@@ -86,6 +91,55 @@ pub fn module_source(m: &GpuModule) -> String {
 const FLOAT_SUFFIXES: [&str; 3] = ["bf16", "f16", "f32"];
 /// Rows per tile of the attention partition kernel.
 const ATTN_ROW_TILES: [u32; 4] = [1, 2, 4, 8];
+
+/// (input, output) storage pairs of the skinny-GEMM kernels.
+const GEMV_TYPES: [(&str, &str); 4] = [
+    ("bf16", "bf16"),
+    ("bf16", "f32"),
+    ("f16", "f16"),
+    ("f16", "f32"),
+];
+/// Token counts the skinny-GEMM kernels are instantiated for.
+const GEMV_TOKENS: [u32; 4] = [1, 2, 4, 8];
+/// Output features per skinny-GEMM block (8 warps x 2 rows).
+pub const GEMV_ROWS_PER_BLOCK: u32 = 16;
+
+/// The kiln skinny-GEMM kernel for `g` when it applies (T <= 8, bf16/f16
+/// inputs, K a multiple of 8): a decode-shaped GEMM that is one pass over
+/// the weights. Backends time it against the BLAS library's algorithms
+/// and keep the faster.
+pub fn gemv_call(g: &GemmCall) -> Option<KernelCall> {
+    let i = match g.dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        _ => return None,
+    };
+    let o = match g.out {
+        DType::F32 => "f32",
+        d if d == g.dtype => i,
+        _ => return None,
+    };
+    let tt = GEMV_TOKENS.into_iter().find(|&tt| tt >= g.t)?;
+    if g.k == 0 || !g.k.is_multiple_of(8) || g.n == 0 || i32::try_from(g.n).is_err() {
+        return None;
+    }
+    Some(KernelCall {
+        module: "gemv",
+        entry: format!("gemv_t{tt}_{i}_{o}"),
+        grid: [g.n.div_ceil(GEMV_ROWS_PER_BLOCK), 1, 1],
+        block: [256, 1, 1],
+        shared_bytes: 0,
+        params: vec![
+            Param::Arg(0),
+            Param::Arg(1),
+            if g.bias { Param::Arg(2) } else { Param::Null },
+            Param::Result(0),
+            Param::I32(g.t as i32),
+            Param::I32(g.n as i32),
+            Param::I32(g.k as i32),
+        ],
+    })
+}
 
 /// Every entry point a module defines (after macro expansion), so a backend
 /// can resolve them all when it loads the module and fail early.
@@ -123,6 +177,13 @@ pub fn entry_points(module: &str) -> Vec<String> {
                 ],
             );
             v.push("gather_last_i32".into());
+        }
+        "gemv" => {
+            for (i, o) in GEMV_TYPES {
+                for tt in GEMV_TOKENS {
+                    v.push(format!("gemv_t{tt}_{i}_{o}"));
+                }
+            }
         }
         "sampling" => {
             per_float(&mut v, &["argmax"]);
@@ -825,12 +886,17 @@ mod tests {
                 m.name
             );
             for e in entry_points(m.name) {
-                let stem = e
-                    .trim_end_matches("_bf16")
-                    .trim_end_matches("_f16")
-                    .trim_end_matches("_f32")
-                    .trim_end_matches("_i32");
-                let stem = stem.split("_r").next().unwrap();
+                // Drop dtype and instantiation tokens (`bf16`, `t4`, `r2`, `v8`).
+                let stem: Vec<&str> = e
+                    .split('_')
+                    .filter(|tok| {
+                        !["bf16", "f16", "f32", "i32"].contains(tok)
+                            && !(tok.len() > 1
+                                && tok.starts_with(['t', 'r', 'v'])
+                                && tok[1..].bytes().all(|c| c.is_ascii_digit()))
+                    })
+                    .collect();
+                let stem = stem.join("_");
                 assert!(
                     src.contains(&format!("void {stem}")) || src.contains(&format!("{stem}_")),
                     "entry {e} not found in {}",
@@ -1024,6 +1090,27 @@ mod tests {
             panic!()
         };
         assert_eq!(calls[0].params[5], Param::I32(0));
+    }
+
+    #[test]
+    fn skinny_gemms_get_a_kiln_kernel_and_wide_or_unaligned_ones_do_not() {
+        let g = |t, k, dtype, out| GemmCall {
+            t,
+            n: 1000,
+            k,
+            dtype,
+            out,
+            bias: true,
+        };
+        let c = gemv_call(&g(3, 1024, DType::BF16, DType::F32)).unwrap();
+        assert_eq!(c.entry, "gemv_t4_bf16_f32");
+        assert!(entry_points("gemv").contains(&c.entry));
+        assert_eq!(c.grid[0] * GEMV_ROWS_PER_BLOCK, 1008);
+        assert_eq!(c.params[2], Param::Arg(2));
+        assert!(gemv_call(&g(9, 1024, DType::BF16, DType::BF16)).is_none());
+        assert!(gemv_call(&g(1, 1020, DType::BF16, DType::BF16)).is_none());
+        assert!(gemv_call(&g(1, 1024, DType::F32, DType::F32)).is_none());
+        assert!(gemv_call(&g(1, 1024, DType::BF16, DType::F16)).is_none());
     }
 
     #[test]

@@ -356,8 +356,16 @@ mod tests {
         if skip() {
             return;
         }
+        // KILN_DUMP_CUBINS=<dir> also writes `<module>.sm_<sm>.cubin` there
+        // (scripts/gpu-check.sh carries them to a GPU machine).
+        let dump = std::env::var("KILN_DUMP_CUBINS").ok();
         for sm in SUPPORTED_SMS {
             let images = compile_cubins(sm).unwrap_or_else(|e| panic!("{e}"));
+            if let Some(dir) = &dump {
+                for img in &images {
+                    std::fs::write(format!("{dir}/{}.sm_{sm}.cubin", img.name), &img.code).unwrap();
+                }
+            }
             assert_eq!(images.len(), MODULES.len());
             for (img, m) in images.iter().zip(MODULES.iter()) {
                 assert_eq!(img.name, m.name);

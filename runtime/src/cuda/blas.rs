@@ -41,10 +41,12 @@ struct Prepared {
     a: lt::cublasLtMatrixLayout_t,
     b: lt::cublasLtMatrixLayout_t,
     d: lt::cublasLtMatrixLayout_t,
-    algo: lt::cublasLtMatmulAlgo_t,
-    /// Workspace the algorithm needs.
-    workspace: u64,
-    /// Workspace it was selected under.
+    /// Heuristic candidates that fit the granted workspace, best first,
+    /// with the workspace each needs.
+    algos: Vec<(lt::cublasLtMatmulAlgo_t, u64)>,
+    /// The candidate in use.
+    chosen: usize,
+    /// Workspace the candidates were selected under.
     granted: u64,
 }
 
@@ -87,9 +89,18 @@ impl Blas {
         })
     }
 
-    /// The workspace the cached algorithm of `g` needs, if selected.
+    /// The workspace the chosen algorithm of `g` needs, if selected.
     pub fn selected(&self, g: &GemmCall) -> Option<u64> {
-        self.cache.get(g).map(|p| p.workspace)
+        self.cache.get(g).map(|p| p.algos[p.chosen].1)
+    }
+
+    /// Uses candidate `i` of `g` from now on.
+    pub fn choose(&mut self, g: &GemmCall, i: usize) {
+        if let Some(p) = self.cache.get_mut(g) {
+            if i < p.algos.len() {
+                p.chosen = i;
+            }
+        }
     }
 
     fn descriptors(
@@ -187,7 +198,8 @@ impl Blas {
                 ),
                 "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)",
             );
-            let mut results: Vec<lt::cublasLtMatmulHeuristicResult_t> = vec![std::mem::zeroed(); 8];
+            let mut results: Vec<lt::cublasLtMatmulHeuristicResult_t> =
+                vec![std::mem::zeroed(); 16];
             let mut count = 0i32;
             let r = r.and_then(|_| {
                 let s = lt::cublasLtMatmulAlgoGetHeuristic(
@@ -221,18 +233,26 @@ impl Blas {
         }
     }
 
-    /// Selects (once) and caches the algorithm of `g` under `granted` bytes of
-    /// workspace. Errors with `WorkspaceTooSmall` when none fits.
-    pub fn select(&mut self, g: &GemmCall, granted: u64) -> Result<u64, BackendError> {
+    /// Selects (once) and caches the candidate algorithms of `g` under
+    /// `granted` bytes of workspace; the heuristic's first is chosen until
+    /// [`Blas::choose`] says otherwise. Returns the number of candidates.
+    /// With `allow_none`, no fitting algorithm is not an error (another
+    /// implementation will run the GEMM); otherwise it is `WorkspaceTooSmall`.
+    pub fn select(
+        &mut self,
+        g: &GemmCall,
+        granted: u64,
+        allow_none: bool,
+    ) -> Result<usize, BackendError> {
         if let Some(p) = self.cache.get(g) {
             if p.granted == granted {
-                return Ok(p.workspace);
+                return Ok(p.algos.len());
             }
         }
         let (desc, a, b, d) = Self::descriptors(g)?;
         let found = self.heuristic(desc, a, b, d, granted);
-        let best = match found {
-            Ok(v) if !v.is_empty() => v[0],
+        let algos: Vec<(lt::cublasLtMatmulAlgo_t, u64)> = match found {
+            Ok(v) if !v.is_empty() => v.iter().map(|h| (h.algo, h.workspaceSize as u64)).collect(),
             other => {
                 // What would it need? Ask again without the bound.
                 let needed = self
@@ -241,6 +261,9 @@ impl Blas {
                     .and_then(|v| v.iter().map(|h| h.workspaceSize as u64).min());
                 destroy(desc, a, b, d);
                 other?;
+                if allow_none {
+                    return Ok(0);
+                }
                 return Err(match needed {
                     Some(needed) => BackendError::WorkspaceTooSmall {
                         what: describe(g),
@@ -257,7 +280,7 @@ impl Blas {
         if let Some(old) = self.cache.remove(g) {
             destroy(old.desc, old.a, old.b, old.d);
         }
-        let ws = best.workspaceSize as u64;
+        let n = algos.len();
         self.cache.insert(
             *g,
             Prepared {
@@ -265,12 +288,12 @@ impl Blas {
                 a,
                 b,
                 d,
-                algo: best.algo,
-                workspace: ws,
+                algos,
+                chosen: 0,
                 granted,
             },
         );
-        Ok(ws)
+        Ok(n)
     }
 
     /// Enqueues `g` on `stream`. The algorithm must have been selected.
@@ -294,10 +317,11 @@ impl Blas {
                 describe(g)
             ))
         })?;
-        if p.workspace > workspace.1 {
+        let (algo, need) = p.algos[p.chosen];
+        if need > workspace.1 {
             return Err(BackendError::WorkspaceTooSmall {
                 what: describe(g),
-                needed: p.workspace,
+                needed: need,
                 granted: workspace.1,
             });
         }
@@ -329,9 +353,9 @@ impl Blas {
                 p.d,
                 out as *mut c_void,
                 p.d,
-                &p.algo,
+                &algo,
                 workspace.0 as *mut c_void,
-                p.workspace as usize,
+                need as usize,
                 stream as lt::cudaStream_t,
             ),
             "cublasLtMatmul",

@@ -40,6 +40,27 @@ use staging::Staging;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_void, CString};
 
+/// Which implementation runs a GEMM shape (decided in `prepare`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GemmImpl {
+    /// cuBLASLt with its chosen algorithm.
+    Blas,
+    /// kiln's skinny-GEMM kernel (`gemv.cu`).
+    Kiln,
+}
+
+/// How GEMMs are implemented (see [`CudaBackend::set_gemm_policy`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmPolicy {
+    /// Time cuBLASLt's candidates and kiln's skinny-GEMM kernel in
+    /// `prepare`, keep the fastest (the default).
+    Autotune,
+    /// cuBLASLt only, its heuristic's first algorithm.
+    BlasOnly,
+    /// kiln's skinny-GEMM kernel wherever it applies, else cuBLASLt.
+    KilnWhereApplicable,
+}
+
 /// A live device allocation.
 struct Alloc {
     bytes: u64,
@@ -59,6 +80,11 @@ pub struct CudaBackend {
     modules: Vec<(String, cu::CUmodule)>,
     functions: HashMap<String, cu::CUfunction>,
     blas: Blas,
+    /// Per GEMM shape: the implementation and the workspace it was chosen under.
+    gemm_impl: HashMap<GemmCall, (GemmImpl, u64)>,
+    gemm_policy: GemmPolicy,
+    /// Per GEMM shape, the candidates timed in `prepare` (label, microseconds).
+    gemm_timings: Vec<(String, Vec<(String, f32)>)>,
     workspace: Option<(DevPtr, u64)>,
     scratch: Option<(DevPtr, u64)>,
     staging: Staging,
@@ -165,6 +191,9 @@ impl CudaBackend {
                 modules: Vec::new(),
                 functions: HashMap::new(),
                 blas,
+                gemm_impl: HashMap::new(),
+                gemm_policy: GemmPolicy::Autotune,
+                gemm_timings: Vec::new(),
                 workspace: None,
                 scratch: None,
                 staging,
@@ -409,9 +438,99 @@ impl CudaBackend {
         }
     }
 
+    /// Chooses how GEMM `g` runs: cuBLASLt algorithms under the granted
+    /// workspace and, for decode shapes, kiln's skinny-GEMM kernel; with
+    /// autotuning (default; `KILN_GEMM_AUTOTUNE=0` turns it off) each
+    /// candidate is timed on the launch's own buffers and the fastest kept.
+    fn prepare_gemm(&mut self, launch: &Launch, g: &GemmCall, autotune: bool) -> Result<()> {
+        let granted = self.gemm_granted(launch);
+        if self.gemm_impl.get(g).is_some_and(|c| c.1 == granted.1) {
+            return Ok(());
+        }
+        let policy = self.gemm_policy;
+        let kiln = gpu::gemv_call(g)
+            .filter(|c| self.functions.contains_key(&c.entry))
+            .filter(|_| policy != GemmPolicy::BlasOnly);
+        let n = self.blas.select(g, granted.1, kiln.is_some())?;
+        let autotune = autotune
+            && policy == GemmPolicy::Autotune
+            && std::env::var("KILN_GEMM_AUTOTUNE").map_or(true, |v| v != "0");
+        let choice = if policy == GemmPolicy::KilnWhereApplicable && kiln.is_some() {
+            GemmImpl::Kiln
+        } else if autotune && n + kiln.is_some() as usize > 1 {
+            let mut times: Vec<(String, f32)> = Vec::new();
+            let mut best = (f32::INFINITY, GemmImpl::Blas, 0usize);
+            let reps = 5;
+            for i in 0..n.min(8) {
+                self.blas.choose(g, i);
+                let ws = granted;
+                let stream = self.stream;
+                let run = |b: &mut Self| -> Result<()> {
+                    let bias = if g.bias {
+                        Some(launch.args[2].ptr.0)
+                    } else {
+                        None
+                    };
+                    // SAFETY: the launch's planned buffers, as in `launch_gemm`.
+                    unsafe {
+                        b.blas.matmul(
+                            g,
+                            launch.args[0].ptr.0,
+                            launch.args[1].ptr.0,
+                            bias,
+                            launch.results[0].ptr.0,
+                            ws,
+                            stream,
+                        )
+                    }
+                };
+                run(self)?;
+                let ms = self.time_ms(|b| (0..reps).try_for_each(|_| run(b)))? / reps as f32;
+                times.push((format!("cublaslt#{i}"), ms * 1e3));
+                if ms < best.0 {
+                    best = (ms, GemmImpl::Blas, i);
+                }
+            }
+            if let Some(call) = &kiln {
+                self.launch_kernel(launch, call)?;
+                let ms = self
+                    .time_ms(|b| (0..reps).try_for_each(|_| b.launch_kernel(launch, call)))?
+                    / reps as f32;
+                times.push((call.entry.clone(), ms * 1e3));
+                if ms < best.0 {
+                    best = (ms, GemmImpl::Kiln, 0);
+                }
+            }
+            self.gemm_timings.push((blas::describe(g), times));
+            if best.1 == GemmImpl::Blas {
+                self.blas.choose(g, best.2);
+            }
+            best.1
+        } else if n > 0 {
+            GemmImpl::Blas
+        } else {
+            GemmImpl::Kiln
+        };
+        self.gemm_impl.insert(*g, (choice, granted.1));
+        Ok(())
+    }
+
+    /// Sets how GEMMs prepared from now on are implemented (choices already
+    /// made are forgotten).
+    pub fn set_gemm_policy(&mut self, policy: GemmPolicy) {
+        self.gemm_policy = policy;
+        self.gemm_impl.clear();
+    }
+
+    /// The candidates each GEMM shape was timed with in `prepare`
+    /// (description, then (implementation, microseconds)), for reports.
+    pub fn gemm_timings(&self) -> &[(String, Vec<(String, f32)>)] {
+        &self.gemm_timings
+    }
+
     fn launch_gemm(&mut self, launch: &Launch, g: &GemmCall) -> Result<()> {
         let granted = self.gemm_granted(launch);
-        if self.blas.selected(g).is_none() {
+        if !self.gemm_impl.get(g).is_some_and(|c| c.1 == granted.1) {
             if let Some(key) = self.capturing {
                 return Err(BackendError::CaptureFailed {
                     key,
@@ -422,7 +541,11 @@ impl CudaBackend {
                     ),
                 });
             }
-            self.blas.select(g, granted.1)?;
+            self.prepare_gemm(launch, g, false)?;
+        }
+        if self.gemm_impl[g].0 == GemmImpl::Kiln {
+            let call = gpu::gemv_call(g).expect("chosen only when it applies");
+            return self.launch_kernel(launch, &call);
         }
         let bias = if g.bias {
             Some(launch.args[2].ptr.0)
@@ -456,7 +579,11 @@ impl CudaBackend {
     /// (None before `prepare` selected one); `Ok(None)` for non-GEMM ops too.
     pub fn gemm_workspace(&self, launch: &Launch) -> Result<Option<u64>> {
         Ok(match Self::lower(launch)? {
-            Lowered::Gemm(g) => self.blas.selected(&g),
+            Lowered::Gemm(g) => match self.gemm_impl.get(&g) {
+                Some((GemmImpl::Kiln, _)) => Some(0),
+                Some((GemmImpl::Blas, _)) => self.blas.selected(&g),
+                None => None,
+            },
             Lowered::Kernels { .. } => None,
         })
     }
@@ -714,10 +841,7 @@ impl Backend for CudaBackend {
             "algorithm selection and scratch sizing happen before capture",
         )?;
         match Self::lower(launch)? {
-            Lowered::Gemm(g) => {
-                let granted = self.gemm_granted(launch).1;
-                self.blas.select(&g, granted)?;
-            }
+            Lowered::Gemm(g) => self.prepare_gemm(launch, &g, true)?,
             Lowered::Kernels {
                 calls,
                 scratch_bytes,

@@ -8,6 +8,8 @@ use kiln_ir::{DType, Op, TensorType};
 use kiln_runtime::backend::{Backend, DevOperand, Launch};
 use kiln_runtime::cuda::CudaBackend;
 
+pub mod synth;
+
 /// xorshift64*: deterministic, seeded per test.
 pub struct Rng(u64);
 impl Rng {
