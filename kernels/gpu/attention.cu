@@ -1,15 +1,16 @@
 // Paged decode attention (GQA, causal query window, sliding window, softcap).
 //
-// Split-context ("flash decoding") in two launches:
+// Split-context ("flash decoding") in one launch:
 //  1. paged_attn_part: grid (partition, (b*kvh + g)*tiles + tile). A block
 //     takes P consecutive context positions of sequence b, one kv head g, and
 //     a tile of RT query rows that read g (r = hi*Q + qi over the group's
 //     heads hi and the Q query tokens), so each K/V row is read once for all
 //     of them. It writes, per row, the partition's running max m, its sum of
 //     exp l and its unnormalized sum of exp * V (f32) to scratch.
-//  2. paged_attn_combine: one block per (token, head) rescales the
-//     partitions to the global max and writes the normalized output, rounded
-//     to T once.
+//  2. The last block of each (b, g, tile) to finish (a counter per
+//     (b, g, tile), bumped after a memory fence) rescales the partitions to
+//     the global max and writes the normalized output, rounded to T once,
+//     then resets its counter to zero for the next launch.
 // Context lengths and block tables are read from device memory, so the grid
 // is sized for the widest context (M * block_size) and blocks past a
 // sequence's context return at once. Softmax is f32 throughout.
@@ -77,11 +78,21 @@ struct AttnShape {
 };
 
 template <typename T, int RT, int VEC>
+KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
+                             const T* __restrict__ vc, const int* __restrict__ block_tables,
+                             float* __restrict__ part_acc, float* __restrict__ part_ml,
+                             const AttnShape& a, int b, int g, int part, int p0, int p1,
+                             const int* rid, const int* qpos, i64 slot_stride);
+
+template <typename T, int RT, int VEC>
 KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
                         const int* __restrict__ block_tables, const int* __restrict__ context_lens,
                         float* __restrict__ part_acc, float* __restrict__ part_ml,
+                        unsigned int* __restrict__ counters, T* __restrict__ out,
                         const AttnShape& a) {
+  KILN_PROLOGUE();
   extern __shared__ float smem[];
+  __shared__ int last_block;
   const int tid = threadIdx.x;
   const int part = blockIdx.x;
   const int tile = blockIdx.y % a.tiles;
@@ -117,64 +128,150 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   const i64 slot_stride = (i64)a.kv_heads * hd;
 
   // A partition wholly before every row's sliding window contributes nothing.
+  bool skip = false;
   if (a.window > 0) {
     int lo = 0x7fffffff;
 #pragma unroll
     for (int j = 0; j < RT; ++j)
       if (rid[j] >= 0) lo = min(lo, qpos[j] - a.window + 1);
-    if (p1 <= lo) {
-      if (tid < RT && rid[tid] >= 0) {
-        float* ml = part_ml + ((i64)rid[tid] * a.num_parts + part) * 2;
+    skip = p1 <= lo;
+  }
+  if (skip) {
+    if (tid == 0) {
+#pragma unroll
+      for (int j = 0; j < RT; ++j) {
+        if (rid[j] < 0) continue;
+        float* ml = part_ml + ((i64)rid[j] * a.num_parts + part) * 2;
         ml[0] = -KILN_INF;
         ml[1] = 0.0f;
       }
-      return;
     }
+  } else {
+    attn_partition<T, RT, VEC>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0, p1,
+                               rid, qpos, slot_stride);
   }
 
-  float* qs = smem;               // [RT][hd]
-  float* sc = smem + RT * hd;     // [RT][P]
+  // Completion count: the last block of this (b, g, tile) combines.
+  __threadfence();
+  __syncthreads();
+  const int nact = (ctx + a.part_len - 1) / a.part_len;
+  if (tid == 0) {
+    const unsigned int done = atomicAdd(&counters[blockIdx.y], 1u);
+    last_block = done + 1 == (unsigned int)nact;
+  }
+  __syncthreads();
+  if (!last_block) return;
+  if (tid == 0) counters[blockIdx.y] = 0;  // ready for the next launch
+  __threadfence();
+  const int lane = tid % KILN_WARP, warp = tid / KILN_WARP;
+  for (int j = warp; j < RT; j += KILN_ATTN_WARPS) {
+    if (rid[j] < 0) continue;
+    const float* ml = part_ml + (i64)rid[j] * a.num_parts * 2;
+    float m = -KILN_INF;
+    for (int p = lane; p < nact; p += KILN_WARP)
+      if (ld_cg(ml + 2 * p + 1) > 0.0f) m = fmaxf(m, ld_cg(ml + 2 * p));
+    m = warp_max(m);
+    float lsum = 0.0f;
+    for (int p = lane; p < nact; p += KILN_WARP) {
+      const float l = ld_cg(ml + 2 * p + 1);
+      if (l > 0.0f) lsum += l * expf(ld_cg(ml + 2 * p) - m);
+    }
+    lsum = warp_sum(lsum);
+    const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+    const float* acc = part_acc + (i64)rid[j] * a.num_parts * hd;
+    for (int d = lane; d < hd; d += KILN_WARP) {
+      float sacc = 0.0f;
+      for (int p = 0; p < nact; ++p) {
+        const float l = ld_cg(ml + 2 * p + 1);
+        if (l > 0.0f) sacc += ld_cg(acc + (i64)p * hd + d) * expf(ld_cg(ml + 2 * p) - m);
+      }
+      out[(i64)rid[j] * hd + d] = st<T>(sacc * inv);
+    }
+  }
+}
+
+// The work of one partition (scores, softmax, weighted V) for the rows of
+// one tile; writes the partition's (max, sum) and accumulator per row.
+template <typename T, int RT, int VEC>
+KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
+                             const T* __restrict__ vc, const int* __restrict__ block_tables,
+                             float* __restrict__ part_acc, float* __restrict__ part_ml,
+                             const AttnShape& a, int b, int g, int part, int p0, int p1,
+                             const int* rid, const int* qpos, i64 slot_stride) {
+  extern __shared__ float smem[];
+  const int tid = threadIdx.x;
+  const int hd = a.head_dim;
+  const int np = p1 - p0;
+  float* qs = smem;                       // [RT][hd]
+  float* sc = smem + RT * hd;             // [RT][P]
+  int* slot_of = (int*)(sc + RT * a.part_len);  // [P]: cache slot of each position
+  const int* bt = block_tables + (i64)b * a.max_blocks;
   for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
     const int j = i / hd, d = i % hd;
     qs[i] = rid[j] >= 0 ? ld(q[(i64)rid[j] * hd + d]) : 0.0f;
   }
+  for (int x = tid; x < np; x += KILN_ATTN_THREADS) {
+    const int p = p0 + x;
+    slot_of[x] = bt[p / a.block_size] * a.block_size + p % a.block_size;
+  }
   __syncthreads();
 
-  // Scores: tg lanes per key, each lane VEC elements of every chunk it owns.
+  // Scores. tg lanes share a key (each lane VEC elements of the chunks it
+  // owns); a lane group takes KU keys per iteration and issues all their
+  // loads before using any, so enough bytes are in flight per SM.
+  constexpr int KU = RT <= 2 ? 8 : 4;
   const int lane = tid % KILN_WARP, warp = tid / KILN_WARP;
   const int tg = a.tg, lig = lane % tg, kslot = lane / tg, kpw = KILN_WARP / tg;
   const int nch = hd / VEC;
-  const int* bt = block_tables + (i64)b * a.max_blocks;
-  for (int pb = p0 + warp * kpw; pb < p1; pb += KILN_ATTN_WARPS * kpw) {
-    const int p = pb + kslot;
-    const bool valid = p < p1;
-    float dot[RT];
+  const T* kbase = kc + (i64)g * hd;
+  for (int pb = p0 + warp * kpw * KU; pb < p1; pb += KILN_ATTN_WARPS * kpw * KU) {
+    float dot[KU][RT];
 #pragma unroll
-    for (int j = 0; j < RT; ++j) dot[j] = 0.0f;
-    if (valid) {
-      const i64 slot = (i64)bt[p / a.block_size] * a.block_size + p % a.block_size;
-      const T* krow = kc + slot * slot_stride + (i64)g * hd;
-      for (int c = lig; c < nch; c += tg) {
-        float kv[VEC];
-        load_vec<VEC>(krow + c * VEC, kv);
+    for (int u = 0; u < KU; ++u)
 #pragma unroll
-        for (int j = 0; j < RT; ++j) {
-          const float* qr = qs + j * hd + c * VEC;
+      for (int j = 0; j < RT; ++j) dot[u][j] = 0.0f;
+    for (int c = lig; c < nch; c += tg) {
+      float kv[KU][VEC];
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) dot[j] += qr[k] * kv[k];
+      for (int u = 0; u < KU; ++u) {
+        const int p = pb + u * kpw + kslot;
+        if (p < p1) {
+          load_vec<VEC>(kbase + (i64)slot_of[p - p0] * slot_stride + c * VEC, kv[u]);
+        } else {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) kv[u][k] = 0.0f;
         }
+      }
+#pragma unroll
+      for (int j = 0; j < RT; ++j) {
+        const float* qr = qs + j * hd + c * VEC;
+        float qv[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) qv[k] = qr[k];
+#pragma unroll
+        for (int u = 0; u < KU; ++u)
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) dot[u][j] += qv[k] * kv[u][k];
       }
     }
 #pragma unroll
-    for (int j = 0; j < RT; ++j)
-      for (int m = tg / 2; m > 0; m >>= 1) dot[j] += shfl_xor(dot[j], m);
-    if (valid && lig == 0) {
+    for (int u = 0; u < KU; ++u)
 #pragma unroll
-      for (int j = 0; j < RT; ++j) {
-        float s = dot[j] * a.scale;
-        if (a.softcap > 0.0f) s = a.softcap * tanhf(s / a.softcap);
-        const bool vis = rid[j] >= 0 && p <= qpos[j] && (a.window <= 0 || p > qpos[j] - a.window);
-        sc[j * a.part_len + (p - p0)] = vis ? s : -KILN_INF;
+      for (int j = 0; j < RT; ++j)
+        for (int m = tg / 2; m > 0; m >>= 1) dot[u][j] += shfl_xor(dot[u][j], m);
+    if (lig == 0) {
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        const int p = pb + u * kpw + kslot;
+        if (p >= p1) continue;
+#pragma unroll
+        for (int j = 0; j < RT; ++j) {
+          float s = dot[u][j] * a.scale;
+          if (a.softcap > 0.0f) s = a.softcap * tanhf(s / a.softcap);
+          const bool vis =
+              rid[j] >= 0 && p <= qpos[j] && (a.window <= 0 || p > qpos[j] - a.window);
+          sc[j * a.part_len + (p - p0)] = vis ? s : -KILN_INF;
+        }
       }
     }
   }
@@ -201,23 +298,39 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   }
   __syncthreads();
 
-  // Weighted sum of V: thread = (chunk c, position lane pl).
+  // Weighted sum of V: thread = (chunk c, position lane pl); VU positions
+  // per iteration, loads first.
+  constexpr int VU = RT <= 2 ? 8 : 4;
   const int c = tid % nch, pl = tid / nch, npl = KILN_ATTN_THREADS / nch;
   float acc[RT][VEC];
 #pragma unroll
   for (int j = 0; j < RT; ++j)
 #pragma unroll
     for (int k = 0; k < VEC; ++k) acc[j][k] = 0.0f;
+  const T* vbase = vc + (i64)g * hd + c * VEC;
   if (pl < npl) {
-    for (int p = p0 + pl; p < p1; p += npl) {
-      const i64 slot = (i64)bt[p / a.block_size] * a.block_size + p % a.block_size;
-      float vv[VEC];
-      load_vec<VEC>(vc + slot * slot_stride + (i64)g * hd + c * VEC, vv);
+    for (int x0 = pl; x0 < np; x0 += npl * VU) {
+      float vv[VU][VEC];
 #pragma unroll
-      for (int j = 0; j < RT; ++j) {
-        const float e = sc[j * a.part_len + (p - p0)];
+      for (int u = 0; u < VU; ++u) {
+        const int x = x0 + u * npl;
+        if (x < np) {
+          load_vec<VEC>(vbase + (i64)slot_of[x] * slot_stride, vv[u]);
+        } else {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[j][k] += e * vv[k];
+          for (int k = 0; k < VEC; ++k) vv[u][k] = 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < VU; ++u) {
+        const int x = x0 + u * npl;
+        if (x >= np) continue;
+#pragma unroll
+        for (int j = 0; j < RT; ++j) {
+          const float e = sc[j * a.part_len + x];
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) acc[j][k] += e * vv[u][k];
+        }
       }
     }
   }
@@ -239,51 +352,14 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   }
 }
 
-#define KILN_ATTN_MAX_PARTS 1024
-// One block per output row id ((b*Q + qi)*heads + h).
-template <typename T>
-KILN_DEV void attn_combine(const int* __restrict__ context_lens, const float* __restrict__ part_acc,
-                           const float* __restrict__ part_ml, T* __restrict__ out,
-                           const AttnShape& a) {
-  __shared__ float wgt[KILN_ATTN_MAX_PARTS];
-  __shared__ float scratch[32];
-  const i64 rid = blockIdx.x;
-  const int b = (int)(rid / ((i64)a.query * a.heads));
-  const int max_ctx = a.max_blocks * a.block_size;
-  int ctx = context_lens[b];
-  ctx = ctx < max_ctx ? ctx : max_ctx;
-  int nact = ctx > 0 ? (ctx + a.part_len - 1) / a.part_len : 0;
-  nact = min(nact, min(a.num_parts, KILN_ATTN_MAX_PARTS));
-  const float* ml = part_ml + rid * a.num_parts * 2;
-  // Global max over partitions that saw a visible position (l > 0).
-  float m = -KILN_INF;
-  for (int p = threadIdx.x; p < nact; p += blockDim.x)
-    if (ml[2 * p + 1] > 0.0f) m = fmaxf(m, ml[2 * p]);
-  m = block_max(m, scratch);
-  float lsum = 0.0f;
-  for (int p = threadIdx.x; p < nact; p += blockDim.x) {
-    const float l = ml[2 * p + 1];
-    const float w = l > 0.0f ? expf(ml[2 * p] - m) : 0.0f;
-    wgt[p] = w;
-    lsum += w * l;
-  }
-  const float total = block_sum(lsum, scratch);  // also orders the wgt writes
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  const float* acc = part_acc + rid * a.num_parts * a.head_dim;
-  for (int d = threadIdx.x; d < a.head_dim; d += blockDim.x) {
-    float s = 0.0f;
-    for (int p = 0; p < nact; ++p)
-      if (wgt[p] > 0.0f) s += acc[(i64)p * a.head_dim + d] * wgt[p];
-    out[rid * a.head_dim + d] = st<T>(s * inv);
-  }
-}
-
 #define KILN_ATTN_PART(T, S, RT, VEC)                                                          \
   KILN_GLOBAL void __launch_bounds__(KILN_ATTN_THREADS)                                        \
       paged_attn_part_r##RT##_v##VEC##_##S(const T* q, const T* kc, const T* vc,               \
                                            const int* block_tables, const int* context_lens,   \
-                                           float* part_acc, float* part_ml, AttnShape a) {     \
-    attn_part<T, RT, VEC>(q, kc, vc, block_tables, context_lens, part_acc, part_ml, a);        \
+                                           float* part_acc, float* part_ml,                    \
+                                           unsigned int* counters, T* out, AttnShape a) {      \
+    attn_part<T, RT, VEC>(q, kc, vc, block_tables, context_lens, part_acc, part_ml, counters,  \
+                          out, a);                                                             \
   }
 #define KILN_ATTN_ENTRIES(T, S)                                                                \
   KILN_ATTN_PART(T, S, 1, 8)                                                                   \
@@ -293,9 +369,5 @@ KILN_DEV void attn_combine(const int* __restrict__ context_lens, const float* __
   KILN_ATTN_PART(T, S, 1, 1)                                                                   \
   KILN_ATTN_PART(T, S, 2, 1)                                                                   \
   KILN_ATTN_PART(T, S, 4, 1)                                                                   \
-  KILN_ATTN_PART(T, S, 8, 1)                                                                   \
-  KILN_GLOBAL void paged_attn_combine_##S(const int* context_lens, const float* part_acc,      \
-                                          const float* part_ml, T* out, AttnShape a) {         \
-    attn_combine<T>(context_lens, part_acc, part_ml, out, a);                                  \
-  }
+  KILN_ATTN_PART(T, S, 8, 1)
 KILN_FOR_FLOATS(KILN_ATTN_ENTRIES)

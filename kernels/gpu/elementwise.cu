@@ -11,6 +11,7 @@
 template <typename T>
 KILN_DEV void embedding_rows(const int* __restrict__ ids, const T* __restrict__ table,
                              T* __restrict__ out, int h, int vocab) {
+  KILN_PROLOGUE();
   const i64 t = blockIdx.x;
   const int id = ids[t];
   T* orow = out + t * h;
@@ -35,6 +36,7 @@ KILN_DEV float gelu_tanh(float g) {
 // in order with a barrier between them.
 template <typename T, int GELU>
 KILN_DEV void act_mul(const T* gate, const T* up, T* out, int tokens, int inter, int serial_rows) {
+  KILN_PROLOGUE();
   const int packed = up == nullptr;
   const i64 gstride = packed ? 2 * (i64)inter : inter;
   if (serial_rows) {
@@ -67,6 +69,7 @@ KILN_DEV void act_mul(const T* gate, const T* up, T* out, int tokens, int inter,
 
 template <typename T>
 KILN_DEV void add_elems(const T* a, const T* b, T* out, i64 n) {
+  KILN_PROLOGUE();
   const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx < n) out[idx] = st<T>(ld(a[idx]) + ld(b[idx]));
 }
@@ -74,6 +77,7 @@ KILN_DEV void add_elems(const T* a, const T* b, T* out, i64 n) {
 // out[r] = x[r * group + group - 1]; rows of `width` elements, copied as is.
 template <typename E>
 KILN_DEV void gather_last_rows(const E* __restrict__ x, E* __restrict__ out, int group, int width) {
+  KILN_PROLOGUE();
   const i64 r = blockIdx.x;
   const E* src = x + (r * group + group - 1) * width;
   for (int i = threadIdx.x; i < width; i += blockDim.x) out[r * width + i] = src[i];

@@ -36,6 +36,7 @@ KILN_DEV void unpack8(uint4 u, const kf16*, float* o) {
 template <typename T, typename O, int TT>
 KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
                         const T* __restrict__ bias, O* __restrict__ out, int tokens, int n, int k) {
+  KILN_PROLOGUE();
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
   const i64 row0 = ((i64)blockIdx.x * KILN_GEMV_WARPS + warp) * KILN_GEMV_ROWS;

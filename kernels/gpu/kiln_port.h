@@ -40,6 +40,29 @@ struct kf16 {
 KILN_DEV unsigned int kiln_f2u(float f) { return __float_as_uint(f); }
 KILN_DEV float kiln_u2f(unsigned int u) { return __uint_as_float(u); }
 
+// Programmatic dependent launch (sm_90+): every kernel starts with
+// KILN_PROLOGUE(), which first waits until the grids it depends on have
+// completed and flushed their memory (so it may read their results and
+// overwrite what they read), then lets the next kernel in the stream begin
+// launching, which overlaps its launch with this kernel's run. Elsewhere
+// (sm_80, HIP) both are no-ops and launches serialize as usual.
+KILN_DEV void kiln_prologue() {
+#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+#define KILN_PROLOGUE() kiln_prologue()
+
+// A load that bypasses L1 (data another block wrote during this launch).
+KILN_DEV float ld_cg(const float* p) {
+#if defined(KILN_CUDA)
+  return __ldcg(p);
+#else
+  return __builtin_nontemporal_load(p);
+#endif
+}
+
 // Loads: storage -> f32.
 KILN_DEV float ld(float v) { return v; }
 KILN_DEV float ld(kbf16 v) { return kiln_u2f(((unsigned int)v.bits) << 16); }

@@ -19,6 +19,7 @@ struct RopeFreqs {
 template <typename T>
 KILN_DEV void rope_pairs(const T* x, const int* __restrict__ pos, T* out, int tokens, int heads,
                          int hd, const RopeFreqs& fr) {
+  KILN_PROLOGUE();
   const int half = hd / 2;
   const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   const i64 total = (i64)tokens * heads * half;
@@ -39,6 +40,7 @@ KILN_DEV void rope_pairs(const T* x, const int* __restrict__ pos, T* out, int to
 template <typename T>
 KILN_DEV void kv_write_rows(const T* __restrict__ k, const T* __restrict__ v,
                             const int* __restrict__ slots, T* kc, T* vc, int row, i64 num_slots) {
+  KILN_PROLOGUE();
   const i64 t = blockIdx.x;
   const i64 slot = slots[t];
   if (slot < 0 || slot >= num_slots) return;
@@ -60,6 +62,7 @@ KILN_DEV void qkv_rope_kv_write_units(const T* __restrict__ qkv, const int* __re
                                       T* __restrict__ q_out, int tokens, int heads, int kvh, int hd,
                                       float eps, int has_norm, int unit_offset, i64 num_slots,
                                       const RopeFreqs& fr) {
+  KILN_PROLOGUE();
   const int lane = threadIdx.x % KILN_WARP;
   const int units = heads + 2 * kvh;
   const i64 w = (i64)blockIdx.x * (blockDim.x / KILN_WARP) + threadIdx.x / KILN_WARP;

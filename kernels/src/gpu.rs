@@ -162,7 +162,6 @@ pub fn entry_points(module: &str) -> Vec<String> {
                         v.push(format!("paged_attn_part_r{rt}_v{vec}_{s}"));
                     }
                 }
-                v.push(format!("paged_attn_combine_{s}"));
             }
         }
         "elementwise" => {
@@ -186,7 +185,8 @@ pub fn entry_points(module: &str) -> Vec<String> {
             }
         }
         "sampling" => {
-            per_float(&mut v, &["argmax"]);
+            per_float(&mut v, &["argmax_chunk"]);
+            v.push("argmax_final".into());
             v.push("accept_greedy".into());
         }
         _ => {}
@@ -214,6 +214,9 @@ pub enum Param {
     Result(usize),
     /// Device address `offset` bytes into the op's scratch buffer.
     Scratch(u64),
+    /// Device address of completion counter `i` (u32, zero between
+    /// launches: the kernel that uses them resets them).
+    Counters(u32),
     /// A null device pointer (an absent optional operand).
     Null,
     I32(i32),
@@ -227,7 +230,12 @@ impl Param {
     /// Bytes of the parameter as the kernel receives it.
     pub fn size(&self) -> usize {
         match self {
-            Param::Arg(_) | Param::Result(_) | Param::Scratch(_) | Param::Null | Param::I64(_) => 8,
+            Param::Arg(_)
+            | Param::Result(_)
+            | Param::Scratch(_)
+            | Param::Counters(_)
+            | Param::Null
+            | Param::I64(_) => 8,
             Param::I32(_) | Param::F32(_) => 4,
             Param::Blob(b) => b.len(),
         }
@@ -262,11 +270,14 @@ pub struct GemmCall {
 /// How an op runs on a GPU.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Lowered {
-    /// Kernel launches in stream order, and the scratch bytes they need
-    /// (a backend-owned buffer, allocated before capture).
+    /// Kernel launches in stream order, the scratch bytes they need (a
+    /// backend-owned buffer, allocated before capture; its contents do not
+    /// survive the op) and the completion counters they use (a separate,
+    /// zero-initialized backend buffer that the kernels leave zeroed).
     Kernels {
         calls: Vec<KernelCall>,
         scratch_bytes: u64,
+        counters: u32,
     },
     /// One BLAS call.
     Gemm(GemmCall),
@@ -305,6 +316,11 @@ pub const HEAD_NORM_MAX_HEAD_DIM: u32 = 512;
 pub const ATTN_THREADS: u32 = 128;
 /// Upper bound on attention partitions per sequence.
 pub const ATTN_MAX_PARTS: u32 = 256;
+/// Elements of a row one block of the argmax's first stage scans.
+pub const ARGMAX_CHUNK: u32 = 4096;
+/// Attention blocks the partition size aims for (about eight per SM of an
+/// H100/H200, so enough K/V bytes are in flight).
+pub const ATTN_TARGET_BLOCKS: u64 = 1024;
 /// Shared memory a block may use without an opt-in.
 pub const MAX_STATIC_SHARED: u32 = 48 * 1024;
 
@@ -422,14 +438,22 @@ pub fn attention_geometry(
     }
     let tg = nch.next_power_of_two().min(32);
     let max_ctx = max_blocks as u64 * block_size as u64;
-    let mut part_len: u64 = 128;
+    // The largest partition that still gives the chip enough blocks, at
+    // least 32 positions, and never more than ATTN_MAX_PARTS partitions.
+    let base_blocks = batch as u64 * kv_heads as u64 * tiles as u64;
+    let mut part_len: u64 = 512;
+    while part_len > 32 && base_blocks * max_ctx.div_ceil(part_len) < ATTN_TARGET_BLOCKS {
+        part_len /= 2;
+    }
     if max_ctx.div_ceil(part_len) > ATTN_MAX_PARTS as u64 {
         part_len = max_ctx.div_ceil(ATTN_MAX_PARTS as u64).div_ceil(32) * 32;
     }
     let num_parts = max_ctx.div_ceil(part_len).max(1);
     let npl = (ATTN_THREADS / nch) as u64;
     let (rt, hd) = (row_tile as u64, head_dim as u64);
-    let floats = (rt * hd + rt * part_len).max(npl * rt * hd);
+    // Phase 1: q rows, scores and the slot of each position; phase 2: the
+    // per-position-lane partial sums of V.
+    let floats = (rt * hd + rt * part_len + part_len).max(npl * rt * hd);
     let shared = floats * 4;
     if shared > MAX_STATIC_SHARED as u64 {
         return Err(unsupported(format!(
@@ -485,6 +509,7 @@ pub fn lower(
     let calls = |c: Vec<KernelCall>| Lowered::Kernels {
         calls: c,
         scratch_bytes: 0,
+        counters: 0,
     };
     Ok(match op {
         Op::Embedding => {
@@ -715,7 +740,6 @@ pub fn lower(
                     g.tiles
                 )));
             }
-            let rows = batch as u64 * *query as u64 * *heads as u64;
             let part = KernelCall {
                 module: "attention",
                 entry: format!("paged_attn_part_r{}_v{}_{s}", g.row_tile, g.vec),
@@ -730,25 +754,15 @@ pub fn lower(
                     Param::Arg(4),
                     Param::Scratch(0),
                     Param::Scratch(g.ml_offset),
-                    Param::Blob(shape.clone()),
-                ],
-            };
-            let combine = call(
-                "attention",
-                format!("paged_attn_combine_{s}"),
-                [blocks(rows, 1)?, 1, 1],
-                128,
-                vec![
-                    Param::Arg(4),
-                    Param::Scratch(0),
-                    Param::Scratch(g.ml_offset),
+                    Param::Counters(0),
                     Param::Result(0),
                     Param::Blob(shape),
                 ],
-            );
+            };
             Lowered::Kernels {
-                calls: vec![part, combine],
+                calls: vec![part],
                 scratch_bytes: g.scratch_bytes,
+                counters: grid_y as u32,
             }
         }
         Op::SiluMul | Op::GeluTanhMul => {
@@ -823,13 +837,45 @@ pub fn lower(
         Op::Argmax => {
             let s = float_suffix(m, args[0].dtype)?;
             let (rows, vocab) = two(&x)?;
-            calls(vec![call(
-                "sampling",
-                format!("argmax_{s}"),
-                [blocks(rows as u64, 1)?, 1, 1],
-                1024,
-                vec![Param::Arg(0), Param::Result(0), Param::I32(vocab as i32)],
-            )])
+            let chunks = vocab.div_ceil(ARGMAX_CHUNK);
+            if rows > 65535 {
+                return Err(unsupported(format!(
+                    "{rows} rows exceed the 65535 grid rows"
+                )));
+            }
+            let pairs = rows as u64 * chunks as u64;
+            let idx_offset = (pairs * 4).div_ceil(256) * 256;
+            Lowered::Kernels {
+                calls: vec![
+                    call(
+                        "sampling",
+                        format!("argmax_chunk_{s}"),
+                        [chunks, rows, 1],
+                        256,
+                        vec![
+                            Param::Arg(0),
+                            Param::Scratch(0),
+                            Param::Scratch(idx_offset),
+                            Param::I32(vocab as i32),
+                            Param::I32(chunks as i32),
+                        ],
+                    ),
+                    call(
+                        "sampling",
+                        "argmax_final".into(),
+                        [rows, 1, 1],
+                        256,
+                        vec![
+                            Param::Scratch(0),
+                            Param::Scratch(idx_offset),
+                            Param::Result(0),
+                            Param::I32(chunks as i32),
+                        ],
+                    ),
+                ],
+                scratch_bytes: idx_offset + pairs * 4,
+                counters: 0,
+            }
         }
         Op::AcceptGreedy { spec } => {
             let b = results[0].numel();
@@ -890,10 +936,11 @@ mod tests {
                 let stem: Vec<&str> = e
                     .split('_')
                     .filter(|tok| {
-                        !["bf16", "f16", "f32", "i32"].contains(tok)
-                            && !(tok.len() > 1
-                                && tok.starts_with(['t', 'r', 'v'])
-                                && tok[1..].bytes().all(|c| c.is_ascii_digit()))
+                        let dtype = ["bf16", "f16", "f32", "i32"].contains(tok);
+                        let inst = tok.len() > 1
+                            && tok.starts_with(['t', 'r', 'v'])
+                            && tok[1..].bytes().all(|c| c.is_ascii_digit());
+                        !dtype && !inst
                     })
                     .collect();
                 let stem = stem.join("_");

@@ -696,7 +696,18 @@ fn kernel_images_for_another_gpu_are_refused_with_the_fix() {
 
 #[test]
 fn a_whole_synthetic_step_matches_the_host_reference_eager_and_replayed() {
+    for pdl in [true, false] {
+        whole_step(pdl);
+    }
+}
+
+fn whole_step(pdl: bool) {
     let Some(mut b) = device() else { return };
+    b.set_pdl(pdl);
+    eprintln!(
+        "whole step with programmatic dependent launch {}",
+        if b.pdl() { "on" } else { "off" }
+    );
     b.reserve_workspace(32 << 20).unwrap();
     let step = synth::build(synth::TINY, &[1, 37, 200], 21);
     let (want_logits, want_next) = synth::host_run(&step);
@@ -860,6 +871,50 @@ fn bench_synthetic_qwen3_0_6b_step_replay_vs_eager() {
     b.reserve_workspace(32 << 20).unwrap();
     let bw = b.copy_bandwidth(2 << 30, 10).unwrap();
     eprintln!("device-to-device copy: {:.0} GB/s (read + write)", bw / 1e9);
+    // Decode GEMMs stream their weights: achieved bandwidth per policy on a
+    // weight four times the L2 (256 MiB), rotating nothing (one pass each).
+    {
+        let mut r = Rng::new(77);
+        let (n, k) = (16384u32, 8192u32);
+        let w = put(&mut b, &HT::random(&mut r, DType::BF16, &[n, k], 0.01));
+        for t in [1u32, 8, 32] {
+            let x = put(&mut b, &HT::random(&mut r, DType::BF16, &[t, k], 1.0));
+            let out = poisoned(&mut b, &TensorType::new(DType::BF16, vec![t, n]));
+            let l = Launch {
+                kernel: "gemm".into(),
+                op: Op::MatMul {
+                    bias: false,
+                    out: DType::BF16,
+                },
+                args: vec![x.clone(), w.clone()],
+                results: vec![out.clone()],
+                workspace: None,
+            };
+            for policy in [
+                GemmPolicy::BlasOnly,
+                GemmPolicy::KilnWhereApplicable,
+                GemmPolicy::Autotune,
+            ] {
+                b.set_gemm_policy(policy);
+                b.prepare(&l).unwrap();
+                b.launch(&l).unwrap();
+                let ms = median(
+                    (0..20)
+                        .map(|_| b.time_ms(|b| b.launch(&l)).unwrap())
+                        .collect(),
+                );
+                eprintln!(
+                    "gemm bf16 [{t},{k}]x[{n},{k}]^T {policy:?}: {:.1} us, weights at {:.0} GB/s",
+                    ms * 1e3,
+                    (n as f64 * k as f64 * 2.0) / (ms / 1e3) / 1e9
+                );
+            }
+            b.free(x.ptr).unwrap();
+            b.free(out.ptr).unwrap();
+        }
+        b.free(w.ptr).unwrap();
+        b.set_gemm_policy(GemmPolicy::Autotune);
+    }
     let mut lines = Vec::new();
     for (batch, ctx) in [(1u32, 512i32), (32, 512), (1, 128), (32, 128), (8, 2048)] {
         let ctxs = vec![ctx; batch as usize];
@@ -883,6 +938,15 @@ fn bench_synthetic_qwen3_0_6b_step_replay_vs_eager() {
         } else {
             synth::upload(&mut b, &step)
         };
+        if batch == 1 && ctx == 512 && b.pdl() {
+            b.set_pdl(false);
+            let t = time_step(&mut b, key, &dev.launches, &dev.ptrs[step.next]);
+            ablation.push_str(&format!(
+                ",\"no_pdl_replay_ms\":{:.4},\"no_pdl_eager_ms\":{:.4}",
+                t.replay_ms, t.eager_ms
+            ));
+            b.set_pdl(true);
+        }
         let t = time_step(&mut b, key, &dev.launches, &dev.ptrs[step.next]);
         if ctx == 512 {
             let prof = profile_ops(&mut b, &dev.launches);
@@ -899,7 +963,7 @@ fn bench_synthetic_qwen3_0_6b_step_replay_vs_eager() {
             step.weight_bytes + step.kv_read_bytes + batch as u64 * step.cfg.vocab as u64 * 4;
         let floor_ms = bytes as f64 / bw * 1e3;
         let line = format!(
-            "{{\"model\":\"qwen3-0.6b-synthetic\",\"batch\":{batch},\"context\":{ctx},\"launch_ops\":{},\"eager_ms\":{:.4},\"replay_ms\":{:.4},\"replay_back_to_back_ms\":{:.4},\"speedup\":{:.2},\"tokens_per_s\":{:.0},\"bytes_moved\":{bytes},\"copy_bw_gbs\":{:.0},\"hbm_floor_ms\":{floor_ms:.4},\"replay_over_floor\":{:.2},\"capture_ms\":{:.2},\"device_bytes\":{},\"workspace_bytes\":{},\"attention_scratch_bytes\":{}{ablation}}}",
+            "{{\"model\":\"qwen3-0.6b-synthetic\",\"batch\":{batch},\"context\":{ctx},\"launch_ops\":{},\"eager_ms\":{:.4},\"replay_ms\":{:.4},\"replay_back_to_back_ms\":{:.4},\"speedup\":{:.2},\"tokens_per_s\":{:.0},\"bytes_moved\":{bytes},\"copy_bw_gbs\":{:.0},\"hbm_floor_ms\":{floor_ms:.4},\"replay_over_floor\":{:.2},\"capture_ms\":{:.2},\"device_bytes\":{},\"workspace_bytes\":{},\"attention_scratch_bytes\":{},\"pdl\":{}{ablation}}}",
             dev.launches.len(),
             t.eager_ms,
             t.replay_ms,
@@ -912,6 +976,7 @@ fn bench_synthetic_qwen3_0_6b_step_replay_vs_eager() {
             b.allocated_bytes(),
             32u64 << 20,
             b.scratch_bytes(),
+            b.pdl(),
         );
         assert_eq!(t.tokens.len(), batch as usize);
         println!("{line}");

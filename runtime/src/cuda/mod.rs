@@ -83,10 +83,14 @@ pub struct CudaBackend {
     /// Per GEMM shape: the implementation and the workspace it was chosen under.
     gemm_impl: HashMap<GemmCall, (GemmImpl, u64)>,
     gemm_policy: GemmPolicy,
+    /// Launch kernels with programmatic dependent launch (sm_90+).
+    pdl: bool,
     /// Per GEMM shape, the candidates timed in `prepare` (label, microseconds).
     gemm_timings: Vec<(String, Vec<(String, f32)>)>,
     workspace: Option<(DevPtr, u64)>,
     scratch: Option<(DevPtr, u64)>,
+    /// Zero-initialized u32 completion counters (kernels leave them zeroed).
+    counters: Option<(DevPtr, u32)>,
     staging: Staging,
     capturing: Option<Key>,
     /// Op of the last launch recorded in the open capture (for error messages).
@@ -193,9 +197,11 @@ impl CudaBackend {
                 blas,
                 gemm_impl: HashMap::new(),
                 gemm_policy: GemmPolicy::Autotune,
+                pdl: major >= 9 && std::env::var("KILN_PDL").map_or(true, |v| v != "0"),
                 gemm_timings: Vec::new(),
                 workspace: None,
                 scratch: None,
+                counters: None,
                 staging,
                 capturing: None,
                 last_captured_op: None,
@@ -310,6 +316,28 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Grows the completion counters to at least `n` (before capture).
+    fn ensure_counters(&mut self, n: u32, op: &str) -> Result<()> {
+        if n == 0 || self.counters.is_some_and(|c| c.1 >= n) {
+            return Ok(());
+        }
+        if let Some(key) = self.capturing {
+            return Err(BackendError::CaptureFailed {
+                key,
+                op: op.into(),
+                message: format!(
+                    "needs {n} completion counters that were not prepared before capture (call prepare for every op before capturing)"
+                ),
+            });
+        }
+        if let Some((p, _)) = self.counters.take() {
+            self.raw_free(p)?;
+        }
+        let p = self.raw_alloc(n as u64 * 4, "completion counters")?;
+        self.counters = Some((p, n));
+        Ok(())
+    }
+
     fn lower(launch: &Launch) -> Result<Lowered> {
         let args: Vec<_> = launch.args.iter().map(|a| a.ty.clone()).collect();
         let results: Vec<_> = launch.results.iter().map(|a| a.ty.clone()).collect();
@@ -386,6 +414,15 @@ impl CudaBackend {
                     })?;
                     (base.0 + o).to_ne_bytes().to_vec()
                 }
+                Param::Counters(i) => {
+                    let (base, _) = self.counters.ok_or_else(|| {
+                        BackendError::Device(format!(
+                            "op `{}` needs completion counters that were never allocated",
+                            launch.kernel
+                        ))
+                    })?;
+                    (base.0 + 4 * *i as u64).to_ne_bytes().to_vec()
+                }
                 Param::Null => 0u64.to_ne_bytes().to_vec(),
                 Param::I32(v) => v.to_ne_bytes().to_vec(),
                 Param::I64(v) => v.to_ne_bytes().to_vec(),
@@ -401,21 +438,43 @@ impl CudaBackend {
             .collect();
         // SAFETY: the parameter buffer matches the kernel's signature (the
         // catalog and the .cu sources are tested together); the driver
-        // copies the parameters before returning.
+        // copies the parameters before returning. With PDL the kernel may
+        // begin launching while its predecessor runs; every kernel's
+        // prologue waits for its predecessors before touching memory.
         let r = unsafe {
-            cu::cuLaunchKernel(
-                f,
-                call.grid[0],
-                call.grid[1],
-                call.grid[2],
-                call.block[0],
-                call.block[1],
-                call.block[2],
-                call.shared_bytes,
-                self.stream,
-                ptrs.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
+            if self.pdl {
+                let mut attr: cu::CUlaunchAttribute = std::mem::zeroed();
+                attr.id =
+                    cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attr.value.programmaticStreamSerializationAllowed = 1;
+                let cfg = cu::CUlaunchConfig {
+                    gridDimX: call.grid[0],
+                    gridDimY: call.grid[1],
+                    gridDimZ: call.grid[2],
+                    blockDimX: call.block[0],
+                    blockDimY: call.block[1],
+                    blockDimZ: call.block[2],
+                    sharedMemBytes: call.shared_bytes,
+                    hStream: self.stream,
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                cu::cuLaunchKernelEx(&cfg, f, ptrs.as_mut_ptr(), std::ptr::null_mut())
+            } else {
+                cu::cuLaunchKernel(
+                    f,
+                    call.grid[0],
+                    call.grid[1],
+                    call.grid[2],
+                    call.block[0],
+                    call.block[1],
+                    call.block[2],
+                    call.shared_bytes,
+                    self.stream,
+                    ptrs.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
         };
         self.launch_result(r, launch, &format!("cuLaunchKernel({})", call.entry))
     }
@@ -522,6 +581,18 @@ impl CudaBackend {
         self.gemm_impl.clear();
     }
 
+    /// Turns programmatic dependent launch on or off for later launches
+    /// (on by default on sm_90+; `KILN_PDL=0` turns it off). Kernels built
+    /// for sm_80 ignore it.
+    pub fn set_pdl(&mut self, on: bool) {
+        self.pdl = on && self.sm >= 90;
+    }
+
+    /// Whether kernels launch with programmatic dependent launch.
+    pub fn pdl(&self) -> bool {
+        self.pdl
+    }
+
     /// The candidates each GEMM shape was timed with in `prepare`
     /// (description, then (implementation, microseconds)), for reports.
     pub fn gemm_timings(&self) -> &[(String, Vec<(String, f32)>)] {
@@ -530,7 +601,7 @@ impl CudaBackend {
 
     fn launch_gemm(&mut self, launch: &Launch, g: &GemmCall) -> Result<()> {
         let granted = self.gemm_granted(launch);
-        if !self.gemm_impl.get(g).is_some_and(|c| c.1 == granted.1) {
+        if self.gemm_impl.get(g).is_none_or(|c| c.1 != granted.1) {
             if let Some(key) = self.capturing {
                 return Err(BackendError::CaptureFailed {
                     key,
@@ -736,6 +807,9 @@ impl Backend for CudaBackend {
         if self.scratch.is_some_and(|s| s.0 == ptr) {
             self.scratch = None;
         }
+        if self.counters.is_some_and(|c| c.0 == ptr) {
+            self.counters = None;
+        }
         self.raw_free(ptr)
     }
 
@@ -845,6 +919,7 @@ impl Backend for CudaBackend {
             Lowered::Kernels {
                 calls,
                 scratch_bytes,
+                counters,
             } => {
                 for c in &calls {
                     if !self.functions.contains_key(&c.entry) {
@@ -852,6 +927,7 @@ impl Backend for CudaBackend {
                     }
                 }
                 self.ensure_scratch(scratch_bytes, &launch.kernel)?;
+                self.ensure_counters(counters, &launch.kernel)?;
             }
         }
         Ok(())
@@ -867,8 +943,10 @@ impl Backend for CudaBackend {
             Lowered::Kernels {
                 calls,
                 scratch_bytes,
+                counters,
             } => {
                 self.ensure_scratch(scratch_bytes, &launch.kernel)?;
+                self.ensure_counters(counters, &launch.kernel)?;
                 for c in &calls {
                     self.launch_kernel(launch, c)?;
                 }
