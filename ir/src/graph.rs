@@ -2,7 +2,7 @@
 //! order, and side tables.
 //!
 //! A [`Graph`] is plain data and may be malformed (a parser or a buggy pass
-//! can build anything); [`crate::verify`] decides whether it is well formed.
+//! can build anything); [`crate::verify()`] decides whether it is well formed.
 //! The [`Graph::node`]-building helpers type each result with [`Op::infer`]
 //! and panic on a type error, because a frontend that builds an ill-typed
 //! graph is a compiler bug, not bad user input.

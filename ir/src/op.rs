@@ -322,6 +322,9 @@ impl Op {
             }
         };
         let tt = |d: DType, s: Vec<u32>| TensorType::new(d, Shape(s));
+        // Attribute products are compared in u64: a parsed graph may carry any
+        // u32 attributes, and typing must reject them, not overflow.
+        let wide = |x: u32| x as u64;
         match self {
             Op::Embedding => {
                 int(0, "ids")?;
@@ -394,7 +397,7 @@ impl Op {
                 let w = rank(1, 1, "weight")?;
                 same_dtype(0, 1)?;
                 want(
-                    *head_dim > 0 && x[1] == heads * head_dim,
+                    *head_dim > 0 && x[1] as u64 == wide(*heads) * wide(*head_dim),
                     format!(
                         "x row length {} must be heads*head_dim = {}*{}",
                         x[1], heads, head_dim
@@ -418,7 +421,7 @@ impl Op {
                     format!("head_dim {head_dim} must be even and positive"),
                 )?;
                 want(
-                    x[1] == heads * head_dim,
+                    x[1] as u64 == wide(*heads) * wide(*head_dim),
                     format!(
                         "x row length {} must be heads*head_dim = {}*{}",
                         x[1], heads, head_dim
@@ -480,7 +483,7 @@ impl Op {
                     "query and block_size must be positive".into(),
                 )?;
                 want(
-                    q[1] == heads * head_dim,
+                    q[1] as u64 == wide(*heads) * wide(*head_dim),
                     format!(
                         "q row length {} must be heads*head_dim = {}*{}",
                         q[1], heads, head_dim
@@ -489,7 +492,7 @@ impl Op {
                 let kc = rank(1, 2, "k cache")?;
                 same_dtype(0, 1)?;
                 want(
-                    kc[1] == kv_heads * head_dim,
+                    kc[1] as u64 == wide(*kv_heads) * wide(*head_dim),
                     format!(
                         "k cache row {} must be kv_heads*head_dim = {}*{}",
                         kc[1], kv_heads, head_dim
@@ -514,7 +517,7 @@ impl Op {
                     ),
                 )?;
                 want(
-                    q[0] == bt[0] * query,
+                    q[0] as u64 == wide(bt[0]) * wide(*query),
                     format!("q rows {} must be batch*query = {}*{}", q[0], bt[0], query),
                 )?;
                 Ok(vec![args[0].clone()])
@@ -533,7 +536,7 @@ impl Op {
                     format!("head_dim {head_dim} must be even and positive"),
                 )?;
                 want(
-                    x[1] == (heads + 2 * kv_heads) * head_dim,
+                    x[1] as u64 == (wide(*heads) + 2 * wide(*kv_heads)) * wide(*head_dim),
                     format!(
                         "qkv row length {} must be (heads + 2*kv_heads)*head_dim = ({} + 2*{})*{}",
                         x[1], heads, kv_heads, head_dim
@@ -550,7 +553,7 @@ impl Op {
                 let kc = rank(3, 2, "k cache")?;
                 same_dtype(0, 3)?;
                 want(
-                    kc[1] == kv_heads * head_dim,
+                    kc[1] as u64 == wide(*kv_heads) * wide(*head_dim),
                     format!(
                         "k cache row {} must be kv_heads*head_dim = {}*{}",
                         kc[1], kv_heads, head_dim
@@ -631,16 +634,16 @@ impl Op {
                 let d = rank(1, 1, "drafts")?;
                 want(*spec > 0, "spec must be at least 1".into())?;
                 want(
-                    p[0] % (spec + 1) == 0,
+                    wide(p[0]) % (wide(*spec) + 1) == 0,
                     format!(
                         "pred length {} must be a multiple of spec+1 = {}",
                         p[0],
-                        spec + 1
+                        wide(*spec) + 1
                     ),
                 )?;
-                let b = p[0] / (spec + 1);
+                let b = (wide(p[0]) / (wide(*spec) + 1)) as u32;
                 want(
-                    d[0] == b * spec,
+                    wide(d[0]) == wide(b) * wide(*spec),
                     format!("drafts length {} must be batch*spec = {}*{}", d[0], b, spec),
                 )?;
                 Ok(vec![tt(DType::I32, vec![b])])

@@ -1,0 +1,481 @@
+//! Compile orchestration: frontend -> passes -> planner -> [`Plan`].
+//!
+//! For each shape key the model's decode step is traced with the KV layout
+//! the options describe, run through the pass pipeline (verified after every
+//! pass unless told otherwise), and planned. The weight manifest is shared:
+//! fusions add stacked entries, and after all keys it is pruned to exactly
+//! what the graphs read, so `Region::Weight` indices are final before any
+//! key is planned. Finished plans are re-checked by the independent checker
+//! ([`crate::planner::check`]) when verification is on.
+//!
+//! Determinism: keys are sorted and deduplicated, every pass is canonical and
+//! the planner breaks every tie on an index, so the same input compiles to
+//! byte-identical plans.
+//!
+//! Not here: model parsing and tracing (frontend), kernel compilation for GPU
+//! targets (a hook, [`kernel_images`], filled by the kernels crate), the
+//! runtime.
+
+use crate::frontend::{self, Model, TraceOptions};
+use crate::passes::{self, Pass, PassError, PassStats, DEFAULT_PIPELINE};
+use crate::planner::{self, PlanContext, PlanError};
+use kiln_ir::plan::{KernelImage, KvLayout, ModelInfo, ModelMeta, Plan, Target};
+use kiln_ir::{Graph, Key, WeightManifest};
+use std::fmt::Display;
+use std::path::{Path, PathBuf};
+
+/// KV cache block size when none is given.
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+/// Context cap when none is given (the model's own limit applies too).
+pub const DEFAULT_MAX_CONTEXT: u32 = 4096;
+
+/// How the paged KV cache is sized.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvOptions {
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Usable blocks per layer (the reserved null block comes on top).
+    pub kv_blocks: Option<u32>,
+    /// Usable tokens per layer, rounded up to whole blocks (alternative to
+    /// `kv_blocks`).
+    pub max_tokens: Option<u64>,
+    /// Cap on any sequence's context; the model's own limit also applies.
+    pub max_context: Option<u32>,
+}
+
+impl Default for KvOptions {
+    fn default() -> KvOptions {
+        KvOptions {
+            block_size: DEFAULT_BLOCK_SIZE,
+            kv_blocks: None,
+            max_tokens: None,
+            max_context: None,
+        }
+    }
+}
+
+/// Everything `kiln compile` decides besides the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompileOptions {
+    pub keys: Vec<Key>,
+    pub target: Target,
+    pub kv: KvOptions,
+    /// Also output the f32 logits of every scored row.
+    pub logits: bool,
+    /// Verify every graph before and after each pass, and check every plan.
+    pub verify: bool,
+    pub passes: Vec<Pass>,
+}
+
+impl Default for CompileOptions {
+    fn default() -> CompileOptions {
+        CompileOptions {
+            keys: vec![Key::new(1, 1, 0)],
+            target: Target::Cpu,
+            kv: KvOptions::default(),
+            logits: false,
+            verify: true,
+            passes: DEFAULT_PIPELINE.to_vec(),
+        }
+    }
+}
+
+/// Why a compile failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CompileError {
+    #[error("invalid options: {0}")]
+    Options(String),
+    #[error(transparent)]
+    Frontend(#[from] crate::frontend::FrontendError),
+    #[error("tracing key {key} failed: {message}")]
+    Trace { key: Key, message: String },
+    #[error(transparent)]
+    Pass(#[from] PassError),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("the planner produced an invalid plan (a compiler bug; please report it):\n  {}", .0.join("\n  "))]
+    Check(Vec<String>),
+    #[error("kernel images for {target}: {message}")]
+    Kernels { target: Target, message: String },
+    #[error("cannot write the plan to `{path}`: {source}")]
+    Write {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Per-key facts of a compile, for reports and the benchmark.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KeyReport {
+    pub key: Key,
+    pub passes: PassStats,
+    /// Placement order and fit policy that won.
+    pub strategy: &'static str,
+    /// Results placed over a dying argument.
+    pub in_place: u32,
+}
+
+/// A plan and how it was made.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Compiled {
+    pub plan: Plan,
+    pub reports: Vec<KeyReport>,
+}
+
+/// What [`compile_traced`] reports while it works.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Traced and rewrote key `n` of `total`.
+    Passes,
+    /// Planned a key.
+    Planned,
+}
+
+/// `arena_lower_bound / arena_peak` (1 for an empty arena).
+pub fn efficiency(lower_bound: u64, peak: u64) -> f64 {
+    if peak == 0 {
+        1.0
+    } else {
+        lower_bound as f64 / peak as f64
+    }
+}
+
+/// Sorted, deduplicated, validated keys.
+pub fn normalize_keys(keys: &[Key]) -> Result<Vec<Key>, CompileError> {
+    if keys.is_empty() {
+        return Err(CompileError::Options(
+            "no shape keys: pass --batches 1,2,4,8 or --keys b1q1s0,...".into(),
+        ));
+    }
+    let mut out = Vec::with_capacity(keys.len());
+    for &k in keys {
+        out.push(
+            k.validate()
+                .map_err(|e| CompileError::Options(e.to_string()))?,
+        );
+    }
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+/// The KV layout and context cap for a model with `info` (whose
+/// `max_context` is the model's own limit, e.g. `max_position_embeddings`)
+/// compiled for `keys`.
+///
+/// * `max_context = min(model limit, --max-context or DEFAULT_MAX_CONTEXT)`;
+/// * `max_blocks_per_seq = ceil(max_context / block_size)`;
+/// * usable blocks: `--kv-blocks`, or `ceil(--max-tokens / block_size)`, or
+///   enough for every row of the widest key to reach `max_context`; plus the
+///   reserved null block 0.
+pub fn kv_layout(
+    info: &ModelInfo,
+    opts: &KvOptions,
+    keys: &[Key],
+) -> Result<(KvLayout, u32), CompileError> {
+    let bad = |m: String| Err(CompileError::Options(m));
+    if opts.block_size == 0 {
+        return bad("--block-size must be at least 1".into());
+    }
+    if opts.kv_blocks.is_some() && opts.max_tokens.is_some() {
+        return bad("give --kv-blocks or --max-tokens, not both".into());
+    }
+    let cap = opts.max_context.unwrap_or(DEFAULT_MAX_CONTEXT);
+    if cap == 0 {
+        return bad("--max-context must be at least 1".into());
+    }
+    let max_context = info.max_context.min(cap).max(1);
+    let per_seq = max_context.div_ceil(opts.block_size);
+    let max_batch = keys.iter().map(|k| k.batch).max().unwrap_or(1) as u64;
+    let usable: u64 = match (opts.kv_blocks, opts.max_tokens) {
+        (Some(0), _) => return bad("--kv-blocks must be at least 1".into()),
+        (Some(n), _) => n as u64,
+        (_, Some(0)) => return bad("--max-tokens must be at least 1".into()),
+        (_, Some(t)) => t.div_ceil(opts.block_size as u64),
+        _ => max_batch * per_seq as u64,
+    };
+    let num_blocks = usable + 1;
+    let slots = num_blocks * opts.block_size as u64;
+    if slots > i32::MAX as u64 {
+        return bad(format!(
+            "{num_blocks} blocks of {} tokens is {slots} KV slots; slot ids are i32, so use fewer blocks (--kv-blocks/--max-tokens)",
+            opts.block_size
+        ));
+    }
+    Ok((
+        KvLayout {
+            layers: info.num_layers,
+            kv_heads: info.num_kv_heads,
+            head_dim: info.head_dim,
+            dtype: info.dtype,
+            block_size: opts.block_size,
+            num_blocks: num_blocks as u32,
+            null_block: 0,
+            max_blocks_per_seq: per_seq,
+        },
+        max_context,
+    ))
+}
+
+/// Kernel images for `target`, embedded in the plan.
+///
+/// TODO(kernels): for `cuda:*` this is where the kernels crate's NVRTC
+/// compile of the kernel catalog goes (cubins for the target SM), and for
+/// `hip:*` code objects or sources. The CPU target needs none.
+pub fn kernel_images(target: &Target) -> Result<Vec<KernelImage>, CompileError> {
+    match target {
+        Target::Cpu => Ok(Vec::new()),
+        // Not wired yet: plans for GPU targets carry no images, and the GPU
+        // runtime reports `MissingKernel` when it loads them.
+        Target::Cuda { .. } | Target::Hip { .. } => Ok(Vec::new()),
+    }
+}
+
+/// Compiles already-described model facts and a tracer into a plan: the
+/// frontend-independent core of [`crate::compile`].
+///
+/// `meta.info.max_context` is the model's own limit on input and the
+/// compiled limit on output. `trace(key, kv)` must return the key's plain
+/// graph over `manifest` (unfused: one entry per checkpoint tensor).
+pub fn compile_traced<E: Display>(
+    mut meta: ModelMeta,
+    mut manifest: WeightManifest,
+    opts: &CompileOptions,
+    mut trace: impl FnMut(Key, &KvLayout) -> Result<Graph, E>,
+    progress: &mut dyn FnMut(Stage, Key),
+) -> Result<Compiled, CompileError> {
+    let keys = normalize_keys(&opts.keys)?;
+    let (kv, max_context) = kv_layout(&meta.info, &opts.kv, &keys)?;
+    meta.info.max_context = max_context;
+    meta.target = opts.target.clone();
+
+    let mut graphs = Vec::with_capacity(keys.len());
+    let mut stats = Vec::with_capacity(keys.len());
+    for &key in &keys {
+        let g = trace(key, &kv).map_err(|e| CompileError::Trace {
+            key,
+            message: e.to_string(),
+        })?;
+        let (g, s) = passes::run_pipeline(g, &mut manifest, &opts.passes, opts.verify)?;
+        graphs.push(g);
+        stats.push(s);
+        progress(Stage::Passes, key);
+    }
+    passes::weights::prune(&mut manifest, &graphs.iter().collect::<Vec<_>>());
+
+    let ctx = PlanContext {
+        manifest: &manifest,
+        kv: &kv,
+        target: &opts.target,
+        max_context,
+    };
+    let mut key_plans = Vec::with_capacity(keys.len());
+    let mut reports = Vec::with_capacity(keys.len());
+    for ((&key, g), s) in keys.iter().zip(graphs).zip(stats) {
+        let (kp, r) = planner::plan_key(key, g, &ctx)?;
+        key_plans.push(kp);
+        reports.push(KeyReport {
+            key,
+            passes: s,
+            strategy: r.strategy,
+            in_place: r.in_place,
+        });
+        progress(Stage::Planned, key);
+    }
+    let kernels = kernel_images(&opts.target)?;
+    let plan = Plan {
+        meta,
+        arena_bytes: key_plans.iter().map(|k| k.arena_peak).max().unwrap_or(0),
+        workspace_bytes: key_plans
+            .iter()
+            .map(|k| k.workspace_bytes)
+            .max()
+            .unwrap_or(0),
+        manifest,
+        kv,
+        keys: key_plans,
+        kernels,
+    };
+    if opts.verify {
+        planner::check::check_plan(&plan).map_err(CompileError::Check)?;
+    }
+    Ok(Compiled { plan, reports })
+}
+
+/// Compiles an opened model.
+pub fn compile_model(
+    model: &Model,
+    opts: &CompileOptions,
+    progress: &mut dyn FnMut(Stage, Key),
+) -> Result<Compiled, CompileError> {
+    let meta = ModelMeta {
+        architecture: model.architecture().to_string(),
+        files: model.source_files().to_vec(),
+        compiler_version: env!("CARGO_PKG_VERSION").to_string(),
+        target: opts.target.clone(),
+        info: model.info().clone(),
+    };
+    let trace_opts = TraceOptions {
+        logits: opts.logits,
+    };
+    compile_traced(
+        meta,
+        model.manifest().clone(),
+        opts,
+        |key, kv| model.trace(key, kv, &trace_opts),
+        progress,
+    )
+}
+
+/// Opens the model directory `dir` and compiles it.
+pub fn compile_dir(
+    dir: &Path,
+    opts: &CompileOptions,
+    progress: &mut dyn FnMut(Stage, Key),
+) -> Result<Compiled, CompileError> {
+    let model = frontend::open(dir)?;
+    compile_model(&model, opts, progress)
+}
+
+/// `kiln compile` arguments.
+#[derive(Clone, Debug, clap::Args)]
+pub struct CompileArgs {
+    /// Hugging Face model directory (config.json + safetensors).
+    pub model_dir: PathBuf,
+    /// Batch sizes to compile, with --query and --spec.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub batches: Vec<u32>,
+    /// Tokens per sequence per step (1: plain decode).
+    #[arg(long, default_value_t = 1)]
+    pub query: u32,
+    /// Draft tokens verified per step (query must be spec + 1).
+    #[arg(long, default_value_t = 0)]
+    pub spec: u32,
+    /// Explicit shape keys instead of --batches/--query/--spec, e.g. b1q1s0,b8q2s1.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["batches", "query", "spec"])]
+    pub keys: Vec<Key>,
+    /// cpu, cuda:sm_NN or hip:gfxNNNN.
+    #[arg(long, default_value = "cpu")]
+    pub target: Target,
+    /// Usable KV blocks per layer (a reserved null block is added).
+    #[arg(long)]
+    pub kv_blocks: Option<u32>,
+    /// Usable KV tokens per layer (alternative to --kv-blocks).
+    #[arg(long, conflicts_with = "kv_blocks")]
+    pub max_tokens: Option<u64>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
+    pub block_size: u32,
+    /// Longest context a sequence may reach (capped by the model's own limit).
+    #[arg(long, default_value_t = DEFAULT_MAX_CONTEXT)]
+    pub max_context: u32,
+    /// Also output the f32 logits of every scored row.
+    #[arg(long)]
+    pub logits: bool,
+    /// Skip graph verification between passes and the plan checker.
+    #[arg(long)]
+    pub no_verify: bool,
+    /// Where to write the plan.
+    #[arg(short = 'o', long, default_value = "model.kiln")]
+    pub output: PathBuf,
+    /// No progress bar.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+}
+
+impl CompileArgs {
+    /// The options these arguments describe.
+    pub fn options(&self) -> CompileOptions {
+        let keys = if self.keys.is_empty() {
+            self.batches
+                .iter()
+                .map(|&b| Key::new(b, self.query, self.spec))
+                .collect()
+        } else {
+            self.keys.clone()
+        };
+        CompileOptions {
+            keys,
+            target: self.target.clone(),
+            kv: KvOptions {
+                block_size: self.block_size,
+                kv_blocks: self.kv_blocks,
+                max_tokens: self.max_tokens,
+                max_context: Some(self.max_context),
+            },
+            logits: self.logits,
+            verify: !self.no_verify,
+            passes: DEFAULT_PIPELINE.to_vec(),
+        }
+    }
+}
+
+/// One line per key: what `kiln compile` prints when it is done.
+pub fn summary_table(plan: &Plan) -> String {
+    let mut s = format!(
+        "{:<10} {:>8} {:>12} {:>12} {:>7} {:>10} {:>14} {:>14}\n",
+        "key", "launches", "arena_peak", "lower_bound", "eff", "workspace", "flops", "bytes"
+    );
+    for k in &plan.keys {
+        s.push_str(&format!(
+            "{:<10} {:>8} {:>12} {:>12} {:>7.4} {:>10} {:>14} {:>14}\n",
+            k.key.to_string(),
+            k.launches,
+            k.arena_peak,
+            k.arena_lower_bound,
+            efficiency(k.arena_lower_bound, k.arena_peak),
+            k.workspace_bytes,
+            k.flops,
+            k.bytes_moved
+        ));
+    }
+    s
+}
+
+/// Runs `kiln compile`: compiles, writes the plan atomically, and returns
+/// the report to print.
+pub fn run(args: &CompileArgs) -> Result<String, CompileError> {
+    let start = std::time::Instant::now();
+    let opts = args.options();
+    let n = normalize_keys(&opts.keys)?.len() as u64;
+    let bar = if args.quiet {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(2 * n)
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {msg}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    let compiled = compile_dir(&args.model_dir, &opts, &mut |stage, key| {
+        bar.set_message(match stage {
+            Stage::Passes => format!("traced and fused {key}"),
+            Stage::Planned => format!("planned {key}"),
+        });
+        bar.inc(1);
+    });
+    bar.finish_and_clear();
+    let compiled = compiled?;
+    let bytes = kiln_ir::artifact::encode(&compiled.plan);
+    kiln_ir::artifact::write_bytes_atomic(&args.output, &bytes).map_err(|source| {
+        CompileError::Write {
+            path: args.output.clone(),
+            source,
+        }
+    })?;
+    let p = &compiled.plan;
+    Ok(format!(
+        "{}wrote {} ({} bytes): {} keys, {} weights ({} bytes), arena {} bytes, workspace {} bytes, target {}, in {:.2} s\n",
+        summary_table(p),
+        args.output.display(),
+        bytes.len(),
+        p.keys.len(),
+        p.manifest.entries.len(),
+        p.manifest.total_bytes(),
+        p.arena_bytes,
+        p.workspace_bytes,
+        p.meta.target,
+        start.elapsed().as_secs_f64()
+    ))
+}

@@ -1,0 +1,347 @@
+//! Tiny random llama-family GGUF files for tests.
+//!
+//! Tests must not depend on downloaded weights, so this writes a complete,
+//! valid llama GGUF of a few hundred kilobytes: random weights in the GGML
+//! types the caller picks, q/k rows permuted exactly as llama.cpp's
+//! converter does, and a real byte-level BPE vocabulary (the 256 byte
+//! symbols, a few merges, ChatML control tokens and a chat template). It
+//! also returns the weights the importer should recover, in Hugging Face
+//! order, so a test can check names, shapes, the un-permutation and the
+//! dequantization end to end. Not a general model generator: llama only.
+
+use super::dequant;
+use super::error::GgufError;
+use super::permute;
+use super::types::GgmlType;
+use super::writer::GgufWriter;
+use std::collections::BTreeMap;
+
+/// Shape and encoding of a tiny model.
+#[derive(Clone, Debug)]
+pub struct TinyLlama {
+    pub hidden: usize,
+    pub ffn: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub context: u32,
+    /// Type of the projection matrices (q, k, v, o, gate, up, down).
+    pub matrix_type: GgmlType,
+    pub embed_type: GgmlType,
+    pub norm_type: GgmlType,
+    /// No `output.weight` (lm_head shares the embedding).
+    pub tied: bool,
+    /// `tokenizer.ggml.pre`.
+    pub pre: String,
+    pub seed: u64,
+}
+
+impl Default for TinyLlama {
+    fn default() -> Self {
+        TinyLlama {
+            hidden: 64,
+            ffn: 96,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            context: 512,
+            matrix_type: GgmlType::Q4_1,
+            embed_type: GgmlType::Q8_0,
+            norm_type: GgmlType::F32,
+            tied: true,
+            pre: "smollm".to_string(),
+            seed: 0x6b69_6c6e,
+        }
+    }
+}
+
+/// Control tokens of the fixture vocabulary, at ids 0, 1, 2.
+pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+/// Merges of the fixture vocabulary, in priority order.
+/// `1 2` tells the pre-tokenizers apart: SmolLM's splits digits first, so
+/// it never applies.
+pub const MERGES: [(&str, &str); 7] = [
+    ("h", "e"),
+    ("l", "l"),
+    ("he", "ll"),
+    ("Ġ", "w"),
+    ("o", "r"),
+    ("Ġw", "or"),
+    ("1", "2"),
+];
+/// The chat template stored in the fixture.
+pub const CHAT_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}";
+
+/// GPT-2's byte-to-symbol table: printable bytes stand for themselves, the
+/// rest map to code points from U+0100 up, so every byte is one visible
+/// character.
+pub fn byte_level_alphabet() -> Vec<char> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let mut next = 256u32;
+    (0u32..256)
+        .map(|b| {
+            if printable(b) {
+                char::from_u32(b).expect("a byte is a char")
+            } else {
+                let c = char::from_u32(next).expect("U+0100.. are chars");
+                next += 1;
+                c
+            }
+        })
+        .collect()
+}
+
+/// The fixture's vocabulary: specials, the 256 byte symbols, then one token
+/// per merge.
+pub fn vocabulary() -> Vec<String> {
+    let mut v: Vec<String> = SPECIAL_TOKENS.iter().map(|s| s.to_string()).collect();
+    v.extend(byte_level_alphabet().into_iter().map(String::from));
+    v.extend(MERGES.iter().map(|(a, b)| format!("{a}{b}")));
+    v
+}
+
+/// splitmix64: deterministic, dependency-free random numbers.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    pub fn unit(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.unit() * scale).collect()
+    }
+}
+
+/// A built fixture.
+pub struct TinyLlamaFile {
+    pub writer: GgufWriter,
+    /// The weights `kiln import` should produce, by Hugging Face name, as
+    /// f32 values in `[out, in]` row-major order: each random weight after
+    /// its GGML encoding round trip, before any bf16 rounding.
+    pub expected: BTreeMap<String, (Vec<u64>, Vec<f32>)>,
+}
+
+impl TinyLlama {
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.heads
+    }
+
+    /// Writes the model into a [`GgufWriter`] (not yet to disk).
+    pub fn build(&self) -> Result<TinyLlamaFile, GgufError> {
+        let mut rng = Rng::new(self.seed);
+        let vocab = vocabulary();
+        let n_vocab = vocab.len();
+        let hd = self.head_dim();
+        let mut w = GgufWriter::new();
+        w.add_str("general.architecture", "llama")
+            .add_str("general.name", "kiln tiny llama fixture")
+            .add_u32("llama.block_count", self.layers as u32)
+            .add_u32("llama.context_length", self.context)
+            .add_u32("llama.embedding_length", self.hidden as u32)
+            .add_u32("llama.feed_forward_length", self.ffn as u32)
+            .add_u32("llama.attention.head_count", self.heads as u32)
+            .add_u32("llama.attention.head_count_kv", self.kv_heads as u32)
+            .add_f32("llama.rope.freq_base", 100000.0)
+            .add_f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+            .add_u32("llama.rope.dimension_count", hd as u32)
+            .add_u32("llama.vocab_size", n_vocab as u32)
+            .add_str("tokenizer.ggml.model", "gpt2")
+            .add_str("tokenizer.ggml.pre", &self.pre)
+            .add_str_array("tokenizer.ggml.tokens", &vocab)
+            .add_i32_array(
+                "tokenizer.ggml.token_type",
+                &(0..n_vocab)
+                    .map(|i| if i < SPECIAL_TOKENS.len() { 3 } else { 1 })
+                    .collect::<Vec<_>>(),
+            )
+            .add_str_array(
+                "tokenizer.ggml.merges",
+                &MERGES
+                    .iter()
+                    .map(|(a, b)| format!("{a} {b}"))
+                    .collect::<Vec<_>>(),
+            )
+            .add_u32("tokenizer.ggml.bos_token_id", 1)
+            .add_u32("tokenizer.ggml.eos_token_id", 2)
+            .add_u32("tokenizer.ggml.unknown_token_id", 0)
+            .add_u32("tokenizer.ggml.padding_token_id", 2)
+            .add_bool("tokenizer.ggml.add_bos_token", false)
+            .add_str("tokenizer.chat_template", CHAT_TEMPLATE);
+
+        let mut expected = BTreeMap::new();
+        let mut tensor = |w: &mut GgufWriter,
+                          gguf_name: &str,
+                          hf_name: &str,
+                          shape: Vec<u64>,
+                          ty: GgmlType,
+                          permute_heads: Option<usize>,
+                          values: Vec<f32>|
+         -> Result<(), GgufError> {
+            // What survives the encoding, row by row (rows are independent
+            // of the permutation, which only reorders them).
+            let bytes = dequant::quantize(ty, &values).map_err(|e| GgufError::Write {
+                reason: e.to_string(),
+            })?;
+            let roundtrip =
+                dequant::dequantize(ty, &bytes, values.len()).map_err(|e| GgufError::Write {
+                    reason: e.to_string(),
+                })?;
+            expected.insert(hf_name.to_string(), (shape.clone(), roundtrip));
+            let stored = match permute_heads {
+                Some(h) => permute::permute_rows(&values, shape[0] as usize, shape[1] as usize, h)
+                    .map_err(|e| GgufError::Write {
+                        reason: e.to_string(),
+                    })?,
+                None => values,
+            };
+            w.add_tensor(gguf_name, &shape, ty, &stored)?;
+            Ok(())
+        };
+
+        let (d, f) = (self.hidden as u64, self.ffn as u64);
+        let (q, kv) = ((self.heads * hd) as u64, (self.kv_heads * hd) as u64);
+        let embd = rng.vec(n_vocab * self.hidden, 0.5);
+        tensor(
+            &mut w,
+            "token_embd.weight",
+            "model.embed_tokens.weight",
+            vec![n_vocab as u64, d],
+            self.embed_type,
+            None,
+            embd,
+        )?;
+        for l in 0..self.layers {
+            let g = |s: &str| format!("blk.{l}.{s}.weight");
+            let h = |s: &str| format!("model.layers.{l}.{s}.weight");
+            let mt = self.matrix_type;
+            let norm = |rng: &mut Rng| (0..self.hidden).map(|_| 1.0 + 0.1 * rng.unit()).collect();
+            let v = norm(&mut rng);
+            tensor(
+                &mut w,
+                &g("attn_norm"),
+                &h("input_layernorm"),
+                vec![d],
+                self.norm_type,
+                None,
+                v,
+            )?;
+            let v = rng.vec((q * d) as usize, 0.2);
+            tensor(
+                &mut w,
+                &g("attn_q"),
+                &h("self_attn.q_proj"),
+                vec![q, d],
+                mt,
+                Some(self.heads),
+                v,
+            )?;
+            let v = rng.vec((kv * d) as usize, 0.2);
+            tensor(
+                &mut w,
+                &g("attn_k"),
+                &h("self_attn.k_proj"),
+                vec![kv, d],
+                mt,
+                Some(self.kv_heads),
+                v,
+            )?;
+            let v = rng.vec((kv * d) as usize, 0.2);
+            tensor(
+                &mut w,
+                &g("attn_v"),
+                &h("self_attn.v_proj"),
+                vec![kv, d],
+                mt,
+                None,
+                v,
+            )?;
+            let v = rng.vec((d * q) as usize, 0.2);
+            tensor(
+                &mut w,
+                &g("attn_output"),
+                &h("self_attn.o_proj"),
+                vec![d, q],
+                mt,
+                None,
+                v,
+            )?;
+            let v = norm(&mut rng);
+            tensor(
+                &mut w,
+                &g("ffn_norm"),
+                &h("post_attention_layernorm"),
+                vec![d],
+                self.norm_type,
+                None,
+                v,
+            )?;
+            let v = rng.vec((f * d) as usize, 0.2);
+            tensor(
+                &mut w,
+                &g("ffn_gate"),
+                &h("mlp.gate_proj"),
+                vec![f, d],
+                mt,
+                None,
+                v,
+            )?;
+            let v = rng.vec((f * d) as usize, 0.2);
+            tensor(
+                &mut w,
+                &g("ffn_up"),
+                &h("mlp.up_proj"),
+                vec![f, d],
+                mt,
+                None,
+                v,
+            )?;
+            let v = rng.vec((d * f) as usize, 0.2);
+            tensor(
+                &mut w,
+                &g("ffn_down"),
+                &h("mlp.down_proj"),
+                vec![d, f],
+                mt,
+                None,
+                v,
+            )?;
+        }
+        let v = (0..self.hidden).map(|_| 1.0 + 0.1 * rng.unit()).collect();
+        tensor(
+            &mut w,
+            "output_norm.weight",
+            "model.norm.weight",
+            vec![d],
+            self.norm_type,
+            None,
+            v,
+        )?;
+        if !self.tied {
+            let v = rng.vec(n_vocab * self.hidden, 0.5);
+            tensor(
+                &mut w,
+                "output.weight",
+                "lm_head.weight",
+                vec![n_vocab as u64, d],
+                self.matrix_type,
+                None,
+                v,
+            )?;
+        }
+        Ok(TinyLlamaFile {
+            writer: w,
+            expected,
+        })
+    }
+}

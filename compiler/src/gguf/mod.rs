@@ -1,0 +1,28 @@
+//! Reading GGUF files, the single-file model format of llama.cpp.
+//!
+//! kiln's compiler consumes Hugging Face style model directories
+//! (`config.json` + safetensors + `tokenizer.json`); this module is the
+//! bridge that lets `kiln import` turn a GGUF into one. It parses the file
+//! defensively ([`reader`]), dequantizes the tensor types the default model
+//! uses and a few more ([`dequant`]), and undoes llama.cpp's q/k row
+//! permutation ([`permute`]). [`writer`] writes small GGUF files and
+//! [`fixture`] builds tiny random llama GGUFs, both for tests.
+//!
+//! Deliberately not here: the GGUF→Hugging Face name mapping and config
+//! translation (that is `crate::import`), the tokenizer (`crate::tokenizer_build`),
+//! big-endian GGUF files, and K-/I-quant dequantization.
+
+pub mod dequant;
+pub mod error;
+pub mod fixture;
+pub mod permute;
+pub mod reader;
+pub mod types;
+pub mod value;
+pub mod writer;
+
+pub use error::GgufError;
+pub use reader::{GgufFile, TensorInfo};
+pub use types::GgmlType;
+pub use value::{MetaValue, ValueType};
+pub use writer::GgufWriter;

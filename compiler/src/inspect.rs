@@ -1,0 +1,285 @@
+//! `kiln inspect`: a plan as stable, diffable text (or DOT, or a JSON
+//! summary).
+//!
+//! This is what a reviewer reads when a model change alters a plan, and what
+//! golden tests pin, so the same plan always prints the same bytes: nothing
+//! here depends on hash order, time or paths. The text holds, for the plan,
+//! the model, KV layout, arena/workspace sizes and the weight manifest; and
+//! per key a summary (launches, arena peak, lower bound, efficiency,
+//! workspace, Io bytes, flops, bytes moved), the IR after passes in the
+//! `kiln_ir` text form (which parses back), and the memory map (value,
+//! region, offset, bytes, first and last use).
+//!
+//! Not here: decoding (that is [`kiln_ir::artifact`]), any judgement of the
+//! plan (that is [`crate::planner::check`]).
+
+use crate::compile::efficiency;
+use kiln_ir::artifact::{self, ArtifactError};
+use kiln_ir::plan::{KeyPlan, Plan, Region};
+use kiln_ir::{Key, WeightSource};
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// Output format of `kiln inspect`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Summary, IR and memory map per key.
+    Text,
+    /// Graphviz DOT of each key's graph.
+    Dot,
+    /// The summary as JSON.
+    Json,
+}
+
+/// `kiln inspect` arguments.
+#[derive(Clone, Debug, clap::Args)]
+pub struct InspectArgs {
+    /// The plan file (`kiln compile -o ...`).
+    pub plan: PathBuf,
+    /// Only this key (e.g. `b8q1s0`).
+    #[arg(long)]
+    pub key: Option<Key>,
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+/// Why a plan could not be inspected.
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    #[error("cannot read `{path}`: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("`{path}`: {source}")]
+    Artifact {
+        path: PathBuf,
+        source: ArtifactError,
+    },
+    #[error("the plan has no key {key}; it has {available}")]
+    NoSuchKey { key: Key, available: String },
+}
+
+/// Reads a plan file.
+pub fn load(path: &Path) -> Result<Plan, InspectError> {
+    let bytes = std::fs::read(path).map_err(|source| InspectError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    artifact::decode(&bytes).map_err(|source| InspectError::Artifact {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The keys to show: all, or the one asked for.
+fn selected(plan: &Plan, key: Option<Key>) -> Result<Vec<&KeyPlan>, InspectError> {
+    match key {
+        None => Ok(plan.keys.iter().collect()),
+        Some(k) => match plan.key_plan(k) {
+            Some(kp) => Ok(vec![kp]),
+            None => Err(InspectError::NoSuchKey {
+                key: k,
+                available: plan
+                    .keys
+                    .iter()
+                    .map(|k| k.key.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            }),
+        },
+    }
+}
+
+/// Runs `kiln inspect`, returning what it prints.
+pub fn run(args: &InspectArgs) -> Result<String, InspectError> {
+    let plan = load(&args.plan)?;
+    render(&plan, args.key, args.format)
+}
+
+/// Renders `plan` (or one key of it) in `format`.
+pub fn render(plan: &Plan, key: Option<Key>, format: Format) -> Result<String, InspectError> {
+    let keys = selected(plan, key)?;
+    Ok(match format {
+        Format::Text => text(plan, &keys),
+        Format::Dot => keys.iter().map(|k| kiln_ir::to_dot(&k.graph)).collect(),
+        Format::Json => json(plan, &keys),
+    })
+}
+
+fn region(r: Region) -> String {
+    match r {
+        Region::Arena => "arena".into(),
+        Region::Io => "io".into(),
+        Region::Weight(i) => format!("weight.{i}"),
+        Region::KCache(l) => format!("k_cache.{l}"),
+        Region::VCache(l) => format!("v_cache.{l}"),
+        Region::Workspace => "workspace".into(),
+    }
+}
+
+fn opt(x: Option<u32>) -> String {
+    x.map_or("-".to_string(), |x| x.to_string())
+}
+
+fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
+    let mut o = String::new();
+    let m = &plan.meta;
+    let kv = &plan.kv;
+    let _ = writeln!(o, "plan {}", m.architecture);
+    let _ = writeln!(o, "  target      {}", m.target);
+    let _ = writeln!(o, "  compiler    kiln {}", m.compiler_version);
+    for f in &m.files {
+        let _ = writeln!(
+            o,
+            "  file        {} ({} bytes, header sha256 {})",
+            f.name, f.size, f.header_sha256
+        );
+    }
+    let i = &m.info;
+    let _ = writeln!(
+        o,
+        "  model       vocab {} hidden {} layers {} heads {} kv_heads {} head_dim {} {} max_context {}",
+        i.vocab_size, i.hidden_size, i.num_layers, i.num_heads, i.num_kv_heads, i.head_dim, i.dtype, i.max_context
+    );
+    let _ = writeln!(
+        o,
+        "  kv          {} layers x {} blocks (null block {}) x {} tokens, {} kv_heads x {} head_dim {}, {} blocks/seq, {} bytes per cache",
+        kv.layers, kv.num_blocks, kv.null_block, kv.block_size, kv.kv_heads, kv.head_dim, kv.dtype, kv.max_blocks_per_seq, kv.cache_bytes()
+    );
+    let _ = writeln!(o, "  arena       {} bytes", plan.arena_bytes);
+    let _ = writeln!(o, "  workspace   {} bytes", plan.workspace_bytes);
+    let _ = writeln!(o, "  kernels     {}", plan.kernels.len());
+    let _ = writeln!(
+        o,
+        "  weights     {} entries, {} bytes",
+        plan.manifest.entries.len(),
+        plan.manifest.total_bytes()
+    );
+    for (n, e) in plan.manifest.entries.iter().enumerate() {
+        let src = match &e.source {
+            WeightSource::Tensor(t) if t.tensor == e.name => t.file.to_string(),
+            WeightSource::Tensor(t) => format!("{}:{}", t.file, t.tensor),
+            WeightSource::ConcatRows(parts) => format!(
+                "concat_rows({})",
+                parts
+                    .iter()
+                    .map(|t| t.tensor.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        };
+        let _ = writeln!(
+            o,
+            "    weight.{n:<4} {} {}{} <- {src}",
+            e.name, e.dtype, e.shape
+        );
+    }
+    for kp in keys {
+        let _ = writeln!(o);
+        let _ = writeln!(o, "key {}", kp.key);
+        let _ = writeln!(
+            o,
+            "  summary     launches {}, arena peak {}, lower bound {}, efficiency {:.4}, workspace {}, io {}, flops {}, bytes {}",
+            kp.launches,
+            kp.arena_peak,
+            kp.arena_lower_bound,
+            efficiency(kp.arena_lower_bound, kp.arena_peak),
+            kp.workspace_bytes,
+            kp.io_bytes,
+            kp.flops,
+            kp.bytes_moved
+        );
+        let _ = writeln!(o, "  ir");
+        for line in kiln_ir::print(&kp.graph).lines() {
+            if line.is_empty() {
+                let _ = writeln!(o);
+            } else {
+                let _ = writeln!(o, "    {line}");
+            }
+        }
+        let _ = writeln!(o, "  memory");
+        let _ = writeln!(
+            o,
+            "    {:<7} {:<12} {:>12} {:>12} {:>6} {:>6}",
+            "value", "region", "offset", "bytes", "first", "last"
+        );
+        for b in &kp.buffers {
+            let _ = writeln!(
+                o,
+                "    {:<7} {:<12} {:>12} {:>12} {:>6} {:>6}",
+                b.value.to_string(),
+                region(b.buf.region),
+                b.buf.offset,
+                b.buf.bytes,
+                opt(b.first_use),
+                opt(b.last_use)
+            );
+        }
+    }
+    o
+}
+
+#[derive(Serialize)]
+struct JsonPlan<'a> {
+    architecture: &'a str,
+    target: String,
+    compiler_version: &'a str,
+    arena_bytes: u64,
+    workspace_bytes: u64,
+    weight_entries: usize,
+    weight_bytes: u64,
+    kv_cache_bytes_per_layer: u64,
+    kv_num_blocks: u32,
+    kv_block_size: u32,
+    max_context: u32,
+    keys: Vec<JsonKey>,
+}
+
+#[derive(Serialize)]
+struct JsonKey {
+    key: String,
+    launches: u32,
+    arena_peak: u64,
+    arena_lower_bound: u64,
+    efficiency: f64,
+    workspace_bytes: u64,
+    io_bytes: u64,
+    flops: u64,
+    bytes_moved: u64,
+}
+
+fn json(plan: &Plan, keys: &[&KeyPlan]) -> String {
+    let j = JsonPlan {
+        architecture: &plan.meta.architecture,
+        target: plan.meta.target.to_string(),
+        compiler_version: &plan.meta.compiler_version,
+        arena_bytes: plan.arena_bytes,
+        workspace_bytes: plan.workspace_bytes,
+        weight_entries: plan.manifest.entries.len(),
+        weight_bytes: plan.manifest.total_bytes(),
+        kv_cache_bytes_per_layer: 2 * plan.kv.cache_bytes(),
+        kv_num_blocks: plan.kv.num_blocks,
+        kv_block_size: plan.kv.block_size,
+        max_context: plan.meta.info.max_context,
+        keys: keys
+            .iter()
+            .map(|k| JsonKey {
+                key: k.key.to_string(),
+                launches: k.launches,
+                arena_peak: k.arena_peak,
+                arena_lower_bound: k.arena_lower_bound,
+                // Four decimals, so the text is stable across float printing.
+                efficiency: (efficiency(k.arena_lower_bound, k.arena_peak) * 1e4).round() / 1e4,
+                workspace_bytes: k.workspace_bytes,
+                io_bytes: k.io_bytes,
+                flops: k.flops,
+                bytes_moved: k.bytes_moved,
+            })
+            .collect(),
+    };
+    let mut s = serde_json::to_string_pretty(&j).expect("plain data serializes");
+    s.push('\n');
+    s
+}

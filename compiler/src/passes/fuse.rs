@@ -1,0 +1,381 @@
+//! The fusion passes. Each matches a pattern of plain ops a frontend emits and
+//! replaces it with a fused op that computes the same function (the fused
+//! ops' typing rules and kernels are defined as exactly the unfused
+//! sequence, see `kiln_ir::op`).
+//!
+//! A pattern is fused only when it is legal: every intermediate the fused op
+//! no longer materializes must have no other reader and must not be a graph
+//! output, attributes must agree, and weights must be manifest entries. A
+//! pattern that does not qualify is left alone (that is not an error).
+
+use super::editor::Editor;
+use super::weights::{concat_rows, fused_name};
+use kiln_ir::{DType, NodeId, Op, TensorType, ValueDef, ValueId, WeightManifest};
+
+/// What a fusion pass did, for the compile report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FuseCount(pub u32);
+
+type Users = Vec<Vec<(NodeId, usize)>>;
+
+/// `v` is read by exactly one live node, and is not an output.
+fn sole_reader(ed: &Editor, users: &Users, v: ValueId) -> Option<NodeId> {
+    match users[v.index()].as_slice() {
+        [(n, _)] if !ed.is_output(v) => Some(*n),
+        _ => None,
+    }
+}
+
+fn weight_name(ed: &Editor, v: ValueId) -> Option<String> {
+    match &ed.g.value(v).def {
+        ValueDef::Weight(n) => Some(n.clone()),
+        _ => None,
+    }
+}
+
+fn is_available_anywhere(ed: &Editor, v: ValueId) -> bool {
+    matches!(ed.g.value(v).def, ValueDef::Weight(_) | ValueDef::Input(_))
+}
+
+/// `add` followed by `rms_norm` of the sum becomes `add_rms_norm`, which
+/// returns both the normed rows and the sum (the residual stream).
+pub(crate) fn add_rms_norm(ed: &mut Editor) -> Result<FuseCount, String> {
+    let mut count = 0;
+    for i in 0..ed.node_count() {
+        let n2 = NodeId(i as u32);
+        if ed.is_removed(n2) {
+            continue;
+        }
+        let node = ed.g.node(n2).clone();
+        let Op::RmsNorm { eps, unit_offset } = node.op else {
+            continue;
+        };
+        let (x, w) = (node.args[0], node.args[1]);
+        let Some((n1, _)) = ed.producer(x) else {
+            continue;
+        };
+        let add = ed.g.node(n1).clone();
+        if add.op != Op::Add || !is_available_anywhere(ed, w) {
+            continue;
+        }
+        let r = ed.add_node(
+            Op::AddRmsNorm { eps, unit_offset },
+            &[add.args[0], add.args[1], w],
+            n1,
+        )?;
+        ed.replace_uses(node.results[0], r[0]);
+        ed.replace_uses(add.results[0], r[1]);
+        ed.remove(n1);
+        ed.remove(n2);
+        count += 1;
+    }
+    Ok(FuseCount(count))
+}
+
+/// A matmul node reading `x`, with its weight (and bias) names.
+#[derive(Clone, Debug)]
+struct Proj {
+    node: NodeId,
+    x: ValueId,
+    weight: String,
+    bias: Option<String>,
+    out: DType,
+}
+
+fn proj(ed: &Editor, v: ValueId) -> Option<Proj> {
+    let (n, _) = ed.producer(v)?;
+    let node = ed.g.node(n);
+    let Op::MatMul { bias, out } = node.op else {
+        return None;
+    };
+    Some(Proj {
+        node: n,
+        x: node.args[0],
+        weight: weight_name(ed, node.args[1])?,
+        bias: if bias {
+            Some(weight_name(ed, node.args[2])?)
+        } else {
+            None
+        },
+        out,
+    })
+}
+
+/// A matmul emitting several projections of the same `x` at once, over
+/// weights stacked along rows.
+fn stacked_matmul(
+    ed: &mut Editor,
+    manifest: &mut WeightManifest,
+    parts: &[&Proj],
+    roles: &[&str],
+    fused_role: &str,
+) -> Result<Option<ValueId>, String> {
+    let first = parts[0];
+    if parts
+        .iter()
+        .any(|p| p.x != first.x || p.out != first.out || p.bias.is_some() != first.bias.is_some())
+    {
+        return Ok(None);
+    }
+    let anchor = parts.iter().map(|p| p.node).min().unwrap();
+    let wnames: Vec<&str> = parts.iter().map(|p| p.weight.as_str()).collect();
+    let wname = fused_name(&wnames, roles, fused_role);
+    let w = concat_rows(manifest, &wname, &wnames)?;
+    let wv = ed.weight_value(&wname, TensorType::new(w.dtype, w.shape.clone()));
+    let mut args = vec![first.x, wv];
+    if first.bias.is_some() {
+        let bnames: Vec<&str> = parts.iter().map(|p| p.bias.as_deref().unwrap()).collect();
+        let bname = fused_name(&bnames, roles, fused_role);
+        let b = concat_rows(manifest, &bname, &bnames)?;
+        args.push(ed.weight_value(&bname, TensorType::new(b.dtype, b.shape.clone())));
+    }
+    let r = ed.add_node(
+        Op::MatMul {
+            bias: first.bias.is_some(),
+            out: first.out,
+        },
+        &args,
+        anchor,
+    )?;
+    Ok(Some(r[0]))
+}
+
+/// One rotary chain: `matmul -> [head_rms_norm] -> rope`.
+#[derive(Clone, Debug)]
+struct RopeChain {
+    proj: Proj,
+    /// `(node, weight, eps, unit_offset)` of the optional head norm.
+    norm: Option<(NodeId, ValueId, f32, bool)>,
+    rope_node: NodeId,
+    heads: u32,
+    head_dim: u32,
+    rope: kiln_ir::Rope,
+    pos: ValueId,
+    out: ValueId,
+}
+
+/// Follows `rope`'s input back to its projection; every intermediate must be
+/// read only by the next op of the chain.
+fn rope_chain(ed: &Editor, users: &Users, rope_node: NodeId) -> Option<RopeChain> {
+    let node = ed.g.node(rope_node);
+    let Op::Rope {
+        heads,
+        head_dim,
+        rope,
+    } = &node.op
+    else {
+        return None;
+    };
+    let (pre, pos) = (node.args[0], node.args[1]);
+    if sole_reader(ed, users, pre)? != rope_node {
+        return None;
+    }
+    let (mut mm_out, mut norm) = (pre, None);
+    let (pn, _) = ed.producer(pre)?;
+    if let Op::HeadRmsNorm {
+        heads: nh,
+        head_dim: nhd,
+        eps,
+        unit_offset,
+    } = ed.g.node(pn).op
+    {
+        if nh != *heads || nhd != *head_dim {
+            return None;
+        }
+        let nnode = ed.g.node(pn);
+        if !is_available_anywhere(ed, nnode.args[1]) {
+            return None;
+        }
+        mm_out = nnode.args[0];
+        if sole_reader(ed, users, mm_out)? != pn {
+            return None;
+        }
+        norm = Some((pn, nnode.args[1], eps, unit_offset));
+    }
+    Some(RopeChain {
+        proj: proj(ed, mm_out)?,
+        norm,
+        rope_node,
+        heads: *heads,
+        head_dim: *head_dim,
+        rope: rope.clone(),
+        pos,
+        out: node.results[0],
+    })
+}
+
+/// q/k/v projections of one input, `[head_rms_norm] + rope` on q and k, and
+/// `kv_write` of k and v become one matmul over the stacked q/k/v weight
+/// (rows q, then k, then v) and one `qkv_rope_kv_write`.
+pub(crate) fn qkv_rope_kv_write(
+    ed: &mut Editor,
+    manifest: &mut WeightManifest,
+) -> Result<FuseCount, String> {
+    let mut count = 0;
+    for i in 0..ed.node_count() {
+        let kw = NodeId(i as u32);
+        if ed.is_removed(kw) || ed.g.node(kw).op != Op::KvWrite {
+            continue;
+        }
+        let users = ed.users();
+        let kwn = ed.g.node(kw).clone();
+        let (k_in, v_in, slots, kc, vc) = (
+            kwn.args[0],
+            kwn.args[1],
+            kwn.args[2],
+            kwn.args[3],
+            kwn.args[4],
+        );
+        if k_in == v_in || sole_reader(ed, &users, k_in) != Some(kw) {
+            continue;
+        }
+        if sole_reader(ed, &users, v_in) != Some(kw) {
+            continue;
+        }
+        let Some((k_rope, _)) = ed.producer(k_in) else {
+            continue;
+        };
+        let Some(k) = rope_chain(ed, &users, k_rope) else {
+            continue;
+        };
+        let Some(v) = proj(ed, v_in) else {
+            continue;
+        };
+        // The q chain: another projection of the same input, roped at the
+        // same positions with the same frequencies and head size.
+        let mut q_chains = Vec::new();
+        for &(reader, arg) in &users[k.proj.x.index()] {
+            if arg != 0 || reader == k.proj.node || reader == v.node {
+                continue;
+            }
+            let r = ed.g.node(reader).results[0];
+            let rn = match users[r.index()].as_slice() {
+                [(rn, 0)] => *rn,
+                _ => continue,
+            };
+            // Walk through an optional head norm to the rope.
+            let rope_node = match &ed.g.node(rn).op {
+                Op::Rope { .. } => rn,
+                Op::HeadRmsNorm { .. } => {
+                    let nr = ed.g.node(rn).results[0];
+                    match users[nr.index()].as_slice() {
+                        [(n, 0)] => *n,
+                        _ => continue,
+                    }
+                }
+                _ => continue,
+            };
+            if let Some(q) = rope_chain(ed, &users, rope_node) {
+                if q.proj.node == reader
+                    && q.pos == k.pos
+                    && q.rope == k.rope
+                    && q.head_dim == k.head_dim
+                {
+                    q_chains.push(q);
+                }
+            }
+        }
+        let [q] = q_chains.as_slice() else {
+            continue;
+        };
+        let qk_norm = match (q.norm, k.norm) {
+            (None, None) => None,
+            (Some((_, _, qe, qu)), Some((_, _, ke, ku))) if qe == ke && qu == ku => Some((qe, qu)),
+            _ => continue,
+        };
+        let kv_heads = k.heads;
+        let cache_dtype = ed.g.ty(kc).dtype;
+        if k.proj.out != cache_dtype || ed.g.ty(k.proj.x).dtype != cache_dtype {
+            continue;
+        }
+        let Some(qkv) = stacked_matmul(
+            ed,
+            manifest,
+            &[&q.proj, &k.proj, &v],
+            &["q_proj", "k_proj", "v_proj"],
+            "qkv_proj",
+        )?
+        else {
+            continue;
+        };
+        let mut args = vec![qkv, k.pos, slots, kc, vc];
+        if let (Some(qn), Some(kn)) = (q.norm, k.norm) {
+            args.push(qn.1);
+            args.push(kn.1);
+        }
+        let r = ed.add_node(
+            Op::QkvRopeKvWrite {
+                heads: q.heads,
+                kv_heads,
+                head_dim: k.head_dim,
+                rope: k.rope.clone(),
+                qk_norm: qk_norm.map(|(e, _)| e),
+                unit_offset: qk_norm.is_some_and(|(_, u)| u),
+            },
+            &args,
+            kw,
+        )?;
+        ed.replace_uses(q.out, r[0]);
+        ed.replace_uses(kwn.results[0], r[1]);
+        ed.replace_uses(kwn.results[1], r[2]);
+        for n in [
+            q.proj.node,
+            k.proj.node,
+            v.node,
+            q.rope_node,
+            k.rope_node,
+            kw,
+        ] {
+            ed.remove(n);
+        }
+        for n in [q.norm, k.norm].into_iter().flatten() {
+            ed.remove(n.0);
+        }
+        count += 1;
+    }
+    Ok(FuseCount(count))
+}
+
+/// `silu_mul(gate(x), up(x))` (or `gelu_tanh_mul`) becomes one matmul over
+/// the stacked gate/up weight (gate rows first) and the one-argument form.
+pub(crate) fn gate_up(ed: &mut Editor, manifest: &mut WeightManifest) -> Result<FuseCount, String> {
+    let mut count = 0;
+    for i in 0..ed.node_count() {
+        let act = NodeId(i as u32);
+        if ed.is_removed(act) {
+            continue;
+        }
+        let node = ed.g.node(act).clone();
+        if !matches!(node.op, Op::SiluMul | Op::GeluTanhMul) || node.args.len() != 2 {
+            continue;
+        }
+        let users = ed.users();
+        let (g, u) = (node.args[0], node.args[1]);
+        if g == u
+            || sole_reader(ed, &users, g) != Some(act)
+            || sole_reader(ed, &users, u) != Some(act)
+        {
+            continue;
+        }
+        let (Some(gp), Some(up)) = (proj(ed, g), proj(ed, u)) else {
+            continue;
+        };
+        let Some(gu) = stacked_matmul(
+            ed,
+            manifest,
+            &[&gp, &up],
+            &["gate_proj", "up_proj"],
+            "gate_up_proj",
+        )?
+        else {
+            continue;
+        };
+        let r = ed.add_node(node.op.clone(), &[gu], act)?;
+        ed.replace_uses(node.results[0], r[0]);
+        for n in [gp.node, up.node, act] {
+            ed.remove(n);
+        }
+        count += 1;
+    }
+    Ok(FuseCount(count))
+}

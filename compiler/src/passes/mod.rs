@@ -1,0 +1,211 @@
+//! Graph-to-graph passes run on every traced key before planning.
+//!
+//! The pipeline ([`DEFAULT_PIPELINE`]) is: dead-code elimination, then the
+//! fusions (`add` + `rms_norm` into `add_rms_norm`; q/k/v projections +
+//! `[head_rms_norm]` + `rope` + `kv_write` into one stacked matmul and
+//! `qkv_rope_kv_write`; gate/up projections + `silu_mul` into one stacked
+//! matmul and the one-argument `silu_mul`). Every pass ends with the
+//! canonical rebuild of [`editor::Editor::finish`] (schedule, dead-code
+//! removal, dense renumbering), so each pass's output is deterministic and
+//! prints densely.
+//!
+//! By default the verifier runs on the input and after every pass, and a
+//! failure names the pass that broke the graph. Fusions that need new
+//! weights add [`kiln_ir::WeightSource::ConcatRows`] entries to the shared
+//! manifest; [`weights::prune`] then drops what no graph reads.
+//!
+//! Not here: scheduling for memory (program order is the schedule; the
+//! planner places buffers), or anything target-specific.
+
+mod editor;
+mod fuse;
+#[doc(hidden)]
+pub mod synth;
+pub mod verify;
+pub mod weights;
+
+pub use editor::has_side_effects;
+
+use kiln_ir::{Graph, WeightManifest};
+use std::fmt;
+
+/// One pass of the pipeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pass {
+    /// Dead-code elimination and dense renumbering.
+    Dce,
+    /// `add` + `rms_norm` of the sum -> `add_rms_norm`.
+    FuseAddRmsNorm,
+    /// q/k/v matmuls + `[head_rms_norm]` + `rope` + `kv_write` -> stacked
+    /// matmul + `qkv_rope_kv_write`.
+    FuseQkvRopeKvWrite,
+    /// gate/up matmuls + `silu_mul` -> stacked matmul + one-argument `silu_mul`.
+    FuseGateUp,
+}
+
+impl Pass {
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass::Dce => "dce",
+            Pass::FuseAddRmsNorm => "fuse-add-rms-norm",
+            Pass::FuseQkvRopeKvWrite => "fuse-qkv-rope-kv-write",
+            Pass::FuseGateUp => "fuse-gate-up",
+        }
+    }
+}
+
+impl fmt::Display for Pass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The passes `kiln compile` runs, in order.
+pub const DEFAULT_PIPELINE: [Pass; 4] = [
+    Pass::Dce,
+    Pass::FuseAddRmsNorm,
+    Pass::FuseQkvRopeKvWrite,
+    Pass::FuseGateUp,
+];
+
+/// Why the pipeline stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    #[error("graph `{graph}` is malformed before any pass ran:\n  {}\nthis is a frontend bug; please report it with the model's config.json", .errors.join("\n  "))]
+    BadInput { graph: String, errors: Vec<String> },
+    #[error("pass `{pass}` produced a malformed graph `{graph}`:\n  {}\nthis is a compiler bug; please report it (`--no-verify` skips this check)", .errors.join("\n  "))]
+    Verify {
+        pass: Pass,
+        graph: String,
+        errors: Vec<String>,
+    },
+    #[error("pass `{pass}` failed on graph `{graph}`: {message}")]
+    Failed {
+        pass: Pass,
+        graph: String,
+        message: String,
+    },
+}
+
+/// Counts of what the pipeline changed, for reports and tests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PassStats {
+    pub nodes_before: usize,
+    pub nodes_after: usize,
+    pub add_rms_norm: u32,
+    pub qkv_rope_kv_write: u32,
+    pub gate_up: u32,
+}
+
+/// Runs one pass.
+pub fn run_pass(
+    pass: Pass,
+    graph: Graph,
+    manifest: &mut WeightManifest,
+    stats: &mut PassStats,
+) -> Result<Graph, PassError> {
+    let name = graph.name.clone();
+    let failed = |message: String| PassError::Failed {
+        pass,
+        graph: name.clone(),
+        message,
+    };
+    let mut ed = editor::Editor::new(graph);
+    match pass {
+        Pass::Dce => {}
+        Pass::FuseAddRmsNorm => {
+            stats.add_rms_norm += fuse::add_rms_norm(&mut ed).map_err(failed)?.0
+        }
+        Pass::FuseQkvRopeKvWrite => {
+            stats.qkv_rope_kv_write += fuse::qkv_rope_kv_write(&mut ed, manifest)
+                .map_err(failed)?
+                .0
+        }
+        Pass::FuseGateUp => stats.gate_up += fuse::gate_up(&mut ed, manifest).map_err(failed)?.0,
+    }
+    ed.finish().map_err(failed)
+}
+
+/// Runs `passes` in order, verifying the input and every pass's output when
+/// `verify` is set.
+pub fn run_pipeline(
+    graph: Graph,
+    manifest: &mut WeightManifest,
+    passes: &[Pass],
+    verify: bool,
+) -> Result<(Graph, PassStats), PassError> {
+    pipeline(graph, manifest, passes, verify, run_pass)
+}
+
+/// [`run_pipeline`] with the pass application as a parameter, so tests can
+/// check what happens when a pass misbehaves.
+fn pipeline(
+    graph: Graph,
+    manifest: &mut WeightManifest,
+    passes: &[Pass],
+    verify: bool,
+    mut apply: impl FnMut(Pass, Graph, &mut WeightManifest, &mut PassStats) -> Result<Graph, PassError>,
+) -> Result<(Graph, PassStats), PassError> {
+    let mut stats = PassStats {
+        nodes_before: graph.nodes.len(),
+        ..PassStats::default()
+    };
+    if verify {
+        verify::verify(&graph, Some(manifest)).map_err(|errors| PassError::BadInput {
+            graph: graph.name.clone(),
+            errors,
+        })?;
+    }
+    let mut g = graph;
+    for &pass in passes {
+        g = apply(pass, g, manifest, &mut stats)?;
+        if verify {
+            verify::verify(&g, Some(manifest)).map_err(|errors| PassError::Verify {
+                pass,
+                graph: g.name.clone(),
+                errors,
+            })?;
+        }
+    }
+    stats.nodes_after = g.nodes.len();
+    Ok((g, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use synth::{SynthFamily, SynthSpec};
+
+    #[test]
+    fn a_pass_that_breaks_the_graph_is_named_unless_verification_is_off() {
+        let spec = SynthSpec::tiny(SynthFamily::Llama);
+        let key = kiln_ir::Key::new(2, 1, 0);
+        let g = spec.graph(key, &spec.kv_layout(16, 9, 64), false);
+        // A gate/up fusion that forgets to declare the weight it reads.
+        let broken = |pass: Pass, g: Graph, m: &mut WeightManifest, s: &mut PassStats| {
+            let mut g = run_pass(pass, g, m, s)?;
+            if pass == Pass::FuseGateUp {
+                g.weights.pop();
+            }
+            Ok(g)
+        };
+        let mut m = spec.manifest();
+        let e = pipeline(g.clone(), &mut m, &DEFAULT_PIPELINE, true, broken).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                PassError::Verify {
+                    pass: Pass::FuseGateUp,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let text = e.to_string();
+        assert!(text.contains("pass `fuse-gate-up`"), "{text}");
+        assert!(text.contains("--no-verify"), "{text}");
+        // With verification off the broken graph goes through unchecked.
+        let mut m = spec.manifest();
+        assert!(pipeline(g, &mut m, &DEFAULT_PIPELINE, false, broken).is_ok());
+    }
+}
