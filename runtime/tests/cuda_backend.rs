@@ -1008,3 +1008,120 @@ fn the_host_reference_of_the_tiny_step_is_finite_and_in_range() {
         next.i
     );
 }
+
+#[test]
+fn the_host_reference_agrees_with_the_cpu_reference_kernels() {
+    // Runs without a GPU: the two oracles the device results are held to
+    // must agree with each other first.
+    let mut r = Rng::new(99);
+    let d = DType::BF16;
+    let mut cases: Vec<(Op, Vec<HT>)> = vec![
+        (
+            Op::RmsNorm {
+                eps: 1e-6,
+                unit_offset: true,
+            },
+            vec![
+                HT::random(&mut r, d, &[3, 1000], 3.0),
+                HT::random(&mut r, d, &[1000], 1.0),
+            ],
+        ),
+        (
+            Op::AddRmsNorm {
+                eps: 1e-5,
+                unit_offset: false,
+            },
+            vec![
+                HT::random(&mut r, d, &[2, 520], 3.0),
+                HT::random(&mut r, d, &[2, 520], 3.0),
+                HT::random(&mut r, d, &[520], 1.0),
+            ],
+        ),
+        (
+            Op::Rope {
+                heads: 3,
+                head_dim: 64,
+                rope: rope(10000.0),
+            },
+            vec![
+                HT::random(&mut r, d, &[4, 192], 1.0),
+                HT::ints(&[4], vec![0, 7, 4097, 29999]),
+            ],
+        ),
+        (
+            Op::QkvRopeKvWrite {
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 64,
+                rope: rope(1e6),
+                qk_norm: Some(1e-6),
+                unit_offset: false,
+            },
+            vec![
+                HT::random(&mut r, d, &[3, 512], 2.0),
+                HT::ints(&[3], vec![5, 300, 8191]),
+                HT::ints(&[3], vec![63, 2, 30]),
+                HT::random(&mut r, d, &[64, 128], 1.0),
+                HT::random(&mut r, d, &[64, 128], 1.0),
+                HT::random(&mut r, d, &[64], 1.0),
+                HT::random(&mut r, d, &[64], 1.0),
+            ],
+        ),
+        (Op::SiluMul, vec![HT::random(&mut r, d, &[3, 2 * 777], 4.0)]),
+        (
+            Op::GeluTanhMul,
+            vec![
+                HT::random(&mut r, d, &[2, 300], 4.0),
+                HT::random(&mut r, d, &[2, 300], 2.0),
+            ],
+        ),
+        (
+            Op::Argmax,
+            vec![HT::random(&mut r, DType::F32, &[3, 5000], 5.0)],
+        ),
+        (
+            Op::MatMul {
+                bias: true,
+                out: DType::F32,
+            },
+            vec![
+                HT::random(&mut r, d, &[3, 256], 1.0),
+                HT::random(&mut r, d, &[100, 256], 0.1),
+                HT::random(&mut r, d, &[100], 1.0),
+            ],
+        ),
+    ];
+    for (ctx, q, window, softcap) in [
+        (vec![1, 17, 300], 1, None, None),
+        (vec![200, 33], 3, Some(37), None),
+        (vec![45, 5], 2, None, Some(30.0)),
+    ] {
+        let args = attention_case(&mut r, d, &ctx, q, 4, 2, 64, 16, 20);
+        cases.push((
+            Op::PagedAttention {
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 64,
+                query: q,
+                block_size: 16,
+                scale: 0.125,
+                window,
+                softcap,
+            },
+            args,
+        ));
+    }
+    for (op, args) in cases {
+        let tys: Vec<TensorType> = args.iter().map(|a| a.ty.clone()).collect();
+        let rtys = op.infer(&tys).unwrap();
+        let host = reference(&op, &args, &rtys);
+        let cpu = cpu_reference(&op, &args).expect("the CPU reference kernels exist");
+        for (i, (h, c)) in host.iter().zip(&cpu).enumerate() {
+            assert_close(
+                &format!("{} result {i}: host vs CPU kernels", op.mnemonic()),
+                h,
+                c,
+            );
+        }
+    }
+}
