@@ -162,7 +162,11 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   __syncthreads();
   if (!last_block) return;
   if (tid == 0) counters[blockIdx.y] = 0;  // ready for the next launch
-  __threadfence();
+  // Combine: per row, partition weights w_p = exp(m_p - M) (0 where a
+  // partition saw no visible position) into shared memory, then each output
+  // element sums its partitions' accumulators (loads issued back to back).
+  float* wts = smem;                // [RT][nact]
+  float* inv_l = smem + RT * nact;  // [RT]
   const int lane = tid % KILN_WARP, warp = tid / KILN_WARP;
   for (int j = warp; j < RT; j += KILN_ATTN_WARPS) {
     if (rid[j] < 0) continue;
@@ -174,19 +178,27 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
     float lsum = 0.0f;
     for (int p = lane; p < nact; p += KILN_WARP) {
       const float l = ld_cg(ml + 2 * p + 1);
-      if (l > 0.0f) lsum += l * expf(ld_cg(ml + 2 * p) - m);
+      const float w = l > 0.0f ? expf(ld_cg(ml + 2 * p) - m) : 0.0f;
+      wts[j * nact + p] = w;
+      lsum += w * l;
     }
     lsum = warp_sum(lsum);
-    const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-    const float* acc = part_acc + (i64)rid[j] * a.num_parts * hd;
-    for (int d = lane; d < hd; d += KILN_WARP) {
-      float sacc = 0.0f;
-      for (int p = 0; p < nact; ++p) {
-        const float l = ld_cg(ml + 2 * p + 1);
-        if (l > 0.0f) sacc += ld_cg(acc + (i64)p * hd + d) * expf(ld_cg(ml + 2 * p) - m);
-      }
-      out[(i64)rid[j] * hd + d] = st<T>(sacc * inv);
+    if (lane == 0) inv_l[j] = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+  }
+  __syncthreads();
+  for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
+    const int j = i / hd, d = i % hd;
+    if (rid[j] < 0) continue;
+    const float* acc = part_acc + (i64)rid[j] * a.num_parts * hd + d;
+    const float* wr = wts + j * nact;
+    float sacc = 0.0f;
+#pragma unroll 4
+    for (int p = 0; p < nact; ++p) {
+      const float v = ld_cg(acc + (i64)p * hd);  // unconditional: keeps loads in flight
+      const float w = wr[p];
+      sacc += w > 0.0f ? v * w : 0.0f;
     }
+    out[(i64)rid[j] * hd + d] = st<T>(sacc * inv_l[j]);
   }
 }
 

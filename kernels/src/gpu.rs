@@ -453,7 +453,10 @@ pub fn attention_geometry(
     let (rt, hd) = (row_tile as u64, head_dim as u64);
     // Phase 1: q rows, scores and the slot of each position; phase 2: the
     // per-position-lane partial sums of V.
-    let floats = (rt * hd + rt * part_len + part_len).max(npl * rt * hd);
+    // Phase 3 (the last block): partition weights and 1/L per row.
+    let floats = (rt * hd + rt * part_len + part_len)
+        .max(npl * rt * hd)
+        .max(rt * (num_parts + 1));
     let shared = floats * 4;
     if shared > MAX_STATIC_SHARED as u64 {
         return Err(unsupported(format!(
