@@ -16,6 +16,7 @@
 #
 # Usage here:   scripts/gpu-check.sh prepare [/work/main/.device-carry]
 # Usage there:  bash .device-carry/gpu-check.sh
+#   (KILN_MEMCHECK_FILTER=<test name filter> narrows the memcheck pass)
 set -uo pipefail
 
 if [[ "${1:-}" == "prepare" ]]; then
@@ -64,7 +65,7 @@ echo "tests took $(( $(date +%s) - start )) s"
 echo "== compute-sanitizer memcheck (kernel tests)"
 if command -v compute-sanitizer >/dev/null; then
   KILN_GEMM_AUTOTUNE=0 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    "$here/cuda_backend" --test-threads=1 --skip bench --skip whole --skip dropping --skip allocation --skip kernel_images \
+    "$here/cuda_backend" --test-threads=1 --skip bench --skip whole --skip dropping --skip allocation --skip kernel_images ${KILN_MEMCHECK_FILTER:-} \
     > "$OUT/memcheck.txt" 2>&1
   rc=$?
   grep -E "ERROR SUMMARY|test result|Invalid|out of bounds" "$OUT/memcheck.txt" | head -20
