@@ -1,6 +1,7 @@
 //! `kiln-compiler`: model frontends, passes, the memory/workspace planner, the
 //! emitter, GGUF import, and the `kiln` CLI (`src/main.rs`).
 
+pub mod bench;
 pub mod compile;
 pub mod compile_bench;
 pub mod config;

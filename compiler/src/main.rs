@@ -23,6 +23,8 @@ enum Cmd {
     Compile(kiln_compiler::compile::CompileArgs),
     /// Print a plan as text, DOT or a JSON summary.
     Inspect(kiln_compiler::inspect::InspectArgs),
+    /// Time a plan's decode step on a GPU: graph replay vs eager, per key.
+    Bench(kiln_compiler::bench::BenchArgs),
     /// Time compiling a Qwen3-0.6B-shaped model for 16 keys.
     BenchCompile(kiln_compiler::compile_bench::BenchCompileArgs),
     /// Convert a llama-family GGUF file into a model directory
@@ -53,6 +55,7 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Cmd::Compile(a) => print!("{}", kiln_compiler::compile::run(&a)?),
         Cmd::Inspect(a) => print!("{}", kiln_compiler::inspect::run(&a)?),
+        Cmd::Bench(a) => print!("{}", kiln_compiler::bench::run(&a)?.table()),
         Cmd::BenchCompile(a) => print!("{}", kiln_compiler::compile_bench::run(&a)?),
         Cmd::Import { gguf, out, force } => {
             let report = import::import_gguf(&gguf, &out, &import::ImportOptions { force })

@@ -33,3 +33,5 @@ pub use engine::{
 };
 pub use error::EngineError;
 pub use policy::{EagerFallback, GraphDecision, GraphMode};
+#[cfg(feature = "cuda")]
+pub mod cuda;
