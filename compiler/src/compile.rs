@@ -219,9 +219,11 @@ pub fn kv_layout(
 
 /// Kernel images for `target`, embedded in the plan.
 ///
-/// TODO(kernels): for `cuda:*` this is where the kernels crate's NVRTC
-/// compile of the kernel catalog goes (cubins for the target SM), and for
-/// `hip:*` code objects or sources. The CPU target needs none.
+/// `cuda:*`: NVRTC cubins of the kernel catalog for the target SM. `hip:*`:
+/// one module of every catalog source, as a code object when hipcc or
+/// amdclang++ is installed (`KILN_HIPCC` names one, or `none`), else as
+/// source that the runtime compiles with hiprtc at load and caches. The CPU
+/// target needs none.
 pub fn kernel_images(target: &Target) -> Result<Vec<KernelImage>, CompileError> {
     match target {
         Target::Cpu => Ok(Vec::new()),
@@ -233,9 +235,20 @@ pub fn kernel_images(target: &Target) -> Result<Vec<KernelImage>, CompileError> 
                 message: e.to_string(),
             })
         }
-        // HIP plans carry no images yet; the HIP runtime compiles the shared
-        // sources with hiprtc at load (cached by hash of source, options, arch).
-        Target::Hip { .. } => Ok(Vec::new()),
+        Target::Hip { gfx } => {
+            use kiln_runtime::hip::{catalog, offline};
+            let err = |message: String| CompileError::Kernels {
+                target: target.clone(),
+                message,
+            };
+            let tu = catalog::kernels_translation_unit().map_err(|e| err(e.to_string()))?;
+            let out = offline::plan_images(gfx, &tu, &|k| std::env::var_os(k))
+                .map_err(|e| err(e.to_string()))?;
+            if let Some(note) = out.note {
+                eprintln!("kiln: {note}");
+            }
+            Ok(out.images)
+        }
     }
 }
 

@@ -224,6 +224,53 @@ pub fn kernel_images(
     Ok(vec![image])
 }
 
+/// A plan's HIP kernel images, and a note when a discovered compiler could
+/// not be used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanImages {
+    pub images: Vec<KernelImage>,
+    /// Why the plan carries source although a compiler was found.
+    pub note: Option<String>,
+}
+
+/// The images `kiln compile --target hip:<arch>` embeds. A compiler named by
+/// `KILN_HIPCC` must succeed (its error is returned); a compiler merely found
+/// on the machine (for example an older hipcc that does not know `arch`) is
+/// tried, and on failure the plan carries the source instead, with a note
+/// saying why. No compiler: source.
+pub fn plan_images(
+    arch: &str,
+    tu: &str,
+    env: &dyn Fn(&str) -> Option<OsString>,
+) -> Result<PlanImages, OfflineError> {
+    check_arch(arch)?;
+    let explicit = env(ENV_HIPCC).is_some_and(|v| !v.is_empty());
+    let compiler = find_offline_compiler(env)?;
+    match (compiler, explicit) {
+        (None, _) => Ok(PlanImages {
+            images: kernel_images(arch, tu, None)?,
+            note: None,
+        }),
+        (Some(c), true) => Ok(PlanImages {
+            images: kernel_images(arch, tu, Some(&c))?,
+            note: None,
+        }),
+        (Some(c), false) => match kernel_images(arch, tu, Some(&c)) {
+            Ok(images) => Ok(PlanImages { images, note: None }),
+            Err(e @ (OfflineError::Failed { .. } | OfflineError::NoCodeObject { .. })) => {
+                Ok(PlanImages {
+                    images: kernel_images(arch, tu, None)?,
+                    note: Some(format!(
+                        "embedding the HIP kernel source (compiled with hiprtc at load) because {} could not compile it for {arch}: {e}",
+                        c.path.display()
+                    )),
+                })
+            }
+            Err(e) => Err(e),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -419,6 +466,49 @@ mod tests {
         assert!(
             matches!(e, OfflineError::NoCodeObject { bytes: 0, .. }),
             "{e:?}"
+        );
+    }
+
+    #[test]
+    fn a_discovered_compiler_that_fails_falls_back_to_source_but_an_explicit_one_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        script(
+            dir.path(),
+            "hipcc",
+            "echo 'clang: error: invalid target ID gfx1201' >&2\nexit 1",
+        );
+        let tu = "extern \"C\" __global__ void k() {}";
+        // Found on PATH: source, with a note naming the compiler and why.
+        let out = plan_images("gfx1201", tu, &env_of(&[("PATH", dir.path())])).unwrap();
+        assert_eq!(out.images[0].kind, ImageKind::Source);
+        let note = out.note.unwrap();
+        assert!(
+            note.contains("invalid target ID") && note.contains("hipcc"),
+            "{note}"
+        );
+        // Named by KILN_HIPCC: its failure is the error.
+        let hipcc = dir.path().join("hipcc");
+        let e = plan_images("gfx1201", tu, &env_of(&[(ENV_HIPCC, &hipcc)])).unwrap_err();
+        assert!(matches!(e, OfflineError::Failed { .. }), "{e:?}");
+        // A working compiler gives a code object and no note.
+        let good = tempfile::tempdir().unwrap();
+        let (_, obj) = fake_compiler(good.path(), "hipcc");
+        let out = plan_images("gfx90a", tu, &env_of(&[("PATH", good.path())])).unwrap();
+        if !Path::new("/opt/rocm/bin/hipcc").exists() {
+            assert_eq!(
+                (
+                    out.images[0].kind.clone(),
+                    out.images[0].code.clone(),
+                    out.note
+                ),
+                (ImageKind::CodeObject, obj, None)
+            );
+        }
+        // No compiler at all: source, no note.
+        let out = plan_images("gfx90a", tu, &env_of(&[(ENV_HIPCC, Path::new("none"))])).unwrap();
+        assert_eq!(
+            (out.images[0].kind.clone(), out.note),
+            (ImageKind::Source, None)
         );
     }
 
