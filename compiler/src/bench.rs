@@ -403,6 +403,41 @@ pub fn random_entry(entry: &WeightEntry, seed: u64) -> Result<Vec<u8>, BenchErro
     convert(&f, DType::F32, entry.dtype)
 }
 
+/// The staging uploads of one key's step: each input's Io location and
+/// bytes, checked against the sizes the plan recorded.
+pub fn key_uploads(
+    plan: &kiln_ir::plan::Plan,
+    key: Key,
+    context: u32,
+) -> Result<Vec<(kiln_ir::plan::BufRef, Vec<u8>)>, BenchError> {
+    let kp = plan.key_plan(key).ok_or_else(|| {
+        BenchError::Usage(format!(
+            "key {key} is not in the plan (it has: {})",
+            plan.keys
+                .iter()
+                .map(|k| k.key.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    })?;
+    let inputs = step_inputs(key, &plan.kv, context, plan.meta.info.vocab_size, 11)?;
+    let mut out = Vec::new();
+    for (role, buf) in &kp.inputs {
+        if let Some(bytes) = inputs.bytes(*role) {
+            if bytes.len() as u64 != buf.bytes {
+                return Err(BenchError::Usage(format!(
+                    "input {} of key {key} is {} bytes in the plan, {} synthesized",
+                    role.name(),
+                    buf.bytes,
+                    bytes.len()
+                )));
+            }
+            out.push((*buf, bytes));
+        }
+    }
+    Ok(out)
+}
+
 /// Runs the benchmark; returns the report (the CLI prints its table).
 pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     if args.device != "cuda" {
@@ -552,22 +587,8 @@ mod cuda {
             })?;
             let io = b.alloc(kp.io_bytes.max(1), "io").map_err(dev)?;
             bases.insert(Region::Io, io);
-            let inputs = step_inputs(key, &plan.kv, args.context, plan.meta.info.vocab_size, 11)?;
-            for (role, buf) in &kp.inputs {
-                if let Some(bytes) = inputs.bytes(*role) {
-                    if bytes.len() as u64 != buf.bytes {
-                        return Err(BenchError::Plan {
-                            path: path.clone(),
-                            message: format!(
-                                "input {} of key {key} is {} bytes in the plan, {} synthesized",
-                                role.name(),
-                                buf.bytes,
-                                bytes.len()
-                            ),
-                        });
-                    }
-                    b.upload(resolve(&bases, buf)?, &bytes).map_err(dev)?;
-                }
+            for (buf, bytes) in key_uploads(&plan, key, args.context)? {
+                b.upload(resolve(&bases, &buf)?, &bytes).map_err(dev)?;
             }
             let launches: Vec<Launch> = kp
                 .ops
@@ -885,6 +906,71 @@ mod tests {
         write_json(&r, &p).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
         assert_eq!(v["keys"][0]["replay_ms"], 0.5);
+    }
+
+    /// Every family's tiny plan compiled for `cuda:sm_90`: the benchmark's
+    /// synthesized inputs fit every key, every op addresses a region the
+    /// benchmark allocates, and every op lowers to the GPU kernel catalog.
+    #[test]
+    fn compiled_tiny_plans_fit_the_benchmark_and_lower_to_gpu_kernels() {
+        use crate::frontend::registry::Family;
+        use crate::testing::{write_tiny_model, TinySpec};
+        use kiln_ir::plan::{Region, Target};
+        use kiln_kernels::gpu::{lower, Lowered, Placement};
+        for family in [Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3] {
+            let dir = tempfile::tempdir().unwrap();
+            write_tiny_model(dir.path(), family, &TinySpec::for_family(family)).unwrap();
+            let keys = vec![Key::new(1, 1, 0), Key::new(3, 1, 0), Key::new(2, 3, 2)];
+            let opts = crate::compile::CompileOptions {
+                keys: keys.clone(),
+                target: Target::Cuda { sm: 90 },
+                ..Default::default()
+            };
+            let plan = crate::compile::compile_dir(dir.path(), &opts, &mut |_, _| {})
+                .unwrap()
+                .plan;
+            let ctx = (plan.kv.max_blocks_per_seq * plan.kv.block_size).min(40);
+            for key in keys {
+                let ups = key_uploads(&plan, key, ctx)
+                    .unwrap_or_else(|e| panic!("{family:?} {key}: {e}"));
+                assert!(ups.iter().all(|(b, _)| b.region == Region::Io));
+                let kp = plan.key_plan(key).unwrap();
+                for op in &kp.ops {
+                    for o in op.args.iter().chain(&op.results) {
+                        let known = match o.buf.region {
+                            Region::Weight(i) => (i as usize) < plan.manifest.entries.len(),
+                            Region::KCache(l) | Region::VCache(l) => l < plan.kv.layers,
+                            Region::Arena | Region::Io | Region::Workspace => true,
+                        };
+                        assert!(known, "{family:?} {key}: {:?}", o.buf.region);
+                    }
+                    let a: Vec<_> = op.args.iter().map(|o| o.ty.clone()).collect();
+                    let r: Vec<_> = op.results.iter().map(|o| o.ty.clone()).collect();
+                    let overlap = match (op.results.first(), op.args.first()) {
+                        (Some(x), Some(y)) => {
+                            x.buf.region == y.buf.region
+                                && x.buf.offset < y.buf.offset + y.buf.bytes
+                                && y.buf.offset < x.buf.offset + x.buf.bytes
+                        }
+                        _ => false,
+                    };
+                    let l = lower(
+                        &op.op,
+                        &a,
+                        &r,
+                        Placement {
+                            result0_overlaps_arg0: overlap,
+                        },
+                    )
+                    .unwrap_or_else(|e| panic!("{family:?} {key} {}: {e}", op.kernel));
+                    if let Lowered::Kernels { calls, .. } = l {
+                        for c in calls {
+                            assert!(kiln_kernels::gpu::entry_points(c.module).contains(&c.entry));
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
