@@ -32,7 +32,10 @@ for l in sys.stdin:
     if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="cuda_backend" and m.get("executable"): print(m["executable"])')
   cp "$bin" "$dest/cuda_backend"
   cp "$0" "$dest/gpu-check.sh"
-  if [[ -x "$root/target/release/kiln" ]]; then cp "$root/target/release/kiln" "$dest/kiln"; fi
+  (cd "$root" && cargo build -q --release -p kiln-compiler --features cuda --bin kiln)
+  cp "$root/target/release/kiln" "$dest/kiln"
+  # A real plan for `kiln bench`: put model.kiln (compiled with
+  # --target cuda:sm_90) and its model directory under $dest/plan/{model.kiln,weights}.
   du -sh "$dest"
   exit 0
 fi
@@ -82,7 +85,7 @@ KILN_BENCH_OUT="$OUT/bench.jsonl" "$here/cuda_backend" --ignored --exact \
 if [[ -x "$here/kiln" && -d "$here/plan" ]]; then
   echo "== kiln bench"
   "$here/kiln" bench "$here/plan/model.kiln" --weights "$here/plan/weights" --device cuda \
-    --steps 200 --json "$OUT/kiln-bench.json" || status=1
+    --steps 200 --context "${KILN_BENCH_CONTEXT:-512}" --json "$OUT/kiln-bench.json" || status=1
 fi
 
 echo "== summary"

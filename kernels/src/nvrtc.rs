@@ -324,8 +324,10 @@ fn program_log(prog: &Program, module: &'static str) -> Result<String, NvrtcErro
 /// Compiles every GPU module for `target_sm` (e.g. 90 for `cuda:sm_90`):
 /// one [`KernelImage`] of kind `Cubin` per module, named as the module.
 pub fn compile_cubins(target_sm: u32) -> Result<Vec<KernelImage>, NvrtcError> {
+    use rayon::prelude::*;
+    // NVRTC programs are independent: compile the modules in parallel.
     MODULES
-        .iter()
+        .par_iter()
         .map(|m| {
             Ok(KernelImage {
                 name: m.name.to_string(),
