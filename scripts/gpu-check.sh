@@ -34,8 +34,17 @@ for l in sys.stdin:
   cp "$0" "$dest/gpu-check.sh"
   (cd "$root" && cargo build -q --release -p kiln-compiler --features cuda --bin kiln)
   cp "$root/target/release/kiln" "$dest/kiln"
-  # A real plan for `kiln bench`: put model.kiln (compiled with
-  # --target cuda:sm_90) and its model directory under $dest/plan/{model.kiln,weights}.
+  strip "$dest/kiln"
+  # A real compiled plan for `kiln bench`: Qwen3-0.6B-shaped (the compiler's
+  # bench-compile model: real header, no weight data, so the benchmark uses
+  # random weights). Put a real model directory at $dest/plan/weights to
+  # time with real weights instead.
+  rm -rf "$dest/plan" && mkdir -p "$dest/plan"
+  tmp=$(mktemp -d)
+  "$dest/kiln" bench-compile --dir "$tmp/model" --repeat 1 > /dev/null
+  "$dest/kiln" compile "$tmp/model" --target cuda:sm_90 --keys b1q1s0,b8q1s0,b32q1s0 \
+    --max-context 1024 --kv-blocks 1100 -q -o "$dest/plan/model.kiln"
+  rm -rf "$tmp"
   du -sh "$dest"
   exit 0
 fi
@@ -82,9 +91,11 @@ echo "== synthetic Qwen3-0.6B step benchmark"
 KILN_BENCH_OUT="$OUT/bench.jsonl" "$here/cuda_backend" --ignored --exact \
   bench_synthetic_qwen3_0_6b_step_replay_vs_eager --nocapture --test-threads=1 || status=1
 
-if [[ -x "$here/kiln" && -d "$here/plan" ]]; then
+if [[ -x "$here/kiln" && -f "$here/plan/model.kiln" ]]; then
   echo "== kiln bench"
-  "$here/kiln" bench "$here/plan/model.kiln" --weights "$here/plan/weights" --device cuda \
+  weights=()
+  [[ -d "$here/plan/weights" ]] && weights=(--weights "$here/plan/weights")
+  "$here/kiln" bench "$here/plan/model.kiln" "${weights[@]}" --device cuda \
     --steps 200 --context "${KILN_BENCH_CONTEXT:-512}" --json "$OUT/kiln-bench.json" || status=1
 fi
 
