@@ -225,9 +225,17 @@ pub fn kv_layout(
 pub fn kernel_images(target: &Target) -> Result<Vec<KernelImage>, CompileError> {
     match target {
         Target::Cpu => Ok(Vec::new()),
-        // Not wired yet: plans for GPU targets carry no images, and the GPU
-        // runtime reports `MissingKernel` when it loads them.
-        Target::Cuda { .. } | Target::Hip { .. } => Ok(Vec::new()),
+        // NVRTC compiles every module to a CUBIN for the target SM (no GPU
+        // needed); the plan embeds cubins, never PTX.
+        Target::Cuda { sm } => {
+            kiln_kernels::nvrtc::compile_cubins(*sm).map_err(|e| CompileError::Kernels {
+                target: target.clone(),
+                message: e.to_string(),
+            })
+        }
+        // HIP plans carry no images yet; the HIP runtime compiles the shared
+        // sources with hiprtc at load (cached by hash of source, options, arch).
+        Target::Hip { .. } => Ok(Vec::new()),
     }
 }
 

@@ -12,6 +12,7 @@ pub mod import;
 pub mod inspect;
 pub mod passes;
 pub mod planner;
+pub mod run_cmd;
 pub mod safetensors_header;
 pub mod testing;
 pub mod tokenizer_build;

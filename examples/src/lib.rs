@@ -1,1 +1,3 @@
-//! Small programs on the runtime API live in `examples/`.
+//! Small programs on kiln's public runtime API, in `examples/examples/`:
+//!
+//! * `generate`: load a plan and weights, generate text greedily.

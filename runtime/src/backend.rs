@@ -115,6 +115,14 @@ pub trait Backend {
     fn synchronize(&mut self) -> Result<()>;
     fn begin_capture(&mut self, key: Key) -> Result<()>;
     fn end_capture(&mut self) -> Result<GraphHandle>;
+    /// Leaves a capture region after an error inside it, discarding what was
+    /// recorded, so the backend is usable (eagerly) again. The default ends the
+    /// capture and destroys the partial graph; backends whose `end_capture`
+    /// cannot succeed after a failed call override it.
+    fn abort_capture(&mut self) -> Result<()> {
+        let graph = self.end_capture()?;
+        self.destroy_graph(graph)
+    }
     fn replay(&mut self, graph: GraphHandle) -> Result<()>;
     /// Destroys a graph executable (synchronizing first).
     fn destroy_graph(&mut self, graph: GraphHandle) -> Result<()>;

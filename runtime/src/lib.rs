@@ -2,7 +2,36 @@
 //!
 //! A serving process links this crate (with `kiln-ir` and `kiln-kernels`) and
 //! never the compiler.
+//!
+//! * [`engine`]: the public API: load a plan and weights on a backend, add and
+//!   remove sequences, step, read tokens, logits and counters;
+//! * [`backend`]: the seam every execution target implements, and [`cpu`], the
+//!   CPU backend with emulated capture;
+//! * [`loader`] and [`weights`]: everything checked before anything is
+//!   allocated, then weights bound to device memory;
+//! * [`kv`]: the paged KV cache's block allocator; [`policy`]: graphs or eager;
+//! * [`text`]: tokenizer in and streaming text out; [`device`]: backends by name.
 
 pub mod backend;
+pub mod cpu;
+pub mod device;
+pub mod engine;
+pub mod error;
+pub mod kv;
+pub mod loader;
+pub mod policy;
+pub mod testing;
+pub mod text;
+pub mod weights;
+
+pub use backend::{Backend, BackendError, DeviceInfo};
+pub use cpu::CpuBackend;
+pub use device::{open_backend, DeviceSpec};
+pub use engine::{
+    Engine, EngineOptions, EngineStats, Faults, FinishReason, KeyCounters, PrefillMode, SeqId,
+    SeqOptions, SeqView,
+};
+pub use error::EngineError;
+pub use policy::{EagerFallback, GraphDecision, GraphMode};
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -1,0 +1,104 @@
+//! `kiln run`: load a plan and its weights, generate from a prompt, stream the
+//! text to stdout and end with the run's statistics on stderr.
+//!
+//! Everything here is argument handling: loading, dispatch, graphs and text
+//! streaming are `kiln-runtime`'s (the same calls the examples make). Not
+//! here: chat templates, sampling, batching several prompts.
+
+use kiln_runtime::text::{generate_text, read_prompt_file, RunReport, TextTokenizer};
+use kiln_runtime::{open_backend, DeviceSpec, Engine, EngineError, EngineOptions};
+use std::io::Write;
+use std::path::PathBuf;
+
+/// `kiln run` arguments.
+#[derive(Clone, Debug, clap::Args)]
+pub struct RunArgs {
+    /// The plan file (`kiln compile ... -o model.kiln`).
+    pub plan: PathBuf,
+    /// Model directory holding the safetensors files the plan was compiled
+    /// from and `tokenizer.json`.
+    #[arg(long)]
+    pub weights: PathBuf,
+    /// The prompt.
+    #[arg(
+        long,
+        required_unless_present = "prompt_file",
+        conflicts_with = "prompt_file"
+    )]
+    pub prompt: Option<String>,
+    /// Read the prompt from this UTF-8 file instead.
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// Most tokens to generate (generation also stops at the model's EOS).
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: u32,
+    /// Where to run: cpu, cuda[:N] (a build with --features cuda), hip[:N].
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+/// Why `kiln run` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("writing the output: {0}")]
+    Output(#[from] std::io::Error),
+}
+
+/// Runs `args`, streaming the prompt and the generated text to `out`.
+pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<RunReport, RunError> {
+    let prompt = match (&args.prompt, &args.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => read_prompt_file(f)?,
+        (None, None) => unreachable!("clap requires --prompt or --prompt-file"),
+    };
+    let device: DeviceSpec = args.device.parse()?;
+    // The tokenizer and the prompt are checked before the (slower) load.
+    let tokenizer = TextTokenizer::from_dir(&args.weights)?;
+    if tokenizer.encode(&prompt)?.is_empty() {
+        return Err(EngineError::EmptyPrompt.into());
+    }
+    let backend = open_backend(device)?;
+    let mut engine = Engine::load(&args.plan, &args.weights, backend, EngineOptions::default())?;
+    write!(out, "{prompt}")?;
+    out.flush()?;
+    let mut write_err = None;
+    let report = generate_text(
+        &mut engine,
+        &tokenizer,
+        &prompt,
+        args.max_tokens,
+        &mut |p| {
+            if write_err.is_none() {
+                if let Err(e) = write!(out, "{p}").and_then(|_| out.flush()) {
+                    write_err = Some(e);
+                }
+            }
+        },
+    )?;
+    if let Some(e) = write_err {
+        return Err(e.into());
+    }
+    writeln!(out)?;
+    Ok(report)
+}
+
+/// The statistics line `kiln run` ends with.
+pub fn stats_line(r: &RunReport) -> String {
+    format!(
+        "{} prompt tokens, {} generated ({}), prefill {:.1} ms, decode {:.1} tokens/s; graphs {}: {} captures, {} replays, {} eager steps",
+        r.prompt_tokens,
+        r.generated_tokens,
+        match &r.finish {
+            Some(f) => format!("{f:?}"),
+            None => "unfinished".into(),
+        },
+        r.prefill_time.as_secs_f64() * 1e3,
+        r.decode_tokens_per_s(),
+        if r.graphs { "on" } else { "off" },
+        r.captures,
+        r.replays,
+        r.eager_steps
+    )
+}

@@ -1,0 +1,186 @@
+//! `kiln run` as a user runs it: the binary, a compiled tiny model with a
+//! byte-level tokenizer, text on stdout and statistics on stderr, and a clear
+//! error (no panic) for each kind of bad input.
+
+use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
+use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
+use kiln_ir::Key;
+use kiln_runtime::testing::write_byte_tokenizer;
+use kiln_runtime::text::TextTokenizer;
+use kiln_runtime::{CpuBackend, Engine, EngineOptions, GraphMode};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// A tiny model (vocab 256, bytes as tokens), its plan and its tokenizer.
+fn model() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), Family::Llama, &TinySpec::smollm2()).unwrap();
+    write_byte_tokenizer(dir.path()).unwrap();
+    let opts = CompileOptions {
+        keys: vec![Key::new(1, 1, 0), Key::new(1, 4, 0)],
+        kv: KvOptions {
+            block_size: 4,
+            kv_blocks: Some(32),
+            max_context: Some(64),
+            ..KvOptions::default()
+        },
+        ..CompileOptions::default()
+    };
+    let plan = compile_dir(dir.path(), &opts, &mut |_, _| {}).unwrap().plan;
+    let path = dir.path().join("tiny.kiln");
+    kiln_ir::artifact::write_plan_atomic(&path, &plan).unwrap();
+    (dir, path)
+}
+
+fn kiln(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    cmd.args(args)
+        .env_remove("KILN_GRAPHS")
+        .env("RUST_BACKTRACE", "0");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// What the library generates for `prompt` (the oracle for the CLI).
+fn expected(dir: &Path, plan: &Path, prompt: &str, n: u32) -> String {
+    let tok = TextTokenizer::from_dir(dir).unwrap();
+    let opts = EngineOptions {
+        graphs: GraphMode::Off,
+        log: false,
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::load(plan, dir, Box::new(CpuBackend::new()), opts).unwrap();
+    let ids = tok.encode(prompt).unwrap();
+    let out = e.generate(&ids, n).unwrap();
+    format!("{prompt}{}\n", tok.decode(&out).unwrap())
+}
+
+#[test]
+fn kiln_run_streams_the_generated_text_and_ends_with_statistics() {
+    let (dir, plan) = model();
+    let d = dir.path().to_str().unwrap();
+    let p = plan.to_str().unwrap();
+    let out = kiln(
+        &[
+            "run",
+            p,
+            "--weights",
+            d,
+            "--prompt",
+            "kiln!",
+            "--max-tokens",
+            "12",
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), expected(dir.path(), &plan, "kiln!", 12));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("5 prompt tokens") && err.contains("tokens/s") && err.contains("graphs on"),
+        "{err}"
+    );
+    assert!(
+        err.contains("0 eager steps") && !err.contains(" 0 replays"),
+        "{err}"
+    );
+
+    // The same through a prompt file, eagerly.
+    let f = dir.path().join("prompt.txt");
+    std::fs::write(&f, "kiln!").unwrap();
+    let out = kiln(
+        &[
+            "run",
+            p,
+            "--weights",
+            d,
+            "--prompt-file",
+            f.to_str().unwrap(),
+            "--max-tokens",
+            "12",
+        ],
+        &[("KILN_GRAPHS", "0")],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), expected(dir.path(), &plan, "kiln!", 12));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("graphs off") && err.contains(" 0 replays"),
+        "{err}"
+    );
+}
+
+#[test]
+fn kiln_run_refuses_bad_input_with_a_clear_error() {
+    let (dir, plan) = model();
+    let d = dir.path().to_str().unwrap();
+    let p = plan.to_str().unwrap();
+    let bad_utf8 = dir.path().join("latin1.txt");
+    std::fs::write(&bad_utf8, b"caf\xe9").unwrap();
+    let long = "x".repeat(64);
+    let other = tempfile::tempdir().unwrap();
+    write_tiny_model(other.path(), Family::Llama, &TinySpec::default()).unwrap();
+    write_byte_tokenizer(other.path()).unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec![
+                "run",
+                p,
+                "--weights",
+                d,
+                "--prompt-file",
+                bad_utf8.to_str().unwrap(),
+            ],
+            "is not valid UTF-8 (first bad byte at offset 3)",
+        ),
+        (
+            vec!["run", p, "--weights", d, "--prompt", ""],
+            "the prompt is empty",
+        ),
+        (
+            vec!["run", p, "--weights", d, "--prompt", &long],
+            "the prompt has 64 tokens but the plan's context holds 64",
+        ),
+        (
+            vec![
+                "run",
+                p,
+                "--weights",
+                other.path().to_str().unwrap(),
+                "--prompt",
+                "hi",
+            ],
+            "plan/weights mismatch",
+        ),
+        (
+            vec![
+                "run",
+                p,
+                "--weights",
+                d,
+                "--prompt",
+                "hi",
+                "--device",
+                "tpu",
+            ],
+            "unknown device `tpu`",
+        ),
+        (
+            vec!["run", d, "--weights", d, "--prompt", "hi"],
+            "cannot read",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = kiln(&args, &[]);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}

@@ -1,0 +1,92 @@
+//! The runtime's error type: every way loading a plan or running a step can
+//! fail, each message naming the problem and, where there is one, the fix.
+
+use crate::backend::BackendError;
+use crate::engine::SeqId;
+use kiln_ir::Key;
+use std::path::PathBuf;
+
+/// Why the engine refused something.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: not a kiln plan artifact: {message}")]
+    Artifact { path: PathBuf, message: String },
+    #[error("the plan was compiled for target {plan} but the {backend} backend executes on {device} ({arch}); {fix}")]
+    TargetMismatch {
+        plan: String,
+        backend: String,
+        device: String,
+        arch: String,
+        fix: String,
+    },
+    #[error("malformed plan: {0}; recompile it with `kiln compile`")]
+    BadPlan(String),
+    #[error("plan/weights mismatch: {message}; point --weights at the directory the plan was compiled from, or recompile the plan against these weights")]
+    WeightsMismatch { message: String },
+    #[error("weight file {file}: {message}")]
+    BadWeightFile { file: PathBuf, message: String },
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("capture of key {key} failed: {source}")]
+    Capture {
+        key: Key,
+        #[source]
+        source: BackendError,
+    },
+    #[error("the prompt is empty: give at least one token (a prompt of only whitespace may tokenize to nothing)")]
+    EmptyPrompt,
+    #[error("the prompt has {len} tokens but the plan's context holds {max_context}, and at least one position must remain for generation; shorten the prompt to at most {} tokens or compile with a longer context", .max_context - 1)]
+    PromptTooLong { len: usize, max_context: u32 },
+    #[error("{what} token id {token} is outside the vocabulary (size {vocab}); the tokenizer does not match the model")]
+    InvalidToken {
+        what: &'static str,
+        token: u32,
+        vocab: u32,
+    },
+    #[error("KV cache exhausted: the sequence needs {needed} more block(s) of {block_size} tokens but {free} of {usable} are free; remove finished sequences, shorten the prompt, or compile with more KV blocks")]
+    KvExhausted {
+        needed: u32,
+        free: u32,
+        usable: u32,
+        block_size: u32,
+    },
+    #[error("no sequence {0:?} in this engine")]
+    UnknownSequence(SeqId),
+    #[error("no compiled key fits a step of {rows} row(s) with query {query}, spec {spec} (largest compiled batch for that shape: {largest}) and the policy forbids eager steps; compile a larger key (kiln compile --keys b{rows}q{query}s{spec}) or allow eager fallback")]
+    NoKeyFits {
+        rows: u32,
+        query: u32,
+        spec: u32,
+        largest: u32,
+    },
+    #[error("{count} draft token(s) given but the plan has no speculative key with spec {count} (compiled spec values: {compiled:?}); compile one (e.g. --keys b1q{}s{count})", .count + 1)]
+    NoSpecKey { count: u32, compiled: Vec<u32> },
+    #[error("KILN_GRAPHS={0:?} is not understood: use 0 (eager), 1 (force graphs) or leave it unset (graphs where the device supports them)")]
+    GraphsEnv(String),
+    #[error("tokenizer {path}: {message}")]
+    Tokenizer { path: PathBuf, message: String },
+    #[error("{0}")]
+    Device(String),
+    #[error("{what} is not valid UTF-8 (first bad byte at offset {offset}); save it as UTF-8")]
+    InvalidUtf8 { what: String, offset: usize },
+}
+
+impl EngineError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> EngineError {
+        EngineError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+    pub(crate) fn mismatch(message: impl Into<String>) -> EngineError {
+        EngineError::WeightsMismatch {
+            message: message.into(),
+        }
+    }
+}

@@ -1,0 +1,338 @@
+//! Plan checks that run before anything is allocated: the target against the
+//! executing device, and the plan's internal consistency (every operand inside
+//! its region, every op well typed, the staging inputs and outputs the engine
+//! reads present with the sizes their key implies).
+//!
+//! A plan is data from a file; the engine trusts nothing in it that it has not
+//! checked here. Not here: weight files (see [`crate::weights`]) and the
+//! artifact encoding (magic, version, checksum: `kiln_ir::artifact`, which
+//! [`read_plan_file`] calls).
+
+use crate::backend::DeviceInfo;
+use crate::error::EngineError;
+use kiln_ir::graph::InputRole;
+use kiln_ir::plan::{BufRef, KeyPlan, Plan, Region, Target};
+use kiln_ir::DType;
+use std::collections::HashSet;
+
+/// Reads and decodes a plan file (magic, version, length and checksum are
+/// checked by `kiln_ir::artifact` before the body is decoded).
+pub fn read_plan_file(path: &std::path::Path) -> Result<kiln_ir::plan::Plan, EngineError> {
+    let bytes = std::fs::read(path).map_err(|e| EngineError::io(path, e))?;
+    kiln_ir::artifact::decode(&bytes).map_err(|e| EngineError::Artifact {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+/// Checks that a plan built for `target` can run on the device `info`
+/// describes.
+pub fn check_target(target: &Target, info: &DeviceInfo) -> Result<(), EngineError> {
+    let ok = match target {
+        Target::Cpu => info.backend == "cpu",
+        Target::Cuda { sm } => info.backend == "cuda" && info.arch == format!("sm_{sm}"),
+        Target::Hip { gfx } => info.backend == "hip" && info.arch == *gfx,
+    };
+    if ok {
+        return Ok(());
+    }
+    let device_target = match info.backend {
+        "cpu" => "cpu".to_string(),
+        "cuda" => format!("cuda:{}", info.arch),
+        "hip" => format!("hip:{}", info.arch),
+        other => other.to_string(),
+    };
+    let plan_backend = match target {
+        Target::Cpu => "cpu",
+        Target::Cuda { .. } => "cuda",
+        Target::Hip { .. } => "hip",
+    };
+    let fix = if plan_backend != info.backend {
+        format!(
+            "run it with --device {plan_backend}, or recompile with `kiln compile --target {device_target}`"
+        )
+    } else {
+        format!("recompile the plan with `kiln compile --target {device_target}`")
+    };
+    Err(EngineError::TargetMismatch {
+        plan: target.to_string(),
+        backend: info.backend.to_string(),
+        device: info.name.clone(),
+        arch: info.arch.clone(),
+        fix,
+    })
+}
+
+/// Size of a region as the plan declares it, for key `kp`.
+fn region_size(plan: &Plan, kp: &KeyPlan, r: Region) -> Option<u64> {
+    match r {
+        Region::Arena => Some(plan.arena_bytes),
+        Region::Io => Some(kp.io_bytes),
+        Region::Workspace => Some(plan.workspace_bytes),
+        Region::Weight(i) => plan
+            .manifest
+            .entries
+            .get(i as usize)
+            .map(|e| e.shape.numel() * e.dtype.size() as u64),
+        Region::KCache(l) | Region::VCache(l) => {
+            (l < plan.kv.layers).then(|| plan.kv.cache_bytes())
+        }
+    }
+}
+
+fn check_buf(
+    plan: &Plan,
+    kp: &KeyPlan,
+    buf: &BufRef,
+    what: &dyn Fn() -> String,
+) -> Result<(), EngineError> {
+    let size = region_size(plan, kp, buf.region).ok_or_else(|| {
+        EngineError::BadPlan(format!(
+            "key {}: {} refers to {:?}, which the plan does not define",
+            kp.key,
+            what(),
+            buf.region
+        ))
+    })?;
+    if buf
+        .offset
+        .checked_add(buf.bytes)
+        .is_none_or(|end| end > size)
+    {
+        return Err(EngineError::BadPlan(format!(
+            "key {}: {} spans bytes {}..{} of {:?}, which holds {size}",
+            kp.key,
+            what(),
+            buf.offset,
+            buf.offset.saturating_add(buf.bytes),
+            buf.region
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a plan's internal consistency. Allocates nothing.
+pub fn validate_plan(plan: &Plan) -> Result<(), EngineError> {
+    let bad = |m: String| Err(EngineError::BadPlan(m));
+    let kv = &plan.kv;
+    let info = &plan.meta.info;
+    if kv.block_size == 0 || kv.num_blocks < 2 || kv.null_block >= kv.num_blocks {
+        return bad(format!(
+            "KV layout needs a positive block size and at least one block besides the null block (block_size {}, num_blocks {}, null_block {})",
+            kv.block_size, kv.num_blocks, kv.null_block
+        ));
+    }
+    if (kv.max_blocks_per_seq as u64) * (kv.block_size as u64) < info.max_context as u64 {
+        return bad(format!(
+            "block tables of {} blocks of {} tokens cannot hold the context of {}",
+            kv.max_blocks_per_seq, kv.block_size, info.max_context
+        ));
+    }
+    if info.max_context < 2 || info.vocab_size == 0 {
+        return bad(format!(
+            "model context {} / vocabulary {} is too small",
+            info.max_context, info.vocab_size
+        ));
+    }
+    if plan.keys.is_empty() {
+        return bad("the plan has no keys".into());
+    }
+    let mut seen = HashSet::new();
+    for kp in &plan.keys {
+        kp.key
+            .validate()
+            .map_err(|e| EngineError::BadPlan(e.to_string()))?;
+        if !seen.insert(kp.key) {
+            return bad(format!("key {} appears twice", kp.key));
+        }
+        validate_key(plan, kp)?;
+    }
+    if !plan
+        .keys
+        .iter()
+        .any(|k| k.key.query == 1 && k.key.spec == 0)
+    {
+        return bad("the plan has no decode key (query 1, spec 0), so no sequence can finish its prompt or decode; compile with e.g. --keys b1q1s0".into());
+    }
+    Ok(())
+}
+
+fn validate_key(plan: &Plan, kp: &KeyPlan) -> Result<(), EngineError> {
+    let key = kp.key;
+    let bad = |m: String| Err(EngineError::BadPlan(format!("key {key}: {m}")));
+    for (i, op) in kp.ops.iter().enumerate() {
+        let desc = || format!("op {i} (`{}`)", op.kernel);
+        for (j, o) in op.args.iter().chain(&op.results).enumerate() {
+            check_buf(plan, kp, &o.buf, &|| format!("{} operand {j}", desc()))?;
+            if o.ty.size_bytes() > o.buf.bytes {
+                return bad(format!(
+                    "{} operand {j} of type {} needs {} bytes but its buffer has {}",
+                    desc(),
+                    o.ty,
+                    o.ty.size_bytes(),
+                    o.buf.bytes
+                ));
+            }
+        }
+        let arg_types: Vec<_> = op.args.iter().map(|o| o.ty.clone()).collect();
+        let want = op
+            .op
+            .infer(&arg_types)
+            .map_err(|e| EngineError::BadPlan(format!("key {key}: {}: {e}", desc())))?;
+        let got: Vec<_> = op.results.iter().map(|o| o.ty.clone()).collect();
+        if want != got {
+            return bad(format!(
+                "{} results are typed {got:?} but its arguments imply {want:?}",
+                desc()
+            ));
+        }
+        if op.workspace_bytes > plan.workspace_bytes {
+            return bad(format!(
+                "{} needs {} bytes of workspace but the plan reserves {}",
+                desc(),
+                op.workspace_bytes,
+                plan.workspace_bytes
+            ));
+        }
+    }
+    let (b, q, s) = (key.batch as u64, key.query as u64, key.spec as u64);
+    let m = plan.kv.max_blocks_per_seq as u64;
+    let mut roles = HashSet::new();
+    for (role, buf) in &kp.inputs {
+        if !role.is_staging() {
+            continue;
+        }
+        if !roles.insert(*role) {
+            return bad(format!("input {} is declared twice", role.name()));
+        }
+        if buf.region != Region::Io {
+            return bad(format!(
+                "staging input {} lives in {:?}, not the key's Io region",
+                role.name(),
+                buf.region
+            ));
+        }
+        check_buf(plan, kp, buf, &|| format!("input {}", role.name()))?;
+        if buf.offset % 4 != 0 {
+            return bad(format!(
+                "input {} at Io offset {} is not aligned for i32",
+                role.name(),
+                buf.offset
+            ));
+        }
+        let elems = match role {
+            InputRole::TokenIds | InputRole::Positions | InputRole::SlotMapping => b * q,
+            InputRole::BlockTables => b * m,
+            InputRole::ContextLens => b,
+            InputRole::DraftTokens => b * s,
+            InputRole::KCache(_) | InputRole::VCache(_) => unreachable!(),
+        };
+        if buf.bytes != elems * 4 {
+            return bad(format!(
+                "input {} has {} bytes; a key of batch {b}, query {q}, spec {s} with {m}-block tables needs {} i32 = {} bytes",
+                role.name(),
+                buf.bytes,
+                elems,
+                elems * 4
+            ));
+        }
+    }
+    if !roles.contains(&InputRole::TokenIds) {
+        return bad("the step has no token_ids input".into());
+    }
+    if s > 0 && !roles.contains(&InputRole::DraftTokens) {
+        return bad("a speculative key needs a draft_tokens input".into());
+    }
+    let mut has_next = false;
+    for (name, o) in &kp.outputs {
+        check_buf(plan, kp, &o.buf, &|| format!("output {name}"))?;
+        if o.buf.region != Region::Io {
+            return bad(format!("output {name} is not in the key's Io region"));
+        }
+        let dims = o.ty.shape.dims();
+        match name.as_str() {
+            "next_tokens" => {
+                has_next = true;
+                let n = o.ty.numel();
+                let ok = o.ty.dtype == DType::I32
+                    && dims.len() == 1
+                    && (n == b * q || (s == 0 && n == b));
+                if !ok {
+                    return bad(format!(
+                        "output next_tokens is {} but must be i32[{}]{}",
+                        o.ty,
+                        b * q,
+                        if s == 0 {
+                            format!(" or i32[{b}]")
+                        } else {
+                            String::new()
+                        }
+                    ));
+                }
+            }
+            "accepted" if o.ty.dtype != DType::I32 || dims != [b as u32] => {
+                return bad(format!("output accepted is {} but must be i32[{b}]", o.ty));
+            }
+            "logits" => {
+                let rows_ok = dims.len() == 2 && (dims[0] as u64 == b || dims[0] as u64 == b * q);
+                if !o.ty.dtype.is_float() || !rows_ok {
+                    return bad(format!(
+                        "output logits is {} but must be float[{b} or {}, vocab]",
+                        o.ty,
+                        b * q
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    if !has_next {
+        return bad("the step has no next_tokens output".into());
+    }
+    if s > 0 && !kp.outputs.iter().any(|(n, _)| n == "accepted") {
+        return bad("a speculative key needs an accepted output".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(backend: &'static str, arch: &str) -> DeviceInfo {
+        DeviceInfo {
+            backend,
+            ordinal: 0,
+            name: "test device".into(),
+            arch: arch.into(),
+        }
+    }
+
+    #[test]
+    fn a_plan_runs_only_on_its_target() {
+        check_target(&Target::Cpu, &info("cpu", "x86_64")).unwrap();
+        check_target(&Target::Cuda { sm: 90 }, &info("cuda", "sm_90")).unwrap();
+        check_target(
+            &Target::Hip {
+                gfx: "gfx1100".into(),
+            },
+            &info("hip", "gfx1100"),
+        )
+        .unwrap();
+        let e = check_target(&Target::Cuda { sm: 90 }, &info("cuda", "sm_80"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cuda:sm_90") && e.contains("kiln compile --target cuda:sm_80"),
+            "{e}"
+        );
+        let e = check_target(&Target::Cpu, &info("cuda", "sm_90"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--device cpu"), "{e}");
+        let e = check_target(&Target::Cuda { sm: 90 }, &info("cpu", "x86_64"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--device cuda"), "{e}");
+    }
+}

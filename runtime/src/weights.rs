@@ -1,0 +1,296 @@
+//! Weight files: validation against the plan, then binding to device memory.
+//!
+//! [`WeightSet::open`] memory-maps every safetensors file the plan lists and
+//! checks, before anything is allocated on the device, that each file has the
+//! recorded size and header SHA-256 and that every manifest part is present
+//! with the recorded dtype and shape. [`WeightSet::bind`] then allocates one
+//! buffer per manifest entry (`Region::Weight(i)`), applies the entry's
+//! load-time transform (rows concatenated, dtype converted among f32, f16 and
+//! bf16) and uploads it. An entry that needs no transform is uploaded straight
+//! from the mapping, with no host copy.
+//!
+//! Not here: quantized formats (GGUF is turned into safetensors by
+//! `kiln import`), sharded index files (the plan lists the shard files
+//! themselves), and keeping host copies after the upload.
+
+use crate::backend::{Backend, DevPtr};
+use crate::error::EngineError;
+use kiln_ir::plan::Plan;
+use kiln_ir::{DType, TensorRef, WeightEntry, WeightSource};
+use memmap2::Mmap;
+use safetensors::tensor::Metadata;
+use safetensors::{Dtype, SafeTensors};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// Hex SHA-256 of a safetensors file's header: the 8-byte length prefix and
+/// the JSON header it announces. `None` when the file is too short to hold
+/// the header it claims.
+pub fn header_sha256(bytes: &[u8]) -> Option<String> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let end = usize::try_from(n).ok()?.checked_add(8)?;
+    let digest = Sha256::digest(bytes.get(..end)?);
+    Some(digest.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The kiln dtype of a safetensors dtype, for the ones plans use.
+pub fn dtype_of(d: Dtype) -> Option<DType> {
+    match d {
+        Dtype::BF16 => Some(DType::BF16),
+        Dtype::F16 => Some(DType::F16),
+        Dtype::F32 => Some(DType::F32),
+        Dtype::I32 => Some(DType::I32),
+        _ => None,
+    }
+}
+
+struct WeightFile {
+    path: PathBuf,
+    map: Mmap,
+    /// Start of the data section (8 + header length).
+    data_start: usize,
+    meta: Metadata,
+}
+
+impl WeightFile {
+    fn bytes(&self, tensor: &str) -> &[u8] {
+        let info = self
+            .meta
+            .info(tensor)
+            .expect("tensor presence was validated at open");
+        let (a, b) = info.data_offsets;
+        &self.map[self.data_start + a..self.data_start + b]
+    }
+}
+
+/// The plan's weight files, mapped and validated.
+pub struct WeightSet {
+    files: HashMap<String, WeightFile>,
+}
+
+impl WeightSet {
+    /// Maps and validates every file of `plan.meta.files` in `dir` and every
+    /// part of `plan.manifest`. Allocates nothing on any device.
+    pub fn open(plan: &Plan, dir: &Path) -> Result<WeightSet, EngineError> {
+        if !dir.is_dir() {
+            return Err(EngineError::mismatch(format!(
+                "weights directory {} does not exist or is not a directory",
+                dir.display()
+            )));
+        }
+        let mut files = HashMap::new();
+        for sf in &plan.meta.files {
+            let path = dir.join(&sf.name);
+            let file = File::open(&path).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    EngineError::mismatch(format!(
+                        "{} is missing from {} (the plan was compiled from it)",
+                        sf.name,
+                        dir.display()
+                    ))
+                } else {
+                    EngineError::io(&path, e)
+                }
+            })?;
+            let size = file
+                .metadata()
+                .map_err(|e| EngineError::io(&path, e))?
+                .len();
+            if size != sf.size {
+                return Err(EngineError::mismatch(format!(
+                    "{} is {size} bytes but the plan was compiled from a {}-byte file",
+                    path.display(),
+                    sf.size
+                )));
+            }
+            // SAFETY: the mapping is read-only; a file truncated or rewritten
+            // underneath a running engine is outside what we can defend
+            // against, as for every mmap-based loader.
+            let map = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::io(&path, e))?;
+            let bad = |message: String| EngineError::BadWeightFile {
+                file: path.clone(),
+                message,
+            };
+            let hash = header_sha256(&map)
+                .ok_or_else(|| bad("too short to hold its safetensors header".into()))?;
+            if hash != sf.header_sha256 {
+                return Err(EngineError::mismatch(format!(
+                    "{} has header SHA-256 {hash} but the plan was compiled from a file whose header hashes to {}",
+                    path.display(),
+                    sf.header_sha256
+                )));
+            }
+            let (n, meta) = SafeTensors::read_metadata(&map)
+                .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+            files.insert(
+                sf.name.clone(),
+                WeightFile {
+                    path,
+                    map,
+                    data_start: 8 + n,
+                    meta,
+                },
+            );
+        }
+        let set = WeightSet { files };
+        for entry in &plan.manifest.entries {
+            set.check_entry(entry)?;
+        }
+        Ok(set)
+    }
+
+    fn check_part(&self, entry: &WeightEntry, part: &TensorRef) -> Result<(), EngineError> {
+        let file = self.files.get(&part.file).ok_or_else(|| {
+            EngineError::BadPlan(format!(
+                "weight `{}` reads file {} which is not among the plan's source files",
+                entry.name, part.file
+            ))
+        })?;
+        let info = file.meta.info(&part.tensor).ok_or_else(|| {
+            EngineError::mismatch(format!(
+                "tensor `{}` (for weight `{}`) is missing from {}",
+                part.tensor,
+                entry.name,
+                file.path.display()
+            ))
+        })?;
+        let found_shape: Vec<u64> = info.shape.iter().map(|&d| d as u64).collect();
+        let want_shape: Vec<u64> = part.shape.dims().iter().map(|&d| d as u64).collect();
+        let found_dtype = dtype_of(info.dtype);
+        if found_dtype != Some(part.dtype) || found_shape != want_shape {
+            return Err(EngineError::mismatch(format!(
+                "tensor `{}` in {} is {:?}{:?} but the plan expects {}{}",
+                part.tensor,
+                file.path.display(),
+                info.dtype,
+                info.shape,
+                part.dtype,
+                part.shape
+            )));
+        }
+        if part.dtype != entry.dtype && !(part.dtype.is_float() && entry.dtype.is_float()) {
+            return Err(EngineError::BadPlan(format!(
+                "weight `{}` converts {} to {}; only float types convert",
+                entry.name, part.dtype, entry.dtype
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_entry(&self, entry: &WeightEntry) -> Result<(), EngineError> {
+        for part in entry.source.parts() {
+            self.check_part(entry, part)?;
+        }
+        let bad = |why: String| {
+            Err(EngineError::BadPlan(format!(
+                "weight `{}` ({}{}): {why}",
+                entry.name, entry.dtype, entry.shape
+            )))
+        };
+        match &entry.source {
+            WeightSource::Tensor(t) => {
+                if t.shape.numel() != entry.shape.numel() {
+                    return bad(format!(
+                        "source `{}` has {} elements",
+                        t.tensor,
+                        t.shape.numel()
+                    ));
+                }
+            }
+            WeightSource::ConcatRows(parts) => {
+                let d = entry.shape.dims();
+                if parts.is_empty() || d.is_empty() {
+                    return bad("concatenation of no tensors or into a scalar".into());
+                }
+                let mut rows = 0u64;
+                for p in parts {
+                    let pd = p.shape.dims();
+                    if pd.is_empty() || pd[1..] != d[1..] {
+                        return bad(format!(
+                            "part `{}` {} does not share the trailing dimensions",
+                            p.tensor, p.shape
+                        ));
+                    }
+                    rows += pd[0] as u64;
+                }
+                if rows != d[0] as u64 {
+                    return bad(format!("parts have {rows} rows in all"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates `Region::Weight(i)` for every manifest entry and uploads it.
+    /// Returns each entry's base address and size, in manifest order.
+    pub fn bind(
+        &self,
+        plan: &Plan,
+        backend: &mut dyn Backend,
+    ) -> Result<Vec<(DevPtr, u64)>, EngineError> {
+        let mut out = Vec::with_capacity(plan.manifest.entries.len());
+        let mut scratch: Vec<u8> = Vec::new();
+        for entry in &plan.manifest.entries {
+            let bytes = entry.shape.numel() * entry.dtype.size() as u64;
+            let ptr = backend.alloc(bytes, &format!("weight {}", entry.name))?;
+            out.push((ptr, bytes));
+            let parts = entry.source.parts();
+            if let [part] = parts {
+                if part.dtype == entry.dtype {
+                    backend.upload(ptr, self.files[&part.file].bytes(&part.tensor))?;
+                    continue;
+                }
+            }
+            scratch.clear();
+            scratch.resize(bytes as usize, 0);
+            let mut at = 0usize;
+            for part in parts {
+                let src = self.files[&part.file].bytes(&part.tensor);
+                let n = part.shape.numel() as usize * entry.dtype.size();
+                convert(src, part.dtype, &mut scratch[at..at + n], entry.dtype);
+                at += n;
+            }
+            backend.upload(ptr, &scratch)?;
+        }
+        Ok(out)
+    }
+}
+
+fn read_f32(src: &[u8], dtype: DType, i: usize) -> f32 {
+    match dtype {
+        DType::F32 => f32::from_le_bytes(src[4 * i..4 * i + 4].try_into().unwrap()),
+        DType::BF16 => {
+            half::bf16::from_bits(u16::from_le_bytes([src[2 * i], src[2 * i + 1]])).to_f32()
+        }
+        DType::F16 => {
+            half::f16::from_bits(u16::from_le_bytes([src[2 * i], src[2 * i + 1]])).to_f32()
+        }
+        DType::I32 => unreachable!("integer conversion is refused at validation"),
+    }
+}
+
+/// Converts little-endian `src` of `from` into `dst` of `to` (element counts
+/// equal). f32 to bf16/f16 rounds to nearest even.
+pub fn convert(src: &[u8], from: DType, dst: &mut [u8], to: DType) {
+    if from == to {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let n = src.len() / from.size();
+    debug_assert_eq!(dst.len(), n * to.size());
+    for i in 0..n {
+        let x = read_f32(src, from, i);
+        match to {
+            DType::F32 => dst[4 * i..4 * i + 4].copy_from_slice(&x.to_le_bytes()),
+            DType::BF16 => {
+                dst[2 * i..2 * i + 2].copy_from_slice(&half::bf16::from_f32(x).to_le_bytes())
+            }
+            DType::F16 => {
+                dst[2 * i..2 * i + 2].copy_from_slice(&half::f16::from_f32(x).to_le_bytes())
+            }
+            DType::I32 => unreachable!("integer conversion is refused at validation"),
+        }
+    }
+}
