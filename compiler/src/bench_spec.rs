@@ -131,7 +131,11 @@ fn prompt_sets(
         let tok = TextTokenizer::from_dir(weights)?;
         let enc = |set: &[&str]| -> Result<Vec<Prompt>, EngineError> {
             set.iter()
-                .map(|t| Ok(Prompt { ids: tok.encode(t)? }))
+                .map(|t| {
+                    Ok(Prompt {
+                        ids: tok.encode(t)?,
+                    })
+                })
                 .collect()
         };
         return Ok((
