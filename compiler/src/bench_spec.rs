@@ -122,11 +122,11 @@ const NON_REPETITIVE: &[&str] = &[
     "What are three differences between cats and dogs?",
 ];
 
+/// What kind of prompts, and the named sets.
+type PromptSets = (String, Vec<(String, Vec<Prompt>)>);
+
 /// The two prompt sets: from the tokenizer when there is one, else tokens.
-fn prompt_sets(
-    weights: &Path,
-    vocab: u32,
-) -> Result<(String, Vec<(String, Vec<Prompt>)>), BenchSpecError> {
+fn prompt_sets(weights: &Path, vocab: u32) -> Result<PromptSets, BenchSpecError> {
     if weights.join("tokenizer.json").is_file() {
         let tok = TextTokenizer::from_dir(weights)?;
         let enc = |set: &[&str]| -> Result<Vec<Prompt>, EngineError> {

@@ -189,7 +189,7 @@ impl Speculator {
             let lookup = rows
                 .iter()
                 .find(|(r, _, _)| r == id)
-                .map_or(false, |(_, f, _)| *f);
+                .is_some_and(|(_, f, _)| *f);
             let n = toks.len() as u32;
             let accepted = n.saturating_sub(1).min(self.k);
             self.stats.tokens += n as u64;

@@ -152,6 +152,10 @@ pub fn generate_text(
     generate_text_with(engine, tok, prompt, max_new_tokens, sink, &mut |e| e.step())
 }
 
+/// One engine step as [`Engine::step`] takes it: the tokens each sequence
+/// generated.
+pub type StepFn<'a> = dyn FnMut(&mut Engine) -> Result<Vec<(SeqId, Vec<u32>)>, EngineError> + 'a;
+
 /// [`generate_text`] with each step taken by `step` (for example a
 /// [`crate::spec::Speculator`] drafting before [`Engine::step`]).
 pub fn generate_text_with(
@@ -160,7 +164,7 @@ pub fn generate_text_with(
     prompt: &str,
     max_new_tokens: u32,
     sink: &mut dyn FnMut(&str),
-    step: &mut dyn FnMut(&mut Engine) -> Result<Vec<(SeqId, Vec<u32>)>, EngineError>,
+    step: &mut StepFn<'_>,
 ) -> Result<RunReport, EngineError> {
     let ids = tok.encode(prompt)?;
     let before = engine.total_counters();
