@@ -2,6 +2,7 @@
 //! emitter, GGUF import, and the `kiln` CLI (`src/main.rs`).
 
 pub mod bench;
+pub mod bench_spec;
 pub mod compile;
 pub mod compile_bench;
 pub mod config;
