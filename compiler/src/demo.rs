@@ -273,6 +273,15 @@ pub fn plan_freshness(
     }
 }
 
+/// A device as `--device` spells it.
+fn device_name(d: DeviceSpec) -> String {
+    match d {
+        DeviceSpec::Cpu => "cpu".into(),
+        DeviceSpec::Cuda(n) => format!("cuda:{n}"),
+        DeviceSpec::Hip(n) => format!("hip:{n}"),
+    }
+}
+
 /// The plan file name for a target (`cpu.kiln`, `cuda-sm_90.kiln`).
 pub fn plan_file_name(target: &Target) -> String {
     format!("{}.kiln", target.to_string().replace(':', "-"))
@@ -429,7 +438,10 @@ pub fn run(
 
     // The device decides the target, so it is opened before compiling.
     let t = Instant::now();
-    log(&format!("load: opening device {:?}", opts.device));
+    log(&format!(
+        "load: opening device {}",
+        device_name(opts.device)
+    ));
     let backend = open_backend(opts.device)?;
     let info = backend.info();
     let open_time = t.elapsed();
