@@ -89,7 +89,9 @@ if [[ -x "$here/cuda_serve" ]]; then
 fi
 
 echo "== compute-sanitizer memcheck (kernel tests)"
-if command -v compute-sanitizer >/dev/null; then
+if [[ -n "${KILN_SKIP_MEMCHECK:-}" ]]; then
+  echo "skipped (KILN_SKIP_MEMCHECK set)"
+elif command -v compute-sanitizer >/dev/null; then
   KILN_GEMM_AUTOTUNE=0 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$here/cuda_backend" --test-threads=1 --skip bench --skip whole --skip dropping --skip allocation --skip kernel_images ${KILN_MEMCHECK_FILTER:-} \
     > "$OUT/memcheck.txt" 2>&1
