@@ -41,3 +41,4 @@ pub use policy::{EagerFallback, GraphDecision, GraphMode};
 pub use spec::{RowOutcome, SpecError, SpecOptions, SpecStats, Speculator};
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod hip;
