@@ -4,10 +4,12 @@
 # Built on a machine without a GPU and carried over (the GPU machine has no
 # Rust): see `prepare` below. On the GPU machine it runs, in order:
 #   1. the device facts (nvidia-smi, driver, library paths);
-#   2. every CUDA test (kernels vs the host/CPU reference on random inputs
+#   2. every CUDA backend test (kernels vs the host/CPU reference on random inputs
 #      at awkward sizes with poisoned outputs, cuBLASLt GEMMs, the capture
 #      contract incl. a forced allocation inside a capture, replay == eager
-#      with changing inputs, a whole synthetic step vs the host reference);
+#      with changing inputs, a whole synthetic step vs the host reference),
+#      then the engine on CUDA (tests/tests/cuda_serve.rs: compiled tiny
+#      models vs the CPU engine, replay vs eager, forced allocation);
 #   3. compute-sanitizer memcheck over the kernel tests (bounded);
 #   4. the synthetic Qwen3-0.6B step benchmark (eager vs replay, HBM floor);
 #   5. `kiln bench` on a real plan when one is carried (.device-carry/plan).
@@ -31,8 +33,27 @@ for l in sys.stdin:
     m=json.loads(l)
     if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="cuda_backend" and m.get("executable"): print(m["executable"])')
   cp "$bin" "$dest/cuda_backend"
+  bin=$(cd "$root" && cargo test --release -p kiln-tests --features cuda --test cuda_serve --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="cuda_serve" and m.get("executable"): print(m["executable"])')
+  cp "$bin" "$dest/cuda_serve"
+  strip "$dest/cuda_serve" "$dest/cuda_backend"
   cp "$0" "$dest/gpu-check.sh"
-  if [[ -x "$root/target/release/kiln" ]]; then cp "$root/target/release/kiln" "$dest/kiln"; fi
+  (cd "$root" && cargo build -q --release -p kiln-compiler --features cuda --bin kiln)
+  cp "$root/target/release/kiln" "$dest/kiln"
+  strip "$dest/kiln"
+  # A real compiled plan for `kiln bench`: Qwen3-0.6B-shaped (the compiler's
+  # bench-compile model: real header, no weight data, so the benchmark uses
+  # random weights). Put a real model directory at $dest/plan/weights to
+  # time with real weights instead.
+  rm -rf "$dest/plan" && mkdir -p "$dest/plan"
+  tmp=$(mktemp -d)
+  "$dest/kiln" bench-compile --dir "$tmp/model" --repeat 1 > /dev/null
+  "$dest/kiln" compile "$tmp/model" --target cuda:sm_90 --keys b1q1s0,b8q1s0,b32q1s0 \
+    --max-context 1024 --kv-blocks 1100 -q -o "$dest/plan/model.kiln"
+  rm -rf "$tmp"
   du -sh "$dest"
   exit 0
 fi
@@ -62,8 +83,15 @@ start=$(date +%s)
 "$here/cuda_backend" --test-threads=1 2>&1 | tee "$OUT/tests.txt" || status=1
 echo "tests took $(( $(date +%s) - start )) s"
 
+echo "== engine on CUDA (compiled tiny models vs the CPU engine, replay vs eager)"
+if [[ -x "$here/cuda_serve" ]]; then
+  "$here/cuda_serve" --test-threads=1 --nocapture 2>&1 | tee "$OUT/serve.txt" || status=1
+fi
+
 echo "== compute-sanitizer memcheck (kernel tests)"
-if command -v compute-sanitizer >/dev/null; then
+if [[ -n "${KILN_SKIP_MEMCHECK:-}" ]]; then
+  echo "skipped (KILN_SKIP_MEMCHECK set)"
+elif command -v compute-sanitizer >/dev/null; then
   KILN_GEMM_AUTOTUNE=0 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$here/cuda_backend" --test-threads=1 --skip bench --skip whole --skip dropping --skip allocation --skip kernel_images ${KILN_MEMCHECK_FILTER:-} \
     > "$OUT/memcheck.txt" 2>&1
@@ -79,14 +107,16 @@ echo "== synthetic Qwen3-0.6B step benchmark"
 KILN_BENCH_OUT="$OUT/bench.jsonl" "$here/cuda_backend" --ignored --exact \
   bench_synthetic_qwen3_0_6b_step_replay_vs_eager --nocapture --test-threads=1 || status=1
 
-if [[ -x "$here/kiln" && -d "$here/plan" ]]; then
+if [[ -x "$here/kiln" && -f "$here/plan/model.kiln" ]]; then
   echo "== kiln bench"
-  "$here/kiln" bench "$here/plan/model.kiln" --weights "$here/plan/weights" --device cuda \
-    --steps 200 --json "$OUT/kiln-bench.json" || status=1
+  weights=()
+  [[ -d "$here/plan/weights" ]] && weights=(--weights "$here/plan/weights")
+  "$here/kiln" bench "$here/plan/model.kiln" "${weights[@]}" --device cuda \
+    --steps 200 --context "${KILN_BENCH_CONTEXT:-512}" --json "$OUT/kiln-bench.json" || status=1
 fi
 
 echo "== summary"
-grep -E "^test result|FAILED|panicked" "$OUT/tests.txt" | head -20
+grep -E "^test result|FAILED|panicked" "$OUT/tests.txt" "$OUT/serve.txt" 2>/dev/null | head -20
 if [[ -f "$OUT/bench.jsonl" ]]; then
   python3 - "$OUT/bench.jsonl" <<'PY'
 import json,sys

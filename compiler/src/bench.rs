@@ -85,7 +85,10 @@ pub struct KeyResult {
     pub speedup: f64,
     /// Sequences advanced per second (one step advances each sequence).
     pub tokens_per_s: f64,
+    /// Bytes the step must move at the benchmark's context ([`step_bytes`]).
     pub bytes_moved: u64,
+    /// The plan's own figure (at the compiled maximum context).
+    pub plan_bytes_moved: u64,
     pub hbm_floor_ms: f64,
     pub replay_over_floor: f64,
     pub capture_ms: f64,
@@ -403,6 +406,55 @@ pub fn random_entry(entry: &WeightEntry, seed: u64) -> Result<Vec<u8>, BenchErro
     convert(&f, DType::F32, entry.dtype)
 }
 
+/// The staging uploads of one key's step: each input's Io location and
+/// bytes, checked against the sizes the plan recorded.
+pub fn key_uploads(
+    plan: &kiln_ir::plan::Plan,
+    key: Key,
+    context: u32,
+) -> Result<Vec<(kiln_ir::plan::BufRef, Vec<u8>)>, BenchError> {
+    let kp = plan.key_plan(key).ok_or_else(|| {
+        BenchError::Usage(format!(
+            "key {key} is not in the plan (it has: {})",
+            plan.keys
+                .iter()
+                .map(|k| k.key.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    })?;
+    let inputs = step_inputs(key, &plan.kv, context, plan.meta.info.vocab_size, 11)?;
+    let mut out = Vec::new();
+    for (role, buf) in &kp.inputs {
+        if let Some(bytes) = inputs.bytes(*role) {
+            if bytes.len() as u64 != buf.bytes {
+                return Err(BenchError::Usage(format!(
+                    "input {} of key {key} is {} bytes in the plan, {} synthesized",
+                    role.name(),
+                    buf.bytes,
+                    bytes.len()
+                )));
+            }
+            out.push((*buf, bytes));
+        }
+    }
+    Ok(out)
+}
+
+/// Bytes one step of `key` must move at `context` tokens per sequence: every
+/// weight once (the embedding gather reads only its rows, but a tied
+/// lm_head reads the whole table, so the table counts once), the K and V
+/// rows of every context position of every layer, and the f32 logits row of
+/// each sequence. The plan's own `bytes_moved` is computed at the compiled
+/// maximum context; the benchmark's floor uses the context it runs.
+pub fn step_bytes(plan: &kiln_ir::plan::Plan, key: Key, context: u32) -> u64 {
+    let kv = &plan.kv;
+    let kv_row = kv.kv_heads as u64 * kv.head_dim as u64 * kv.dtype.size() as u64;
+    plan.manifest.total_bytes()
+        + key.batch as u64 * context as u64 * kv.layers as u64 * 2 * kv_row
+        + key.batch as u64 * plan.meta.info.vocab_size as u64 * 4
+}
+
 /// Runs the benchmark; returns the report (the CLI prints its table).
 pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     if args.device != "cuda" {
@@ -552,22 +604,8 @@ mod cuda {
             })?;
             let io = b.alloc(kp.io_bytes.max(1), "io").map_err(dev)?;
             bases.insert(Region::Io, io);
-            let inputs = step_inputs(key, &plan.kv, args.context, plan.meta.info.vocab_size, 11)?;
-            for (role, buf) in &kp.inputs {
-                if let Some(bytes) = inputs.bytes(*role) {
-                    if bytes.len() as u64 != buf.bytes {
-                        return Err(BenchError::Plan {
-                            path: path.clone(),
-                            message: format!(
-                                "input {} of key {key} is {} bytes in the plan, {} synthesized",
-                                role.name(),
-                                buf.bytes,
-                                bytes.len()
-                            ),
-                        });
-                    }
-                    b.upload(resolve(&bases, buf)?, &bytes).map_err(dev)?;
-                }
+            for (buf, bytes) in key_uploads(&plan, key, args.context)? {
+                b.upload(resolve(&bases, &buf)?, &bytes).map_err(dev)?;
             }
             let launches: Vec<Launch> = kp
                 .ops
@@ -629,7 +667,8 @@ mod cuda {
             b.destroy_graph(g).map_err(dev)?;
             b.free(io).map_err(dev)?;
             let (e, r) = (median(eager), median(replay));
-            let floor = kp.bytes_moved as f64 / bw * 1e3;
+            let bytes = step_bytes(&plan, key, args.context);
+            let floor = bytes as f64 / bw * 1e3;
             results.push(KeyResult {
                 key: key.to_string(),
                 batch: key.batch,
@@ -641,7 +680,8 @@ mod cuda {
                 replay_back_to_back_ms: b2b,
                 speedup: e / r,
                 tokens_per_s: key.batch as f64 / (r / 1e3),
-                bytes_moved: kp.bytes_moved,
+                bytes_moved: bytes,
+                plan_bytes_moved: kp.bytes_moved,
                 hbm_floor_ms: floor,
                 replay_over_floor: r / floor,
                 capture_ms,
@@ -871,6 +911,7 @@ mod tests {
                 speedup: 3.0,
                 tokens_per_s: 2000.0,
                 bytes_moved: 1 << 30,
+                plan_bytes_moved: 1 << 31,
                 hbm_floor_ms: 0.27,
                 replay_over_floor: 1.85,
                 capture_ms: 2.0,
@@ -885,6 +926,80 @@ mod tests {
         write_json(&r, &p).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
         assert_eq!(v["keys"][0]["replay_ms"], 0.5);
+    }
+
+    /// Every family's tiny plan compiled for `cuda:sm_90`: the benchmark's
+    /// synthesized inputs fit every key, every op addresses a region the
+    /// benchmark allocates, and every op lowers to the GPU kernel catalog.
+    #[test]
+    fn compiled_tiny_plans_fit_the_benchmark_and_lower_to_gpu_kernels() {
+        use crate::frontend::registry::Family;
+        use crate::testing::{write_tiny_model, TinySpec};
+        use kiln_ir::plan::{Region, Target};
+        use kiln_kernels::gpu::{lower, Lowered, Placement};
+        for family in [Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3] {
+            let dir = tempfile::tempdir().unwrap();
+            write_tiny_model(dir.path(), family, &TinySpec::for_family(family)).unwrap();
+            let keys = vec![Key::new(1, 1, 0), Key::new(3, 1, 0), Key::new(2, 3, 2)];
+            let opts = crate::compile::CompileOptions {
+                keys: keys.clone(),
+                target: Target::Cuda { sm: 90 },
+                ..Default::default()
+            };
+            let plan = crate::compile::compile_dir(dir.path(), &opts, &mut |_, _| {})
+                .unwrap()
+                .plan;
+            let ctx = (plan.kv.max_blocks_per_seq * plan.kv.block_size).min(40);
+            // The floor's bytes grow with context by exactly the K/V rows read.
+            let k = Key::new(3, 1, 0);
+            let row =
+                plan.kv.kv_heads as u64 * plan.kv.head_dim as u64 * plan.kv.dtype.size() as u64;
+            assert_eq!(
+                step_bytes(&plan, k, ctx) - step_bytes(&plan, k, ctx - 1),
+                3 * plan.kv.layers as u64 * 2 * row
+            );
+            assert!(step_bytes(&plan, k, 1) > plan.manifest.total_bytes());
+            for key in keys {
+                let ups = key_uploads(&plan, key, ctx)
+                    .unwrap_or_else(|e| panic!("{family:?} {key}: {e}"));
+                assert!(ups.iter().all(|(b, _)| b.region == Region::Io));
+                let kp = plan.key_plan(key).unwrap();
+                for op in &kp.ops {
+                    for o in op.args.iter().chain(&op.results) {
+                        let known = match o.buf.region {
+                            Region::Weight(i) => (i as usize) < plan.manifest.entries.len(),
+                            Region::KCache(l) | Region::VCache(l) => l < plan.kv.layers,
+                            Region::Arena | Region::Io | Region::Workspace => true,
+                        };
+                        assert!(known, "{family:?} {key}: {:?}", o.buf.region);
+                    }
+                    let a: Vec<_> = op.args.iter().map(|o| o.ty.clone()).collect();
+                    let r: Vec<_> = op.results.iter().map(|o| o.ty.clone()).collect();
+                    let overlap = match (op.results.first(), op.args.first()) {
+                        (Some(x), Some(y)) => {
+                            x.buf.region == y.buf.region
+                                && x.buf.offset < y.buf.offset + y.buf.bytes
+                                && y.buf.offset < x.buf.offset + x.buf.bytes
+                        }
+                        _ => false,
+                    };
+                    let l = lower(
+                        &op.op,
+                        &a,
+                        &r,
+                        Placement {
+                            result0_overlaps_arg0: overlap,
+                        },
+                    )
+                    .unwrap_or_else(|e| panic!("{family:?} {key} {}: {e}", op.kernel));
+                    if let Lowered::Kernels { calls, .. } = l {
+                        for c in calls {
+                            assert!(kiln_kernels::gpu::entry_points(c.module).contains(&c.entry));
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

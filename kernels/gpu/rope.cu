@@ -53,7 +53,7 @@ KILN_DEV void kv_write_rows(const T* __restrict__ k, const T* __restrict__ v,
 // One warp per (token, unit): units [0, heads) are q heads, [heads, heads+kvh)
 // k heads, [heads+kvh, heads+2kvh) v heads. Lane l holds the pairs
 // (i, i + hd/2) for i = l, l+32, ... so RMSNorm and RoPE need no exchange but
-// one warp sum. q/k: optional per-head RMSNorm (f32, not rounded) then RoPE,
+// one warp sum. q/k: optional per-head RMSNorm (rounded to T) then RoPE,
 // rounded once; v: copied. q goes to q_out, k/v to their cache slot.
 template <typename T>
 KILN_DEV void qkv_rope_kv_write_units(const T* __restrict__ qkv, const int* __restrict__ pos,
@@ -103,8 +103,10 @@ KILN_DEV void qkv_rope_kv_write_units(const T* __restrict__ qkv, const int* __re
           w1 += 1.0f;
           w2 += 1.0f;
         }
-        a[j] = a[j] * inv * w1;
-        b[j] = b[j] * inv * w2;
+        // Rounded to T as the unfused head_rms_norm's result is, so the fused
+        // op equals head_rms_norm -> rope -> kv_write (the CPU kernels' rule).
+        a[j] = round_to<T>(a[j] * inv * w1);
+        b[j] = round_to<T>(b[j] * inv * w2);
       }
     }
   }

@@ -660,7 +660,7 @@ fn a_gemm_not_prepared_before_capture_fails_the_capture_by_name() {
         matches!(&e, BackendError::CaptureFailed { op, .. } if op == "gemm"),
         "{e}"
     );
-    b.abort_capture_now().unwrap();
+    b.abort_capture().unwrap();
 }
 
 #[test]

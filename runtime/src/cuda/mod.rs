@@ -1035,6 +1035,12 @@ impl Backend for CudaBackend {
         Ok(GraphHandle(h))
     }
 
+    /// Ends the open capture whatever broke it (the driver may have
+    /// invalidated it) and discards the partial graph.
+    fn abort_capture(&mut self) -> Result<()> {
+        self.abort_capture_now()
+    }
+
     fn replay(&mut self, graph: GraphHandle) -> Result<()> {
         self.bind()?;
         self.refuse_in_capture("replay", "graphs are replayed outside capture regions")?;
