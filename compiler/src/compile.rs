@@ -219,15 +219,36 @@ pub fn kv_layout(
 
 /// Kernel images for `target`, embedded in the plan.
 ///
-/// TODO(kernels): for `cuda:*` this is where the kernels crate's NVRTC
-/// compile of the kernel catalog goes (cubins for the target SM), and for
-/// `hip:*` code objects or sources. The CPU target needs none.
+/// `cuda:*`: NVRTC cubins of the kernel catalog for the target SM. `hip:*`:
+/// one module of every catalog source, as a code object when hipcc or
+/// amdclang++ is installed (`KILN_HIPCC` names one, or `none`), else as
+/// source that the runtime compiles with hiprtc at load and caches. The CPU
+/// target needs none.
 pub fn kernel_images(target: &Target) -> Result<Vec<KernelImage>, CompileError> {
     match target {
         Target::Cpu => Ok(Vec::new()),
-        // Not wired yet: plans for GPU targets carry no images, and the GPU
-        // runtime reports `MissingKernel` when it loads them.
-        Target::Cuda { .. } | Target::Hip { .. } => Ok(Vec::new()),
+        // NVRTC compiles every module to a CUBIN for the target SM (no GPU
+        // needed); the plan embeds cubins, never PTX.
+        Target::Cuda { sm } => {
+            kiln_kernels::nvrtc::compile_cubins(*sm).map_err(|e| CompileError::Kernels {
+                target: target.clone(),
+                message: e.to_string(),
+            })
+        }
+        Target::Hip { gfx } => {
+            use kiln_runtime::hip::{catalog, offline};
+            let err = |message: String| CompileError::Kernels {
+                target: target.clone(),
+                message,
+            };
+            let tu = catalog::kernels_translation_unit().map_err(|e| err(e.to_string()))?;
+            let out = offline::plan_images(gfx, &tu, &|k| std::env::var_os(k))
+                .map_err(|e| err(e.to_string()))?;
+            if let Some(note) = out.note {
+                eprintln!("kiln: {note}");
+            }
+            Ok(out.images)
+        }
     }
 }
 

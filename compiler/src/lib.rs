@@ -1,9 +1,13 @@
 //! `kiln-compiler`: model frontends, passes, the memory/workspace planner, the
 //! emitter, GGUF import, and the `kiln` CLI (`src/main.rs`).
 
+pub mod bench;
+pub mod bench_spec;
+pub mod chat;
 pub mod compile;
 pub mod compile_bench;
 pub mod config;
+pub mod demo;
 pub mod fetch;
 pub mod frontend;
 pub mod gguf;

@@ -5,8 +5,11 @@
 //! streaming are `kiln-runtime`'s (the same calls the examples make). Not
 //! here: chat templates, sampling, batching several prompts.
 
-use kiln_runtime::text::{generate_text, read_prompt_file, RunReport, TextTokenizer};
-use kiln_runtime::{open_backend, DeviceSpec, Engine, EngineError, EngineOptions};
+use kiln_runtime::text::{generate_text_with, read_prompt_file, RunReport, TextTokenizer};
+use kiln_runtime::{
+    open_backend, DeviceSpec, Engine, EngineError, EngineOptions, SpecError, SpecOptions,
+    SpecStats, Speculator,
+};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -35,6 +38,10 @@ pub struct RunArgs {
     /// Where to run: cpu, cuda[:N] (a build with --features cuda), hip[:N].
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Speculative decoding with K prompt-lookup drafts per step (token-
+    /// identical output). The plan needs spec keys `b*q{K+1}s{K}`.
+    #[arg(long, value_name = "K")]
+    pub spec: Option<u32>,
 }
 
 /// Why `kiln run` failed.
@@ -42,12 +49,14 @@ pub struct RunArgs {
 pub enum RunError {
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error("--spec: {0}")]
+    Spec(#[from] SpecError),
     #[error("writing the output: {0}")]
     Output(#[from] std::io::Error),
 }
 
 /// Runs `args`, streaming the prompt and the generated text to `out`.
-pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<RunReport, RunError> {
+pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<RunOutcome, RunError> {
     let prompt = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) => read_prompt_file(f)?,
@@ -59,12 +68,21 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<RunReport, RunError> {
     if tokenizer.encode(&prompt)?.is_empty() {
         return Err(EngineError::EmptyPrompt.into());
     }
+    // The plan's keys are checked before the weights are loaded.
+    let mut spec = None;
+    if let Some(k) = args.spec {
+        let plan = kiln_runtime::loader::read_plan_file(&args.plan)?;
+        kiln_runtime::spec::check_plan(&plan, k)?;
+    }
     let backend = open_backend(device)?;
     let mut engine = Engine::load(&args.plan, &args.weights, backend, EngineOptions::default())?;
+    if let Some(k) = args.spec {
+        spec = Some(Speculator::new(&engine, SpecOptions::new(k))?);
+    }
     write!(out, "{prompt}")?;
     out.flush()?;
     let mut write_err = None;
-    let report = generate_text(
+    let report = generate_text_with(
         &mut engine,
         &tokenizer,
         &prompt,
@@ -76,16 +94,42 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<RunReport, RunError> {
                 }
             }
         },
+        &mut |e| match spec.as_mut() {
+            Some(s) => s.step(e),
+            None => e.step(),
+        },
     )?;
     if let Some(e) = write_err {
         return Err(e.into());
     }
     writeln!(out)?;
-    Ok(report)
+    Ok(RunOutcome {
+        report,
+        spec: spec.map(|s| s.stats().clone()),
+    })
+}
+
+/// What `kiln run` measured: the generation, and with `--spec` the drafting.
+#[derive(Clone, Debug)]
+pub struct RunOutcome {
+    pub report: RunReport,
+    pub spec: Option<SpecStats>,
 }
 
 /// The statistics line `kiln run` ends with.
-pub fn stats_line(r: &RunReport) -> String {
+pub fn stats_line(o: &RunOutcome) -> String {
+    let r = &o.report;
+    let spec = match &o.spec {
+        Some(s) => format!(
+            "; spec: {}/{} lookup drafts accepted ({:.0}%), {} of {} steps verified drafts",
+            s.accepted,
+            s.proposed,
+            100.0 * s.acceptance_rate(),
+            s.spec_steps,
+            s.steps
+        ),
+        None => String::new(),
+    };
     format!(
         "{} prompt tokens, {} generated ({}), prefill {:.1} ms, decode {:.1} tokens/s; graphs {}: {} captures, {} replays, {} eager steps",
         r.prompt_tokens,
@@ -100,5 +144,5 @@ pub fn stats_line(r: &RunReport) -> String {
         r.captures,
         r.replays,
         r.eager_steps
-    )
+    ) + &spec
 }

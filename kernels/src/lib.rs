@@ -4,3 +4,6 @@
 //! * GPU sources (`.cu`, one source for CUDA and HIP) and the kernel catalog.
 
 pub mod cpu;
+pub mod gpu;
+#[cfg(feature = "nvrtc")]
+pub mod nvrtc;

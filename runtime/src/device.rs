@@ -59,16 +59,16 @@ fn open_cuda(ordinal: u32) -> Result<Box<dyn Backend + Send>, EngineError> {
     )))
 }
 
+#[cfg(feature = "rocm")]
 fn open_hip(ordinal: u32) -> Result<Box<dyn Backend + Send>, EngineError> {
-    if cfg!(feature = "rocm") {
-        Err(EngineError::Device(format!(
-            "hip:{ordinal} asked for, but the HIP backend is not wired into open_backend yet"
-        )))
-    } else {
-        Err(EngineError::Device(format!(
-            "hip:{ordinal} asked for, but this build has no HIP backend; rebuild with `--features rocm`"
-        )))
-    }
+    Ok(Box::new(crate::hip::HipBackend::new(ordinal)?))
+}
+
+#[cfg(not(feature = "rocm"))]
+fn open_hip(ordinal: u32) -> Result<Box<dyn Backend + Send>, EngineError> {
+    Err(EngineError::Device(format!(
+        "hip:{ordinal} asked for, but this build has no HIP backend; rebuild with `--features rocm`"
+    )))
 }
 
 #[cfg(test)]
@@ -89,6 +89,10 @@ mod tests {
         if !cfg!(feature = "cuda") {
             let e = open_backend(DeviceSpec::Cuda(0)).err().unwrap().to_string();
             assert!(e.contains("--features cuda"), "{e}");
+        }
+        if !cfg!(feature = "rocm") {
+            let e = open_backend(DeviceSpec::Hip(0)).err().unwrap().to_string();
+            assert!(e.contains("--features rocm"), "{e}");
         }
     }
 }

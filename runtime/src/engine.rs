@@ -577,6 +577,12 @@ impl Engine {
             .filter(|l| !l.is_empty())
     }
 
+    /// Ids of every sequence in the engine (finished or not), in the order
+    /// they were added.
+    pub fn sequence_ids(&self) -> Vec<SeqId> {
+        self.seqs.keys().copied().collect()
+    }
+
     /// Unfinished sequences.
     pub fn live_sequences(&self) -> usize {
         self.seqs.values().filter(|s| s.finished.is_none()).count()

@@ -10,16 +10,20 @@
 //! * [`loader`] and [`weights`]: everything checked before anything is
 //!   allocated, then weights bound to device memory;
 //! * [`kv`]: the paged KV cache's block allocator; [`policy`]: graphs or eager;
-//! * [`text`]: tokenizer in and streaming text out; [`device`]: backends by name.
+//! * [`text`]: tokenizer in and streaming text out; [`device`]: backends by name;
+//! * [`draft`]: prompt-lookup drafts; [`spec`]: speculative decoding driven by
+//!   them over an engine.
 
 pub mod backend;
 pub mod cpu;
 pub mod device;
+pub mod draft;
 pub mod engine;
 pub mod error;
 pub mod kv;
 pub mod loader;
 pub mod policy;
+pub mod spec;
 pub mod testing;
 pub mod text;
 pub mod weights;
@@ -27,9 +31,14 @@ pub mod weights;
 pub use backend::{Backend, BackendError, DeviceInfo};
 pub use cpu::CpuBackend;
 pub use device::{open_backend, DeviceSpec};
+pub use draft::{DraftError, PromptLookup};
 pub use engine::{
     Engine, EngineOptions, EngineStats, Faults, FinishReason, KeyCounters, PrefillMode, SeqId,
     SeqOptions, SeqView,
 };
 pub use error::EngineError;
 pub use policy::{EagerFallback, GraphDecision, GraphMode};
+pub use spec::{RowOutcome, SpecError, SpecOptions, SpecStats, Speculator};
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod hip;

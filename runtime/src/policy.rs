@@ -71,29 +71,17 @@ pub type GraphsSupportedFn = fn(&DeviceInfo) -> (bool, String);
 ///
 /// * cpu: emulated capture always works;
 /// * cuda: CUDA graphs work on every device CUDA 12+ supports;
-/// * hip: only gfx targets with evidence of correct hipGraph replay of kiln's
-///   kernels; none yet (no AMD GPU has run kiln), so `KILN_GRAPHS=1` is needed.
+/// * hip: the gfx architectures of [`crate::hip::policy::GRAPH_ALLOWLIST`]
+///   (public evidence of working hipGraph capture; kiln itself has not run on
+///   AMD hardware yet); others need `KILN_GRAPHS=1`.
 pub fn graphs_supported(info: &DeviceInfo) -> (bool, String) {
-    const HIP_ALLOWLIST: &[&str] = &[];
     match info.backend {
         "cpu" => (true, "the CPU backend's emulated capture".into()),
         "cuda" => (
             true,
             format!("CUDA graphs are supported on {} ({})", info.name, info.arch),
         ),
-        "hip" => {
-            if HIP_ALLOWLIST.contains(&info.arch.as_str()) {
-                (true, format!("{} is on the hipGraph allowlist", info.arch))
-            } else {
-                (
-                    false,
-                    format!(
-                        "{} ({}) is not on the hipGraph allowlist (no evidence of correct replay yet); set KILN_GRAPHS=1 to force graphs",
-                        info.name, info.arch
-                    ),
-                )
-            }
-        }
+        "hip" => crate::hip::policy::graphs_supported(info),
         other => (false, format!("unknown backend `{other}`")),
     }
 }
@@ -164,9 +152,12 @@ mod tests {
         assert!(d.graphs && d.reason.contains("device 1"), "{}", d.reason);
         let d = GraphDecision::decide(GraphMode::Off, graphs_supported, &cpu).unwrap();
         assert!(!d.graphs && d.reason.contains("KILN_GRAPHS=0"));
-        let hip = dev("hip", "gfx1100");
+        let hip = dev("hip", "gfx1030");
         let d = GraphDecision::decide(GraphMode::Auto, graphs_supported, &hip).unwrap();
-        assert!(!d.graphs && d.reason.contains("gfx1100"), "{}", d.reason);
+        assert!(!d.graphs && d.reason.contains("gfx1030"), "{}", d.reason);
+        let d = GraphDecision::decide(GraphMode::Auto, graphs_supported, &dev("hip", "gfx942"))
+            .unwrap();
+        assert!(d.graphs && d.reason.contains("gfx942"), "{}", d.reason);
         let d = GraphDecision::decide(GraphMode::On, graphs_supported, &hip).unwrap();
         assert!(d.graphs && d.reason.contains("allowlist"), "{}", d.reason);
     }

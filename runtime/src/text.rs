@@ -10,7 +10,7 @@
 //! Not here: chat templates (the prompt is used as given) and sampling (the
 //! engine decodes greedily).
 
-use crate::engine::{Engine, FinishReason, SeqOptions};
+use crate::engine::{Engine, FinishReason, SeqId, SeqOptions};
 use crate::error::EngineError;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -149,6 +149,23 @@ pub fn generate_text(
     max_new_tokens: u32,
     sink: &mut dyn FnMut(&str),
 ) -> Result<RunReport, EngineError> {
+    generate_text_with(engine, tok, prompt, max_new_tokens, sink, &mut |e| e.step())
+}
+
+/// One engine step as [`Engine::step`] takes it: the tokens each sequence
+/// generated.
+pub type StepFn<'a> = dyn FnMut(&mut Engine) -> Result<Vec<(SeqId, Vec<u32>)>, EngineError> + 'a;
+
+/// [`generate_text`] with each step taken by `step` (for example a
+/// [`crate::spec::Speculator`] drafting before [`Engine::step`]).
+pub fn generate_text_with(
+    engine: &mut Engine,
+    tok: &TextTokenizer,
+    prompt: &str,
+    max_new_tokens: u32,
+    sink: &mut dyn FnMut(&str),
+    step: &mut StepFn<'_>,
+) -> Result<RunReport, EngineError> {
     let ids = tok.encode(prompt)?;
     let before = engine.total_counters();
     let t0 = Instant::now();
@@ -168,7 +185,7 @@ pub fn generate_text(
     };
     let result = (|| {
         while engine.sequence(seq).is_some_and(|s| s.finished.is_none()) {
-            for (id, toks) in engine.step()? {
+            for (id, toks) in step(engine)? {
                 if id != seq {
                     continue;
                 }

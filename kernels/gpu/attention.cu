@@ -1,0 +1,385 @@
+// Paged decode attention (GQA, causal query window, sliding window, softcap).
+//
+// Split-context ("flash decoding") in one launch:
+//  1. paged_attn_part: grid (partition, (b*kvh + g)*tiles + tile). A block
+//     takes P consecutive context positions of sequence b, one kv head g, and
+//     a tile of RT query rows that read g (r = hi*Q + qi over the group's
+//     heads hi and the Q query tokens), so each K/V row is read once for all
+//     of them. It writes, per row, the partition's running max m, its sum of
+//     exp l and its unnormalized sum of exp * V (f32) to scratch.
+//  2. The last block of each (b, g, tile) to finish (a counter per
+//     (b, g, tile), bumped after a memory fence) rescales the partitions to
+//     the global max and writes the normalized output, rounded to T once,
+//     then resets its counter to zero for the next launch.
+// Context lengths and block tables are read from device memory, so the grid
+// is sized for the widest context (M * block_size) and blocks past a
+// sequence's context return at once. Softmax is f32 throughout.
+#include "kiln_port.h"
+
+#define KILN_ATTN_THREADS 128
+#define KILN_ATTN_WARPS (KILN_ATTN_THREADS / KILN_WARP)
+
+// VEC consecutive elements of T as f32 (VEC = 8 needs 16-byte alignment).
+template <int VEC>
+KILN_DEV void load_vec(const kbf16* p, float* o) {
+  if (VEC == 8) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      o[2 * k] = kiln_u2f(w[k] << 16);
+      o[2 * k + 1] = kiln_u2f(w[k] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) o[k] = ld(p[k]);
+  }
+}
+template <int VEC>
+KILN_DEV void load_vec(const kf16* p, float* o) {
+  if (VEC == 8) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      kf16 lo, hi;
+      lo.bits = (unsigned short)(w[k] & 0xffffu);
+      hi.bits = (unsigned short)(w[k] >> 16);
+      o[2 * k] = ld(lo);
+      o[2 * k + 1] = ld(hi);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) o[k] = ld(p[k]);
+  }
+}
+template <int VEC>
+KILN_DEV void load_vec(const float* p, float* o) {
+  if (VEC == 8) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+    o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) o[k] = p[k];
+  }
+}
+
+struct AttnShape {
+  int batch, query, heads, kv_heads, head_dim, block_size, max_blocks;
+  int window;     // 0: no sliding window
+  float scale;
+  float softcap;  // 0: no softcap
+  int part_len;   // P: context positions per partition
+  int num_parts;  // partitions the grid spans (ceil(M * block_size / P))
+  int tiles;      // row tiles per (b, kv head)
+  int tg;         // lanes that share one key in the q.k phase (power of two <= 32)
+};
+
+template <typename T, int RT, int VEC>
+KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
+                             const T* __restrict__ vc, const int* __restrict__ block_tables,
+                             float* __restrict__ part_acc, float* __restrict__ part_ml,
+                             const AttnShape& a, int b, int g, int part, int p0, int p1,
+                             const int* rid, const int* qpos, i64 slot_stride);
+
+template <typename T, int RT, int VEC>
+KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
+                        const int* __restrict__ block_tables, const int* __restrict__ context_lens,
+                        float* __restrict__ part_acc, float* __restrict__ part_ml,
+                        unsigned int* __restrict__ counters, T* __restrict__ out,
+                        const AttnShape& a) {
+  KILN_PROLOGUE();
+  extern __shared__ float smem[];
+  __shared__ int last_block;
+  const int tid = threadIdx.x;
+  const int part = blockIdx.x;
+  const int tile = blockIdx.y % a.tiles;
+  const int bg = blockIdx.y / a.tiles;
+  const int g = bg % a.kv_heads;
+  const int b = bg / a.kv_heads;
+  const int group = a.heads / a.kv_heads;
+  const int rows = group * a.query;  // query rows reading kv head g
+  const int hd = a.head_dim;
+  const int max_ctx = a.max_blocks * a.block_size;
+  int ctx = context_lens[b];
+  ctx = ctx < max_ctx ? ctx : max_ctx;
+  const int p0 = part * a.part_len;
+  if (p0 >= ctx) return;  // the combine never reads this partition
+  const int p1 = min(p0 + a.part_len, ctx);
+  const int np = p1 - p0;
+
+  // Row j of this tile: r = tile*RT + j, head h = g*group + r/Q, query qi = r%Q.
+  int rid[RT];    // output row id ((b*Q + qi)*heads + h), or -1 when past the group
+  int qpos[RT];   // position of the query token
+#pragma unroll
+  for (int j = 0; j < RT; ++j) {
+    const int r = tile * RT + j;
+    if (r < rows) {
+      const int qi = r % a.query, h = g * group + r / a.query;
+      rid[j] = (b * a.query + qi) * a.heads + h;
+      qpos[j] = ctx - a.query + qi;
+    } else {
+      rid[j] = -1;
+      qpos[j] = -1;
+    }
+  }
+  const i64 slot_stride = (i64)a.kv_heads * hd;
+
+  // A partition wholly before every row's sliding window contributes nothing.
+  bool skip = false;
+  if (a.window > 0) {
+    int lo = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < RT; ++j)
+      if (rid[j] >= 0) lo = min(lo, qpos[j] - a.window + 1);
+    skip = p1 <= lo;
+  }
+  if (skip) {
+    if (tid == 0) {
+#pragma unroll
+      for (int j = 0; j < RT; ++j) {
+        if (rid[j] < 0) continue;
+        float* ml = part_ml + ((i64)rid[j] * a.num_parts + part) * 2;
+        ml[0] = -KILN_INF;
+        ml[1] = 0.0f;
+      }
+    }
+  } else {
+    attn_partition<T, RT, VEC>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0, p1,
+                               rid, qpos, slot_stride);
+  }
+
+  // Completion count: the last block of this (b, g, tile) combines.
+  __threadfence();
+  __syncthreads();
+  const int nact = (ctx + a.part_len - 1) / a.part_len;
+  if (tid == 0) {
+    const unsigned int done = atomicAdd(&counters[blockIdx.y], 1u);
+    last_block = done + 1 == (unsigned int)nact;
+  }
+  __syncthreads();
+  if (!last_block) return;
+  if (tid == 0) counters[blockIdx.y] = 0;  // ready for the next launch
+  // Combine: per row, partition weights w_p = exp(m_p - M) (0 where a
+  // partition saw no visible position) into shared memory, then each output
+  // element sums its partitions' accumulators (loads issued back to back).
+  float* wts = smem;                // [RT][nact]
+  float* inv_l = smem + RT * nact;  // [RT]
+  const int lane = tid % KILN_WARP, warp = tid / KILN_WARP;
+  for (int j = warp; j < RT; j += KILN_ATTN_WARPS) {
+    if (rid[j] < 0) continue;
+    const float* ml = part_ml + (i64)rid[j] * a.num_parts * 2;
+    float m = -KILN_INF;
+    for (int p = lane; p < nact; p += KILN_WARP)
+      if (ld_cg(ml + 2 * p + 1) > 0.0f) m = fmaxf(m, ld_cg(ml + 2 * p));
+    m = warp_max(m);
+    float lsum = 0.0f;
+    for (int p = lane; p < nact; p += KILN_WARP) {
+      const float l = ld_cg(ml + 2 * p + 1);
+      const float w = l > 0.0f ? expf(ld_cg(ml + 2 * p) - m) : 0.0f;
+      wts[j * nact + p] = w;
+      lsum += w * l;
+    }
+    lsum = warp_sum(lsum);
+    if (lane == 0) inv_l[j] = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+  }
+  __syncthreads();
+  for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
+    const int j = i / hd, d = i % hd;
+    if (rid[j] < 0) continue;
+    const float* acc = part_acc + (i64)rid[j] * a.num_parts * hd + d;
+    const float* wr = wts + j * nact;
+    float sacc = 0.0f;
+#pragma unroll 4
+    for (int p = 0; p < nact; ++p) {
+      const float v = ld_cg(acc + (i64)p * hd);  // unconditional: keeps loads in flight
+      const float w = wr[p];
+      sacc += w > 0.0f ? v * w : 0.0f;
+    }
+    out[(i64)rid[j] * hd + d] = st<T>(sacc * inv_l[j]);
+  }
+}
+
+// The work of one partition (scores, softmax, weighted V) for the rows of
+// one tile; writes the partition's (max, sum) and accumulator per row.
+template <typename T, int RT, int VEC>
+KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
+                             const T* __restrict__ vc, const int* __restrict__ block_tables,
+                             float* __restrict__ part_acc, float* __restrict__ part_ml,
+                             const AttnShape& a, int b, int g, int part, int p0, int p1,
+                             const int* rid, const int* qpos, i64 slot_stride) {
+  extern __shared__ float smem[];
+  const int tid = threadIdx.x;
+  const int hd = a.head_dim;
+  const int np = p1 - p0;
+  float* qs = smem;                       // [RT][hd]
+  float* sc = smem + RT * hd;             // [RT][P]
+  int* slot_of = (int*)(sc + RT * a.part_len);  // [P]: cache slot of each position
+  const int* bt = block_tables + (i64)b * a.max_blocks;
+  for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
+    const int j = i / hd, d = i % hd;
+    qs[i] = rid[j] >= 0 ? ld(q[(i64)rid[j] * hd + d]) : 0.0f;
+  }
+  for (int x = tid; x < np; x += KILN_ATTN_THREADS) {
+    const int p = p0 + x;
+    slot_of[x] = bt[p / a.block_size] * a.block_size + p % a.block_size;
+  }
+  __syncthreads();
+
+  // Scores. tg lanes share a key (each lane VEC elements of the chunks it
+  // owns); a lane group takes KU keys per iteration and issues all their
+  // loads before using any, so enough bytes are in flight per SM.
+  constexpr int KU = RT <= 2 ? 8 : 4;
+  const int lane = tid % KILN_WARP, warp = tid / KILN_WARP;
+  const int tg = a.tg, lig = lane % tg, kslot = lane / tg, kpw = KILN_WARP / tg;
+  const int nch = hd / VEC;
+  const T* kbase = kc + (i64)g * hd;
+  for (int pb = p0 + warp * kpw * KU; pb < p1; pb += KILN_ATTN_WARPS * kpw * KU) {
+    float dot[KU][RT];
+#pragma unroll
+    for (int u = 0; u < KU; ++u)
+#pragma unroll
+      for (int j = 0; j < RT; ++j) dot[u][j] = 0.0f;
+    for (int c = lig; c < nch; c += tg) {
+      float kv[KU][VEC];
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        const int p = pb + u * kpw + kslot;
+        if (p < p1) {
+          load_vec<VEC>(kbase + (i64)slot_of[p - p0] * slot_stride + c * VEC, kv[u]);
+        } else {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) kv[u][k] = 0.0f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < RT; ++j) {
+        const float* qr = qs + j * hd + c * VEC;
+        float qv[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) qv[k] = qr[k];
+#pragma unroll
+        for (int u = 0; u < KU; ++u)
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) dot[u][j] += qv[k] * kv[u][k];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < KU; ++u)
+#pragma unroll
+      for (int j = 0; j < RT; ++j)
+        for (int m = tg / 2; m > 0; m >>= 1) dot[u][j] += shfl_xor(dot[u][j], m);
+    if (lig == 0) {
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        const int p = pb + u * kpw + kslot;
+        if (p >= p1) continue;
+#pragma unroll
+        for (int j = 0; j < RT; ++j) {
+          float s = dot[u][j] * a.scale;
+          if (a.softcap > 0.0f) s = a.softcap * tanhf(s / a.softcap);
+          const bool vis =
+              rid[j] >= 0 && p <= qpos[j] && (a.window <= 0 || p > qpos[j] - a.window);
+          sc[j * a.part_len + (p - p0)] = vis ? s : -KILN_INF;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // Softmax over the partition, one warp per row.
+  for (int j = warp; j < RT; j += KILN_ATTN_WARPS) {
+    float* sr = sc + j * a.part_len;
+    float m = -KILN_INF;
+    for (int x = lane; x < np; x += KILN_WARP) m = fmaxf(m, sr[x]);
+    m = warp_max(m);
+    float l = 0.0f;
+    for (int x = lane; x < np; x += KILN_WARP) {
+      const float e = m == -KILN_INF ? 0.0f : expf(sr[x] - m);
+      sr[x] = e;
+      l += e;
+    }
+    l = warp_sum(l);
+    if (lane == 0 && rid[j] >= 0) {
+      float* ml = part_ml + ((i64)rid[j] * a.num_parts + part) * 2;
+      ml[0] = m;
+      ml[1] = l;
+    }
+  }
+  __syncthreads();
+
+  // Weighted sum of V: thread = (chunk c, position lane pl); VU positions
+  // per iteration, loads first.
+  constexpr int VU = RT <= 2 ? 8 : 4;
+  const int c = tid % nch, pl = tid / nch, npl = KILN_ATTN_THREADS / nch;
+  float acc[RT][VEC];
+#pragma unroll
+  for (int j = 0; j < RT; ++j)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[j][k] = 0.0f;
+  const T* vbase = vc + (i64)g * hd + c * VEC;
+  if (pl < npl) {
+    for (int x0 = pl; x0 < np; x0 += npl * VU) {
+      float vv[VU][VEC];
+#pragma unroll
+      for (int u = 0; u < VU; ++u) {
+        const int x = x0 + u * npl;
+        if (x < np) {
+          load_vec<VEC>(vbase + (i64)slot_of[x] * slot_stride, vv[u]);
+        } else {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) vv[u][k] = 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < VU; ++u) {
+        const int x = x0 + u * npl;
+        if (x >= np) continue;
+#pragma unroll
+        for (int j = 0; j < RT; ++j) {
+          const float e = sc[j * a.part_len + x];
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) acc[j][k] += e * vv[u][k];
+        }
+      }
+    }
+  }
+  __syncthreads();  // scores are dead; reuse shared memory for the reduction
+  float* red = smem;  // [npl][RT][hd]
+  if (pl < npl) {
+#pragma unroll
+    for (int j = 0; j < RT; ++j)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) red[((i64)pl * RT + j) * hd + c * VEC + k] = acc[j][k];
+  }
+  __syncthreads();
+  for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
+    const int j = i / hd, d = i % hd;
+    if (rid[j] < 0) continue;
+    float s = 0.0f;
+    for (int x = 0; x < npl; ++x) s += red[((i64)x * RT + j) * hd + d];
+    part_acc[((i64)rid[j] * a.num_parts + part) * hd + d] = s;
+  }
+}
+
+#define KILN_ATTN_PART(T, S, RT, VEC)                                                          \
+  KILN_GLOBAL void __launch_bounds__(KILN_ATTN_THREADS)                                        \
+      paged_attn_part_r##RT##_v##VEC##_##S(const T* q, const T* kc, const T* vc,               \
+                                           const int* block_tables, const int* context_lens,   \
+                                           float* part_acc, float* part_ml,                    \
+                                           unsigned int* counters, T* out, AttnShape a) {      \
+    attn_part<T, RT, VEC>(q, kc, vc, block_tables, context_lens, part_acc, part_ml, counters,  \
+                          out, a);                                                             \
+  }
+#define KILN_ATTN_ENTRIES(T, S)                                                                \
+  KILN_ATTN_PART(T, S, 1, 8)                                                                   \
+  KILN_ATTN_PART(T, S, 2, 8)                                                                   \
+  KILN_ATTN_PART(T, S, 4, 8)                                                                   \
+  KILN_ATTN_PART(T, S, 8, 8)                                                                   \
+  KILN_ATTN_PART(T, S, 1, 1)                                                                   \
+  KILN_ATTN_PART(T, S, 2, 1)                                                                   \
+  KILN_ATTN_PART(T, S, 4, 1)                                                                   \
+  KILN_ATTN_PART(T, S, 8, 1)
+KILN_FOR_FLOATS(KILN_ATTN_ENTRIES)

@@ -1,0 +1,168 @@
+// kiln_port.h: the one portability header of kiln's GPU kernels.
+//
+// Every .cu file in kernels/gpu is compiled unchanged by NVRTC (CUDA) and by
+// hiprtc (HIP). This header is inlined in front of each module by the kernel
+// catalog (kernels/src/gpu.rs), so the sources need no include path and no
+// toolkit headers: bf16 and f16 are stored as raw 16-bit words and converted
+// here (bf16 with bit shifts and round-to-nearest-even, f16 with one
+// conversion instruction), which keeps the modules self-contained.
+//
+// Deliberately not here: anything op-specific, and any use of cuda_bf16.h /
+// hip_bf16.h (neither compiler ships them in the runtime-compiler packages).
+#pragma once
+
+#if defined(__HIPCC__) || defined(__HIPCC_RTC__) || defined(__HIP_DEVICE_COMPILE__)
+#define KILN_HIP 1
+#else
+#define KILN_CUDA 1
+#endif
+
+#define KILN_DEV __device__ __forceinline__
+#define KILN_GLOBAL extern "C" __global__
+
+// Warp width the kernels are written for. HIP targets run wave32 (RDNA);
+// the reductions below only ever use 32 lanes.
+#define KILN_WARP 32
+
+typedef long long i64;
+
+#define KILN_INF __int_as_float(0x7f800000)
+
+// bf16 and f16 storage: raw 16-bit words wrapped in distinct types so the
+// conversion overloads pick the right rule.
+struct kbf16 {
+  unsigned short bits;
+};
+struct kf16 {
+  unsigned short bits;
+};
+
+KILN_DEV unsigned int kiln_f2u(float f) { return __float_as_uint(f); }
+KILN_DEV float kiln_u2f(unsigned int u) { return __uint_as_float(u); }
+
+// Programmatic dependent launch (sm_90+): every kernel starts with
+// KILN_PROLOGUE(), which first waits until the grids it depends on have
+// completed and flushed their memory (so it may read their results and
+// overwrite what they read), then lets the next kernel in the stream begin
+// launching, which overlaps its launch with this kernel's run. Elsewhere
+// (sm_80, HIP) both are no-ops and launches serialize as usual.
+KILN_DEV void kiln_prologue() {
+#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+#define KILN_PROLOGUE() kiln_prologue()
+
+// A load that bypasses L1 (data another block wrote during this launch).
+KILN_DEV float ld_cg(const float* p) {
+#if defined(KILN_CUDA)
+  return __ldcg(p);
+#else
+  return __builtin_nontemporal_load(p);
+#endif
+}
+
+// Loads: storage -> f32.
+KILN_DEV float ld(float v) { return v; }
+KILN_DEV float ld(kbf16 v) { return kiln_u2f(((unsigned int)v.bits) << 16); }
+KILN_DEV float ld(kf16 v) {
+#if defined(KILN_CUDA)
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+#else
+  _Float16 h;
+  __builtin_memcpy(&h, &v.bits, 2);
+  return (float)h;
+#endif
+}
+
+// Stores: f32 -> storage, rounded to nearest even (NaN stays a quiet NaN).
+template <typename T> KILN_DEV T st(float f);
+template <> KILN_DEV float st<float>(float f) { return f; }
+template <> KILN_DEV kbf16 st<kbf16>(float f) {
+  unsigned int u = kiln_f2u(f);
+  kbf16 r;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    r.bits = (unsigned short)((u >> 16) | 0x0040u);
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);
+    r.bits = (unsigned short)(u >> 16);
+  }
+  return r;
+}
+template <> KILN_DEV kf16 st<kf16>(float f) {
+  kf16 r;
+#if defined(KILN_CUDA)
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+#else
+  _Float16 h = (_Float16)f;
+  __builtin_memcpy(&r.bits, &h, 2);
+#endif
+  return r;
+}
+
+// Rounds an f32 to the storage type and back (the value a stored result has).
+template <typename T> KILN_DEV float round_to(float f) { return ld(st<T>(f)); }
+
+// Warp and block reductions (f32).
+KILN_DEV float shfl_xor(float v, int mask) {
+#if defined(KILN_CUDA)
+  return __shfl_xor_sync(0xffffffffu, v, mask, KILN_WARP);
+#else
+  return __shfl_xor(v, mask, KILN_WARP);
+#endif
+}
+KILN_DEV int shfl_xor_int(int v, int mask) {
+#if defined(KILN_CUDA)
+  return __shfl_xor_sync(0xffffffffu, v, mask, KILN_WARP);
+#else
+  return __shfl_xor(v, mask, KILN_WARP);
+#endif
+}
+
+KILN_DEV float warp_sum(float v) {
+#pragma unroll
+  for (int m = KILN_WARP / 2; m > 0; m >>= 1) v += shfl_xor(v, m);
+  return v;
+}
+KILN_DEV float warp_max(float v) {
+#pragma unroll
+  for (int m = KILN_WARP / 2; m > 0; m >>= 1) v = fmaxf(v, shfl_xor(v, m));
+  return v;
+}
+
+// Sum over the whole block; every thread gets the result. `scratch` holds at
+// least 32 floats; the call contains two barriers.
+KILN_DEV float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x % KILN_WARP;
+  const int warp = threadIdx.x / KILN_WARP;
+  const int nwarps = (blockDim.x + KILN_WARP - 1) / KILN_WARP;
+  v = warp_sum(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? scratch[lane] : 0.0f;
+  t = warp_sum(t);
+  __syncthreads();
+  return t;
+}
+
+// Max over the whole block; every thread gets the result. Same contract as
+// block_sum.
+KILN_DEV float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x % KILN_WARP;
+  const int warp = threadIdx.x / KILN_WARP;
+  const int nwarps = (blockDim.x + KILN_WARP - 1) / KILN_WARP;
+  v = warp_max(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? scratch[lane] : -KILN_INF;
+  t = warp_max(t);
+  __syncthreads();
+  return t;
+}
+
+// Instantiates `NAME_bf16`, `NAME_f16` and `NAME_f32` entry points from a
+// macro `BODY(T, SUFFIX)` that defines one of them.
+#define KILN_FOR_FLOATS(BODY) BODY(kbf16, bf16) BODY(kf16, f16) BODY(float, f32)

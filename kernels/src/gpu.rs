@@ -1,0 +1,1201 @@
+//! The GPU kernel catalog: which module and entry point runs each op, with
+//! what launch geometry and parameters.
+//!
+//! The CUDA C sources live in `kernels/gpu/*.cu` and are the one source for
+//! both GPU backends (NVRTC for CUDA, hiprtc for HIP); `kiln_port.h` is
+//! inlined in front of each module by [`module_source`], so a module compiles
+//! with no include path. [`lower`] maps an op and its operand types to either
+//! a list of kernel launches ([`KernelCall`]) or one BLAS call
+//! ([`GemmCall`]). The launch parameters are described symbolically
+//! ([`Param`]): operands by index, constants by value, so a backend only
+//! resolves addresses. Nothing that changes between steps is ever a
+//! parameter: token ids, positions, slots, block tables and context lengths
+//! are operands (device memory), read by the kernels at run time.
+//!
+//! Deliberately not here: any driver call (the backends own those), and the
+//! GEMM implementation (cuBLASLt / hipBLASLt, chosen by the backend).
+
+use kiln_ir::{DType, Op, Rope, TensorType};
+
+/// The portability header every module starts with.
+pub const PORT_HEADER: &str = include_str!("../gpu/kiln_port.h");
+
+/// One GPU source module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuModule {
+    /// Module name: the [`kiln_ir::plan::KernelImage`] name of its binary.
+    pub name: &'static str,
+    /// File name under `kernels/gpu/`.
+    pub file: &'static str,
+    /// The source as written (with its `#include "kiln_port.h"`).
+    pub raw_source: &'static str,
+}
+
+/// Every module, in a fixed order.
+pub const MODULES: [GpuModule; 6] = [
+    GpuModule {
+        name: "norm",
+        file: "norm.cu",
+        raw_source: include_str!("../gpu/norm.cu"),
+    },
+    GpuModule {
+        name: "rope",
+        file: "rope.cu",
+        raw_source: include_str!("../gpu/rope.cu"),
+    },
+    GpuModule {
+        name: "attention",
+        file: "attention.cu",
+        raw_source: include_str!("../gpu/attention.cu"),
+    },
+    GpuModule {
+        name: "elementwise",
+        file: "elementwise.cu",
+        raw_source: include_str!("../gpu/elementwise.cu"),
+    },
+    GpuModule {
+        name: "gemv",
+        file: "gemv.cu",
+        raw_source: include_str!("../gpu/gemv.cu"),
+    },
+    GpuModule {
+        name: "sampling",
+        file: "sampling.cu",
+        raw_source: include_str!("../gpu/sampling.cu"),
+    },
+];
+
+/// Looks a module up by name.
+pub fn module(name: &str) -> Option<&'static GpuModule> {
+    MODULES.iter().find(|m| m.name == name)
+}
+
+/// The module's source with `kiln_port.h` inlined, ready for a runtime
+/// compiler (no include path, no toolkit headers).
+pub fn module_source(m: &GpuModule) -> String {
+    let mut out = String::with_capacity(PORT_HEADER.len() + m.raw_source.len() + 64);
+    for line in m.raw_source.lines() {
+        if line.trim() == "#include \"kiln_port.h\"" {
+            out.push_str("// ---- kiln_port.h (inlined) ----\n");
+            out.push_str(PORT_HEADER);
+            out.push_str("// ---- end kiln_port.h ----\n");
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// Storage suffixes of the float entry points.
+const FLOAT_SUFFIXES: [&str; 3] = ["bf16", "f16", "f32"];
+/// Rows per tile of the attention partition kernel.
+const ATTN_ROW_TILES: [u32; 4] = [1, 2, 4, 8];
+
+/// (input, output) storage pairs of the skinny-GEMM kernels.
+const GEMV_TYPES: [(&str, &str); 4] = [
+    ("bf16", "bf16"),
+    ("bf16", "f32"),
+    ("f16", "f16"),
+    ("f16", "f32"),
+];
+/// Token counts the skinny-GEMM kernels are instantiated for.
+const GEMV_TOKENS: [u32; 4] = [1, 2, 4, 8];
+/// Output features per skinny-GEMM block (8 warps x 2 rows).
+pub const GEMV_ROWS_PER_BLOCK: u32 = 16;
+
+/// The kiln skinny-GEMM kernel for `g` when it applies (T <= 8, bf16/f16
+/// inputs, K a multiple of 8): a decode-shaped GEMM that is one pass over
+/// the weights. Backends time it against the BLAS library's algorithms
+/// and keep the faster.
+pub fn gemv_call(g: &GemmCall) -> Option<KernelCall> {
+    let i = match g.dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        _ => return None,
+    };
+    let o = match g.out {
+        DType::F32 => "f32",
+        d if d == g.dtype => i,
+        _ => return None,
+    };
+    let tt = GEMV_TOKENS.into_iter().find(|&tt| tt >= g.t)?;
+    if g.k == 0 || !g.k.is_multiple_of(8) || g.n == 0 || i32::try_from(g.n).is_err() {
+        return None;
+    }
+    Some(KernelCall {
+        module: "gemv",
+        entry: format!("gemv_t{tt}_{i}_{o}"),
+        grid: [g.n.div_ceil(GEMV_ROWS_PER_BLOCK), 1, 1],
+        block: [256, 1, 1],
+        shared_bytes: 0,
+        params: vec![
+            Param::Arg(0),
+            Param::Arg(1),
+            if g.bias { Param::Arg(2) } else { Param::Null },
+            Param::Result(0),
+            Param::I32(g.t as i32),
+            Param::I32(g.n as i32),
+            Param::I32(g.k as i32),
+        ],
+    })
+}
+
+/// Every entry point a module defines (after macro expansion), so a backend
+/// can resolve them all when it loads the module and fail early.
+pub fn entry_points(module: &str) -> Vec<String> {
+    let mut v = Vec::new();
+    let per_float = |v: &mut Vec<String>, names: &[&str]| {
+        for s in FLOAT_SUFFIXES {
+            for n in names {
+                v.push(format!("{n}_{s}"));
+            }
+        }
+    };
+    match module {
+        "norm" => per_float(&mut v, &["rms_norm", "add_rms_norm", "head_rms_norm"]),
+        "rope" => per_float(&mut v, &["rope", "kv_write", "qkv_rope_kv_write"]),
+        "attention" => {
+            for s in FLOAT_SUFFIXES {
+                for rt in ATTN_ROW_TILES {
+                    for vec in [8, 1] {
+                        v.push(format!("paged_attn_part_r{rt}_v{vec}_{s}"));
+                    }
+                }
+            }
+        }
+        "elementwise" => {
+            per_float(
+                &mut v,
+                &[
+                    "embedding",
+                    "silu_mul",
+                    "gelu_tanh_mul",
+                    "add",
+                    "gather_last",
+                ],
+            );
+            v.push("gather_last_i32".into());
+        }
+        "gemv" => {
+            for (i, o) in GEMV_TYPES {
+                for tt in GEMV_TOKENS {
+                    v.push(format!("gemv_t{tt}_{i}_{o}"));
+                }
+            }
+        }
+        "sampling" => {
+            per_float(&mut v, &["argmax_chunk"]);
+            v.push("argmax_final".into());
+            v.push("accept_greedy".into());
+        }
+        _ => {}
+    }
+    v
+}
+
+/// The catalog name of the kernel that runs `op` on activations of `dtype`
+/// (what the compiler writes into `PlanOp::kernel`): `gemm` for matmuls,
+/// otherwise `<mnemonic>_<dtype>` (`accept_greedy` has no dtype).
+pub fn kernel_name(op: &Op, dtype: DType) -> String {
+    match op {
+        Op::MatMul { .. } => "gemm".into(),
+        Op::AcceptGreedy { .. } => "accept_greedy".into(),
+        _ => format!("{}_{}", op.mnemonic(), dtype.name()),
+    }
+}
+
+/// One kernel parameter, described symbolically.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Param {
+    /// Device address of argument `i`.
+    Arg(usize),
+    /// Device address of result `i`.
+    Result(usize),
+    /// Device address `offset` bytes into the op's scratch buffer.
+    Scratch(u64),
+    /// Device address of completion counter `i` (u32, zero between
+    /// launches: the kernel that uses them resets them).
+    Counters(u32),
+    /// A null device pointer (an absent optional operand).
+    Null,
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    /// A by-value struct, laid out as the kernel declares it.
+    Blob(Vec<u8>),
+}
+
+impl Param {
+    /// Bytes of the parameter as the kernel receives it.
+    pub fn size(&self) -> usize {
+        match self {
+            Param::Arg(_)
+            | Param::Result(_)
+            | Param::Scratch(_)
+            | Param::Counters(_)
+            | Param::Null
+            | Param::I64(_) => 8,
+            Param::I32(_) | Param::F32(_) => 4,
+            Param::Blob(b) => b.len(),
+        }
+    }
+}
+
+/// One kernel launch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelCall {
+    pub module: &'static str,
+    pub entry: String,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    /// Dynamic shared memory bytes.
+    pub shared_bytes: u32,
+    pub params: Vec<Param>,
+}
+
+/// A GEMM `out[t, n] = x[t, k] @ w[n, k]^T (+ bias[n])`, row-major operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmCall {
+    pub t: u32,
+    pub n: u32,
+    pub k: u32,
+    /// dtype of x, w and bias.
+    pub dtype: DType,
+    /// dtype of the result.
+    pub out: DType,
+    pub bias: bool,
+}
+
+/// How an op runs on a GPU.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Lowered {
+    /// Kernel launches in stream order, the scratch bytes they need (a
+    /// backend-owned buffer, allocated before capture; its contents do not
+    /// survive the op) and the completion counters they use (a separate,
+    /// zero-initialized backend buffer that the kernels leave zeroed).
+    Kernels {
+        calls: Vec<KernelCall>,
+        scratch_bytes: u64,
+        counters: u32,
+    },
+    /// One BLAS call.
+    Gemm(GemmCall),
+}
+
+impl Lowered {
+    /// Launches the op costs (a GEMM counts one).
+    pub fn launches(&self) -> u32 {
+        match self {
+            Lowered::Kernels { calls, .. } => calls.len() as u32,
+            Lowered::Gemm(_) => 1,
+        }
+    }
+}
+
+/// Facts about operand placement that change the lowering.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// Result 0 overlaps argument 0 in memory (in-place reuse by the planner).
+    pub result0_overlaps_arg0: bool,
+}
+
+/// The op cannot run with these operands on the GPU kernels.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CatalogError {
+    #[error("gpu kernel for `{op}`: {why}")]
+    Unsupported { op: &'static str, why: String },
+}
+
+/// The largest head dim RoPE kernels take (the frequency table is passed by
+/// value, `head_dim / 2` f32).
+pub const ROPE_MAX_HEAD_DIM: u32 = 256;
+/// The largest head dim `head_rms_norm` takes (16 elements per lane).
+pub const HEAD_NORM_MAX_HEAD_DIM: u32 = 512;
+/// Threads of an attention partition block.
+pub const ATTN_THREADS: u32 = 128;
+/// Upper bound on attention partitions per sequence.
+pub const ATTN_MAX_PARTS: u32 = 256;
+/// Elements of a row one block of the argmax's first stage scans.
+pub const ARGMAX_CHUNK: u32 = 4096;
+/// Attention blocks the partition size aims for (about eight per SM of an
+/// H100/H200, so enough K/V bytes are in flight).
+pub const ATTN_TARGET_BLOCKS: u64 = 1024;
+/// Shared memory a block may use without an opt-in.
+pub const MAX_STATIC_SHARED: u32 = 48 * 1024;
+
+fn float_suffix(op: &'static str, d: DType) -> Result<&'static str, CatalogError> {
+    match d {
+        DType::BF16 => Ok("bf16"),
+        DType::F16 => Ok("f16"),
+        DType::F32 => Ok("f32"),
+        DType::I32 => Err(CatalogError::Unsupported {
+            op,
+            why: "operands must be bf16, f16 or f32, got i32".into(),
+        }),
+    }
+}
+
+fn to_i32(op: &'static str, what: &str, v: u64) -> Result<i32, CatalogError> {
+    i32::try_from(v).map_err(|_| CatalogError::Unsupported {
+        op,
+        why: format!("{what} = {v} exceeds the kernels' 32-bit index range"),
+    })
+}
+
+fn blocks(n: u64, per: u32) -> Result<u32, CatalogError> {
+    let b = n.div_ceil(per as u64).max(1);
+    u32::try_from(b).map_err(|_| CatalogError::Unsupported {
+        op: "launch",
+        why: format!("{n} work items need more than 2^32 blocks"),
+    })
+}
+
+/// Threads for a one-block-per-row kernel over rows of `h` elements.
+fn row_threads(h: u32) -> u32 {
+    (h.div_ceil(4)).next_power_of_two().clamp(32, 1024)
+}
+
+fn call(
+    module: &'static str,
+    entry: String,
+    grid: [u32; 3],
+    block: u32,
+    params: Vec<Param>,
+) -> KernelCall {
+    KernelCall {
+        module,
+        entry,
+        grid,
+        block: [block, 1, 1],
+        shared_bytes: 0,
+        params,
+    }
+}
+
+/// The RoPE frequency table as the kernels' by-value `RopeFreqs` struct:
+/// `head_dim / 2` f32 (rounded from the plan's f64 table), zero-padded to 128.
+pub fn rope_freqs_blob(rope: &Rope, head_dim: u32) -> Vec<u8> {
+    let mut out = vec![0u8; (ROPE_MAX_HEAD_DIM / 2) as usize * 4];
+    for (i, f) in rope.inv_freq(head_dim).iter().enumerate() {
+        out[i * 4..i * 4 + 4].copy_from_slice(&(*f as f32).to_ne_bytes());
+    }
+    out
+}
+
+/// Geometry of one paged-attention op (see `attention.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnGeometry {
+    /// Query rows per partition block (1, 2, 4 or 8).
+    pub row_tile: u32,
+    /// Row tiles per (sequence, kv head).
+    pub tiles: u32,
+    /// Elements per vector load (8 when `head_dim % 8 == 0`, else 1).
+    pub vec: u32,
+    /// Lanes sharing one key in the score phase.
+    pub tg: u32,
+    /// Context positions per partition.
+    pub part_len: u32,
+    /// Partitions the grid spans.
+    pub num_parts: u32,
+    /// Dynamic shared memory of the partition kernel.
+    pub shared_bytes: u32,
+    /// Byte offset of the (max, sum) pairs in scratch.
+    pub ml_offset: u64,
+    /// Scratch bytes (partial accumulators, then (max, sum) pairs).
+    pub scratch_bytes: u64,
+}
+
+/// Chooses the paged-attention geometry for `batch` sequences of `query`
+/// tokens and block tables `max_blocks` wide.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_geometry(
+    batch: u32,
+    query: u32,
+    heads: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    block_size: u32,
+    max_blocks: u32,
+) -> Result<AttnGeometry, CatalogError> {
+    let op = "paged_attention";
+    let unsupported = |why: String| CatalogError::Unsupported { op, why };
+    let group = heads / kv_heads;
+    let rows = group * query;
+    let row_tile = ATTN_ROW_TILES
+        .into_iter()
+        .find(|&rt| rt >= rows)
+        .unwrap_or(8);
+    let tiles = rows.div_ceil(row_tile);
+    let vec = if head_dim.is_multiple_of(8) { 8 } else { 1 };
+    let nch = head_dim / vec;
+    if nch == 0 || nch > ATTN_THREADS {
+        return Err(unsupported(format!(
+            "head_dim {head_dim} is not supported (at most {} when a multiple of 8, else at most {})",
+            ATTN_THREADS * 8,
+            ATTN_THREADS
+        )));
+    }
+    let tg = nch.next_power_of_two().min(32);
+    let max_ctx = max_blocks as u64 * block_size as u64;
+    // The largest partition that still gives the chip enough blocks, at
+    // least 32 positions, and never more than ATTN_MAX_PARTS partitions.
+    let base_blocks = batch as u64 * kv_heads as u64 * tiles as u64;
+    let mut part_len: u64 = 512;
+    while part_len > 32 && base_blocks * max_ctx.div_ceil(part_len) < ATTN_TARGET_BLOCKS {
+        part_len /= 2;
+    }
+    if max_ctx.div_ceil(part_len) > ATTN_MAX_PARTS as u64 {
+        part_len = max_ctx.div_ceil(ATTN_MAX_PARTS as u64).div_ceil(32) * 32;
+    }
+    let num_parts = max_ctx.div_ceil(part_len).max(1);
+    let npl = (ATTN_THREADS / nch) as u64;
+    let (rt, hd) = (row_tile as u64, head_dim as u64);
+    // Phase 1: q rows, scores and the slot of each position; phase 2: the
+    // per-position-lane partial sums of V.
+    // Phase 3 (the last block): partition weights and 1/L per row.
+    let floats = (rt * hd + rt * part_len + part_len)
+        .max(npl * rt * hd)
+        .max(rt * (num_parts + 1));
+    let shared = floats * 4;
+    if shared > MAX_STATIC_SHARED as u64 {
+        return Err(unsupported(format!(
+            "needs {shared} bytes of shared memory (head_dim {head_dim}, {part_len} positions per partition); at most {MAX_STATIC_SHARED}"
+        )));
+    }
+    let row_parts = batch as u64 * query as u64 * heads as u64 * num_parts;
+    let acc_bytes = row_parts * hd * 4;
+    let ml_offset = acc_bytes.div_ceil(256) * 256;
+    let scratch_bytes = ml_offset + row_parts * 2 * 4;
+    Ok(AttnGeometry {
+        row_tile,
+        tiles,
+        vec,
+        tg,
+        part_len: part_len as u32,
+        num_parts: num_parts as u32,
+        shared_bytes: shared as u32,
+        ml_offset,
+        scratch_bytes,
+    })
+}
+
+/// Lowers `op` with operand types `args` / `results` to kernel launches or a
+/// GEMM. The operand types must already type-check (`Op::infer`).
+pub fn lower(
+    op: &Op,
+    args: &[TensorType],
+    results: &[TensorType],
+    placement: Placement,
+) -> Result<Lowered, CatalogError> {
+    let m = op.mnemonic();
+    let arity_ok = op.arity().contains(&args.len());
+    if !arity_ok || results.is_empty() {
+        return Err(CatalogError::Unsupported {
+            op: m,
+            why: format!(
+                "got {} argument(s) and {} result(s)",
+                args.len(),
+                results.len()
+            ),
+        });
+    }
+    let dims = |t: &TensorType| t.shape.dims().to_vec();
+    let x = dims(&args[0]);
+    let unsupported = |why: String| CatalogError::Unsupported { op: m, why };
+    let two = |d: &[u32]| -> Result<(u32, u32), CatalogError> {
+        match d {
+            [a, b] => Ok((*a, *b)),
+            _ => Err(unsupported(format!("expected a rank-2 operand, got {d:?}"))),
+        }
+    };
+    let calls = |c: Vec<KernelCall>| Lowered::Kernels {
+        calls: c,
+        scratch_bytes: 0,
+        counters: 0,
+    };
+    Ok(match op {
+        Op::Embedding => {
+            let s = float_suffix(m, args[1].dtype)?;
+            let (vocab, h) = two(&dims(&args[1]))?;
+            let t = args[0].numel();
+            calls(vec![call(
+                "elementwise",
+                format!("embedding_{s}"),
+                [blocks(t, 1)?, 1, 1],
+                row_threads(h).min(256),
+                vec![
+                    Param::Arg(0),
+                    Param::Arg(1),
+                    Param::Result(0),
+                    Param::I32(to_i32(m, "hidden", h as u64)?),
+                    Param::I32(to_i32(m, "vocab", vocab as u64)?),
+                ],
+            )])
+        }
+        Op::RmsNorm { eps, unit_offset } => {
+            let s = float_suffix(m, args[0].dtype)?;
+            let (t, h) = two(&x)?;
+            calls(vec![call(
+                "norm",
+                format!("rms_norm_{s}"),
+                [blocks(t as u64, 1)?, 1, 1],
+                row_threads(h),
+                vec![
+                    Param::Arg(0),
+                    Param::Arg(1),
+                    Param::Result(0),
+                    Param::I32(h as i32),
+                    Param::F32(*eps),
+                    Param::I32(*unit_offset as i32),
+                ],
+            )])
+        }
+        Op::AddRmsNorm { eps, unit_offset } => {
+            let s = float_suffix(m, args[0].dtype)?;
+            let (t, h) = two(&x)?;
+            calls(vec![call(
+                "norm",
+                format!("add_rms_norm_{s}"),
+                [blocks(t as u64, 1)?, 1, 1],
+                row_threads(h),
+                vec![
+                    Param::Arg(0),
+                    Param::Arg(1),
+                    Param::Arg(2),
+                    Param::Result(0),
+                    Param::Result(1),
+                    Param::I32(h as i32),
+                    Param::F32(*eps),
+                    Param::I32(*unit_offset as i32),
+                ],
+            )])
+        }
+        Op::HeadRmsNorm {
+            heads,
+            head_dim,
+            eps,
+            unit_offset,
+        } => {
+            let s = float_suffix(m, args[0].dtype)?;
+            if *head_dim > HEAD_NORM_MAX_HEAD_DIM {
+                return Err(unsupported(format!(
+                    "head_dim {head_dim} exceeds {HEAD_NORM_MAX_HEAD_DIM}"
+                )));
+            }
+            let (t, _) = two(&x)?;
+            let rows = t as u64 * *heads as u64;
+            calls(vec![call(
+                "norm",
+                format!("head_rms_norm_{s}"),
+                [blocks(rows, 4)?, 1, 1],
+                128,
+                vec![
+                    Param::Arg(0),
+                    Param::Arg(1),
+                    Param::Result(0),
+                    Param::I32(to_i32(m, "rows", rows)?),
+                    Param::I32(*head_dim as i32),
+                    Param::F32(*eps),
+                    Param::I32(*unit_offset as i32),
+                ],
+            )])
+        }
+        Op::Rope {
+            heads,
+            head_dim,
+            rope,
+        } => {
+            let s = float_suffix(m, args[0].dtype)?;
+            if *head_dim > ROPE_MAX_HEAD_DIM {
+                return Err(unsupported(format!(
+                    "head_dim {head_dim} exceeds {ROPE_MAX_HEAD_DIM}"
+                )));
+            }
+            let (t, _) = two(&x)?;
+            let n = t as u64 * *heads as u64 * (*head_dim / 2) as u64;
+            to_i32(m, "pairs", n)?;
+            calls(vec![call(
+                "rope",
+                format!("rope_{s}"),
+                [blocks(n, 256)?, 1, 1],
+                256,
+                vec![
+                    Param::Arg(0),
+                    Param::Arg(1),
+                    Param::Result(0),
+                    Param::I32(t as i32),
+                    Param::I32(*heads as i32),
+                    Param::I32(*head_dim as i32),
+                    Param::Blob(rope_freqs_blob(rope, *head_dim)),
+                ],
+            )])
+        }
+        Op::KvWrite => {
+            let s = float_suffix(m, args[0].dtype)?;
+            let (t, row) = two(&x)?;
+            let (slots, _) = two(&dims(&args[3]))?;
+            calls(vec![call(
+                "rope",
+                format!("kv_write_{s}"),
+                [blocks(t as u64, 1)?, 1, 1],
+                row_threads(row).min(256),
+                vec![
+                    Param::Arg(0),
+                    Param::Arg(1),
+                    Param::Arg(2),
+                    Param::Arg(3),
+                    Param::Arg(4),
+                    Param::I32(row as i32),
+                    Param::I64(slots as i64),
+                ],
+            )])
+        }
+        Op::QkvRopeKvWrite {
+            heads,
+            kv_heads,
+            head_dim,
+            rope,
+            qk_norm,
+            unit_offset,
+        } => {
+            let s = float_suffix(m, args[0].dtype)?;
+            if *head_dim > ROPE_MAX_HEAD_DIM {
+                return Err(unsupported(format!(
+                    "head_dim {head_dim} exceeds {ROPE_MAX_HEAD_DIM}"
+                )));
+            }
+            let (t, _) = two(&x)?;
+            let (slots, _) = two(&dims(&args[3]))?;
+            let warps = t as u64 * (*heads + 2 * *kv_heads) as u64;
+            to_i32(m, "units", warps)?;
+            let norm = qk_norm.is_some();
+            calls(vec![call(
+                "rope",
+                format!("qkv_rope_kv_write_{s}"),
+                [blocks(warps, 4)?, 1, 1],
+                128,
+                vec![
+                    Param::Arg(0),
+                    Param::Arg(1),
+                    Param::Arg(2),
+                    Param::Arg(3),
+                    Param::Arg(4),
+                    if norm { Param::Arg(5) } else { Param::Null },
+                    if norm { Param::Arg(6) } else { Param::Null },
+                    Param::Result(0),
+                    Param::I32(t as i32),
+                    Param::I32(*heads as i32),
+                    Param::I32(*kv_heads as i32),
+                    Param::I32(*head_dim as i32),
+                    Param::F32(qk_norm.unwrap_or(0.0)),
+                    Param::I32(norm as i32),
+                    Param::I32(*unit_offset as i32),
+                    Param::I64(slots as i64),
+                    Param::Blob(rope_freqs_blob(rope, *head_dim)),
+                ],
+            )])
+        }
+        Op::PagedAttention {
+            heads,
+            kv_heads,
+            head_dim,
+            query,
+            block_size,
+            scale,
+            window,
+            softcap,
+        } => {
+            let s = float_suffix(m, args[0].dtype)?;
+            let (batch, max_blocks) = two(&dims(&args[3]))?;
+            let g = attention_geometry(
+                batch,
+                *query,
+                *heads,
+                *kv_heads,
+                *head_dim,
+                *block_size,
+                max_blocks,
+            )?;
+            to_i32(m, "context", max_blocks as u64 * *block_size as u64)?;
+            let mut shape = Vec::with_capacity(56);
+            for v in [
+                batch,
+                *query,
+                *heads,
+                *kv_heads,
+                *head_dim,
+                *block_size,
+                max_blocks,
+                window.unwrap_or(0),
+            ] {
+                shape.extend_from_slice(&(v as i32).to_ne_bytes());
+            }
+            shape.extend_from_slice(&scale.to_ne_bytes());
+            shape.extend_from_slice(&softcap.unwrap_or(0.0).to_ne_bytes());
+            for v in [g.part_len, g.num_parts, g.tiles, g.tg] {
+                shape.extend_from_slice(&(v as i32).to_ne_bytes());
+            }
+            let grid_y = batch as u64 * *kv_heads as u64 * g.tiles as u64;
+            if grid_y > 65535 {
+                return Err(unsupported(format!(
+                    "batch {batch} x kv_heads {kv_heads} x tiles {} exceeds the 65535 grid rows",
+                    g.tiles
+                )));
+            }
+            let part = KernelCall {
+                module: "attention",
+                entry: format!("paged_attn_part_r{}_v{}_{s}", g.row_tile, g.vec),
+                grid: [g.num_parts, grid_y as u32, 1],
+                block: [ATTN_THREADS, 1, 1],
+                shared_bytes: g.shared_bytes,
+                params: vec![
+                    Param::Arg(0),
+                    Param::Arg(1),
+                    Param::Arg(2),
+                    Param::Arg(3),
+                    Param::Arg(4),
+                    Param::Scratch(0),
+                    Param::Scratch(g.ml_offset),
+                    Param::Counters(0),
+                    Param::Result(0),
+                    Param::Blob(shape),
+                ],
+            };
+            Lowered::Kernels {
+                calls: vec![part],
+                scratch_bytes: g.scratch_bytes,
+                counters: grid_y as u32,
+            }
+        }
+        Op::SiluMul | Op::GeluTanhMul => {
+            let s = float_suffix(m, args[0].dtype)?;
+            let name = if matches!(op, Op::SiluMul) {
+                "silu_mul"
+            } else {
+                "gelu_tanh_mul"
+            };
+            let (t, inter) = two(&dims(&results[0]))?;
+            let packed = args.len() == 1;
+            let n = t as u64 * inter as u64;
+            to_i32(m, "elements", n)?;
+            // A packed gate_up overwritten in place shrinks rows: later rows'
+            // results land on earlier rows' inputs, so walk rows in order.
+            let serial = packed && t > 1 && placement.result0_overlaps_arg0;
+            let (grid, block) = if serial {
+                (1, 1024)
+            } else {
+                (blocks(n, 256)?, 256)
+            };
+            calls(vec![call(
+                "elementwise",
+                format!("{name}_{s}"),
+                [grid, 1, 1],
+                block,
+                vec![
+                    Param::Arg(0),
+                    if packed { Param::Null } else { Param::Arg(1) },
+                    Param::Result(0),
+                    Param::I32(t as i32),
+                    Param::I32(inter as i32),
+                    Param::I32(serial as i32),
+                ],
+            )])
+        }
+        Op::Add => {
+            let s = float_suffix(m, args[0].dtype)?;
+            let n = args[0].numel();
+            calls(vec![call(
+                "elementwise",
+                format!("add_{s}"),
+                [blocks(n, 256)?, 1, 1],
+                256,
+                vec![
+                    Param::Arg(0),
+                    Param::Arg(1),
+                    Param::Result(0),
+                    Param::I64(n as i64),
+                ],
+            )])
+        }
+        Op::GatherLast { group } => {
+            let s = match args[0].dtype {
+                DType::I32 => "i32",
+                d => float_suffix(m, d)?,
+            };
+            let (rows, width) = two(&dims(&results[0]))?;
+            calls(vec![call(
+                "elementwise",
+                format!("gather_last_{s}"),
+                [blocks(rows as u64, 1)?, 1, 1],
+                row_threads(width).min(256),
+                vec![
+                    Param::Arg(0),
+                    Param::Result(0),
+                    Param::I32(*group as i32),
+                    Param::I32(width as i32),
+                ],
+            )])
+        }
+        Op::Argmax => {
+            let s = float_suffix(m, args[0].dtype)?;
+            let (rows, vocab) = two(&x)?;
+            let chunks = vocab.div_ceil(ARGMAX_CHUNK);
+            if rows > 65535 {
+                return Err(unsupported(format!(
+                    "{rows} rows exceed the 65535 grid rows"
+                )));
+            }
+            let pairs = rows as u64 * chunks as u64;
+            let idx_offset = (pairs * 4).div_ceil(256) * 256;
+            Lowered::Kernels {
+                calls: vec![
+                    call(
+                        "sampling",
+                        format!("argmax_chunk_{s}"),
+                        [chunks, rows, 1],
+                        256,
+                        vec![
+                            Param::Arg(0),
+                            Param::Scratch(0),
+                            Param::Scratch(idx_offset),
+                            Param::I32(vocab as i32),
+                            Param::I32(chunks as i32),
+                        ],
+                    ),
+                    call(
+                        "sampling",
+                        "argmax_final".into(),
+                        [rows, 1, 1],
+                        256,
+                        vec![
+                            Param::Scratch(0),
+                            Param::Scratch(idx_offset),
+                            Param::Result(0),
+                            Param::I32(chunks as i32),
+                        ],
+                    ),
+                ],
+                scratch_bytes: idx_offset + pairs * 4,
+                counters: 0,
+            }
+        }
+        Op::AcceptGreedy { spec } => {
+            let b = results[0].numel();
+            calls(vec![call(
+                "sampling",
+                "accept_greedy".into(),
+                [blocks(b, 128)?, 1, 1],
+                128,
+                vec![
+                    Param::Arg(0),
+                    Param::Arg(1),
+                    Param::Result(0),
+                    Param::I32(to_i32(m, "batch", b)?),
+                    Param::I32(*spec as i32),
+                ],
+            )])
+        }
+        Op::MatMul { bias, out } => {
+            let (t, k) = two(&x)?;
+            let (n, _) = two(&dims(&args[1]))?;
+            float_suffix(m, args[0].dtype)?;
+            Lowered::Gemm(GemmCall {
+                t,
+                n,
+                k,
+                dtype: args[0].dtype,
+                out: *out,
+                bias: *bias,
+            })
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_ir::RopeScaling;
+
+    fn tt(d: DType, s: &[u32]) -> TensorType {
+        TensorType::new(d, s.to_vec())
+    }
+
+    /// Every entry point the catalog can name is defined in its module's
+    /// source: either literally or through a `KILN_*` instantiation macro
+    /// whose name stem appears in the source.
+    #[test]
+    fn every_entry_point_is_declared_in_its_module_source() {
+        for m in MODULES {
+            let src = module_source(&m);
+            assert!(src.contains("kiln_port.h (inlined)"), "{}", m.name);
+            assert!(
+                !src.contains("#include"),
+                "{} still includes a file",
+                m.name
+            );
+            for e in entry_points(m.name) {
+                // Drop dtype and instantiation tokens (`bf16`, `t4`, `r2`, `v8`).
+                let stem: Vec<&str> = e
+                    .split('_')
+                    .filter(|tok| {
+                        let dtype = ["bf16", "f16", "f32", "i32"].contains(tok);
+                        let inst = tok.len() > 1
+                            && tok.starts_with(['t', 'r', 'v'])
+                            && tok[1..].bytes().all(|c| c.is_ascii_digit());
+                        !dtype && !inst
+                    })
+                    .collect();
+                let stem = stem.join("_");
+                assert!(
+                    src.contains(&format!("void {stem}")) || src.contains(&format!("{stem}_")),
+                    "entry {e} not found in {}",
+                    m.file
+                );
+            }
+        }
+    }
+
+    fn entries_of(l: &Lowered) -> Vec<(String, &'static str)> {
+        match l {
+            Lowered::Kernels { calls, .. } => {
+                calls.iter().map(|c| (c.entry.clone(), c.module)).collect()
+            }
+            Lowered::Gemm(_) => vec![],
+        }
+    }
+
+    #[test]
+    fn every_lowered_entry_is_listed_by_its_module() {
+        let rope = Rope {
+            theta: 1e6,
+            scaling: RopeScaling::None,
+        };
+        let d = DType::BF16;
+        let cases: Vec<(Op, Vec<TensorType>, Vec<TensorType>)> = vec![
+            (
+                Op::Embedding,
+                vec![tt(DType::I32, &[3]), tt(d, &[50, 64])],
+                vec![tt(d, &[3, 64])],
+            ),
+            (
+                Op::RmsNorm {
+                    eps: 1e-6,
+                    unit_offset: false,
+                },
+                vec![tt(d, &[3, 64]), tt(d, &[64])],
+                vec![tt(d, &[3, 64])],
+            ),
+            (
+                Op::PagedAttention {
+                    heads: 6,
+                    kv_heads: 2,
+                    head_dim: 72,
+                    query: 3,
+                    block_size: 16,
+                    scale: 0.1,
+                    window: Some(40),
+                    softcap: None,
+                },
+                vec![
+                    tt(d, &[6, 432]),
+                    tt(d, &[256, 144]),
+                    tt(d, &[256, 144]),
+                    tt(DType::I32, &[2, 9]),
+                    tt(DType::I32, &[2]),
+                ],
+                vec![tt(d, &[6, 432])],
+            ),
+            (
+                Op::QkvRopeKvWrite {
+                    heads: 4,
+                    kv_heads: 2,
+                    head_dim: 64,
+                    rope: rope.clone(),
+                    qk_norm: Some(1e-6),
+                    unit_offset: false,
+                },
+                vec![
+                    tt(d, &[3, 512]),
+                    tt(DType::I32, &[3]),
+                    tt(DType::I32, &[3]),
+                    tt(d, &[64, 128]),
+                    tt(d, &[64, 128]),
+                    tt(d, &[64]),
+                    tt(d, &[64]),
+                ],
+                vec![tt(d, &[3, 256]), tt(d, &[64, 128]), tt(d, &[64, 128])],
+            ),
+            (
+                Op::GatherLast { group: 2 },
+                vec![tt(DType::I32, &[4, 1])],
+                vec![tt(DType::I32, &[2, 1])],
+            ),
+            (
+                Op::AcceptGreedy { spec: 2 },
+                vec![tt(DType::I32, &[6]), tt(DType::I32, &[4])],
+                vec![tt(DType::I32, &[2])],
+            ),
+        ];
+        for (op, a, r) in cases {
+            let l = lower(&op, &a, &r, Placement::default()).unwrap();
+            let es = entries_of(&l);
+            assert!(!es.is_empty(), "{op:?}");
+            for (e, module) in es {
+                assert!(
+                    entry_points(module).contains(&e),
+                    "{e} not listed by module {module}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn attention_geometry_keeps_shared_memory_and_partitions_bounded() {
+        for (hd, ctx_blocks) in [(64, 8), (128, 256), (256, 4096), (72, 3)] {
+            for (heads, kvh, q) in [(16, 8, 1), (32, 8, 4), (8, 1, 8), (4, 4, 1)] {
+                let g = attention_geometry(4, q, heads, kvh, hd, 16, ctx_blocks).unwrap();
+                assert!(g.shared_bytes <= MAX_STATIC_SHARED, "{g:?}");
+                assert!(g.num_parts <= ATTN_MAX_PARTS, "{g:?}");
+                assert!(g.num_parts as u64 * g.part_len as u64 >= ctx_blocks as u64 * 16);
+                assert!(g.row_tile * g.tiles >= heads / kvh * q);
+                assert_eq!(g.ml_offset % 256, 0);
+                assert!(g.tg.is_power_of_two() && g.tg <= 32);
+            }
+        }
+        assert!(attention_geometry(1, 1, 2, 1, 2048, 16, 4).is_err());
+    }
+
+    #[test]
+    fn attention_shape_blob_matches_the_kernel_struct_layout() {
+        let op = Op::PagedAttention {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            query: 1,
+            block_size: 16,
+            scale: 0.125,
+            window: None,
+            softcap: Some(30.0),
+        };
+        let a = vec![
+            tt(DType::BF16, &[2, 256]),
+            tt(DType::BF16, &[64, 128]),
+            tt(DType::BF16, &[64, 128]),
+            tt(DType::I32, &[2, 4]),
+            tt(DType::I32, &[2]),
+        ];
+        let r = vec![tt(DType::BF16, &[2, 256])];
+        let Lowered::Kernels { calls, .. } = lower(&op, &a, &r, Placement::default()).unwrap()
+        else {
+            panic!("attention lowers to kernels")
+        };
+        let Param::Blob(b) = calls[0].params.last().unwrap() else {
+            panic!("shape struct is the last parameter")
+        };
+        // struct AttnShape: 8 ints, 2 floats, 4 ints.
+        assert_eq!(b.len(), 14 * 4);
+        let f = |i: usize| f32::from_ne_bytes(b[i * 4..i * 4 + 4].try_into().unwrap());
+        let n = |i: usize| i32::from_ne_bytes(b[i * 4..i * 4 + 4].try_into().unwrap());
+        assert_eq!((n(0), n(2), n(4), n(6), n(7)), (2, 4, 64, 4, 0));
+        assert_eq!((f(8), f(9)), (0.125, 30.0));
+    }
+
+    #[test]
+    fn rope_table_is_the_plan_table_rounded_to_f32() {
+        let rope = Rope {
+            theta: 10000.0,
+            scaling: RopeScaling::Linear { factor: 2.0 },
+        };
+        let b = rope_freqs_blob(&rope, 64);
+        assert_eq!(b.len(), 512);
+        let want = rope.inv_freq(64);
+        for (i, w) in want.iter().enumerate() {
+            let got = f32::from_ne_bytes(b[i * 4..i * 4 + 4].try_into().unwrap());
+            assert_eq!(got, *w as f32);
+        }
+        assert!(b[32 * 4..].iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn packed_silu_mul_in_place_over_several_rows_runs_serially() {
+        let a = vec![tt(DType::BF16, &[3, 20])];
+        let r = vec![tt(DType::BF16, &[3, 10])];
+        let serial = lower(
+            &Op::SiluMul,
+            &a,
+            &r,
+            Placement {
+                result0_overlaps_arg0: true,
+            },
+        )
+        .unwrap();
+        let Lowered::Kernels { calls, .. } = serial else {
+            panic!()
+        };
+        assert_eq!(calls[0].grid, [1, 1, 1]);
+        assert_eq!(calls[0].params[5], Param::I32(1));
+        let parallel = lower(&Op::SiluMul, &a, &r, Placement::default()).unwrap();
+        let Lowered::Kernels { calls, .. } = parallel else {
+            panic!()
+        };
+        assert_eq!(calls[0].params[5], Param::I32(0));
+    }
+
+    #[test]
+    fn skinny_gemms_get_a_kiln_kernel_and_wide_or_unaligned_ones_do_not() {
+        let g = |t, k, dtype, out| GemmCall {
+            t,
+            n: 1000,
+            k,
+            dtype,
+            out,
+            bias: true,
+        };
+        let c = gemv_call(&g(3, 1024, DType::BF16, DType::F32)).unwrap();
+        assert_eq!(c.entry, "gemv_t4_bf16_f32");
+        assert!(entry_points("gemv").contains(&c.entry));
+        assert_eq!(c.grid[0] * GEMV_ROWS_PER_BLOCK, 1008);
+        assert_eq!(c.params[2], Param::Arg(2));
+        assert!(gemv_call(&g(9, 1024, DType::BF16, DType::BF16)).is_none());
+        assert!(gemv_call(&g(1, 1020, DType::BF16, DType::BF16)).is_none());
+        assert!(gemv_call(&g(1, 1024, DType::F32, DType::F32)).is_none());
+        assert!(gemv_call(&g(1, 1024, DType::BF16, DType::F16)).is_none());
+    }
+
+    #[test]
+    fn kernel_names_follow_the_catalog_convention() {
+        assert_eq!(
+            kernel_name(
+                &Op::RmsNorm {
+                    eps: 1e-5,
+                    unit_offset: false
+                },
+                DType::BF16
+            ),
+            "rms_norm_bf16"
+        );
+        assert_eq!(
+            kernel_name(
+                &Op::MatMul {
+                    bias: false,
+                    out: DType::F32
+                },
+                DType::BF16
+            ),
+            "gemm"
+        );
+    }
+
+    #[test]
+    fn integer_operands_are_refused_with_a_clear_error() {
+        let e = lower(
+            &Op::Add,
+            &[tt(DType::I32, &[4]), tt(DType::I32, &[4])],
+            &[tt(DType::I32, &[4])],
+            Placement::default(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("bf16, f16 or f32"), "{e}");
+    }
+}

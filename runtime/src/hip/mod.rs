@@ -1,0 +1,44 @@
+//! The HIP backend (AMD GPUs): hipGraph capture and replay, hipBLASLt GEMMs
+//! with a workspace grown before capture, and a per-architecture graph policy.
+//!
+//! Split so that as much as possible is tested in CI without an AMD device:
+//! * always compiled (tested by `cargo test` everywhere):
+//!   [`HipBackendOn`], the backend's logic over the [`driver::HipDriver`]
+//!   seam (tests drive it with a simulated device), [`policy`] (graphs or
+//!   eager, per device), [`device`] (the gfx name across ROCm ABIs),
+//!   [`source`] and [`catalog`] (the kernels as one translation unit, launch
+//!   parameters), [`cache`] (the code-object cache), [`offline`] (code
+//!   objects via hipcc at compile time), [`gemm`] (column-major mapping,
+//!   workspace bounds, algorithm choice), [`capture`] (contract bookkeeping,
+//!   graph table, counters);
+//! * behind the `rocm` feature, which links `libamdhip64` through `hip-sys`
+//!   (hiprtc and hipBLASLt are loaded with dlopen at run time, so neither is
+//!   needed to build): `real::RealHip`, the driver on the real libraries, and
+//!   `HipBackend`, the backend on it.
+//!
+//! Not here: the engine that drives the backend, and the kernels themselves
+//! (`kernels/gpu`, shared with CUDA).
+
+mod backend;
+pub mod cache;
+pub mod capture;
+pub mod catalog;
+pub mod device;
+pub mod driver;
+pub mod gemm;
+pub mod offline;
+pub mod policy;
+pub mod source;
+
+#[cfg(feature = "rocm")]
+pub mod blaslt;
+#[cfg(feature = "rocm")]
+pub mod ffi;
+#[cfg(feature = "rocm")]
+pub mod real;
+#[cfg(feature = "rocm")]
+pub mod rtc;
+
+#[cfg(feature = "rocm")]
+pub use backend::HipBackend;
+pub use backend::HipBackendOn;

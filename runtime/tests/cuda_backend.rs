@@ -1,0 +1,1127 @@
+//! The CUDA backend on a real GPU: every kernel against the host reference
+//! (and the shared CPU reference kernels once they exist) on random inputs
+//! at awkward sizes with poisoned outputs, GEMMs through cuBLASLt, the
+//! capture contract, replay against eager with changing inputs, teardown.
+//!
+//! Every test skips with a message when no CUDA device is present; on the
+//! GPU machine `scripts/gpu-check.sh` runs this binary.
+#![cfg(feature = "cuda")]
+
+mod cuda_support;
+
+use cuda_support::*;
+use kiln_ir::{DType, Key, Op, Rope, RopeScaling, TensorType};
+use kiln_runtime::backend::{Backend, BackendError, DevOperand, Launch};
+use kiln_runtime::cuda::{CudaBackend, GemmPolicy};
+
+fn check_op(b: &mut CudaBackend, what: &str, op: &Op, args: &[HT]) {
+    let tys: Vec<TensorType> = args.iter().map(|a| a.ty.clone()).collect();
+    let rtys = op.infer(&tys).unwrap();
+    let got = run_op(b, op, args);
+    let want = reference(op, args, &rtys);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_close(&format!("{what} result {i} vs host reference"), g, w);
+    }
+    if let Some(cpu) = cpu_reference(op, args) {
+        for (i, (g, w)) in got.iter().zip(&cpu).enumerate() {
+            assert_close(&format!("{what} result {i} vs CPU kernels"), g, w);
+        }
+    }
+}
+
+fn rope(theta: f32) -> Rope {
+    Rope {
+        theta,
+        scaling: RopeScaling::None,
+    }
+}
+
+#[test]
+fn embedding_gathers_rows_and_zeroes_out_of_range_ids() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(1);
+    for d in [DType::BF16, DType::F32] {
+        let table = HT::random(&mut r, d, &[1000, 576], 1.0);
+        let ids = HT::ints(&[6], vec![0, 999, 17, 17, 512, 3]);
+        check_op(&mut b, "embedding", &Op::Embedding, &[ids, table]);
+    }
+}
+
+#[test]
+fn rms_norm_and_add_rms_norm_match_the_reference_at_awkward_widths() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(2);
+    for (d, t, h, unit) in [
+        (DType::BF16, 3, 1000, false),
+        (DType::BF16, 5, 1027, true),
+        (DType::F16, 2, 576, false),
+        (DType::F32, 4, 4097, false),
+    ] {
+        let x = HT::random(&mut r, d, &[t, h], 3.0);
+        let w = HT::random(&mut r, d, &[h], 1.0);
+        let op = Op::RmsNorm {
+            eps: 1e-6,
+            unit_offset: unit,
+        };
+        check_op(
+            &mut b,
+            &format!("rms_norm {d} {t}x{h}"),
+            &op,
+            &[x.clone(), w.clone()],
+        );
+        let res = HT::random(&mut r, d, &[t, h], 3.0);
+        let op = Op::AddRmsNorm {
+            eps: 1e-5,
+            unit_offset: unit,
+        };
+        check_op(
+            &mut b,
+            &format!("add_rms_norm {d} {t}x{h}"),
+            &op,
+            &[x, res, w],
+        );
+    }
+}
+
+#[test]
+fn head_rms_norm_normalizes_each_head_slice() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(3);
+    for (heads, hd) in [(5, 128), (3, 72), (2, 256)] {
+        let x = HT::random(&mut r, DType::BF16, &[3, heads * hd], 2.0);
+        let w = HT::random(&mut r, DType::BF16, &[hd], 1.0);
+        let op = Op::HeadRmsNorm {
+            heads,
+            head_dim: hd,
+            eps: 1e-6,
+            unit_offset: false,
+        };
+        check_op(&mut b, &format!("head_rms_norm {heads}x{hd}"), &op, &[x, w]);
+    }
+}
+
+#[test]
+fn rope_rotates_halves_at_each_tokens_position() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(4);
+    let llama3 = Rope {
+        theta: 500000.0,
+        scaling: RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8192,
+        },
+    };
+    for (heads, hd, rp) in [(3, 64, rope(10000.0)), (2, 128, llama3), (1, 8, rope(1e6))] {
+        let x = HT::random(&mut r, DType::BF16, &[4, heads * hd], 1.0);
+        let pos = HT::ints(&[4], vec![0, 1, 4097, r.below(30000) as i32]);
+        let op = Op::Rope {
+            heads,
+            head_dim: hd,
+            rope: rp,
+        };
+        check_op(&mut b, &format!("rope {heads}x{hd}"), &op, &[x, pos]);
+    }
+}
+
+#[test]
+fn kv_write_puts_each_row_in_its_slot_and_leaves_the_rest() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(5);
+    let row = 2 * 72;
+    let k = HT::random(&mut r, DType::BF16, &[5, row], 1.0);
+    let v = HT::random(&mut r, DType::BF16, &[5, row], 1.0);
+    let slots = HT::ints(&[5], vec![99, 0, 41, 42, 7]);
+    let kc = HT::random(&mut r, DType::BF16, &[100, row], 1.0);
+    let vc = HT::random(&mut r, DType::BF16, &[100, row], 1.0);
+    check_op(&mut b, "kv_write", &Op::KvWrite, &[k, v, slots, kc, vc]);
+}
+
+#[test]
+fn fused_qkv_rope_kv_write_matches_with_and_without_qk_norm() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(6);
+    for (heads, kvh, hd, norm) in [
+        (4, 2, 128, Some(1e-6)),
+        (3, 1, 64, None),
+        (2, 2, 256, Some(1e-5)),
+    ] {
+        let t = 3;
+        let qkv = HT::random(&mut r, DType::BF16, &[t, (heads + 2 * kvh) * hd], 2.0);
+        let pos = HT::ints(&[t], vec![5, 300, r.below(9000) as i32]);
+        let slots = HT::ints(&[t], vec![63, 2, 30]);
+        let kc = HT::random(&mut r, DType::BF16, &[64, kvh * hd], 1.0);
+        let vc = HT::random(&mut r, DType::BF16, &[64, kvh * hd], 1.0);
+        let mut args = vec![qkv, pos, slots, kc, vc];
+        if norm.is_some() {
+            args.push(HT::random(&mut r, DType::BF16, &[hd], 1.0));
+            args.push(HT::random(&mut r, DType::BF16, &[hd], 1.0));
+        }
+        let op = Op::QkvRopeKvWrite {
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            rope: rope(1e6),
+            qk_norm: norm,
+            unit_offset: false,
+        };
+        check_op(
+            &mut b,
+            &format!("qkv_rope_kv_write {heads}/{kvh}x{hd}"),
+            &op,
+            &args,
+        );
+    }
+}
+
+/// Builds paged-attention inputs: `ctx` per sequence, block tables over a
+/// shuffled set of physical blocks (block 0 reserved), random caches.
+#[allow(clippy::too_many_arguments)]
+fn attention_case(
+    r: &mut Rng,
+    d: DType,
+    ctx: &[i32],
+    query: u32,
+    heads: u32,
+    kvh: u32,
+    hd: u32,
+    bs: u32,
+    max_blocks: u32,
+) -> Vec<HT> {
+    let batch = ctx.len() as u32;
+    let num_blocks = batch * max_blocks + 1;
+    let mut phys: Vec<i32> = (1..num_blocks as i32).collect();
+    for i in (1..phys.len()).rev() {
+        let j = r.below(i as u32 + 1) as usize;
+        phys.swap(i, j);
+    }
+    let bt = HT::ints(
+        &[batch, max_blocks],
+        phys[..(batch * max_blocks) as usize].to_vec(),
+    );
+    let slots = num_blocks * bs;
+    vec![
+        HT::random(r, d, &[batch * query, heads * hd], 1.0),
+        HT::random(r, d, &[slots, kvh * hd], 1.0),
+        HT::random(r, d, &[slots, kvh * hd], 1.0),
+        bt,
+        HT::ints(&[batch], ctx.to_vec()),
+    ]
+}
+
+#[test]
+fn paged_attention_matches_for_gqa_causal_windows_softcap_and_long_contexts() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(7);
+    // (dtype, ctx lens, query, heads, kvh, hd, block size, max blocks, window, softcap)
+    #[allow(clippy::type_complexity)]
+    let cases: Vec<(
+        DType,
+        Vec<i32>,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        Option<u32>,
+        Option<f32>,
+    )> = vec![
+        (
+            DType::BF16,
+            vec![1, 17, 300],
+            1,
+            8,
+            2,
+            128,
+            16,
+            20,
+            None,
+            None,
+        ),
+        (
+            DType::BF16,
+            vec![4, 129, 257],
+            4,
+            4,
+            2,
+            64,
+            16,
+            17,
+            None,
+            None,
+        ),
+        (
+            DType::BF16,
+            vec![200, 33],
+            3,
+            6,
+            2,
+            72,
+            8,
+            30,
+            Some(37),
+            None,
+        ),
+        (
+            DType::BF16,
+            vec![90],
+            1,
+            4,
+            4,
+            256,
+            32,
+            4,
+            Some(64),
+            Some(50.0),
+        ),
+        (
+            DType::F16,
+            vec![45, 5],
+            2,
+            4,
+            1,
+            36,
+            16,
+            4,
+            None,
+            Some(30.0),
+        ),
+        (DType::F32, vec![70], 1, 2, 1, 64, 16, 5, None, None),
+        (
+            DType::BF16,
+            vec![4800, 1000],
+            1,
+            16,
+            8,
+            128,
+            16,
+            300,
+            None,
+            None,
+        ),
+        (DType::BF16, vec![40], 8, 8, 1, 128, 16, 3, None, None),
+    ];
+    for (d, ctx, q, heads, kvh, hd, bs, mb, window, softcap) in cases {
+        let args = attention_case(&mut r, d, &ctx, q, heads, kvh, hd, bs, mb);
+        let op = Op::PagedAttention {
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            query: q,
+            block_size: bs,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window,
+            softcap,
+        };
+        check_op(
+            &mut b,
+            &format!("paged_attention {d} ctx={ctx:?} q={q} {heads}/{kvh}x{hd} bs={bs} window={window:?} softcap={softcap:?}"),
+            &op,
+            &args,
+        );
+    }
+}
+
+#[test]
+fn gated_activations_match_in_both_forms() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(8);
+    for op in [Op::SiluMul, Op::GeluTanhMul] {
+        let g = HT::random(&mut r, DType::BF16, &[5, 1001], 4.0);
+        let u = HT::random(&mut r, DType::BF16, &[5, 1001], 2.0);
+        check_op(&mut b, &format!("{} 2-arg", op.mnemonic()), &op, &[g, u]);
+        let gu = HT::random(&mut r, DType::BF16, &[3, 2 * 777], 4.0);
+        check_op(&mut b, &format!("{} packed", op.mnemonic()), &op, &[gu]);
+    }
+}
+
+#[test]
+fn packed_silu_mul_written_in_place_over_its_input_is_still_correct() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(9);
+    let gu = HT::random(&mut r, DType::BF16, &[6, 2 * 1500], 4.0);
+    let out_ty = TensorType::new(DType::BF16, vec![6, 1500]);
+    let want = reference(
+        &Op::SiluMul,
+        std::slice::from_ref(&gu),
+        std::slice::from_ref(&out_ty),
+    );
+    let x = put(&mut b, &gu);
+    let res = DevOperand {
+        ptr: x.ptr,
+        ty: out_ty,
+    };
+    let l = Launch {
+        kernel: "silu_mul_bf16".into(),
+        op: Op::SiluMul,
+        args: vec![x],
+        results: vec![res.clone()],
+        workspace: None,
+    };
+    b.prepare(&l).unwrap();
+    b.launch(&l).unwrap();
+    let got = get(&mut b, &res);
+    assert_close("in-place packed silu_mul", &got, &want[0]);
+}
+
+#[test]
+fn add_gather_last_argmax_and_accept_greedy_match() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(10);
+    let a = HT::random(&mut r, DType::BF16, &[1001], 5.0);
+    let c = HT::random(&mut r, DType::BF16, &[1001], 5.0);
+    let a2 = HT::floats(DType::BF16, &[7, 143], a.f[..1001].to_vec());
+    let c2 = HT::floats(DType::BF16, &[7, 143], c.f[..1001].to_vec());
+    check_op(&mut b, "add", &Op::Add, &[a2, c2]);
+    let x = HT::random(&mut r, DType::F32, &[6, 333], 1.0);
+    check_op(
+        &mut b,
+        "gather_last f32",
+        &Op::GatherLast { group: 3 },
+        &[x],
+    );
+    let xi = HT::ints(&[6, 2], (0..12).collect());
+    check_op(
+        &mut b,
+        "gather_last i32",
+        &Op::GatherLast { group: 2 },
+        &[xi],
+    );
+    // argmax over a real vocabulary, with planted ties: the first index wins.
+    let v = 151_936u32;
+    let mut logits = HT::random(&mut r, DType::F32, &[3, v], 10.0);
+    logits.f[5] = 50.0;
+    logits.f[v as usize - 1] = 50.0; // tie in row 0: index 5 must win
+    logits.f[v as usize + 150_000] = 60.0;
+    logits.f[2 * v as usize + 7] = 11.0;
+    logits.f[2 * v as usize + 8] = 11.0;
+    check_op(&mut b, "argmax f32", &Op::Argmax, &[logits]);
+    let lb = HT::random(&mut r, DType::BF16, &[2, 5000], 3.0);
+    check_op(&mut b, "argmax bf16", &Op::Argmax, &[lb]);
+    let pred = HT::ints(&[12], vec![1, 2, 3, 9, 4, 5, 6, 9, 7, 7, 7, 9]);
+    let drafts = HT::ints(&[9], vec![1, 2, 3, 4, 0, 6, 8, 7, 7]);
+    check_op(
+        &mut b,
+        "accept_greedy",
+        &Op::AcceptGreedy { spec: 3 },
+        &[pred, drafts],
+    );
+}
+
+#[test]
+fn matmul_matches_through_cublaslt_the_kiln_kernel_and_autotuning() {
+    let Some(mut b) = device() else { return };
+    b.reserve_workspace(32 << 20).unwrap();
+    let mut r = Rng::new(11);
+    for policy in [
+        GemmPolicy::BlasOnly,
+        GemmPolicy::KilnWhereApplicable,
+        GemmPolicy::Autotune,
+    ] {
+        b.set_gemm_policy(policy);
+        for (d, out, t, n, k, bias) in [
+            (DType::BF16, DType::BF16, 1, 1000, 1024, false),
+            (DType::BF16, DType::BF16, 7, 1000, 520, true),
+            (DType::BF16, DType::F32, 5, 3001, 256, false),
+            (DType::BF16, DType::BF16, 33, 768, 2048, false),
+            (DType::F16, DType::F16, 3, 128, 64, true),
+            (DType::F32, DType::F32, 4, 96, 200, false),
+            (DType::BF16, DType::BF16, 8, 4099, 1024, true),
+            (DType::BF16, DType::F32, 2, 151_936, 1024, false),
+        ] {
+            let x = HT::random(&mut r, d, &[t, k], 1.0);
+            let w = HT::random(&mut r, d, &[n, k], 0.1);
+            let mut args = vec![x, w];
+            if bias {
+                args.push(HT::random(&mut r, d, &[n], 1.0));
+            }
+            let op = Op::MatMul { bias, out };
+            check_op(
+                &mut b,
+                &format!("matmul {policy:?} {d}[{t},{k}]x[{n},{k}]^T -> {out} bias={bias}"),
+                &op,
+                &args,
+            );
+        }
+    }
+    for (shape, times) in b.gemm_timings() {
+        eprintln!("autotune {shape}: {times:?}");
+    }
+}
+
+#[test]
+fn gemm_algorithms_are_chosen_within_the_granted_workspace() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(12);
+    for granted in [0u64, 1 << 20, 32 << 20] {
+        b.reserve_workspace(granted).unwrap();
+        let x = put(&mut b, &HT::random(&mut r, DType::BF16, &[16, 4096], 1.0));
+        let w = put(
+            &mut b,
+            &HT::random(&mut r, DType::BF16, &[4096, 4096], 0.05),
+        );
+        let out = poisoned(&mut b, &TensorType::new(DType::BF16, vec![16, 4096]));
+        let l = Launch {
+            kernel: "gemm".into(),
+            op: Op::MatMul {
+                bias: false,
+                out: DType::BF16,
+            },
+            args: vec![x, w],
+            results: vec![out.clone()],
+            workspace: None,
+        };
+        b.prepare(&l).unwrap();
+        let used = b.gemm_workspace(&l).unwrap().expect("selected in prepare");
+        assert!(
+            used <= granted,
+            "algorithm needs {used} > granted {granted}"
+        );
+        b.launch(&l).unwrap();
+        let got = get(&mut b, &out);
+        assert!(
+            got.f.iter().all(|x| x.is_finite()),
+            "granted {granted}: unwritten output"
+        );
+        eprintln!("granted {granted}: algorithm uses {used} bytes");
+    }
+}
+
+// ------------------------------------------------------------ capture contract
+
+fn small_step(b: &mut CudaBackend, r: &mut Rng) -> (Vec<Launch>, DevOperand, DevOperand) {
+    // ids -> embedding -> rms_norm -> matmul(f32 logits) -> argmax
+    let (v, h) = (2048u32, 256u32);
+    let ids = poisoned(b, &TensorType::new(DType::I32, vec![4]));
+    let table = put(b, &HT::random(r, DType::BF16, &[v, h], 1.0));
+    let w = put(b, &HT::random(r, DType::BF16, &[h], 1.0));
+    let lm = put(b, &HT::random(r, DType::BF16, &[v, h], 0.2));
+    let x = poisoned(b, &TensorType::new(DType::BF16, vec![4, h]));
+    let y = poisoned(b, &TensorType::new(DType::BF16, vec![4, h]));
+    let logits = poisoned(b, &TensorType::new(DType::F32, vec![4, v]));
+    let next = poisoned(b, &TensorType::new(DType::I32, vec![4]));
+    let l = |kernel: &str, op: Op, args: Vec<DevOperand>, results: Vec<DevOperand>| Launch {
+        kernel: kernel.into(),
+        op,
+        args,
+        results,
+        workspace: None,
+    };
+    let launches = vec![
+        l(
+            "embedding_bf16",
+            Op::Embedding,
+            vec![ids.clone(), table],
+            vec![x.clone()],
+        ),
+        l(
+            "rms_norm_bf16",
+            Op::RmsNorm {
+                eps: 1e-6,
+                unit_offset: false,
+            },
+            vec![x, w],
+            vec![y.clone()],
+        ),
+        l(
+            "gemm",
+            Op::MatMul {
+                bias: false,
+                out: DType::F32,
+            },
+            vec![y, lm],
+            vec![logits.clone()],
+        ),
+        l("argmax_f32", Op::Argmax, vec![logits], vec![next.clone()]),
+    ];
+    (launches, ids, next)
+}
+
+fn read_ints(b: &mut CudaBackend, o: &DevOperand) -> Vec<i32> {
+    get(b, o).i
+}
+
+#[test]
+fn replay_equals_eager_with_fresh_inputs_every_step() {
+    let Some(mut b) = device() else { return };
+    b.reserve_workspace(4 << 20).unwrap();
+    let mut r = Rng::new(13);
+    let (launches, ids, next) = small_step(&mut b, &mut r);
+    for l in &launches {
+        b.prepare(l).unwrap();
+    }
+    let key = Key::new(4, 1, 0);
+    b.upload(ids.ptr, &HT::ints(&[4], vec![1, 2, 3, 4]).bytes())
+        .unwrap();
+    b.begin_capture(key).unwrap();
+    for l in &launches {
+        b.launch(l).unwrap();
+    }
+    let g = b.end_capture().unwrap();
+    let mut outputs = Vec::new();
+    for step in 0..6 {
+        let tokens: Vec<i32> = (0..4).map(|_| r.below(2048) as i32).collect();
+        let bytes = HT::ints(&[4], tokens.clone()).bytes();
+        // eager
+        b.upload(next.ptr, &[0xFF; 16]).unwrap();
+        b.upload(ids.ptr, &bytes).unwrap();
+        for l in &launches {
+            b.launch(l).unwrap();
+        }
+        let eager = read_ints(&mut b, &next);
+        // replay
+        b.upload(next.ptr, &[0xFF; 16]).unwrap();
+        b.upload(ids.ptr, &bytes).unwrap();
+        b.replay(g).unwrap();
+        let replayed = read_ints(&mut b, &next);
+        assert_eq!(replayed, eager, "step {step}: tokens {tokens:?}");
+        assert!(eager.iter().all(|&t| (0..2048).contains(&t)), "{eager:?}");
+        outputs.push(replayed);
+    }
+    // The inputs matter: a frozen input would repeat one answer.
+    outputs.dedup();
+    assert!(outputs.len() > 1, "replay ignored the refreshed token ids");
+    b.destroy_graph(g).unwrap();
+}
+
+#[test]
+fn allocation_inside_a_capture_fails_loudly_and_the_backend_recovers() {
+    let Some(mut b) = device() else { return };
+    b.reserve_workspace(4 << 20).unwrap();
+    let mut r = Rng::new(14);
+    let (launches, ids, next) = small_step(&mut b, &mut r);
+    for l in &launches {
+        b.prepare(l).unwrap();
+    }
+    let key = Key::new(4, 1, 0);
+    b.begin_capture(key).unwrap();
+    b.launch(&launches[0]).unwrap();
+    // kiln's own contract check.
+    match b.alloc(1 << 20, "lazy workspace") {
+        Err(BackendError::CaptureContract { key: k, call, .. }) => {
+            assert_eq!(k, key);
+            assert!(call.contains("alloc"), "{call}");
+        }
+        other => panic!("alloc inside capture must be refused, got {other:?}"),
+    }
+    for (what, e) in [
+        ("synchronize", b.synchronize().err()),
+        ("download", b.download(next.ptr, &mut [0u8; 16]).err()),
+        ("upload", b.upload(ids.ptr, &[0u8; 16]).err()),
+        ("reserve_workspace", b.reserve_workspace(8 << 20).err()),
+    ] {
+        assert!(
+            matches!(e, Some(BackendError::CaptureContract { .. })),
+            "{what} inside capture: {e:?}"
+        );
+    }
+    // The driver itself (GLOBAL capture mode) refuses a raw allocation, and
+    // the capture is then unusable: ending it fails, naming the key.
+    let raw = b.debug_driver_alloc(1 << 20);
+    eprintln!("raw cuMemAlloc inside capture: {raw:?}");
+    let end = b.end_capture();
+    assert!(
+        raw.is_err() || end.is_err(),
+        "a driver allocation inside a capture went unnoticed"
+    );
+    if let Err(e) = &end {
+        assert!(e.to_string().contains("b4q1s0"), "{e}");
+    }
+    if raw.is_err() {
+        assert!(
+            end.is_err(),
+            "the driver refused the allocation but the capture still ended"
+        );
+    }
+    // Eager work runs again afterwards.
+    b.upload(ids.ptr, &HT::ints(&[4], vec![5, 6, 7, 8]).bytes())
+        .unwrap();
+    for l in &launches {
+        b.launch(l).unwrap();
+    }
+    let out = read_ints(&mut b, &next);
+    assert!(out.iter().all(|&t| (0..2048).contains(&t)), "{out:?}");
+}
+
+#[test]
+fn a_gemm_not_prepared_before_capture_fails_the_capture_by_name() {
+    let Some(mut b) = device() else { return };
+    b.reserve_workspace(4 << 20).unwrap();
+    let mut r = Rng::new(15);
+    let (launches, _, _) = small_step(&mut b, &mut r);
+    let key = Key::new(4, 1, 0);
+    b.begin_capture(key).unwrap();
+    b.launch(&launches[0]).unwrap();
+    b.launch(&launches[1]).unwrap();
+    let e = b.launch(&launches[2]).unwrap_err();
+    assert!(
+        matches!(&e, BackendError::CaptureFailed { op, .. } if op == "gemm"),
+        "{e}"
+    );
+    b.abort_capture().unwrap();
+}
+
+#[test]
+fn dropping_the_backend_with_work_and_graphs_in_flight_is_safe() {
+    let Some(mut b) = device() else { return };
+    b.reserve_workspace(4 << 20).unwrap();
+    let mut r = Rng::new(16);
+    let (launches, _, _) = small_step(&mut b, &mut r);
+    for l in &launches {
+        b.prepare(l).unwrap();
+    }
+    b.begin_capture(Key::new(4, 1, 0)).unwrap();
+    for l in &launches {
+        b.launch(l).unwrap();
+    }
+    let g = b.end_capture().unwrap();
+    for _ in 0..50 {
+        b.replay(g).unwrap();
+    }
+    drop(b); // no synchronize: teardown must drain the stream itself
+}
+
+#[test]
+fn kernel_images_for_another_gpu_are_refused_with_the_fix() {
+    let Some(mut b) = device() else { return };
+    let other = if b.sm() == 90 { 80 } else { 90 };
+    let imgs = cubins(other);
+    let e = b.load_kernels(&imgs).unwrap_err().to_string();
+    assert!(e.contains("--target cuda:sm_"), "{e}");
+}
+
+// ------------------------------------------------------------- whole steps
+
+#[test]
+fn a_whole_synthetic_step_matches_the_host_reference_eager_and_replayed() {
+    for pdl in [true, false] {
+        whole_step(pdl);
+    }
+}
+
+fn whole_step(pdl: bool) {
+    let Some(mut b) = device() else { return };
+    b.set_pdl(pdl);
+    eprintln!(
+        "whole step with programmatic dependent launch {}",
+        if b.pdl() { "on" } else { "off" }
+    );
+    b.reserve_workspace(32 << 20).unwrap();
+    let step = synth::build(synth::TINY, &[1, 37, 200], 21);
+    let (want_logits, want_next) = synth::host_run(&step);
+    let dev = synth::upload(&mut b, &step);
+    for l in &dev.launches {
+        b.launch(l).unwrap();
+    }
+    let logits = get(&mut b, &dev.ptrs[step.logits]);
+    let next = get(&mut b, &dev.ptrs[step.next]);
+    let e = rel_err(&logits.f, &want_logits.f);
+    eprintln!(
+        "whole step: logits relative error {e:.2e}, tokens {:?} vs {:?}",
+        next.i, want_next.i
+    );
+    assert!(e < 3e-2, "logits relative error {e}");
+    // Greedy tokens agree unless the reference's top two are a near-tie.
+    let v = step.cfg.vocab as usize;
+    for (row, (&g, &w)) in next.i.iter().zip(&want_next.i).enumerate() {
+        if g != w {
+            let r = &want_logits.f[row * v..(row + 1) * v];
+            let margin = (r[w as usize] - r[g as usize]).abs();
+            assert!(
+                margin < 0.05,
+                "row {row}: token {g} vs {w}, reference margin {margin}"
+            );
+        }
+    }
+    // The same step replayed from a graph gives the eager bits.
+    b.begin_capture(Key::new(3, 1, 0)).unwrap();
+    for l in &dev.launches {
+        b.launch(l).unwrap();
+    }
+    let g = b.end_capture().unwrap();
+    b.upload(
+        dev.ptrs[step.logits].ptr,
+        &vec![0xFF; logits.ty.size_bytes() as usize],
+    )
+    .unwrap();
+    b.replay(g).unwrap();
+    let replayed = get(&mut b, &dev.ptrs[step.logits]);
+    assert_eq!(
+        replayed.f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        logits.f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        "replayed logits differ from eager"
+    );
+}
+
+fn median(mut v: Vec<f32>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2] as f64
+}
+
+struct Timing {
+    eager_ms: f64,
+    replay_ms: f64,
+    back_to_back_ms: f64,
+    capture_ms: f64,
+    tokens: Vec<i32>,
+}
+
+/// Eager (median of 30) and replayed (median of 200, plus 100 back to back)
+/// step times; checks replay and eager agree on the tokens.
+fn time_step(b: &mut CudaBackend, key: Key, launches: &[Launch], next: &DevOperand) -> Timing {
+    for _ in 0..3 {
+        for l in launches {
+            b.launch(l).unwrap();
+        }
+    }
+    b.synchronize().unwrap();
+    let mut eager = Vec::new();
+    for _ in 0..30 {
+        eager.push(
+            b.time_ms(|b| {
+                for l in launches {
+                    b.launch(l)?;
+                }
+                Ok(())
+            })
+            .unwrap(),
+        );
+    }
+    let eager_next = get(b, next).i;
+    let t0 = std::time::Instant::now();
+    b.begin_capture(key).unwrap();
+    for l in launches {
+        b.launch(l).unwrap();
+    }
+    let g = b.end_capture().unwrap();
+    let capture_ms = t0.elapsed().as_secs_f64() * 1e3;
+    for _ in 0..10 {
+        b.replay(g).unwrap();
+    }
+    let mut replay = Vec::new();
+    for _ in 0..200 {
+        replay.push(b.time_ms(|b| b.replay(g)).unwrap());
+    }
+    let back_to_back_ms = b
+        .time_ms(|b| (0..100).try_for_each(|_| b.replay(g)))
+        .unwrap() as f64
+        / 100.0;
+    let replay_next = get(b, next).i;
+    assert_eq!(
+        replay_next, eager_next,
+        "replay and eager disagree on the tokens"
+    );
+    b.destroy_graph(g).unwrap();
+    Timing {
+        eager_ms: median(eager),
+        replay_ms: median(replay),
+        back_to_back_ms,
+        capture_ms,
+        tokens: replay_next,
+    }
+}
+
+/// GPU time of each launch inside a graph (the launch repeated 10 times in
+/// one capture), summed per kernel (GEMMs per shape), largest first.
+fn profile_ops(b: &mut CudaBackend, launches: &[Launch]) -> Vec<(String, usize, f64)> {
+    let mut acc: Vec<(String, usize, f64)> = Vec::new();
+    for l in launches {
+        b.begin_capture(Key::new(999, 1, 0)).unwrap();
+        for _ in 0..10 {
+            b.launch(l).unwrap();
+        }
+        let g = b.end_capture().unwrap();
+        b.replay(g).unwrap();
+        let us = median(
+            (0..5)
+                .map(|_| b.time_ms(|b| b.replay(g)).unwrap())
+                .collect(),
+        ) * 100.0;
+        b.destroy_graph(g).unwrap();
+        let label = match &l.op {
+            Op::MatMul { .. } => {
+                let x = l.args[0].ty.shape.dims();
+                let w = l.args[1].ty.shape.dims();
+                format!("gemm {}x{}x{}", x[0], w[0], x[1])
+            }
+            _ => l.kernel.clone(),
+        };
+        match acc.iter_mut().find(|e| e.0 == label) {
+            Some(e) => {
+                e.1 += 1;
+                e.2 += us;
+            }
+            None => acc.push((label, 1, us)),
+        }
+    }
+    acc.sort_by(|a, b| b.2.total_cmp(&a.2));
+    acc
+}
+
+/// Times one synthetic Qwen3-0.6B decode step: eager launches vs graph
+/// replay, against the HBM floor measured in the same run, with a per-op
+/// profile and a cuBLASLt-only ablation. Prints one JSON line per
+/// configuration (and writes them to `KILN_BENCH_OUT` when set).
+#[test]
+#[ignore = "benchmark: run on the GPU machine by scripts/gpu-check.sh"]
+fn bench_synthetic_qwen3_0_6b_step_replay_vs_eager() {
+    let Some(mut b) = device() else { return };
+    b.reserve_workspace(32 << 20).unwrap();
+    let bw = b.copy_bandwidth(2 << 30, 10).unwrap();
+    eprintln!("device-to-device copy: {:.0} GB/s (read + write)", bw / 1e9);
+    // Decode GEMMs stream their weights: achieved bandwidth per policy on a
+    // weight four times the L2 (256 MiB), rotating nothing (one pass each).
+    {
+        let mut r = Rng::new(77);
+        let (n, k) = (16384u32, 8192u32);
+        let w = put(&mut b, &HT::random(&mut r, DType::BF16, &[n, k], 0.01));
+        for t in [1u32, 8, 32] {
+            let x = put(&mut b, &HT::random(&mut r, DType::BF16, &[t, k], 1.0));
+            let out = poisoned(&mut b, &TensorType::new(DType::BF16, vec![t, n]));
+            let l = Launch {
+                kernel: "gemm".into(),
+                op: Op::MatMul {
+                    bias: false,
+                    out: DType::BF16,
+                },
+                args: vec![x.clone(), w.clone()],
+                results: vec![out.clone()],
+                workspace: None,
+            };
+            for policy in [
+                GemmPolicy::BlasOnly,
+                GemmPolicy::KilnWhereApplicable,
+                GemmPolicy::Autotune,
+            ] {
+                b.set_gemm_policy(policy);
+                b.prepare(&l).unwrap();
+                b.launch(&l).unwrap();
+                let ms = median(
+                    (0..20)
+                        .map(|_| b.time_ms(|b| b.launch(&l)).unwrap())
+                        .collect(),
+                );
+                eprintln!(
+                    "gemm bf16 [{t},{k}]x[{n},{k}]^T {policy:?}: {:.1} us, weights at {:.0} GB/s",
+                    ms * 1e3,
+                    (n as f64 * k as f64 * 2.0) / (ms / 1e3) / 1e9
+                );
+            }
+            b.free(x.ptr).unwrap();
+            b.free(out.ptr).unwrap();
+        }
+        b.free(w.ptr).unwrap();
+        b.set_gemm_policy(GemmPolicy::Autotune);
+    }
+    let mut lines = Vec::new();
+    for (batch, ctx) in [(1u32, 512i32), (32, 512), (1, 128), (32, 128), (8, 2048)] {
+        let ctxs = vec![ctx; batch as usize];
+        let step = synth::build(synth::QWEN3_0_6B, &ctxs, 42 + batch as u64);
+        let key = Key::new(batch, 1, 0);
+        let mut ablation = String::new();
+        let dev = if batch == 1 && ctx == 512 {
+            // cuBLASLt alone (heuristic's first algorithm), for comparison.
+            b.set_gemm_policy(GemmPolicy::BlasOnly);
+            let dev = synth::upload(&mut b, &step);
+            let t = time_step(&mut b, key, &dev.launches, &dev.ptrs[step.next]);
+            ablation = format!(
+                ",\"blas_only_replay_ms\":{:.4},\"blas_only_eager_ms\":{:.4}",
+                t.replay_ms, t.eager_ms
+            );
+            b.set_gemm_policy(GemmPolicy::Autotune);
+            for l in &dev.launches {
+                b.prepare(l).unwrap();
+            }
+            dev
+        } else {
+            synth::upload(&mut b, &step)
+        };
+        if batch == 1 && ctx == 512 && b.pdl() {
+            b.set_pdl(false);
+            let t = time_step(&mut b, key, &dev.launches, &dev.ptrs[step.next]);
+            ablation.push_str(&format!(
+                ",\"no_pdl_replay_ms\":{:.4},\"no_pdl_eager_ms\":{:.4}",
+                t.replay_ms, t.eager_ms
+            ));
+            b.set_pdl(true);
+        }
+        let t = time_step(&mut b, key, &dev.launches, &dev.ptrs[step.next]);
+        if ctx == 512 {
+            let prof = profile_ops(&mut b, &dev.launches);
+            let total: f64 = prof.iter().map(|p| p.2).sum();
+            eprintln!("per-op GPU time in a graph, b{batch} ctx {ctx} (sum {total:.0} us):");
+            for (label, n, us) in prof.iter().take(14) {
+                eprintln!(
+                    "  {label:<32} x{n:<4} {us:>8.1} us  ({:.2} us each)",
+                    us / *n as f64
+                );
+            }
+        }
+        let bytes =
+            step.weight_bytes + step.kv_read_bytes + batch as u64 * step.cfg.vocab as u64 * 4;
+        let floor_ms = bytes as f64 / bw * 1e3;
+        let line = format!(
+            "{{\"model\":\"qwen3-0.6b-synthetic\",\"batch\":{batch},\"context\":{ctx},\"launch_ops\":{},\"eager_ms\":{:.4},\"replay_ms\":{:.4},\"replay_back_to_back_ms\":{:.4},\"speedup\":{:.2},\"tokens_per_s\":{:.0},\"bytes_moved\":{bytes},\"copy_bw_gbs\":{:.0},\"hbm_floor_ms\":{floor_ms:.4},\"replay_over_floor\":{:.2},\"capture_ms\":{:.2},\"device_bytes\":{},\"workspace_bytes\":{},\"attention_scratch_bytes\":{},\"pdl\":{}{ablation}}}",
+            dev.launches.len(),
+            t.eager_ms,
+            t.replay_ms,
+            t.back_to_back_ms,
+            t.eager_ms / t.replay_ms,
+            batch as f64 / (t.replay_ms / 1e3),
+            bw / 1e9,
+            t.replay_ms / floor_ms,
+            t.capture_ms,
+            b.allocated_bytes(),
+            32u64 << 20,
+            b.scratch_bytes(),
+            b.pdl(),
+        );
+        assert_eq!(t.tokens.len(), batch as usize);
+        println!("{line}");
+        lines.push(line);
+        synth::free(&mut b, dev);
+    }
+    for (shape, times) in b.gemm_timings() {
+        eprintln!("autotune {shape}: {times:?}");
+    }
+    if let Ok(path) = std::env::var("KILN_BENCH_OUT") {
+        let tmp = format!("{path}.tmp");
+        std::fs::write(&tmp, lines.join("\n") + "\n").unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+    }
+}
+
+#[test]
+fn the_host_reference_of_the_tiny_step_is_finite_and_in_range() {
+    // Runs without a GPU: guards the oracle the device checks rely on.
+    let step = synth::build(synth::TINY, &[1, 37, 200], 21);
+    let (logits, next) = synth::host_run(&step);
+    assert!(logits.f.iter().all(|x| x.is_finite()));
+    assert!(logits.f.iter().any(|&x| x != 0.0));
+    assert!(
+        next.i
+            .iter()
+            .all(|&t| (0..step.cfg.vocab as i32).contains(&t)),
+        "{:?}",
+        next.i
+    );
+}
+
+#[test]
+fn the_host_reference_agrees_with_the_cpu_reference_kernels() {
+    // Runs without a GPU: the two oracles the device results are held to
+    // must agree with each other first.
+    let mut r = Rng::new(99);
+    let d = DType::BF16;
+    let mut cases: Vec<(Op, Vec<HT>)> = vec![
+        (
+            Op::RmsNorm {
+                eps: 1e-6,
+                unit_offset: true,
+            },
+            vec![
+                HT::random(&mut r, d, &[3, 1000], 3.0),
+                HT::random(&mut r, d, &[1000], 1.0),
+            ],
+        ),
+        (
+            Op::AddRmsNorm {
+                eps: 1e-5,
+                unit_offset: false,
+            },
+            vec![
+                HT::random(&mut r, d, &[2, 520], 3.0),
+                HT::random(&mut r, d, &[2, 520], 3.0),
+                HT::random(&mut r, d, &[520], 1.0),
+            ],
+        ),
+        (
+            Op::Rope {
+                heads: 3,
+                head_dim: 64,
+                rope: rope(10000.0),
+            },
+            vec![
+                HT::random(&mut r, d, &[4, 192], 1.0),
+                HT::ints(&[4], vec![0, 7, 4097, 29999]),
+            ],
+        ),
+        (
+            Op::QkvRopeKvWrite {
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 64,
+                rope: rope(1e6),
+                qk_norm: Some(1e-6),
+                unit_offset: false,
+            },
+            vec![
+                HT::random(&mut r, d, &[3, 512], 2.0),
+                HT::ints(&[3], vec![5, 300, 8191]),
+                HT::ints(&[3], vec![63, 2, 30]),
+                HT::random(&mut r, d, &[64, 128], 1.0),
+                HT::random(&mut r, d, &[64, 128], 1.0),
+                HT::random(&mut r, d, &[64], 1.0),
+                HT::random(&mut r, d, &[64], 1.0),
+            ],
+        ),
+        (Op::SiluMul, vec![HT::random(&mut r, d, &[3, 2 * 777], 4.0)]),
+        (
+            Op::GeluTanhMul,
+            vec![
+                HT::random(&mut r, d, &[2, 300], 4.0),
+                HT::random(&mut r, d, &[2, 300], 2.0),
+            ],
+        ),
+        (
+            Op::Argmax,
+            vec![HT::random(&mut r, DType::F32, &[3, 5000], 5.0)],
+        ),
+        (
+            Op::MatMul {
+                bias: true,
+                out: DType::F32,
+            },
+            vec![
+                HT::random(&mut r, d, &[3, 256], 1.0),
+                HT::random(&mut r, d, &[100, 256], 0.1),
+                HT::random(&mut r, d, &[100], 1.0),
+            ],
+        ),
+    ];
+    for (ctx, q, window, softcap) in [
+        (vec![1, 17, 300], 1, None, None),
+        (vec![200, 33], 3, Some(37), None),
+        (vec![45, 5], 2, None, Some(30.0)),
+    ] {
+        let args = attention_case(&mut r, d, &ctx, q, 4, 2, 64, 16, 20);
+        cases.push((
+            Op::PagedAttention {
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 64,
+                query: q,
+                block_size: 16,
+                scale: 0.125,
+                window,
+                softcap,
+            },
+            args,
+        ));
+    }
+    for (op, args) in cases {
+        let tys: Vec<TensorType> = args.iter().map(|a| a.ty.clone()).collect();
+        let rtys = op.infer(&tys).unwrap();
+        let host = reference(&op, &args, &rtys);
+        let cpu = cpu_reference(&op, &args).expect("the CPU reference kernels exist");
+        for (i, (h, c)) in host.iter().zip(&cpu).enumerate() {
+            assert_close(
+                &format!("{} result {i}: host vs CPU kernels", op.mnemonic()),
+                h,
+                c,
+            );
+        }
+    }
+}

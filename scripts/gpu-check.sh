@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# GPU checks and timings for kiln's CUDA backend, in ONE device call.
+#
+# Built on a machine without a GPU and carried over (the GPU machine has no
+# Rust): see `prepare` below. On the GPU machine it runs, in order:
+#   1. the device facts (nvidia-smi, driver, library paths);
+#   2. every CUDA backend test (kernels vs the host/CPU reference on random inputs
+#      at awkward sizes with poisoned outputs, cuBLASLt GEMMs, the capture
+#      contract incl. a forced allocation inside a capture, replay == eager
+#      with changing inputs, a whole synthetic step vs the host reference),
+#      then the engine on CUDA (tests/tests/cuda_serve.rs: compiled tiny
+#      models vs the CPU engine, replay vs eager, forced allocation);
+#   3. compute-sanitizer memcheck over the kernel tests (bounded);
+#   4. the synthetic Qwen3-0.6B step benchmark (eager vs replay, HBM floor);
+#   5. `kiln bench` on a real plan when one is carried (.device-carry/plan).
+# Results land in $OUT (log.txt, bench.jsonl) and a summary table is printed
+# last.
+#
+# Usage here:   scripts/gpu-check.sh prepare [/work/main/.device-carry]
+# Usage there:  bash .device-carry/gpu-check.sh
+#   (KILN_MEMCHECK_FILTER=<test name filter> narrows the memcheck pass)
+set -uo pipefail
+
+if [[ "${1:-}" == "prepare" ]]; then
+  set -e
+  dest="${2:-/work/main/.device-carry}"
+  root="$(cd "$(dirname "$0")/.." && pwd)"
+  mkdir -p "$dest/cubins"
+  (cd "$root" && KILN_DUMP_CUBINS="$dest/cubins" cargo test -q -p kiln-kernels every_module_compiles)
+  bin=$(cd "$root" && cargo test --release -p kiln-runtime --features cuda --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="cuda_backend" and m.get("executable"): print(m["executable"])')
+  cp "$bin" "$dest/cuda_backend"
+  bin=$(cd "$root" && cargo test --release -p kiln-tests --features cuda --test cuda_serve --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="cuda_serve" and m.get("executable"): print(m["executable"])')
+  cp "$bin" "$dest/cuda_serve"
+  strip "$dest/cuda_serve" "$dest/cuda_backend"
+  cp "$0" "$dest/gpu-check.sh"
+  (cd "$root" && cargo build -q --release -p kiln-compiler --features cuda --bin kiln)
+  cp "$root/target/release/kiln" "$dest/kiln"
+  strip "$dest/kiln"
+  # A real compiled plan for `kiln bench`: Qwen3-0.6B-shaped (the compiler's
+  # bench-compile model: real header, no weight data, so the benchmark uses
+  # random weights). Put a real model directory at $dest/plan/weights to
+  # time with real weights instead.
+  rm -rf "$dest/plan" && mkdir -p "$dest/plan"
+  tmp=$(mktemp -d)
+  "$dest/kiln" bench-compile --dir "$tmp/model" --repeat 1 > /dev/null
+  "$dest/kiln" compile "$tmp/model" --target cuda:sm_90 --keys b1q1s0,b8q1s0,b32q1s0 \
+    --max-context 1024 --kv-blocks 1100 -q -o "$dest/plan/model.kiln"
+  rm -rf "$tmp"
+  du -sh "$dest"
+  exit 0
+fi
+
+here="$(cd "$(dirname "$0")" && pwd)"
+OUT="${OUT:-/tmp/kiln-gpu-out}"
+mkdir -p "$OUT"
+log="$OUT/log.txt"
+exec > >(tee -a "$log") 2>&1
+
+echo "== device"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+libdirs=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+         $(python3 -c 'import nvidia,os;[print(os.path.join(p,"cu13","lib")) for p in nvidia.__path__]' 2>/dev/null); do
+  [[ -d "$d" ]] && libdirs="$libdirs:$d"
+done
+export LD_LIBRARY_PATH="${libdirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+ls -1 $(echo "$LD_LIBRARY_PATH" | tr ':' ' ') 2>/dev/null | grep -E '^lib(cublasLt|nvrtc)\.so' | sort -u
+export KILN_CUBIN_DIR="$here/cubins"
+export RUST_BACKTRACE=1
+
+status=0
+echo "== tests"
+start=$(date +%s)
+"$here/cuda_backend" --test-threads=1 2>&1 | tee "$OUT/tests.txt" || status=1
+echo "tests took $(( $(date +%s) - start )) s"
+
+echo "== engine on CUDA (compiled tiny models vs the CPU engine, replay vs eager)"
+if [[ -x "$here/cuda_serve" ]]; then
+  "$here/cuda_serve" --test-threads=1 --nocapture 2>&1 | tee "$OUT/serve.txt" || status=1
+fi
+
+echo "== compute-sanitizer memcheck (kernel tests)"
+if [[ -n "${KILN_SKIP_MEMCHECK:-}" ]]; then
+  echo "skipped (KILN_SKIP_MEMCHECK set)"
+elif command -v compute-sanitizer >/dev/null; then
+  KILN_GEMM_AUTOTUNE=0 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    "$here/cuda_backend" --test-threads=1 --skip bench --skip whole --skip dropping --skip allocation --skip kernel_images ${KILN_MEMCHECK_FILTER:-} \
+    > "$OUT/memcheck.txt" 2>&1
+  rc=$?
+  grep -E "ERROR SUMMARY|test result|Invalid|out of bounds" "$OUT/memcheck.txt" | head -20
+  echo "memcheck exit: $rc"
+  [[ $rc == 9 ]] && status=1
+else
+  echo "compute-sanitizer not found"
+fi
+
+echo "== synthetic Qwen3-0.6B step benchmark"
+KILN_BENCH_OUT="$OUT/bench.jsonl" "$here/cuda_backend" --ignored --exact \
+  bench_synthetic_qwen3_0_6b_step_replay_vs_eager --nocapture --test-threads=1 || status=1
+
+if [[ -x "$here/kiln" && -f "$here/plan/model.kiln" ]]; then
+  echo "== kiln bench"
+  weights=()
+  [[ -d "$here/plan/weights" ]] && weights=(--weights "$here/plan/weights")
+  "$here/kiln" bench "$here/plan/model.kiln" "${weights[@]}" --device cuda \
+    --steps 200 --context "${KILN_BENCH_CONTEXT:-512}" --json "$OUT/kiln-bench.json" || status=1
+fi
+
+echo "== summary"
+grep -E "^test result|FAILED|panicked" "$OUT/tests.txt" "$OUT/serve.txt" 2>/dev/null | head -20
+if [[ -f "$OUT/bench.jsonl" ]]; then
+  python3 - "$OUT/bench.jsonl" <<'PY'
+import json,sys
+rows=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(f"{'batch':>5} {'ctx':>5} {'eager ms':>9} {'replay ms':>9} {'b2b ms':>8} {'x':>6} {'floor ms':>8} {'/floor':>6} {'tok/s':>8} {'capt ms':>7}")
+for r in rows:
+    print(f"{r['batch']:>5} {r['context']:>5} {r['eager_ms']:>9.3f} {r['replay_ms']:>9.3f} {r['replay_back_to_back_ms']:>8.3f} {r['speedup']:>6.2f} {r['hbm_floor_ms']:>8.3f} {r['replay_over_floor']:>6.2f} {r['tokens_per_s']:>8.0f} {r['capture_ms']:>7.1f}")
+PY
+fi
+echo "gpu-check status: $status"
+exit $status

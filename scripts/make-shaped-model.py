@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Write a model directory with a real config.json and a real safetensors
+header but no weight data (a sparse file), for compiling plans of real model
+shapes without downloading weights. `kiln compile` reads headers only;
+`kiln bench` without --weights fills random weights on the device.
+
+    scripts/make-shaped-model.py qwen3-0.6b /tmp/shapes/qwen3-0.6b
+"""
+import json
+import os
+import struct
+import sys
+
+SHAPES = {
+    "qwen3-0.6b": dict(arch="Qwen3ForCausalLM", model_type="qwen3", hidden=1024, layers=28, heads=16, kv=8, head_dim=128, inter=3072, vocab=151936, tied=True, theta=1e6, max_pos=40960, eps=1e-6),
+    "qwen3-1.7b": dict(arch="Qwen3ForCausalLM", model_type="qwen3", hidden=2048, layers=28, heads=16, kv=8, head_dim=128, inter=6144, vocab=151936, tied=True, theta=1e6, max_pos=40960, eps=1e-6),
+    "qwen3-4b": dict(arch="Qwen3ForCausalLM", model_type="qwen3", hidden=2560, layers=36, heads=32, kv=8, head_dim=128, inter=9728, vocab=151936, tied=True, theta=1e6, max_pos=40960, eps=1e-6),
+    "llama-3-8b": dict(arch="LlamaForCausalLM", model_type="llama", hidden=4096, layers=32, heads=32, kv=8, head_dim=128, inter=14336, vocab=128256, tied=False, theta=5e5, max_pos=8192, eps=1e-5),
+    "smollm2-135m": dict(arch="LlamaForCausalLM", model_type="llama", hidden=576, layers=30, heads=9, kv=3, head_dim=64, inter=1536, vocab=49152, tied=True, theta=1e5, max_pos=8192, eps=1e-5),
+}
+
+
+def main():
+    name, out = sys.argv[1], sys.argv[2]
+    s = SHAPES[name]
+    os.makedirs(out, exist_ok=True)
+    cfg = {
+        "architectures": [s["arch"]], "model_type": s["model_type"],
+        "hidden_size": s["hidden"], "num_hidden_layers": s["layers"],
+        "num_attention_heads": s["heads"], "num_key_value_heads": s["kv"],
+        "head_dim": s["head_dim"], "intermediate_size": s["inter"],
+        "vocab_size": s["vocab"], "tie_word_embeddings": s["tied"],
+        "rope_theta": s["theta"], "max_position_embeddings": s["max_pos"],
+        "rms_norm_eps": s["eps"], "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "bos_token_id": 1, "eos_token_id": 2,
+    }
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    h, hd, kv, heads = s["hidden"], s["head_dim"], s["kv"], s["heads"]
+    tensors = [("model.embed_tokens.weight", [s["vocab"], h])]
+    for l in range(s["layers"]):
+        p = f"model.layers.{l}."
+        tensors += [
+            (p + "input_layernorm.weight", [h]),
+            (p + "self_attn.q_proj.weight", [heads * hd, h]),
+            (p + "self_attn.k_proj.weight", [kv * hd, h]),
+            (p + "self_attn.v_proj.weight", [kv * hd, h]),
+            (p + "self_attn.o_proj.weight", [h, heads * hd]),
+            (p + "post_attention_layernorm.weight", [h]),
+            (p + "mlp.gate_proj.weight", [s["inter"], h]),
+            (p + "mlp.up_proj.weight", [s["inter"], h]),
+            (p + "mlp.down_proj.weight", [h, s["inter"]]),
+        ]
+        if s["model_type"] == "qwen3":
+            tensors += [(p + "self_attn.q_norm.weight", [hd]), (p + "self_attn.k_norm.weight", [hd])]
+    tensors.append(("model.norm.weight", [h]))
+    if not s["tied"]:
+        tensors.append(("lm_head.weight", [s["vocab"], h]))
+    header, off = {}, 0
+    for n, shape in tensors:
+        size = 2
+        for d in shape:
+            size *= d
+        header[n] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + size]}
+        off += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * ((8 - len(blob) % 8) % 8)
+    path = os.path.join(out, "model.safetensors")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        f.truncate(8 + len(blob) + off)
+    os.replace(tmp, path)
+    print(f"{name}: {len(tensors)} tensors, {off / 1e9:.2f} GB of (absent) bf16 weights -> {out}")
+
+
+if __name__ == "__main__":
+    main()

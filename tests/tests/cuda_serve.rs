@@ -1,0 +1,231 @@
+//! The engine on the CUDA backend, end to end (feature `cuda`, a GPU):
+//! tiny random models compiled by the real compiler for the device's SM
+//! (kernel images from NVRTC), served by the real engine.
+//!
+//! * Against the CPU engine (the reference kernels) on the same weights and
+//!   workload: tokens equal unless the CPU's top two logits are a near-tie,
+//!   logits within a bf16-sized bound.
+//! * Graph replay against eager launches on CUDA with changing batches:
+//!   identical tokens and logits; the replay counter is the witness.
+//! * An allocation forced inside a capture fails the step, naming the key.
+//!
+//! Without a CUDA device every test prints SKIPPED and passes; on the GPU
+//! machine `scripts/gpu-check.sh` runs this binary.
+#![cfg(feature = "cuda")]
+
+mod serve_common;
+
+use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
+use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
+use kiln_ir::plan::{Plan, Target};
+use kiln_ir::Key;
+use kiln_runtime::cuda::{CudaBackend, GemmPolicy};
+use kiln_runtime::{BackendError, Engine, EngineError, GraphMode, SeqId, SeqOptions};
+use serve_common::*;
+use tempfile::TempDir;
+
+const KEYS: &str = "b1q1s0,b2q1s0,b4q1s0,b8q1s0,b2q4s0,b2q3s2";
+/// CPU (f32 reference kernels) and GPU (bf16 storage, other summation
+/// orders) logits of a tiny model differ by rounding only.
+const CPU_LOGIT_BOUND: f32 = 5e-2;
+/// Below this top-2 margin on the CPU a different greedy token is a near-tie.
+const NEAR_TIE: f32 = 2e-2;
+
+fn gpu() -> Option<u32> {
+    if !CudaBackend::available() {
+        eprintln!("SKIPPED: no CUDA driver or device on this machine");
+        return None;
+    }
+    Some(CudaBackend::new(0).expect("open CUDA device 0").sm())
+}
+
+/// `family`'s tiny model written to a fresh directory and compiled for
+/// `target` (the same weights every time: the writer is deterministic).
+fn compile(family: Family, target: Target) -> (TempDir, Plan) {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), family, &TinySpec::for_family(family)).unwrap();
+    let opts = CompileOptions {
+        keys: KEYS.split(',').map(|k| k.parse::<Key>().unwrap()).collect(),
+        target,
+        logits: true,
+        kv: KvOptions {
+            block_size: 4,
+            kv_blocks: Some(64),
+            max_context: Some(96),
+            ..KvOptions::default()
+        },
+        ..CompileOptions::default()
+    };
+    let plan = compile_dir(dir.path(), &opts, &mut |_, _| {}).unwrap().plan;
+    (dir, plan)
+}
+
+/// A CUDA engine whose GEMM choice does not depend on timing noise, so two
+/// engines run the same algorithms.
+fn cuda_engine(dir: &TempDir, plan: &Plan, graphs: GraphMode) -> Engine {
+    let mut be = CudaBackend::new(0).unwrap();
+    be.set_gemm_policy(GemmPolicy::KilnWhereApplicable);
+    Engine::new(plan.clone(), dir.path(), Box::new(be), options(graphs)).unwrap()
+}
+
+/// Drives `engines` through the same changing workload; `check` compares
+/// each step's tokens and logits.
+fn workload(
+    engines: &mut [&mut Engine],
+    vocab: u32,
+    steps: usize,
+    mut check: impl FnMut(usize, &[Vec<(SeqId, Vec<u32>)>], &[&mut Engine]) -> Result<(), String>,
+) -> Result<usize, String> {
+    let mut rng = Rng::new(0xc0da);
+    let mut live: Vec<SeqId> = Vec::new();
+    let mut compared = 0;
+    for step in 0..steps {
+        if live.len() <= 1 || (live.len() < 6 && rng.below(2) == 0) {
+            let len = 1 + rng.below(9) as usize;
+            let p = rng.prompt(vocab, len);
+            let o = SeqOptions {
+                max_new_tokens: 6 + rng.below(20),
+                stop_on_eos: false,
+            };
+            let ids: Vec<SeqId> = engines
+                .iter_mut()
+                .map(|e| e.add_sequence_with(&p, o).unwrap())
+                .collect();
+            assert!(ids.windows(2).all(|w| w[0] == w[1]));
+            live.push(ids[0]);
+        } else if rng.below(4) == 0 {
+            let id = live.remove(rng.below(live.len() as u32) as usize);
+            for e in engines.iter_mut() {
+                e.remove_sequence(id).unwrap();
+            }
+        }
+        let outs: Vec<Vec<(SeqId, Vec<u32>)>> = engines
+            .iter_mut()
+            .map(|e| e.step().map_err(|err| format!("step {step}: {err}")))
+            .collect::<Result<_, _>>()?;
+        compared += outs[0].iter().map(|(_, t)| t.len()).sum::<usize>();
+        check(step, &outs, engines)?;
+        live.retain(|id| engines[0].sequence(*id).unwrap().finished.is_none());
+    }
+    Ok(compared)
+}
+
+#[test]
+fn the_cuda_engine_generates_the_cpu_engines_tokens_on_compiled_models() {
+    let Some(sm) = gpu() else { return };
+    for family in [Family::Llama, Family::Qwen3] {
+        let (cdir, cplan) = compile(family, Target::Cpu);
+        let (gdir, gplan) = compile(family, Target::Cuda { sm });
+        let vocab = cplan.meta.info.vocab_size;
+        let mut cpu = Engine::new(
+            cplan.clone(),
+            cdir.path(),
+            Box::new(kiln_runtime::CpuBackend::new()),
+            options(GraphMode::Off),
+        )
+        .unwrap();
+        let mut cuda = cuda_engine(&gdir, &gplan, GraphMode::On);
+        let mut worst = 0.0f32;
+        let mut diverged = false;
+        let compared = workload(&mut [&mut cpu, &mut cuda], vocab, 30, |step, outs, e| {
+            if diverged {
+                return Ok(());
+            }
+            for ((id, a), (_, b)) in outs[0].iter().zip(&outs[1]) {
+                let (lc, lg) = (e[0].last_logits(*id).unwrap(), e[1].last_logits(*id).unwrap());
+                let d = max_diff(lc, lg);
+                worst = worst.max(d);
+                if d > CPU_LOGIT_BOUND {
+                    return Err(format!("{family:?} step {step}: logits of {id:?} differ by {d}"));
+                }
+                if a != b {
+                    // Only the last row's logits are kept; a differing token
+                    // must be a near-tie there.
+                    let mut sorted: Vec<f32> = lc.to_vec();
+                    sorted.sort_by(|x, y| y.total_cmp(x));
+                    let margin = sorted[0] - sorted[1];
+                    if margin > NEAR_TIE {
+                        return Err(format!(
+                            "{family:?} step {step}: CPU tokens {a:?}, CUDA {b:?}, top-2 margin {margin}"
+                        ));
+                    }
+                    eprintln!(
+                        "{family:?} step {step}: near-tie (margin {margin}), tokens differ; comparison stops"
+                    );
+                    diverged = true;
+                    return Ok(());
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+        eprintln!("{family:?}: {compared} tokens compared, worst logit difference {worst:.2e}");
+        assert!(compared >= 30, "only {compared} tokens compared");
+        assert!(
+            cuda.total_counters().replays > 0,
+            "{:?}",
+            cuda.total_counters()
+        );
+    }
+}
+
+#[test]
+fn cuda_replay_equals_eager_over_changing_batches() {
+    let Some(sm) = gpu() else { return };
+    let (adir, aplan) = compile(Family::Llama, Target::Cuda { sm });
+    let (bdir, bplan) = compile(Family::Llama, Target::Cuda { sm });
+    let vocab = aplan.meta.info.vocab_size;
+    let mut graphs = cuda_engine(&adir, &aplan, GraphMode::On);
+    let mut eager = cuda_engine(&bdir, &bplan, GraphMode::Off);
+    let compared = workload(
+        &mut [&mut graphs, &mut eager],
+        vocab,
+        40,
+        |step, outs, e| {
+            if outs[0] != outs[1] {
+                return Err(format!(
+                    "step {step}: replay gave {:?}, eager gave {:?}",
+                    outs[0], outs[1]
+                ));
+            }
+            for (id, _) in &outs[0] {
+                let d = max_diff(
+                    e[0].last_logits(*id).unwrap(),
+                    e[1].last_logits(*id).unwrap(),
+                );
+                if d > 1e-4 {
+                    return Err(format!("step {step}: logits of {id:?} differ by {d}"));
+                }
+            }
+            Ok(())
+        },
+    )
+    .unwrap();
+    assert!(compared >= 40, "only {compared} tokens compared");
+    let t = graphs.total_counters();
+    assert!(t.replays >= 40 && t.eager_steps == 0, "{t:?}");
+    let e = eager.total_counters();
+    assert_eq!((e.captures, e.replays), (0, 0));
+}
+
+#[test]
+fn an_allocation_forced_inside_a_cuda_capture_fails_the_step_naming_the_key() {
+    let Some(sm) = gpu() else { return };
+    let (dir, plan) = compile(Family::Llama, Target::Cuda { sm });
+    let mut opts = options(GraphMode::On);
+    opts.faults.alloc_inside_capture = true;
+    let mut be = CudaBackend::new(0).unwrap();
+    be.set_gemm_policy(GemmPolicy::KilnWhereApplicable);
+    let mut e = Engine::new(plan, dir.path(), Box::new(be), opts).unwrap();
+    e.add_sequence(&[1, 2, 3]).unwrap();
+    let err = e.step().unwrap_err();
+    let EngineError::Capture { key, source } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(key.to_string(), "b1q1s0");
+    assert!(
+        matches!(source, BackendError::CaptureContract { call, .. } if call.starts_with("alloc")),
+        "{source}"
+    );
+    assert_eq!(e.total_counters().captures, 0);
+}
