@@ -75,6 +75,14 @@ if (( ! cpu_only )); then
         || die "torch sees no CUDA device; run with --cpu-only to test the CPU backend alone"
     hf_device=cuda
     devices=(cpu cuda)
+    # cuBLASLt and NVRTC for kiln's CUDA backend and `kiln compile --target
+    # cuda:*`: the toolkit's and the pip wheels' library folders.
+    libdirs=""
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+             $("$PY" -c 'import nvidia,os;[print(os.path.join(p,"cu13","lib")) for p in nvidia.__path__]' 2>/dev/null); do
+        if [[ -d $d ]]; then libdirs="$libdirs:$d"; fi
+    done
+    export LD_LIBRARY_PATH="${libdirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 fi
 say "work $WORK, out $OUT, kiln $KILN, HF on $hf_device, backends: ${devices[*]}"
