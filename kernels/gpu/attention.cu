@@ -82,7 +82,7 @@ KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
                              const T* __restrict__ vc, const int* __restrict__ block_tables,
                              float* __restrict__ part_acc, float* __restrict__ part_ml,
                              const AttnShape& a, int b, int g, int part, int p0, int p1,
-                             const int* rid, const int* qpos, i64 slot_stride);
+                             const int* rid, const int* qpos, i64 slot_stride, T* direct_out);
 
 template <typename T, int RT, int VEC>
 KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
@@ -108,7 +108,9 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   const int p0 = part * a.part_len;
   if (p0 >= ctx) return;  // the combine never reads this partition
   const int p1 = min(p0 + a.part_len, ctx);
-  const int np = p1 - p0;
+  // Partitions holding context positions; with one, the block normalizes
+  // and writes the output itself (no scratch round trip, no combine).
+  const int nact = (ctx + a.part_len - 1) / a.part_len;
 
   // Row j of this tile: r = tile*RT + j, head h = g*group + r/Q, query qi = r%Q.
   int rid[RT];    // output row id ((b*Q + qi)*heads + h), or -1 when past the group
@@ -148,13 +150,14 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
     }
   } else {
     attn_partition<T, RT, VEC>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0, p1,
-                               rid, qpos, slot_stride);
+                               rid, qpos, slot_stride, nact == 1 ? out : nullptr);
   }
+  if (nact == 1) return;  // written directly (a window-skipped lone partition is impossible:
+                          // the last position is always visible to the last row)
 
   // Completion count: the last block of this (b, g, tile) combines.
   __threadfence();
   __syncthreads();
-  const int nact = (ctx + a.part_len - 1) / a.part_len;
   if (tid == 0) {
     const unsigned int done = atomicAdd(&counters[blockIdx.y], 1u);
     last_block = done + 1 == (unsigned int)nact;
@@ -209,8 +212,9 @@ KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
                              const T* __restrict__ vc, const int* __restrict__ block_tables,
                              float* __restrict__ part_acc, float* __restrict__ part_ml,
                              const AttnShape& a, int b, int g, int part, int p0, int p1,
-                             const int* rid, const int* qpos, i64 slot_stride) {
+                             const int* rid, const int* qpos, i64 slot_stride, T* direct_out) {
   extern __shared__ float smem[];
+  __shared__ float row_l[RT];  // each row's sum of exp, for the direct write
   const int tid = threadIdx.x;
   const int hd = a.head_dim;
   const int np = p1 - p0;
@@ -302,6 +306,7 @@ KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
       l += e;
     }
     l = warp_sum(l);
+    if (lane == 0) row_l[j] = l;
     if (lane == 0 && rid[j] >= 0) {
       float* ml = part_ml + ((i64)rid[j] * a.num_parts + part) * 2;
       ml[0] = m;
@@ -360,7 +365,14 @@ KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
     if (rid[j] < 0) continue;
     float s = 0.0f;
     for (int x = 0; x < npl; ++x) s += red[((i64)x * RT + j) * hd + d];
-    part_acc[((i64)rid[j] * a.num_parts + part) * hd + d] = s;
+    if (direct_out != nullptr) {
+      // The combine's arithmetic for one partition (weight exp(0) = 1), so
+      // both paths round the same.
+      const float l = row_l[j];
+      direct_out[(i64)rid[j] * hd + d] = st<T>(s * (l > 0.0f ? 1.0f / l : 0.0f));
+    } else {
+      part_acc[((i64)rid[j] * a.num_parts + part) * hd + d] = s;
+    }
   }
 }
 

@@ -318,9 +318,24 @@ pub const ATTN_THREADS: u32 = 128;
 pub const ATTN_MAX_PARTS: u32 = 256;
 /// Elements of a row one block of the argmax's first stage scans.
 pub const ARGMAX_CHUNK: u32 = 4096;
-/// Attention blocks the partition size aims for (about eight per SM of an
-/// H100/H200, so enough K/V bytes are in flight).
+/// Attention blocks the partition size aims for by default (about eight per
+/// SM of an H100/H200, so enough K/V bytes are in flight).
 pub const ATTN_TARGET_BLOCKS: u64 = 1024;
+
+/// The attention block target in effect: `KILN_ATTN_TARGET_BLOCKS` when set
+/// to a positive integer (a tuning knob for `kiln bench` sweeps; geometry is
+/// chosen when a launch is lowered at load, so a plan needs no recompiling),
+/// else [`ATTN_TARGET_BLOCKS`].
+pub fn attn_target_blocks() -> u64 {
+    static TARGET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TARGET.get_or_init(|| {
+        std::env::var("KILN_ATTN_TARGET_BLOCKS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|&v| v > 0)
+            .unwrap_or(ATTN_TARGET_BLOCKS)
+    })
+}
 /// Shared memory a block may use without an opt-in.
 pub const MAX_STATIC_SHARED: u32 = 48 * 1024;
 
@@ -442,7 +457,8 @@ pub fn attention_geometry(
     // least 32 positions, and never more than ATTN_MAX_PARTS partitions.
     let base_blocks = batch as u64 * kv_heads as u64 * tiles as u64;
     let mut part_len: u64 = 512;
-    while part_len > 32 && base_blocks * max_ctx.div_ceil(part_len) < ATTN_TARGET_BLOCKS {
+    let target = attn_target_blocks();
+    while part_len > 32 && base_blocks * max_ctx.div_ceil(part_len) < target {
         part_len /= 2;
     }
     if max_ctx.div_ceil(part_len) > ATTN_MAX_PARTS as u64 {

@@ -25,11 +25,15 @@ use serve_common::*;
 use tempfile::TempDir;
 
 const KEYS: &str = "b1q1s0,b2q1s0,b4q1s0,b8q1s0,b2q4s0,b2q3s2";
-/// CPU (f32 reference kernels) and GPU (bf16 storage, other summation
-/// orders) logits of a tiny model differ by rounding only.
-const CPU_LOGIT_BOUND: f32 = 5e-2;
-/// Below this top-2 margin on the CPU a different greedy token is a near-tie.
-const NEAR_TIE: f32 = 2e-2;
+/// CPU (reference kernels) and GPU (bf16 storage, other summation orders,
+/// other rounding points) logits of a tiny model differ by rounding only,
+/// which scales with the logits: the tied models' lm_head is their
+/// embedding table (std 1, not 1/sqrt(hidden)), so their logits are about
+/// 8x larger than Llama's. One bf16 rounding of the final hidden state is
+/// 2^-9 relative; through two layers and the lm_head's 64-term dot products
+/// the CPU and GPU differ by a few of those. 1.5% of the row's largest
+/// logit is the bound (measured worst: see `scripts/gpu-check.sh` logs).
+const CPU_LOGIT_REL: f32 = 1.5e-2;
 
 fn gpu() -> Option<u32> {
     if !CudaBackend::available() {
@@ -113,60 +117,86 @@ fn workload(
 #[test]
 fn the_cuda_engine_generates_the_cpu_engines_tokens_on_compiled_models() {
     let Some(sm) = gpu() else { return };
-    for family in [Family::Llama, Family::Qwen3] {
-        let (cdir, cplan) = compile(family, Target::Cpu);
-        let (gdir, gplan) = compile(family, Target::Cuda { sm });
-        let vocab = cplan.meta.info.vocab_size;
-        let mut cpu = Engine::new(
-            cplan.clone(),
-            cdir.path(),
-            Box::new(kiln_runtime::CpuBackend::new()),
-            options(GraphMode::Off),
-        )
-        .unwrap();
-        let mut cuda = cuda_engine(&gdir, &gplan, GraphMode::On);
-        let mut worst = 0.0f32;
-        let mut diverged = false;
-        let compared = workload(&mut [&mut cpu, &mut cuda], vocab, 30, |step, outs, e| {
-            if diverged {
+    let mut failures = Vec::new();
+    for family in [Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3] {
+        match cuda_against_cpu(family, sm) {
+            Ok(line) => eprintln!("{line}"),
+            Err(e) => {
+                eprintln!("FAILED {e}");
+                failures.push(e);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// One family's CUDA engine (graphs on) against the CPU engine on the same
+/// weights and workload. Logits must agree within `CPU_LOGIT_REL` of the
+/// row's largest logit; a differing token is allowed only where the CPU's
+/// top-2 margin is below twice the measured logit difference (no rounding
+/// error smaller than that can swap them), and the comparison stops there.
+fn cuda_against_cpu(family: Family, sm: u32) -> Result<String, String> {
+    let (cdir, cplan) = compile(family, Target::Cpu);
+    let (gdir, gplan) = compile(family, Target::Cuda { sm });
+    let vocab = cplan.meta.info.vocab_size;
+    let mut cpu = Engine::new(
+        cplan.clone(),
+        cdir.path(),
+        Box::new(kiln_runtime::CpuBackend::new()),
+        options(GraphMode::Off),
+    )
+    .unwrap();
+    let mut cuda = cuda_engine(&gdir, &gplan, GraphMode::On);
+    let (mut worst_abs, mut worst_rel, mut scale) = (0.0f32, 0.0f32, 0.0f32);
+    let mut diverged = None;
+    let compared = workload(&mut [&mut cpu, &mut cuda], vocab, 30, |step, outs, e| {
+        if diverged.is_some() {
+            return Ok(());
+        }
+        for ((id, a), (_, b)) in outs[0].iter().zip(&outs[1]) {
+            let (lc, lg) = (e[0].last_logits(*id).unwrap(), e[1].last_logits(*id).unwrap());
+            let d = max_diff(lc, lg);
+            let top = lc.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
+            worst_abs = worst_abs.max(d);
+            worst_rel = worst_rel.max(d / top);
+            scale = scale.max(top);
+            if d > CPU_LOGIT_REL * top {
+                return Err(format!(
+                    "{family:?} step {step}: logits of {id:?} differ by {d} (largest logit {top}, bound {})",
+                    CPU_LOGIT_REL * top
+                ));
+            }
+            if a != b {
+                // Only the last row's logits are kept; a differing token
+                // must be a near-tie there.
+                let mut sorted: Vec<f32> = lc.to_vec();
+                sorted.sort_by(|x, y| y.total_cmp(x));
+                let margin = sorted[0] - sorted[1];
+                if margin > 2.0 * d {
+                    return Err(format!(
+                        "{family:?} step {step}: CPU tokens {a:?}, CUDA {b:?}, top-2 margin {margin} > 2 x logit difference {d}"
+                    ));
+                }
+                diverged = Some(format!("near-tie at step {step} (margin {margin}, difference {d})"));
                 return Ok(());
             }
-            for ((id, a), (_, b)) in outs[0].iter().zip(&outs[1]) {
-                let (lc, lg) = (e[0].last_logits(*id).unwrap(), e[1].last_logits(*id).unwrap());
-                let d = max_diff(lc, lg);
-                worst = worst.max(d);
-                if d > CPU_LOGIT_BOUND {
-                    return Err(format!("{family:?} step {step}: logits of {id:?} differ by {d}"));
-                }
-                if a != b {
-                    // Only the last row's logits are kept; a differing token
-                    // must be a near-tie there.
-                    let mut sorted: Vec<f32> = lc.to_vec();
-                    sorted.sort_by(|x, y| y.total_cmp(x));
-                    let margin = sorted[0] - sorted[1];
-                    if margin > NEAR_TIE {
-                        return Err(format!(
-                            "{family:?} step {step}: CPU tokens {a:?}, CUDA {b:?}, top-2 margin {margin}"
-                        ));
-                    }
-                    eprintln!(
-                        "{family:?} step {step}: near-tie (margin {margin}), tokens differ; comparison stops"
-                    );
-                    diverged = true;
-                    return Ok(());
-                }
-            }
-            Ok(())
-        })
-        .unwrap();
-        eprintln!("{family:?}: {compared} tokens compared, worst logit difference {worst:.2e}");
-        assert!(compared >= 30, "only {compared} tokens compared");
-        assert!(
-            cuda.total_counters().replays > 0,
-            "{:?}",
-            cuda.total_counters()
-        );
+        }
+        Ok(())
+    })
+    .map_err(|e| format!("{family:?}: {e}"))?;
+    let c = cuda.total_counters();
+    if compared < 30 {
+        return Err(format!("{family:?}: only {compared} tokens compared"));
     }
+    if c.replays == 0 {
+        return Err(format!("{family:?}: no replays: {c:?}"));
+    }
+    Ok(format!(
+        "{family:?}: {compared} tokens compared, worst logit difference {worst_abs:.2e} \
+         (relative {worst_rel:.2e}, largest logit {scale:.1}), {} replays; {}",
+        c.replays,
+        diverged.as_deref().unwrap_or("tokens identical")
+    ))
 }
 
 #[test]
