@@ -12,7 +12,9 @@
 #      models vs the CPU engine, replay vs eager, forced allocation);
 #   3. compute-sanitizer memcheck over the kernel tests (bounded);
 #   4. the synthetic Qwen3-0.6B step benchmark (eager vs replay, HBM floor);
-#   5. `kiln bench` on a real plan when one is carried (.device-carry/plan).
+#   5. `kiln bench` on a real plan when one is carried (.device-carry/plan);
+#   6. with KILN_ATTN_SWEEP="1024 256 64 1": the attention tests at the
+#      largest partitions and `kiln bench` per attention block target.
 # Results land in $OUT (log.txt, bench.jsonl) and a summary table is printed
 # last.
 #
@@ -113,6 +115,23 @@ if [[ -x "$here/kiln" && -f "$here/plan/model.kiln" ]]; then
   [[ -d "$here/plan/weights" ]] && weights=(--weights "$here/plan/weights")
   "$here/kiln" bench "$here/plan/model.kiln" "${weights[@]}" --device cuda \
     --steps 200 --context "${KILN_BENCH_CONTEXT:-512}" --json "$OUT/kiln-bench.json" || status=1
+fi
+
+if [[ -n "${KILN_ATTN_SWEEP:-}" && -x "$here/kiln" && -f "$here/plan/model.kiln" ]]; then
+  # Attention partition size: the block target the geometry aims for
+  # (KILN_ATTN_TARGET_BLOCKS, read when launches are lowered). Correctness of
+  # the largest partitions first (the single-partition direct write), then
+  # the step time per target.
+  echo "== attention kernel tests with KILN_ATTN_TARGET_BLOCKS=1 (largest partitions)"
+  KILN_ATTN_TARGET_BLOCKS=1 "$here/cuda_backend" --test-threads=1 paged_attention whole 2>&1 \
+    | tee "$OUT/tests-attn-target1.txt" | grep -E "^test |test result" || status=1
+  grep -q "test result: ok" "$OUT/tests-attn-target1.txt" || status=1
+  for t in $KILN_ATTN_SWEEP; do
+    echo "== kiln bench, KILN_ATTN_TARGET_BLOCKS=$t"
+    KILN_ATTN_TARGET_BLOCKS=$t "$here/kiln" bench "$here/plan/model.kiln" --device cuda \
+      --keys "${KILN_SWEEP_KEYS:-b1q1s0,b32q1s0}" --steps 200 --context "${KILN_BENCH_CONTEXT:-512}" \
+      --json "$OUT/kiln-bench-attn$t.json" || status=1
+  done
 fi
 
 echo "== summary"

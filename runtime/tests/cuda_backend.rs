@@ -586,6 +586,83 @@ fn replay_equals_eager_with_fresh_inputs_every_step() {
     b.destroy_graph(g).unwrap();
 }
 
+/// A graph bakes in the scratch address of every attention launch. Preparing
+/// a larger attention op after the capture grows the scratch; the old buffer
+/// must outlive the graph (retired, not freed), so the graph still replays
+/// to its eager result.
+#[test]
+fn scratch_grown_after_a_capture_leaves_the_captured_graph_working() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(31);
+    let op = Op::PagedAttention {
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+        query: 1,
+        block_size: 16,
+        scale: 0.125,
+        window: None,
+        softcap: None,
+    };
+    let launch_of = |b: &mut CudaBackend, args: &[HT]| {
+        let tys: Vec<TensorType> = args.iter().map(|a| a.ty.clone()).collect();
+        let rty = op.infer(&tys).unwrap().remove(0);
+        let dargs: Vec<DevOperand> = args.iter().map(|a| put(b, a)).collect();
+        let out = poisoned(b, &rty);
+        Launch {
+            kernel: "test:paged_attention".into(),
+            op: op.clone(),
+            args: dargs,
+            results: vec![out],
+            workspace: None,
+        }
+    };
+    let small = launch_of(
+        &mut b,
+        &attention_case(&mut r, DType::BF16, &[300], 1, 8, 2, 64, 16, 20),
+    );
+    b.prepare(&small).unwrap();
+    let before = b.scratch_bytes();
+    b.launch(&small).unwrap();
+    let eager = get(&mut b, &small.results[0]);
+    b.begin_capture(Key::new(1, 1, 0)).unwrap();
+    b.launch(&small).unwrap();
+    let g = b.end_capture().unwrap();
+    let big = launch_of(
+        &mut b,
+        &attention_case(
+            &mut r,
+            DType::BF16,
+            &[900, 5, 700, 1000, 64, 3],
+            1,
+            8,
+            2,
+            64,
+            16,
+            70,
+        ),
+    );
+    b.prepare(&big).unwrap();
+    assert!(
+        b.scratch_bytes() > before,
+        "the larger op did not grow the scratch ({before} bytes): the test proves nothing"
+    );
+    b.launch(&big).unwrap();
+    b.upload(
+        small.results[0].ptr,
+        &vec![0xFF; small.results[0].ty.size_bytes() as usize],
+    )
+    .unwrap();
+    b.replay(g).unwrap();
+    let replayed = get(&mut b, &small.results[0]);
+    assert_eq!(
+        replayed.f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        eager.f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        "the graph captured before the scratch grew no longer gives its eager result"
+    );
+    b.destroy_graph(g).unwrap();
+}
+
 #[test]
 fn allocation_inside_a_capture_fails_loudly_and_the_backend_recovers() {
     let Some(mut b) = device() else { return };

@@ -20,6 +20,7 @@
 #   SMOLLM2_NAME  its model name in the report (default smollm2-135m)
 #   ORACLE_THREADS  torch CPU threads (default: torch's choice)
 #   ORACLE_TARGET   CUDA target for kiln compile (default cuda:sm_90)
+#   ORACLE_DEVICES  kiln backends on a GPU machine (default "cpu cuda")
 #
 # Needs no network. Exit status: 0 when the report says PASS, 1 when it says
 # FAIL, 2 when something could not run (the log says what).
@@ -74,7 +75,7 @@ if (( ! cpu_only )); then
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
         || die "torch sees no CUDA device; run with --cpu-only to test the CPU backend alone"
     hf_device=cuda
-    devices=(cpu cuda)
+    read -r -a devices <<< "${ORACLE_DEVICES:-cpu cuda}"
     # cuBLASLt and NVRTC for kiln's CUDA backend and `kiln compile --target
     # cuda:*`: the toolkit's and the pip wheels' library folders.
     libdirs=""

@@ -294,6 +294,18 @@ impl CudaBackend {
         }
     }
 
+    /// Lets go of an outgrown backend-owned buffer (scratch, counters,
+    /// workspace). A live graph may have baked its address in, so while any
+    /// graph exists the buffer stays allocated (it is in `allocs`, freed at
+    /// teardown after the stream drains); otherwise it is freed now.
+    fn retire(&mut self, p: DevPtr) -> Result<()> {
+        if self.graphs.is_empty() {
+            self.raw_free(p)
+        } else {
+            Ok(())
+        }
+    }
+
     /// Grows the attention scratch buffer to at least `bytes` (before capture).
     fn ensure_scratch(&mut self, bytes: u64, op: &str) -> Result<()> {
         if bytes == 0 || self.scratch.is_some_and(|s| s.1 >= bytes) {
@@ -309,7 +321,7 @@ impl CudaBackend {
             });
         }
         if let Some((p, _)) = self.scratch.take() {
-            self.raw_free(p)?;
+            self.retire(p)?;
         }
         let p = self.raw_alloc(bytes, "attention scratch")?;
         self.scratch = Some((p, bytes));
@@ -331,7 +343,7 @@ impl CudaBackend {
             });
         }
         if let Some((p, _)) = self.counters.take() {
-            self.raw_free(p)?;
+            self.retire(p)?;
         }
         let p = self.raw_alloc(n as u64 * 4, "completion counters")?;
         self.counters = Some((p, n));
@@ -898,7 +910,7 @@ impl Backend for CudaBackend {
                 return Ok(self.workspace);
             }
             self.workspace = None;
-            self.raw_free(p)?;
+            self.retire(p)?;
         }
         if bytes == 0 {
             return Ok(None);
