@@ -648,6 +648,21 @@ fn scratch_grown_after_a_capture_leaves_the_captured_graph_working() {
         "the larger op did not grow the scratch ({before} bytes): the test proves nothing"
     );
     b.launch(&big).unwrap();
+    b.synchronize().unwrap();
+    // Fresh allocations of the old scratch's size: had the old buffer been
+    // freed, the allocator hands its address out again and the replay below
+    // scribbles its partial sums over them.
+    let pattern = vec![0x5Au8; before as usize];
+    let fresh: Vec<DevOperand> = (0..4)
+        .map(|_| {
+            let o = poisoned(
+                &mut b,
+                &TensorType::new(DType::F32, vec![(before / 4) as u32]),
+            );
+            b.upload(o.ptr, &pattern).unwrap();
+            o
+        })
+        .collect();
     b.upload(
         small.results[0].ptr,
         &vec![0xFF; small.results[0].ty.size_bytes() as usize],
@@ -660,6 +675,13 @@ fn scratch_grown_after_a_capture_leaves_the_captured_graph_working() {
         eager.f.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
         "the graph captured before the scratch grew no longer gives its eager result"
     );
+    for (i, o) in fresh.iter().enumerate() {
+        let after = get(&mut b, o);
+        assert!(
+            after.bytes() == pattern,
+            "allocation {i} made after the scratch grew was overwritten by the old graph's replay: the scratch it addresses was freed"
+        );
+    }
     b.destroy_graph(g).unwrap();
 }
 
