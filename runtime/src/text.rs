@@ -5,7 +5,7 @@
 //! Streaming decodes token by token without splitting a multi-byte character
 //! across pieces: a piece is emitted only once the text decoded so far no
 //! longer ends in a replacement character, and only what is new since the
-//! last piece is emitted.
+//! last piece is emitted; `finish` flushes a tail cut mid-character.
 //!
 //! Not here: chat templates (the prompt is used as given) and sampling (the
 //! engine decodes greedily).
@@ -98,6 +98,21 @@ impl TextStream<'_> {
             &mut self.prefix_index,
         )
         .map_err(|e| self.tok.err(e))
+    }
+
+    /// Ends the stream: the text of tokens `push` held back because they
+    /// end inside a multi-byte character (generation stopped mid-character),
+    /// decoded as the full decode would (with U+FFFD for the broken tail),
+    /// so the pieces always concatenate to `decode(all ids)`.
+    pub fn finish(self) -> Result<Option<String>, EngineError> {
+        if self.ids.is_empty() {
+            return Ok(None);
+        }
+        let text = self.tok.decode(&self.ids)?;
+        match text.strip_prefix(self.prefix.as_str()) {
+            Some(rest) if !rest.is_empty() => Ok(Some(rest.to_string())),
+            _ => Ok(None),
+        }
     }
 }
 
@@ -199,6 +214,9 @@ pub fn generate_text_with(
                     }
                 }
             }
+        }
+        if let Some(tail) = stream.finish()? {
+            sink(&tail);
         }
         Ok::<(), EngineError>(())
     })();

@@ -31,6 +31,34 @@ fn streamed_pieces_concatenate_to_the_full_text_and_never_split_a_character() {
 }
 
 #[test]
+fn a_stream_cut_inside_a_character_flushes_its_tail_on_finish() {
+    let dir = tempfile::tempdir().unwrap();
+    write_byte_tokenizer(dir.path()).unwrap();
+    let tok = TextTokenizer::from_dir(dir.path()).unwrap();
+    let ids = tok.encode("ok ✓").unwrap();
+    // Stop one byte short of the end: "✓" is three bytes.
+    let cut = &ids[..ids.len() - 1];
+    let mut stream = tok.stream();
+    let mut pieces = Vec::new();
+    for &id in cut {
+        if let Some(p) = stream.push(id).unwrap() {
+            pieces.push(p);
+        }
+    }
+    assert_eq!(pieces.concat(), "ok ", "the partial character is held back");
+    let tail = stream.finish().unwrap().expect("the held-back bytes");
+    pieces.push(tail);
+    assert_eq!(pieces.concat(), tok.decode(cut).unwrap());
+    assert!(pieces.concat().ends_with('\u{fffd}'), "{pieces:?}");
+    // A stream that ended on a whole character has nothing left.
+    let mut whole = tok.stream();
+    for &id in &ids {
+        whole.push(id).unwrap();
+    }
+    assert_eq!(whole.finish().unwrap(), None);
+}
+
+#[test]
 fn a_missing_tokenizer_is_an_error_saying_where_it_should_be() {
     let dir = tempfile::tempdir().unwrap();
     let err = TextTokenizer::from_dir(dir.path()).err().unwrap();
