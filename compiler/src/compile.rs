@@ -315,6 +315,11 @@ pub fn compile_traced<E: Display>(
         manifest,
         kv,
         keys: key_plans,
+        kernel_abi: if kernels.is_empty() {
+            0
+        } else {
+            kiln_kernels::gpu::kernel_abi()
+        },
         kernels,
     };
     if opts.verify {

@@ -242,6 +242,9 @@ pub fn plan_freshness(
             plan.meta.target
         ));
     }
+    if let Err(e) = kiln_runtime::loader::check_kernel_abi(&plan) {
+        return Freshness::Stale(e.to_string());
+    }
     let mut want = keys.to_vec();
     want.sort();
     want.dedup();

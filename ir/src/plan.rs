@@ -261,6 +261,10 @@ pub struct Plan {
     pub keys: Vec<KeyPlan>,
     /// Empty for `Target::Cpu`.
     pub kernels: Vec<KernelImage>,
+    /// The kernel ABI fingerprint (`kiln_kernels::gpu::kernel_abi`) the
+    /// images were compiled under; 0 for `Target::Cpu`. A runtime with other
+    /// kernels refuses the plan as stale.
+    pub kernel_abi: u64,
 }
 
 impl Plan {

@@ -65,6 +65,37 @@ pub const MODULES: [GpuModule; 6] = [
     },
 ];
 
+/// The launch catalog's own source: entry names, parameter order and the
+/// by-value structs' layouts live here, next to the kernels they call.
+const CATALOG_SOURCE: &str = include_str!("gpu.rs");
+
+/// A fingerprint of the GPU kernel ABI: FNV-1a over `kiln_port.h`, every
+/// module's source and this launch catalog. A plan records the value its
+/// kernel images were compiled under; a runtime whose kernels or catalog
+/// differ (a stale plan: the images would be launched with another
+/// parameter layout) refuses it before loading anything. Any edit counts,
+/// comments included: erring towards "recompile" is the safe side.
+pub fn kernel_abi() -> u64 {
+    static ABI: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *ABI.get_or_init(|| {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        let parts = std::iter::once(PORT_HEADER)
+            .chain(MODULES.iter().map(|m| m.raw_source))
+            .chain(std::iter::once(CATALOG_SOURCE));
+        for part in parts {
+            // Length first, so moving text between parts changes the hash.
+            for b in (part.len() as u64)
+                .to_le_bytes()
+                .iter()
+                .chain(part.as_bytes())
+            {
+                h = (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        h
+    })
+}
+
 /// Looks a module up by name.
 pub fn module(name: &str) -> Option<&'static GpuModule> {
     MODULES.iter().find(|m| m.name == name)

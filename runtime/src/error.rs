@@ -27,6 +27,13 @@ pub enum EngineError {
     },
     #[error("malformed plan: {0}; recompile it with `kiln compile`")]
     BadPlan(String),
+    #[error("stale plan: its {target} kernel images were compiled by kiln {compiler} from other kernel sources (kernel ABI {plan:016x}; this runtime's is {runtime:016x}), so they would be launched with another parameter layout; recompile it with this kiln: `kiln compile <model-dir> --target {target} ...`")]
+    StaleKernels {
+        target: String,
+        compiler: String,
+        plan: u64,
+        runtime: u64,
+    },
     #[error("plan/weights mismatch: {message}; point --weights at the directory the plan was compiled from, or recompile the plan against these weights")]
     WeightsMismatch { message: String },
     #[error("weight file {file}: {message}")]

@@ -111,8 +111,25 @@ fn check_buf(
     Ok(())
 }
 
-/// Checks a plan's internal consistency. Allocates nothing.
+/// Refuses a GPU plan whose kernel images were compiled from kernel
+/// sources other than this runtime's (see `kiln_kernels::gpu::kernel_abi`).
+pub fn check_kernel_abi(plan: &Plan) -> Result<(), EngineError> {
+    let ours = kiln_kernels::gpu::kernel_abi();
+    if plan.meta.target == Target::Cpu || plan.kernel_abi == ours {
+        return Ok(());
+    }
+    Err(EngineError::StaleKernels {
+        target: plan.meta.target.to_string(),
+        compiler: plan.meta.compiler_version.clone(),
+        plan: plan.kernel_abi,
+        runtime: ours,
+    })
+}
+
+/// Checks a plan's internal consistency, and that a GPU plan's kernels are
+/// this runtime's. Allocates nothing.
 pub fn validate_plan(plan: &Plan) -> Result<(), EngineError> {
+    check_kernel_abi(plan)?;
     let bad = |m: String| Err(EngineError::BadPlan(m));
     let kv = &plan.kv;
     let info = &plan.meta.info;
@@ -306,6 +323,28 @@ mod tests {
             name: "test device".into(),
             arch: arch.into(),
         }
+    }
+
+    #[test]
+    fn a_gpu_plan_compiled_from_other_kernel_sources_is_refused_as_stale() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut plan = crate::testing::TinyModel::default()
+            .build(dir.path())
+            .unwrap();
+        // A CPU plan carries no kernels: its fingerprint is not checked.
+        plan.kernel_abi = 7;
+        validate_plan(&plan).unwrap();
+        plan.meta.target = Target::Cuda { sm: 90 };
+        plan.kernel_abi = kiln_kernels::gpu::kernel_abi();
+        validate_plan(&plan).unwrap();
+        plan.kernel_abi ^= 1;
+        let e = validate_plan(&plan).unwrap_err();
+        assert!(matches!(e, EngineError::StaleKernels { .. }), "{e:?}");
+        let m = e.to_string();
+        assert!(
+            m.contains("stale plan") && m.contains("kiln compile") && m.contains("cuda:sm_90"),
+            "{m}"
+        );
     }
 
     #[test]

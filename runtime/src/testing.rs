@@ -340,6 +340,7 @@ impl TinyModel {
             kv,
             keys,
             kernels: vec![],
+            kernel_abi: 0,
         })
     }
 
