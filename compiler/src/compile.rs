@@ -277,12 +277,15 @@ pub fn compile_traced<E: Display>(
             key,
             message: e.to_string(),
         })?;
-        let (g, s) = passes::run_pipeline(g, &mut manifest, &opts.passes, opts.verify)?;
-        graphs.push(g);
+        let (g, info, s) = passes::run_pipeline(g, &mut manifest, &opts.passes, opts.verify)?;
+        graphs.push((g, info));
         stats.push(s);
         progress(Stage::Passes, key);
     }
-    passes::weights::prune(&mut manifest, &graphs.iter().collect::<Vec<_>>());
+    passes::weights::prune(
+        &mut manifest,
+        &graphs.iter().map(|(g, _)| g).collect::<Vec<_>>(),
+    );
 
     let ctx = PlanContext {
         manifest: &manifest,
@@ -292,8 +295,8 @@ pub fn compile_traced<E: Display>(
     };
     let mut key_plans = Vec::with_capacity(keys.len());
     let mut reports = Vec::with_capacity(keys.len());
-    for ((&key, g), s) in keys.iter().zip(graphs).zip(stats) {
-        let (kp, r) = planner::plan_key(key, g, &ctx)?;
+    for ((&key, (g, info)), s) in keys.iter().zip(graphs).zip(stats) {
+        let (kp, r) = planner::plan_key(key, g, &info, &ctx)?;
         key_plans.push(kp);
         reports.push(KeyReport {
             key,

@@ -433,7 +433,7 @@ fn the_kv_layout_follows_the_options() {
 }
 
 #[test]
-fn a_graph_traced_for_another_kv_layout_or_with_a_non_computed_output_is_refused() {
+fn a_graph_traced_for_another_kv_layout_with_a_non_computed_output_or_unverified_is_refused() {
     let spec = SynthSpec::tiny(SynthFamily::Llama);
     let key: Key = "b1q1s0".parse().unwrap();
     let kv = spec.kv_layout(16, 9, 64);
@@ -446,12 +446,13 @@ fn a_graph_traced_for_another_kv_layout_or_with_a_non_computed_output_is_refused
         target: &target,
         max_context: 64,
     };
-    let e = plan_key(key, spec.graph(key, &other, false), &ctx).unwrap_err();
+    let g = spec.graph(key, &other, false);
+    let e = plan_key(key, g.clone(), &verified(&g), &ctx).unwrap_err();
     assert!(matches!(e, PlanError::CacheType { .. }), "{e}");
     let mut g = spec.graph(key, &kv, false);
     let ids = g.inputs[0];
     g.add_output("echo", ids);
-    let e = plan_key(key, g, &ctx).unwrap_err();
+    let e = plan_key(key, g.clone(), &verified(&g), &ctx).unwrap_err();
     assert!(matches!(e, PlanError::OutputNotComputed { .. }), "{e}");
     assert!(e.to_string().contains("token_ids"), "{e}");
     let mut g = spec.graph(key, &kv, false);
@@ -459,6 +460,19 @@ fn a_graph_traced_for_another_kv_layout_or_with_a_non_computed_output_is_refused
     if let ValueDef::Weight(n) = &mut g.values[w.index()].def {
         *n = "no.such.weight".into();
     }
-    let e = plan_key(key, g, &ctx).unwrap_err();
+    let e = plan_key(key, g.clone(), &verified(&g), &ctx).unwrap_err();
     assert!(matches!(e, PlanError::MissingWeight { .. }), "{e}");
+    // A graph changed after it was verified is not planned on the old proof.
+    let mut g = spec.graph(key, &kv, false);
+    let proof = verified(&g);
+    let ty = g.ty(g.inputs[0]).clone();
+    g.add_input(kiln_ir::InputRole::ContextLens, ty);
+    let e = plan_key(key, g, &proof, &ctx).unwrap_err();
+    assert!(matches!(e, PlanError::Unverified { .. }), "{e}");
+}
+
+/// The IR verifier's proof for `g`, without the manifest check (these
+/// graphs are wrong for the planner on purpose, not for the verifier).
+fn verified(g: &kiln_ir::Graph) -> kiln_ir::GraphInfo {
+    kiln_ir::verify(g, None).unwrap_or_else(|e| panic!("{e}"))
 }

@@ -167,7 +167,7 @@ fn check_random(seed: u64) -> (f64, u32) {
         graph,
         mut manifest,
     } = random_graph(seed);
-    let (g, _) =
+    let (g, info, _) =
         run_pipeline(graph, &mut manifest, &[Pass::Dce], true).unwrap_or_else(|e| panic!("{e}"));
     let kv = no_kv();
     let target = Target::Cpu;
@@ -178,7 +178,7 @@ fn check_random(seed: u64) -> (f64, u32) {
         max_context: 16,
     };
     let key = Key::new(T, 1, 0);
-    let (kp, report) = plan_key(key, g, &ctx).unwrap_or_else(|e| panic!("{e}"));
+    let (kp, report) = plan_key(key, g, &info, &ctx).unwrap_or_else(|e| panic!("{e}"));
     let errs = check_key(&kp, &manifest, &kv);
     assert!(errs.is_empty(), "seed {seed:#x}: {errs:#?}");
     let mut rng = Rng::new(seed ^ 0x5555);

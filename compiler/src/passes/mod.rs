@@ -10,7 +10,8 @@
 //! prints densely.
 //!
 //! By default the verifier runs on the input and after every pass, and a
-//! failure names the pass that broke the graph. Fusions that need new
+//! failure names the pass that broke the graph; with that off it still runs
+//! once on the result, whose [`GraphInfo`] the planner requires. Fusions that need new
 //! weights add [`kiln_ir::WeightSource::ConcatRows`] entries to the shared
 //! manifest; [`weights::prune`] then drops what no graph reads.
 //!
@@ -26,7 +27,7 @@ pub mod weights;
 
 pub use editor::has_side_effects;
 
-use kiln_ir::{Graph, WeightManifest};
+use kiln_ir::{Graph, GraphInfo, WeightManifest};
 use std::fmt;
 
 /// One pass of the pipeline.
@@ -79,6 +80,8 @@ pub enum PassError {
         graph: String,
         errors: Vec<String>,
     },
+    #[error("graph `{graph}` is malformed after the passes:\n  {}\nper-pass verification was off, so the pass that broke it is unknown; rerun without `--no-verify` to name it", .errors.join("\n  "))]
+    Unverified { graph: String, errors: Vec<String> },
     #[error("pass `{pass}` failed on graph `{graph}`: {message}")]
     Failed {
         pass: Pass,
@@ -127,13 +130,15 @@ pub fn run_pass(
 }
 
 /// Runs `passes` in order, verifying the input and every pass's output when
-/// `verify` is set.
+/// `verify` is set. The result is verified either way: its [`GraphInfo`] is
+/// what the planner requires, so nothing is planned from unverified IR
+/// (`verify` off only stops naming the pass that broke a graph).
 pub fn run_pipeline(
     graph: Graph,
     manifest: &mut WeightManifest,
     passes: &[Pass],
     verify: bool,
-) -> Result<(Graph, PassStats), PassError> {
+) -> Result<(Graph, GraphInfo, PassStats), PassError> {
     pipeline(graph, manifest, passes, verify, run_pass)
 }
 
@@ -145,30 +150,44 @@ fn pipeline(
     passes: &[Pass],
     verify: bool,
     mut apply: impl FnMut(Pass, Graph, &mut WeightManifest, &mut PassStats) -> Result<Graph, PassError>,
-) -> Result<(Graph, PassStats), PassError> {
+) -> Result<(Graph, GraphInfo, PassStats), PassError> {
     let mut stats = PassStats {
         nodes_before: graph.nodes.len(),
         ..PassStats::default()
     };
+    let mut info = None;
     if verify {
-        verify::verify(&graph, Some(manifest)).map_err(|errors| PassError::BadInput {
-            graph: graph.name.clone(),
-            errors,
-        })?;
+        info =
+            Some(
+                verify::verify(&graph, Some(manifest)).map_err(|errors| PassError::BadInput {
+                    graph: graph.name.clone(),
+                    errors,
+                })?,
+            );
     }
     let mut g = graph;
     for &pass in passes {
         g = apply(pass, g, manifest, &mut stats)?;
         if verify {
-            verify::verify(&g, Some(manifest)).map_err(|errors| PassError::Verify {
-                pass,
-                graph: g.name.clone(),
-                errors,
-            })?;
+            info =
+                Some(
+                    verify::verify(&g, Some(manifest)).map_err(|errors| PassError::Verify {
+                        pass,
+                        graph: g.name.clone(),
+                        errors,
+                    })?,
+                );
         }
     }
+    let info = match info {
+        Some(info) => info,
+        None => verify::verify(&g, Some(manifest)).map_err(|errors| PassError::Unverified {
+            graph: g.name.clone(),
+            errors,
+        })?,
+    };
     stats.nodes_after = g.nodes.len();
-    Ok((g, stats))
+    Ok((g, info, stats))
 }
 
 #[cfg(test)]
@@ -177,7 +196,7 @@ mod tests {
     use synth::{SynthFamily, SynthSpec};
 
     #[test]
-    fn a_pass_that_breaks_the_graph_is_named_unless_verification_is_off() {
+    fn a_pass_that_breaks_the_graph_is_named_and_never_reaches_the_planner() {
         let spec = SynthSpec::tiny(SynthFamily::Llama);
         let key = kiln_ir::Key::new(2, 1, 0);
         let g = spec.graph(key, &spec.kv_layout(16, 9, 64), false);
@@ -204,8 +223,11 @@ mod tests {
         let text = e.to_string();
         assert!(text.contains("pass `fuse-gate-up`"), "{text}");
         assert!(text.contains("--no-verify"), "{text}");
-        // With verification off the broken graph goes through unchecked.
+        // With per-pass verification off the break is still caught before
+        // anything could plan it, without the pass's name.
         let mut m = spec.manifest();
-        assert!(pipeline(g, &mut m, &DEFAULT_PIPELINE, false, broken).is_ok());
+        let e = pipeline(g, &mut m, &DEFAULT_PIPELINE, false, broken).unwrap_err();
+        assert!(matches!(e, PassError::Unverified { .. }), "{e}");
+        assert!(e.to_string().contains("without `--no-verify`"), "{e}");
     }
 }

@@ -6,13 +6,15 @@
 //! an in-place result its argument's address, so such a read would see the
 //! new contents, not the old.
 
-use kiln_ir::{Graph, WeightManifest};
+use kiln_ir::{Graph, GraphInfo, WeightManifest};
 
-/// Every problem found, each naming where it is.
-pub fn verify(g: &Graph, manifest: Option<&WeightManifest>) -> Result<(), Vec<String>> {
-    if let Err(e) = kiln_ir::verify(g, manifest) {
-        return Err(e.errors.iter().map(|e| e.to_string()).collect());
-    }
+/// The IR verifier's [`GraphInfo`] when both checks pass, else every problem
+/// found, each naming where it is.
+pub fn verify(g: &Graph, manifest: Option<&WeightManifest>) -> Result<GraphInfo, Vec<String>> {
+    let info = match kiln_ir::verify(g, manifest) {
+        Ok(info) => info,
+        Err(e) => return Err(e.errors.iter().map(|e| e.to_string()).collect()),
+    };
     let mut errs = Vec::new();
     let mut clobbered: Vec<Option<usize>> = vec![None; g.values.len()];
     for (i, node) in g.nodes.iter().enumerate() {
@@ -30,7 +32,7 @@ pub fn verify(g: &Graph, manifest: Option<&WeightManifest>) -> Result<(), Vec<St
         }
     }
     if errs.is_empty() {
-        Ok(())
+        Ok(info)
     } else {
         Err(errs)
     }

@@ -30,12 +30,16 @@ pub mod workspace;
 use kiln_ir::plan::{
     BufRef, BufferPlan, KeyPlan, KvLayout, Operand, PlanOp, Region, Target, ARENA_ALIGN,
 };
-use kiln_ir::{Graph, InputRole, Key, NodeId, Op, TensorType, ValueDef, ValueId, WeightManifest};
+use kiln_ir::{
+    Graph, GraphInfo, InputRole, Key, NodeId, Op, TensorType, ValueDef, ValueId, WeightManifest,
+};
 
 /// Why a graph cannot be planned. These are mismatches between a graph and
 /// the manifest or KV layout it is planned against.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlanError {
+    #[error("key {key}: graph `{graph}` is not the one its verifier info describes; plan only what `passes::run_pipeline` (or `kiln_ir::verify`) returned with it")]
+    Unverified { key: Key, graph: String },
     #[error("key {key}: output `{name}` is {what}, not computed by the step; outputs must be op results so they can be written straight into the Io region")]
     OutputNotComputed {
         key: Key,
@@ -104,27 +108,34 @@ pub struct PlanReport {
     pub in_place: u32,
 }
 
-/// Plans one key (see the module docs).
+/// Plans one key (see the module docs). `info` is the verifier's proof for
+/// exactly this graph (as [`crate::passes::run_pipeline`] returns it):
+/// nothing is planned from unverified IR.
 pub fn plan_key(
     key: Key,
     graph: Graph,
+    info: &GraphInfo,
     ctx: &PlanContext,
 ) -> Result<(KeyPlan, PlanReport), PlanError> {
+    if !info.matches(&graph) {
+        return Err(PlanError::Unverified {
+            key,
+            graph: graph.name.clone(),
+        });
+    }
     let nv = graph.values.len();
     let n_ops = graph.nodes.len();
     let bytes = |v: ValueId| graph.ty(v).size_bytes();
 
-    // Liveness over the schedule (program order).
-    let mut first: Vec<Option<u32>> = vec![None; nv];
-    let mut last: Vec<Option<u32>> = vec![None; nv];
-    for (i, node) in graph.nodes.iter().enumerate() {
-        for &r in &node.results {
-            first[r.index()] = Some(i as u32);
-        }
-        for &a in &node.args {
-            last[a.index()] = Some(i as u32);
-        }
-    }
+    // Liveness over the schedule (program order, the verified topological
+    // order): defined by its node, live to its last reader.
+    let at = |n: Option<NodeId>| n.map(|n| n.0);
+    let first: Vec<Option<u32>> = (0..nv as u32)
+        .map(|v| at(info.def_node(ValueId(v))))
+        .collect();
+    let last: Vec<Option<u32>> = (0..nv as u32)
+        .map(|v| at(info.last_use(ValueId(v))))
+        .collect();
 
     let mut buf: Vec<Option<BufRef>> = vec![None; nv];
 
