@@ -401,7 +401,8 @@ pub struct CompileArgs {
     /// Also output the f32 logits of every scored row.
     #[arg(long)]
     pub logits: bool,
-    /// Skip graph verification between passes and the plan checker.
+    /// Skip graph verification between passes (the final graph is still
+    /// verified before planning) and the independent plan checker.
     #[arg(long)]
     pub no_verify: bool,
     /// Where to write the plan.

@@ -74,7 +74,7 @@ pub enum PlanError {
         result: usize,
         arg: usize,
     },
-    #[error("key {key}: value %{value} is neither an input, a weight nor a node result, so it cannot be placed; the graph is malformed (run without --no-verify to see why)")]
+    #[error("key {key}: value %{value} is neither an input, a weight nor a node result, so it cannot be placed; the verifier accepted a graph it should not have: please report this compiler bug")]
     Unplaced { key: Key, value: u32 },
 }
 
