@@ -150,7 +150,16 @@ fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
     );
     let _ = writeln!(o, "  arena       {} bytes", plan.arena_bytes);
     let _ = writeln!(o, "  workspace   {} bytes", plan.workspace_bytes);
-    let _ = writeln!(o, "  kernels     {}", plan.kernels.len());
+    if plan.kernels.is_empty() {
+        let _ = writeln!(o, "  kernels     0");
+    } else {
+        let _ = writeln!(
+            o,
+            "  kernels     {} images, kernel ABI {:016x}",
+            plan.kernels.len(),
+            plan.kernel_abi
+        );
+    }
     let _ = writeln!(
         o,
         "  weights     {} entries, {} bytes",
