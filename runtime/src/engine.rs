@@ -26,7 +26,7 @@
 use crate::backend::{Backend, BackendError, DevOperand, DevPtr, GraphHandle, Launch};
 use crate::error::EngineError;
 use crate::kv::KvManager;
-use crate::loader::{check_target, validate_plan};
+use crate::loader::{check_kernel_abi, check_target, validate_plan};
 use crate::policy::{graphs_supported, EagerFallback, GraphDecision, GraphMode, GraphsSupportedFn};
 use crate::weights::WeightSet;
 use kiln_ir::graph::InputRole;
@@ -292,7 +292,8 @@ impl Engine {
     /// Loads `plan` with the weights in `weights_dir` onto `backend`.
     ///
     /// Everything is checked before the first allocation: the plan's internal
-    /// consistency, its target against the backend's device, and the weight
+    /// consistency, its target against the backend's device, a GPU plan's
+    /// kernel ABI against this runtime's kernels, and the weight
     /// files against the plan (sizes, header hashes, every tensor's dtype and
     /// shape).
     pub fn new(
@@ -304,6 +305,7 @@ impl Engine {
         validate_plan(&plan)?;
         let info = backend.info();
         check_target(&plan.meta.target, &info)?;
+        check_kernel_abi(&plan)?;
         let decision = GraphDecision::decide(options.graphs, options.graphs_supported, &info)?;
         let weights = WeightSet::open(&plan, weights_dir)?;
 

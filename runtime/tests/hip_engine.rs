@@ -34,6 +34,7 @@ fn run(graphs: GraphMode) {
     let arch = be.info().arch;
     plan.meta.target = Target::Hip { gfx: arch.clone() };
     plan.kernels = kernel_images(&arch, &kernels_translation_unit().unwrap(), None).unwrap();
+    plan.kernel_abi = kiln_kernels::gpu::kernel_abi();
     let mut opts = options(graphs);
     opts.graphs_supported = graphs_supported;
     let mut e = Engine::new(plan, dir.path(), Box::new(be), opts).unwrap();
