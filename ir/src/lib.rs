@@ -11,7 +11,8 @@
 //! * [`golden`]: golden-file checks for tests (`KILN_BLESS=1` refreshes);
 //! * [`key`]: shape keys `(batch, query, spec)`;
 //! * [`manifest`]: weights and their load-time transforms;
-//! * [`plan`]: what a compiled plan holds (and [`artifact`] its encoding).
+//! * [`plan`]: what a compiled plan holds (and [`artifact`] its encoding);
+//! * [`rng`]: the deterministic generator tests and fixtures share.
 //!
 //! Not here: model frontends, passes and planning (compiler), execution
 //! (runtime), kernels (kernels).
@@ -26,6 +27,7 @@ pub mod op;
 pub mod parse;
 pub mod plan;
 pub mod print;
+pub mod rng;
 pub mod types;
 pub mod verify;
 

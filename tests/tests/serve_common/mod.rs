@@ -87,18 +87,14 @@ pub fn faults_from_env() -> Faults {
 }
 
 /// Deterministic pseudo-random numbers for workloads.
-pub struct Rng(u64);
+pub struct Rng(kiln_ir::rng::SplitMix64);
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng(seed)
+        Rng(kiln_ir::rng::SplitMix64::new(seed))
     }
     pub fn below(&mut self, n: u32) -> u32 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) % n as u64) as u32
+        (self.0.next_u64() % n as u64) as u32
     }
     pub fn prompt(&mut self, vocab: u32, len: usize) -> Vec<u32> {
         (0..len).map(|_| self.below(vocab)).collect()
