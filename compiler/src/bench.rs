@@ -406,14 +406,9 @@ pub fn random_entry(entry: &WeightEntry, seed: u64) -> Result<Vec<u8>, BenchErro
     convert(&f, DType::F32, entry.dtype)
 }
 
-/// The staging uploads of one key's step: each input's Io location and
-/// bytes, checked against the sizes the plan recorded.
-pub fn key_uploads(
-    plan: &kiln_ir::plan::Plan,
-    key: Key,
-    context: u32,
-) -> Result<Vec<(kiln_ir::plan::BufRef, Vec<u8>)>, BenchError> {
-    let kp = plan.key_plan(key).ok_or_else(|| {
+/// The key's plan, or a usage error listing the keys the plan has.
+fn key_plan(plan: &kiln_ir::plan::Plan, key: Key) -> Result<&kiln_ir::plan::KeyPlan, BenchError> {
+    plan.key_plan(key).ok_or_else(|| {
         BenchError::Usage(format!(
             "key {key} is not in the plan (it has: {})",
             plan.keys
@@ -422,7 +417,17 @@ pub fn key_uploads(
                 .collect::<Vec<_>>()
                 .join(", ")
         ))
-    })?;
+    })
+}
+
+/// The staging uploads of one key's step: each input's Io location and
+/// bytes, checked against the sizes the plan recorded.
+pub fn key_uploads(
+    plan: &kiln_ir::plan::Plan,
+    key: Key,
+    context: u32,
+) -> Result<Vec<(kiln_ir::plan::BufRef, Vec<u8>)>, BenchError> {
+    let kp = key_plan(plan, key)?;
     let inputs = step_inputs(key, &plan.kv, context, plan.meta.info.vocab_size, 11)?;
     let mut out = Vec::new();
     for (role, buf) in &kp.inputs {
@@ -592,16 +597,7 @@ mod cuda {
         };
         let mut results = Vec::new();
         for key in wanted {
-            let kp = plan.key_plan(key).ok_or_else(|| {
-                BenchError::Usage(format!(
-                    "key {key} is not in the plan (it has: {})",
-                    plan.keys
-                        .iter()
-                        .map(|k| k.key.to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ))
-            })?;
+            let kp = key_plan(&plan, key)?;
             let io = b.alloc(kp.io_bytes.max(1), "io").map_err(dev)?;
             bases.insert(Region::Io, io);
             for (buf, bytes) in key_uploads(&plan, key, args.context)? {

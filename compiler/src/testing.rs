@@ -474,6 +474,33 @@ pub fn write_tiny_model(dir: &Path, family: Family, spec: &TinySpec) -> io::Resu
     write_atomic(&dir.join("model.safetensors.index.json"), index.as_bytes())
 }
 
+/// The SmolLM2 GGUF the real-model tests read: `KILN_SMOLLM2_GGUF`, else
+/// kiln's cache. `None` (the test skips, saying so) when it is not there,
+/// unless `KILN_REQUIRE_SMOLLM2=1` (CI), which makes a missing file a panic.
+pub fn smollm2_gguf_for_tests() -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("KILN_SMOLLM2_GGUF")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            crate::fetch::default_cache_dir()
+                .join("smollm2")
+                .join(crate::fetch::SMOLLM2_FILE)
+        });
+    if path.is_file() {
+        return Some(path);
+    }
+    if std::env::var("KILN_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
+        panic!(
+            "KILN_REQUIRE_SMOLLM2=1 but {} does not exist; run `kiln fetch`",
+            path.display()
+        );
+    }
+    eprintln!(
+        "SKIPPED: {} not found (run `kiln fetch`, or set KILN_SMOLLM2_GGUF)",
+        path.display()
+    );
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,39 +8,16 @@
 //! lstrip_blocks=True)`, `raise_exception` as a global).
 
 use kiln_compiler::chat::{ChatError, ChatMessage, ChatTemplate};
-use kiln_compiler::fetch;
 use kiln_compiler::gguf::GgufFile;
+use kiln_compiler::testing::smollm2_gguf_for_tests;
 use kiln_compiler::tokenizer_build::build_tokenizer;
 use proptest::prelude::*;
-use std::path::PathBuf;
-
-fn smollm2() -> Option<PathBuf> {
-    let path = std::env::var_os("KILN_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            fetch::default_cache_dir()
-                .join("smollm2")
-                .join(fetch::SMOLLM2_FILE)
-        });
-    if path.is_file() {
-        return Some(path);
-    }
-    if std::env::var("KILN_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
-        panic!(
-            "KILN_REQUIRE_SMOLLM2=1 but {} does not exist; run `kiln fetch`",
-            path.display()
-        );
-    }
-    eprintln!(
-        "SKIPPED: {} not found (run `kiln fetch`, or set KILN_SMOLLM2_GGUF)",
-        path.display()
-    );
-    None
-}
 
 #[test]
 fn smollm2_template_renders_chatml_with_its_own_default_system_prompt() {
-    let Some(path) = smollm2() else { return };
+    let Some(path) = smollm2_gguf_for_tests() else {
+        return;
+    };
     let g = GgufFile::open(&path).unwrap();
     let built = build_tokenizer(&g, Some(8192)).unwrap();
     let dir = tempfile::tempdir().unwrap();

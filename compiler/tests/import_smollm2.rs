@@ -9,37 +9,13 @@
 //! makes a missing file a failure (set it where the file is fetched, as CI
 //! should).
 
-use kiln_compiler::fetch;
 use kiln_compiler::gguf::{GgmlType, GgufFile};
 use kiln_compiler::import::{import_gguf, ImportOptions};
+use kiln_compiler::testing::smollm2_gguf_for_tests;
 use kiln_compiler::tokenizer_build::build_tokenizer;
 use safetensors::SafeTensors;
 use serde_json::Value;
 use std::path::PathBuf;
-
-fn smollm2() -> Option<PathBuf> {
-    let path = std::env::var_os("KILN_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            fetch::default_cache_dir()
-                .join("smollm2")
-                .join(fetch::SMOLLM2_FILE)
-        });
-    if path.is_file() {
-        return Some(path);
-    }
-    if std::env::var("KILN_REQUIRE_SMOLLM2").as_deref() == Ok("1") {
-        panic!(
-            "KILN_REQUIRE_SMOLLM2=1 but {} does not exist; run `kiln fetch`",
-            path.display()
-        );
-    }
-    eprintln!(
-        "SKIPPED: {} not found (run `kiln fetch`, or set KILN_SMOLLM2_GGUF)",
-        path.display()
-    );
-    None
-}
 
 fn recorded(name: &str) -> Value {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -50,7 +26,9 @@ fn recorded(name: &str) -> Value {
 
 #[test]
 fn smollm2_gguf_is_q4_1_with_a_q8_0_embedding_and_f32_norms() {
-    let Some(path) = smollm2() else { return };
+    let Some(path) = smollm2_gguf_for_tests() else {
+        return;
+    };
     let g = GgufFile::open(&path).unwrap();
     assert_eq!(g.version(), 3);
     assert_eq!(g.get_str("general.architecture").unwrap(), Some("llama"));
@@ -68,7 +46,9 @@ fn smollm2_gguf_is_q4_1_with_a_q8_0_embedding_and_f32_norms() {
 
 #[test]
 fn imported_smollm2_tokenizer_matches_recorded_hf_ids() {
-    let Some(path) = smollm2() else { return };
+    let Some(path) = smollm2_gguf_for_tests() else {
+        return;
+    };
     let g = GgufFile::open(&path).unwrap();
     let built = build_tokenizer(&g, Some(8192)).unwrap();
     let tok: tokenizers::Tokenizer = built.tokenizer_json.parse().unwrap();
@@ -97,7 +77,9 @@ fn imported_smollm2_tokenizer_matches_recorded_hf_ids() {
 
 #[test]
 fn imported_smollm2_weights_and_config_match_recorded_hf_samples() {
-    let Some(path) = smollm2() else { return };
+    let Some(path) = smollm2_gguf_for_tests() else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("smollm2");
     let report = import_gguf(&path, &out, &ImportOptions::default()).unwrap();
