@@ -42,6 +42,33 @@ for l in sys.stdin:
     if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="cuda_serve" and m.get("executable"): print(m["executable"])')
   cp "$bin" "$dest/cuda_serve"
   strip "$dest/cuda_serve" "$dest/cuda_backend"
+  rm -f "$dest/cuda_backend_mutant"
+  if [[ -n "${KILN_MUTANT:-}" ]]; then
+    # Mutation check of scratch retirement: `retire` made to free the old
+    # scratch even while a captured graph still holds its address. The
+    # test scratch_grown_after_a_capture_leaves_the_captured_graph_working
+    # must FAIL on this binary (the run below checks that it does).
+    src="$root/runtime/src/cuda/mod.rs"
+    cp "$src" "$dest/.mod.rs.orig"
+    python3 - "$src" <<'PY'
+import sys
+p = sys.argv[1]
+s = open(p).read()
+old = "        if self.graphs.is_empty() {\n            self.raw_free(p)"
+assert old in s, "mutation site not found"
+open(p, "w").write(s.replace(old, "        if true || self.graphs.is_empty() {\n            self.raw_free(p)"))
+PY
+    bin=$(cd "$root" && cargo test --release -p kiln-runtime --features cuda --no-run --message-format=json 2>/dev/null \
+          | python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="cuda_backend" and m.get("executable"): print(m["executable"])')
+    cp "$dest/.mod.rs.orig" "$src" && rm "$dest/.mod.rs.orig"
+    cp "$bin" "$dest/cuda_backend_mutant"
+    strip "$dest/cuda_backend_mutant"
+    # Rebuild the real binary so target/ holds the unmutated one again.
+    (cd "$root" && cargo test --release -p kiln-runtime --features cuda --no-run -q 2>/dev/null)
+  fi
   cp "$0" "$dest/gpu-check.sh"
   (cd "$root" && cargo build -q --release -p kiln-compiler --features cuda --bin kiln)
   cp "$root/target/release/kiln" "$dest/kiln"
@@ -132,6 +159,17 @@ if [[ -n "${KILN_ATTN_SWEEP:-}" && -x "$here/kiln" && -f "$here/plan/model.kiln"
       --keys "${KILN_SWEEP_KEYS:-b1q1s0,b32q1s0}" --steps 200 --context "${KILN_BENCH_CONTEXT:-512}" \
       --json "$OUT/kiln-bench-attn$t.json" || status=1
   done
+fi
+
+if [[ -x "$here/cuda_backend_mutant" ]]; then
+  echo "== mutation check: retire frees unconditionally (the test must FAIL)"
+  "$here/cuda_backend_mutant" --test-threads=1 --exact \
+    scratch_grown_after_a_capture_leaves_the_captured_graph_working 2>&1 | tee "$OUT/mutant.txt"
+  if grep -q "test result: FAILED" "$OUT/mutant.txt"; then
+    echo "mutation caught: the test fails when retire frees a captured graph's scratch"
+  else
+    echo "MUTATION NOT CAUGHT"; status=1
+  fi
 fi
 
 echo "== summary"

@@ -614,6 +614,7 @@ mod cuda {
                         })
                     };
                     Ok(Launch {
+                        const_args: 0,
                         kernel: op.kernel.clone(),
                         op: op.op.clone(),
                         args: op.args.iter().map(operand).collect::<Result<_, _>>()?,

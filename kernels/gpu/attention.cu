@@ -84,7 +84,14 @@ KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
                              const AttnShape& a, int b, int g, int part, int p0, int p1,
                              const int* rid, const int* qpos, i64 slot_stride, T* direct_out);
 
-template <typename T, int RT, int VEC>
+template <typename T, int RT>
+KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
+                          const T* __restrict__ vc, const int* __restrict__ block_tables,
+                          float* __restrict__ part_acc, float* __restrict__ part_ml,
+                          const AttnShape& a, int b, int g, int part, int p0, int p1,
+                          const int* rid, const int* qpos, i64 slot_stride, T* direct_out);
+
+template <typename T, int RT, int VEC, bool STREAM>
 KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
                         const int* __restrict__ block_tables, const int* __restrict__ context_lens,
                         float* __restrict__ part_acc, float* __restrict__ part_ml,
@@ -149,8 +156,13 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
       }
     }
   } else {
-    attn_partition<T, RT, VEC>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0, p1,
-                               rid, qpos, slot_stride, nact == 1 ? out : nullptr);
+    if (STREAM) {
+      attn_stream<T, RT>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0, p1, rid,
+                         qpos, slot_stride, nact == 1 ? out : nullptr);
+    } else {
+      attn_partition<T, RT, VEC>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0,
+                                 p1, rid, qpos, slot_stride, nact == 1 ? out : nullptr);
+    }
   }
   if (nact == 1) return;  // written directly (a window-skipped lone partition is impossible:
                           // the last position is always visible to the last row)
@@ -376,14 +388,260 @@ KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
   }
 }
 
+// Eight consecutive elements of T as loaded (16 bytes for bf16/f16, 32 for
+// f32), kept packed in registers until used.
+template <typename T>
+struct Raw8 {
+  uint4 u[sizeof(T) / 2];
+};
+template <typename T>
+KILN_DEV Raw8<T> load_raw8(const T* p) {
+  Raw8<T> r;
+  const uint4* s = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.u[i] = s[i];
+  return r;
+}
+template <typename T>
+KILN_DEV Raw8<T> zero_raw8() {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.u[i] = make_uint4(0u, 0u, 0u, 0u);
+  return r;
+}
+KILN_DEV void unraw8(const Raw8<kbf16>& r, float* o) {
+  const unsigned int w[4] = {r.u[0].x, r.u[0].y, r.u[0].z, r.u[0].w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    o[2 * k] = kiln_u2f(w[k] << 16);
+    o[2 * k + 1] = kiln_u2f(w[k] & 0xffff0000u);
+  }
+}
+KILN_DEV void unraw8(const Raw8<kf16>& r, float* o) {
+  const unsigned int w[4] = {r.u[0].x, r.u[0].y, r.u[0].z, r.u[0].w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    kf16 lo, hi;
+    lo.bits = (unsigned short)(w[k] & 0xffffu);
+    hi.bits = (unsigned short)(w[k] >> 16);
+    o[2 * k] = ld(lo);
+    o[2 * k + 1] = ld(hi);
+  }
+}
+KILN_DEV void unraw8(const Raw8<float>& r, float* o) {
+  const unsigned int w[8] = {r.u[0].x, r.u[0].y, r.u[0].z, r.u[0].w,
+                             r.u[1].x, r.u[1].y, r.u[1].z, r.u[1].w};
+#pragma unroll
+  for (int k = 0; k < 8; ++k) o[k] = kiln_u2f(w[k]);
+}
+
+// Merges softmax state (m2, l2, acc2) into (m, l, acc): both are sums of
+// exp(s - m) over disjoint key sets; an empty set has m = -inf and l = 0.
+KILN_DEV void merge_state(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
+  const float mm = fmaxf(m, m2);
+  const float wa = m == -KILN_INF ? 0.0f : expf(m - mm);
+  const float wb = m2 == -KILN_INF ? 0.0f : expf(m2 - mm);
+  l = l * wa + l2 * wb;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) acc[k] = acc[k] * wa + acc2[k] * wb;
+  m = mm;
+}
+
+// The streaming form of one partition, for head_dim a multiple of 8 and at
+// most 256 (one 8-element chunk per lane; the catalog picks it then).
+// Groups of tg lanes own one key each; every lane issues the K and the V
+// loads of its KU keys together (one DRAM round trip per KU keys, not one
+// for K and another for V), and keeps an online softmax (running max m,
+// sum l, unnormalized accumulator) per row in registers. Keys are dealt
+// out interleaved (key = base + u * keys_per_pass + group), so a short
+// partition still keeps every warp busy. At the end the lane groups of a
+// warp merge by shuffles and the warps through shared memory.
+template <typename T, int RT>
+KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
+                          const T* __restrict__ vc, const int* __restrict__ block_tables,
+                          float* __restrict__ part_acc, float* __restrict__ part_ml,
+                          const AttnShape& a, int b, int g, int part, int p0, int p1,
+                          const int* rid, const int* qpos, i64 slot_stride, T* direct_out) {
+  extern __shared__ float smem[];
+  const int tid = threadIdx.x;
+  const int hd = a.head_dim;
+  const int np = p1 - p0;
+  float* qs = smem;                                   // [RT][hd]
+  int* slot_of = (int*)(qs + RT * hd);                // [part_len]
+  float* wacc = (float*)(slot_of + a.part_len);       // [warps][RT][hd]
+  float* wml = wacc + KILN_ATTN_WARPS * RT * hd;      // [warps][RT][2]
+  const int* bt = block_tables + (i64)b * a.max_blocks;
+  for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
+    const int j = i / hd, d = i % hd;
+    qs[i] = rid[j] >= 0 ? ld(q[(i64)rid[j] * hd + d]) : 0.0f;
+  }
+  for (int x = tid; x < np; x += KILN_ATTN_THREADS) {
+    const int p = p0 + x;
+    slot_of[x] = bt[p / a.block_size] * a.block_size + p % a.block_size;
+  }
+  __syncthreads();
+
+  constexpr int KU = RT <= 2 ? 8 : 4;
+  const int lane = tid % KILN_WARP, warp = tid / KILN_WARP;
+  const int tg = a.tg, lig = lane % tg, kslot = lane / tg, kpw = KILN_WARP / tg;
+  const int nch = hd / 8;
+  const bool active = lig < nch;
+  const int c = active ? lig : 0;
+  const int per_pass = KILN_ATTN_WARPS * kpw;  // keys one unrolled step covers per u
+  const int me = warp * kpw + kslot;
+  const T* kbase = kc + (i64)g * hd + c * 8;
+  const T* vbase = vc + (i64)g * hd + c * 8;
+  float m[RT], l[RT], acc[RT][8];
+#pragma unroll
+  for (int j = 0; j < RT; ++j) {
+    m[j] = -KILN_INF;
+    l[j] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[j][k] = 0.0f;
+  }
+  for (int pb = p0; pb < p1; pb += per_pass * KU) {
+    Raw8<T> kr[KU], vr[KU];
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const int p = pb + u * per_pass + me;
+      if (active && p < p1) {
+        const i64 off = (i64)slot_of[p - p0] * slot_stride;
+        kr[u] = load_raw8(kbase + off);
+        vr[u] = load_raw8(vbase + off);
+      } else {
+        kr[u] = zero_raw8<T>();
+        vr[u] = zero_raw8<T>();
+      }
+    }
+    float s[KU][RT];
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      float kf[8];
+      unraw8(kr[u], kf);
+#pragma unroll
+      for (int j = 0; j < RT; ++j) {
+        const float* qr = qs + j * hd + c * 8;
+        float d = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) d += qr[k] * kf[k];
+        s[u][j] = active ? d : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < KU; ++u)
+#pragma unroll
+      for (int j = 0; j < RT; ++j)
+        for (int mk = tg / 2; mk > 0; mk >>= 1) s[u][j] += shfl_xor(s[u][j], mk);
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const int p = pb + u * per_pass + me;
+#pragma unroll
+      for (int j = 0; j < RT; ++j) {
+        float x = s[u][j] * a.scale;
+        if (a.softcap > 0.0f) x = a.softcap * tanhf(x / a.softcap);
+        const bool vis = p < p1 && rid[j] >= 0 && p <= qpos[j] &&
+                         (a.window <= 0 || p > qpos[j] - a.window);
+        s[u][j] = vis ? x : -KILN_INF;
+      }
+    }
+    float vf[KU][8];
+#pragma unroll
+    for (int u = 0; u < KU; ++u) unraw8(vr[u], vf[u]);
+#pragma unroll
+    for (int j = 0; j < RT; ++j) {
+      float mx = m[j];
+#pragma unroll
+      for (int u = 0; u < KU; ++u) mx = fmaxf(mx, s[u][j]);
+      if (mx != -KILN_INF) {
+        const float corr = m[j] == -KILN_INF ? 0.0f : expf(m[j] - mx);
+        l[j] *= corr;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[j][k] *= corr;
+#pragma unroll
+        for (int u = 0; u < KU; ++u) {
+          const float e = s[u][j] == -KILN_INF ? 0.0f : expf(s[u][j] - mx);
+          l[j] += e;
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[j][k] += e * vf[u][k];
+        }
+        m[j] = mx;
+      }
+    }
+  }
+  // Lane groups of a warp: merge by shuffles (every lane takes part).
+  for (int off = tg; off < KILN_WARP; off <<= 1) {
+#pragma unroll
+    for (int j = 0; j < RT; ++j) {
+      const float m2 = shfl_xor(m[j], off);
+      const float l2 = shfl_xor(l[j], off);
+      float a2[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) a2[k] = shfl_xor(acc[j][k], off);
+      merge_state(m[j], l[j], acc[j], m2, l2, a2);
+    }
+  }
+  if (kslot == 0) {
+#pragma unroll
+    for (int j = 0; j < RT; ++j) {
+      if (lig < nch) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) wacc[(warp * RT + j) * hd + c * 8 + k] = acc[j][k];
+      }
+      if (lane == 0) {
+        wml[(warp * RT + j) * 2] = m[j];
+        wml[(warp * RT + j) * 2 + 1] = l[j];
+      }
+    }
+  }
+  __syncthreads();
+  // Warps: merge through shared memory, one output element per thread.
+  for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
+    const int j = i / hd, d = i % hd;
+    if (rid[j] < 0) continue;
+    float mm = -KILN_INF;
+#pragma unroll
+    for (int w = 0; w < KILN_ATTN_WARPS; ++w) mm = fmaxf(mm, wml[(w * RT + j) * 2]);
+    float ls = 0.0f, s = 0.0f;
+    if (mm != -KILN_INF) {
+#pragma unroll
+      for (int w = 0; w < KILN_ATTN_WARPS; ++w) {
+        const float mw = wml[(w * RT + j) * 2];
+        const float e = mw == -KILN_INF ? 0.0f : expf(mw - mm);
+        ls += wml[(w * RT + j) * 2 + 1] * e;
+        s += wacc[(w * RT + j) * hd + d] * e;
+      }
+    }
+    if (direct_out != nullptr) {
+      // The combine's arithmetic for one partition (weight exp(0) = 1).
+      direct_out[(i64)rid[j] * hd + d] = st<T>(s * (ls > 0.0f ? 1.0f / ls : 0.0f));
+    } else {
+      part_acc[((i64)rid[j] * a.num_parts + part) * hd + d] = s;
+      if (d == 0) {
+        float* ml = part_ml + ((i64)rid[j] * a.num_parts + part) * 2;
+        ml[0] = mm;
+        ml[1] = ls;
+      }
+    }
+  }
+}
+
 #define KILN_ATTN_PART(T, S, RT, VEC)                                                          \
   KILN_GLOBAL void __launch_bounds__(KILN_ATTN_THREADS)                                        \
       paged_attn_part_r##RT##_v##VEC##_##S(const T* q, const T* kc, const T* vc,               \
                                            const int* block_tables, const int* context_lens,   \
                                            float* part_acc, float* part_ml,                    \
                                            unsigned int* counters, T* out, AttnShape a) {      \
-    attn_part<T, RT, VEC>(q, kc, vc, block_tables, context_lens, part_acc, part_ml, counters,  \
-                          out, a);                                                             \
+    attn_part<T, RT, VEC, false>(q, kc, vc, block_tables, context_lens, part_acc, part_ml,    \
+                                 counters, out, a);                                            \
+  }
+#define KILN_ATTN_STREAM(T, S, RT)                                                             \
+  KILN_GLOBAL void __launch_bounds__(KILN_ATTN_THREADS)                                        \
+      paged_attn_stream_r##RT##_##S(const T* q, const T* kc, const T* vc,                      \
+                                    const int* block_tables, const int* context_lens,          \
+                                    float* part_acc, float* part_ml, unsigned int* counters,   \
+                                    T* out, AttnShape a) {                                     \
+    attn_part<T, RT, 8, true>(q, kc, vc, block_tables, context_lens, part_acc, part_ml,        \
+                              counters, out, a);                                               \
   }
 #define KILN_ATTN_ENTRIES(T, S)                                                                \
   KILN_ATTN_PART(T, S, 1, 8)                                                                   \
@@ -393,5 +651,9 @@ KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
   KILN_ATTN_PART(T, S, 1, 1)                                                                   \
   KILN_ATTN_PART(T, S, 2, 1)                                                                   \
   KILN_ATTN_PART(T, S, 4, 1)                                                                   \
-  KILN_ATTN_PART(T, S, 8, 1)
+  KILN_ATTN_PART(T, S, 8, 1)                                                                   \
+  KILN_ATTN_STREAM(T, S, 1)                                                                    \
+  KILN_ATTN_STREAM(T, S, 2)                                                                    \
+  KILN_ATTN_STREAM(T, S, 4)                                                                    \
+  KILN_ATTN_STREAM(T, S, 8)
 KILN_FOR_FLOATS(KILN_ATTN_ENTRIES)

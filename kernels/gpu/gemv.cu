@@ -35,12 +35,11 @@ KILN_DEV void unpack8(uint4 u, const kf16*, float* o) {
 
 template <typename T, typename O, int TT>
 KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
-                        const T* __restrict__ bias, O* __restrict__ out, int tokens, int n, int k) {
-  KILN_PROLOGUE();
+                        const T* __restrict__ bias, O* __restrict__ out, int tokens, int n, int k,
+                        int w_const) {
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
   const i64 row0 = ((i64)blockIdx.x * KILN_GEMV_WARPS + warp) * KILN_GEMV_ROWS;
-  if (row0 >= n) return;
   const int kv = k / 8;  // 8-element vectors per row
   float acc[KILN_GEMV_ROWS][TT];
 #pragma unroll
@@ -50,18 +49,37 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
   const uint4* wv[KILN_GEMV_ROWS];
 #pragma unroll
   for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
-    const i64 row = row0 + r < n ? row0 + r : row0;  // duplicate a valid row; result dropped
+    // A warp past the last row re-reads row 0 (its results are dropped), so
+    // every warp reaches the dependency wait below.
+    const i64 row = row0 + r < n ? row0 + r : (row0 < n ? row0 : 0);
     wv[r] = reinterpret_cast<const uint4*>(w + row * k);
   }
   const uint4* xv = reinterpret_cast<const uint4*>(x);
   constexpr int UNROLL = 4;
   int c = lane;
-  for (; c + (UNROLL - 1) * KILN_WARP < kv; c += UNROLL * KILN_WARP) {
-    uint4 wr[KILN_GEMV_ROWS][UNROLL];
+  // When w is a weight (w_const: its bytes never change while the engine
+  // lives), the first weight vectors are loaded BEFORE the dependency wait,
+  // so under programmatic dependent launch this GEMV streams its first
+  // bytes while the kernel before it (which produced x) is still finishing.
+  // Nothing another kernel writes is read, and nothing is written, before
+  // KILN_PROLOGUE().
+  uint4 wr[KILN_GEMV_ROWS][UNROLL];
+  bool full = c + (UNROLL - 1) * KILN_WARP < kv;
+  if (full && w_const) {
 #pragma unroll
     for (int r = 0; r < KILN_GEMV_ROWS; ++r)
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
+  }
+  KILN_PROLOGUE();
+  if (row0 >= n) return;
+  if (full && !w_const) {
+#pragma unroll
+    for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
+  }
+  while (full) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int cc = c + u * KILN_WARP;
@@ -79,6 +97,14 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
           }
         }
       }
+    }
+    c += UNROLL * KILN_WARP;
+    full = c + (UNROLL - 1) * KILN_WARP < kv;
+    if (full) {
+#pragma unroll
+      for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
     }
   }
   for (; c < kv; c += KILN_WARP) {
@@ -117,8 +143,8 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
 #define KILN_GEMV(T, S, O, OS, TT)                                                              \
   KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
       gemv_t##TT##_##S##_##OS(const T* x, const T* w, const T* bias, O* out, int tokens, int n,  \
-                              int k) {                                                          \
-    gemv_rows<T, O, TT>(x, w, bias, out, tokens, n, k);                                         \
+                              int k, int w_const) {                                             \
+    gemv_rows<T, O, TT>(x, w, bias, out, tokens, n, k, w_const);                                \
   }
 #define KILN_GEMV_TOKENS(T, S, O, OS)                                                           \
   KILN_GEMV(T, S, O, OS, 1) KILN_GEMV(T, S, O, OS, 2) KILN_GEMV(T, S, O, OS, 4)               \

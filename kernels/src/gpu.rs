@@ -138,8 +138,10 @@ pub const GEMV_ROWS_PER_BLOCK: u32 = 16;
 /// The kiln skinny-GEMM kernel for `g` when it applies (T <= 8, bf16/f16
 /// inputs, K a multiple of 8): a decode-shaped GEMM that is one pass over
 /// the weights. Backends time it against the BLAS library's algorithms
-/// and keep the faster.
-pub fn gemv_call(g: &GemmCall) -> Option<KernelCall> {
+/// and keep the faster. `w_const`: the weight operand is a weight whose
+/// bytes never change during a step (not an activation), so the kernel may
+/// load it before waiting for the kernel that produced `x`.
+pub fn gemv_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
     let i = match g.dtype {
         DType::BF16 => "bf16",
         DType::F16 => "f16",
@@ -168,6 +170,7 @@ pub fn gemv_call(g: &GemmCall) -> Option<KernelCall> {
             Param::I32(g.t as i32),
             Param::I32(g.n as i32),
             Param::I32(g.k as i32),
+            Param::I32(w_const as i32),
         ],
     })
 }
@@ -192,6 +195,7 @@ pub fn entry_points(module: &str) -> Vec<String> {
                     for vec in [8, 1] {
                         v.push(format!("paged_attn_part_r{rt}_v{vec}_{s}"));
                     }
+                    v.push(format!("paged_attn_stream_r{rt}_{s}"));
                 }
             }
         }
@@ -345,6 +349,8 @@ pub const ROPE_MAX_HEAD_DIM: u32 = 256;
 pub const HEAD_NORM_MAX_HEAD_DIM: u32 = 512;
 /// Threads of an attention partition block.
 pub const ATTN_THREADS: u32 = 128;
+/// Lanes of a warp, as the kernels are written (`KILN_WARP`).
+const KILN_WARP: u32 = 32;
 /// Upper bound on attention partitions per sequence.
 pub const ATTN_MAX_PARTS: u32 = 256;
 /// Elements of a row one block of the argmax's first stage scans.
@@ -432,6 +438,9 @@ pub fn rope_freqs_blob(rope: &Rope, head_dim: u32) -> Vec<u8> {
 /// Geometry of one paged-attention op (see `attention.cu`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnGeometry {
+    /// The streaming partition kernel (`paged_attn_stream_*`: head_dim a
+    /// multiple of 8, at most 256) rather than the phased one.
+    pub stream: bool,
     /// Query rows per partition block (1, 2, 4 or 8).
     pub row_tile: u32,
     /// Row tiles per (sequence, kv head).
@@ -498,12 +507,20 @@ pub fn attention_geometry(
     let num_parts = max_ctx.div_ceil(part_len).max(1);
     let npl = (ATTN_THREADS / nch) as u64;
     let (rt, hd) = (row_tile as u64, head_dim as u64);
-    // Phase 1: q rows, scores and the slot of each position; phase 2: the
-    // per-position-lane partial sums of V.
-    // Phase 3 (the last block): partition weights and 1/L per row.
-    let floats = (rt * hd + rt * part_len + part_len)
-        .max(npl * rt * hd)
-        .max(rt * (num_parts + 1));
+    // The streaming kernel (K and V loaded together, online softmax in
+    // registers) needs one 8-element chunk per lane.
+    let stream = vec == 8 && nch <= KILN_WARP;
+    let partition = if stream {
+        // q rows, the slot of each position, then each warp's (acc, m, l).
+        let warps = (ATTN_THREADS / KILN_WARP) as u64;
+        rt * hd + part_len + warps * rt * (hd + 2)
+    } else {
+        // Phase 1: q rows, scores and the slot of each position; phase 2:
+        // the per-position-lane partial sums of V.
+        (rt * hd + rt * part_len + part_len).max(npl * rt * hd)
+    };
+    // Then (the last block): partition weights and 1/L per row.
+    let floats = partition.max(rt * (num_parts + 1));
     let shared = floats * 4;
     if shared > MAX_STATIC_SHARED as u64 {
         return Err(unsupported(format!(
@@ -515,6 +532,7 @@ pub fn attention_geometry(
     let ml_offset = acc_bytes.div_ceil(256) * 256;
     let scratch_bytes = ml_offset + row_parts * 2 * 4;
     Ok(AttnGeometry {
+        stream,
         row_tile,
         tiles,
         vec,
@@ -792,7 +810,11 @@ pub fn lower(
             }
             let part = KernelCall {
                 module: "attention",
-                entry: format!("paged_attn_part_r{}_v{}_{s}", g.row_tile, g.vec),
+                entry: if g.stream {
+                    format!("paged_attn_stream_r{}_{s}", g.row_tile)
+                } else {
+                    format!("paged_attn_part_r{}_v{}_{s}", g.row_tile, g.vec)
+                },
                 grid: [g.num_parts, grid_y as u32, 1],
                 block: [ATTN_THREADS, 1, 1],
                 shared_bytes: g.shared_bytes,
@@ -1199,15 +1221,20 @@ mod tests {
             out,
             bias: true,
         };
-        let c = gemv_call(&g(3, 1024, DType::BF16, DType::F32)).unwrap();
+        let c = gemv_call(&g(3, 1024, DType::BF16, DType::F32), true).unwrap();
         assert_eq!(c.entry, "gemv_t4_bf16_f32");
         assert!(entry_points("gemv").contains(&c.entry));
         assert_eq!(c.grid[0] * GEMV_ROWS_PER_BLOCK, 1008);
         assert_eq!(c.params[2], Param::Arg(2));
-        assert!(gemv_call(&g(9, 1024, DType::BF16, DType::BF16)).is_none());
-        assert!(gemv_call(&g(1, 1020, DType::BF16, DType::BF16)).is_none());
-        assert!(gemv_call(&g(1, 1024, DType::F32, DType::F32)).is_none());
-        assert!(gemv_call(&g(1, 1024, DType::BF16, DType::F16)).is_none());
+        // The weight-prefetch flag is the last parameter; an activation as
+        // the weight operand must not be read before the dependency wait.
+        assert_eq!(c.params.last(), Some(&Param::I32(1)));
+        let c = gemv_call(&g(3, 1024, DType::BF16, DType::F32), false).unwrap();
+        assert_eq!(c.params.last(), Some(&Param::I32(0)));
+        assert!(gemv_call(&g(9, 1024, DType::BF16, DType::BF16), true).is_none());
+        assert!(gemv_call(&g(1, 1020, DType::BF16, DType::BF16), true).is_none());
+        assert!(gemv_call(&g(1, 1024, DType::F32, DType::F32), true).is_none());
+        assert!(gemv_call(&g(1, 1024, DType::BF16, DType::F16), true).is_none());
     }
 
     #[test]

@@ -41,6 +41,11 @@ pub struct Launch {
     pub results: Vec<DevOperand>,
     /// Workspace the op may use (GEMMs), already allocated.
     pub workspace: Option<(DevPtr, u64)>,
+    /// Bit `i` set: argument `i` is a weight, whose bytes never change
+    /// while the engine lives, so a kernel may start reading it before the
+    /// ops it depends on have finished (the CUDA GEMV prefetches it then).
+    /// 0 is always safe.
+    pub const_args: u32,
 }
 
 /// A captured, instantiated graph.

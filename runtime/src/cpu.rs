@@ -519,6 +519,7 @@ mod tests {
             ty: ty.clone(),
         };
         Launch {
+            const_args: 0,
             kernel: "add_f32".into(),
             op: Op::Add,
             args: vec![o(a), o(b)],

@@ -355,6 +355,13 @@ impl Engine {
                         ty: o.ty.clone(),
                     };
                     Launch {
+                        const_args: op
+                            .args
+                            .iter()
+                            .take(32)
+                            .enumerate()
+                            .filter(|(_, a)| matches!(a.buf.region, Region::Weight(_)))
+                            .fold(0, |m, (i, _)| m | 1 << i),
                         kernel: op.kernel.clone(),
                         op: op.op.clone(),
                         args: op.args.iter().map(dev).collect(),

@@ -289,6 +289,20 @@ fn paged_attention_matches_for_gqa_causal_windows_softcap_and_long_contexts() {
             Some(30.0),
         ),
         (DType::F32, vec![70], 1, 2, 1, 64, 16, 5, None, None),
+        // f16 through the streaming kernel (head_dim a multiple of 8), with
+        // a window and a softcap; 36 above takes the phased kernel.
+        (
+            DType::F16,
+            vec![150, 3],
+            2,
+            8,
+            4,
+            64,
+            16,
+            12,
+            Some(50),
+            Some(20.0),
+        ),
         (
             DType::BF16,
             vec![4800, 1000],
@@ -354,6 +368,7 @@ fn packed_silu_mul_written_in_place_over_its_input_is_still_correct() {
         ty: out_ty,
     };
     let l = Launch {
+        const_args: 0,
         kernel: "silu_mul_bf16".into(),
         op: Op::SiluMul,
         args: vec![x],
@@ -464,6 +479,7 @@ fn gemm_algorithms_are_chosen_within_the_granted_workspace() {
         );
         let out = poisoned(&mut b, &TensorType::new(DType::BF16, vec![16, 4096]));
         let l = Launch {
+            const_args: 0,
             kernel: "gemm".into(),
             op: Op::MatMul {
                 bias: false,
@@ -503,6 +519,7 @@ fn small_step(b: &mut CudaBackend, r: &mut Rng) -> (Vec<Launch>, DevOperand, Dev
     let logits = poisoned(b, &TensorType::new(DType::F32, vec![4, v]));
     let next = poisoned(b, &TensorType::new(DType::I32, vec![4]));
     let l = |kernel: &str, op: Op, args: Vec<DevOperand>, results: Vec<DevOperand>| Launch {
+        const_args: 0,
         kernel: kernel.into(),
         op,
         args,
@@ -610,6 +627,7 @@ fn scratch_grown_after_a_capture_leaves_the_captured_graph_working() {
         let dargs: Vec<DevOperand> = args.iter().map(|a| put(b, a)).collect();
         let out = poisoned(b, &rty);
         Launch {
+            const_args: 0,
             kernel: "test:paged_attention".into(),
             op: op.clone(),
             args: dargs,
@@ -980,6 +998,7 @@ fn bench_synthetic_qwen3_0_6b_step_replay_vs_eager() {
             let x = put(&mut b, &HT::random(&mut r, DType::BF16, &[t, k], 1.0));
             let out = poisoned(&mut b, &TensorType::new(DType::BF16, vec![t, n]));
             let l = Launch {
+                const_args: 0,
                 kernel: "gemm".into(),
                 op: Op::MatMul {
                     bias: false,

@@ -48,6 +48,7 @@ fn add_launch(a: DevPtr, b: DevPtr, c: DevPtr, n: u32) -> Launch {
         ty: ty.clone(),
     };
     Launch {
+        const_args: 0,
         kernel: "add_f32".into(),
         op: Op::Add,
         args: vec![op(a), op(b)],
@@ -306,6 +307,7 @@ mod hip {
             b.alloc((t * n * 4) as u64, "logits").unwrap(),
         );
         let l = Launch {
+            const_args: 0,
             kernel: "gemm".into(),
             op: Op::MatMul {
                 bias: true,
@@ -1163,6 +1165,7 @@ mod on_sim {
             });
         }
         Launch {
+            const_args: 0,
             kernel: "gemm".into(),
             op: Op::MatMul {
                 bias: bias.is_some(),
@@ -1300,6 +1303,7 @@ mod on_sim {
         let bf = |s: Vec<u32>| TensorType::new(DType::BF16, s);
         let i = |s: Vec<u32>| TensorType::new(DType::I32, s);
         Launch {
+            const_args: 0,
             kernel: "paged_attention_bf16".into(),
             op: Op::PagedAttention {
                 heads: 4,

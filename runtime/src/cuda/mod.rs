@@ -519,7 +519,7 @@ impl CudaBackend {
             return Ok(());
         }
         let policy = self.gemm_policy;
-        let kiln = gpu::gemv_call(g)
+        let kiln = gpu::gemv_call(g, launch.const_args & 2 != 0)
             .filter(|c| self.functions.contains_key(&c.entry))
             .filter(|_| policy != GemmPolicy::BlasOnly);
         let n = self.blas.select(g, granted.1, kiln.is_some())?;
@@ -627,7 +627,8 @@ impl CudaBackend {
             self.prepare_gemm(launch, g, false)?;
         }
         if self.gemm_impl[g].0 == GemmImpl::Kiln {
-            let call = gpu::gemv_call(g).expect("chosen only when it applies");
+            let call =
+                gpu::gemv_call(g, launch.const_args & 2 != 0).expect("chosen only when it applies");
             return self.launch_kernel(launch, &call);
         }
         let bias = if g.bias {

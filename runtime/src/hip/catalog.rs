@@ -194,6 +194,7 @@ mod tests {
                 .collect()
         };
         Launch {
+            const_args: 0,
             kernel: "add_f32".into(),
             op: Op::Add,
             args: ops(args),

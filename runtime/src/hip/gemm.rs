@@ -406,6 +406,7 @@ mod tests {
 
     fn launch(op: Op, args: Vec<TensorType>, result: TensorType) -> Launch {
         Launch {
+            const_args: 0,
             kernel: "gemm".into(),
             op,
             args: args
