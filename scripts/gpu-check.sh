@@ -161,6 +161,40 @@ if [[ -n "${KILN_ATTN_SWEEP:-}" && -x "$here/kiln" && -f "$here/plan/model.kiln"
   done
 fi
 
+if [[ -n "${KILN_NCU:-}" && -x "$here/kiln" && -f "$here/plan/model.kiln" ]]; then
+  # Nsight Compute on the steady-state kernels of `kiln bench` (b1 and b32):
+  # duration, DRAM throughput, occupancy and warp stall reasons per kernel.
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [[ -n "$ncu_bin" ]]; then
+    for key in b1q1s0 b32q1s0; do
+      echo "== ncu, $key (kernels matching ${KILN_NCU_KERNELS:-paged_attn|gemv_t|add_rms_norm|qkv_rope})"
+      timeout 240 "$ncu_bin" --kernel-name regex:"${KILN_NCU_KERNELS:-paged_attn|gemv_t|add_rms_norm|qkv_rope}" \
+        --launch-skip 300 --launch-count 12 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+        --csv --page details "$here/kiln" bench "$here/plan/model.kiln" --device cuda --keys "$key" \
+        --steps 20 --context "${KILN_BENCH_CONTEXT:-512}" > "$OUT/ncu-$key.csv" 2> "$OUT/ncu-$key.err"
+      echo "ncu exit $? ($(wc -l < "$OUT/ncu-$key.csv") lines)"
+      python3 - "$OUT/ncu-$key.csv" <<'PY'
+import csv, sys, collections
+rows = list(csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')))
+if not rows: sys.exit()
+h = rows[0]; ix = {k: i for i, k in enumerate(h)}
+want = ("Duration", "DRAM Throughput", "Memory Throughput", "Achieved Occupancy", "Registers Per Thread",
+        "Grid Size", "Block Size", "Warp Cycles Per Issued Instruction")
+seen = collections.OrderedDict()
+for r in rows[1:]:
+    k = (r[ix["ID"]], r[ix["Kernel Name"]][:40])
+    if r[ix["Metric Name"]] in want:
+        seen.setdefault(k, {})[r[ix["Metric Name"]]] = r[ix["Metric Value"]] + " " + r[ix["Metric Unit"]]
+for (i, n), m in seen.items():
+    print(i, n, "; ".join(f"{a}={m.get(a, '?')}" for a in want))
+PY
+    done
+  else
+    echo "ncu not found"
+  fi
+fi
+
 if [[ -x "$here/cuda_backend_mutant" ]]; then
   echo "== mutation check: retire frees unconditionally (the test must FAIL)"
   "$here/cuda_backend_mutant" --test-threads=1 --exact \

@@ -14,6 +14,13 @@
 // Context lengths and block tables are read from device memory, so the grid
 // is sized for the widest context (M * block_size) and blocks past a
 // sequence's context return at once. Softmax is f32 throughout.
+//
+// Step 1 has two forms. paged_attn_stream_* (head_dim a multiple of 8, at
+// most 256: every model kiln traces) streams K and V together with an
+// online softmax in registers, and issues the loads the previous kernel
+// cannot affect before its programmatic-dependent-launch wait (see
+// attn_stream). paged_attn_part_* (any head_dim up to 1024) works in
+// phases: scores to shared memory, softmax, then V.
 #include "kiln_port.h"
 
 #define KILN_ATTN_THREADS 128
@@ -89,7 +96,8 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
                           const T* __restrict__ vc, const int* __restrict__ block_tables,
                           float* __restrict__ part_acc, float* __restrict__ part_ml,
                           const AttnShape& a, int b, int g, int part, int p0, int p1,
-                          const int* rid, const int* qpos, i64 slot_stride, T* direct_out);
+                          const int* rid, const int* qpos, i64 slot_stride, int new_from,
+                          T* direct_out);
 
 template <typename T, int RT, int VEC, bool STREAM>
 KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
@@ -97,7 +105,9 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
                         float* __restrict__ part_acc, float* __restrict__ part_ml,
                         unsigned int* __restrict__ counters, T* __restrict__ out,
                         const AttnShape& a) {
-  KILN_PROLOGUE();
+  // The streaming kernel waits for the kernel before it later, inside
+  // attn_stream, after issuing the loads that kernel cannot affect.
+  if (!STREAM) KILN_PROLOGUE();
   extern __shared__ float smem[];
   __shared__ int last_block;
   const int tid = threadIdx.x;
@@ -146,6 +156,7 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
     skip = p1 <= lo;
   }
   if (skip) {
+    if (STREAM) KILN_PROLOGUE();
     if (tid == 0) {
 #pragma unroll
       for (int j = 0; j < RT; ++j) {
@@ -158,7 +169,7 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   } else {
     if (STREAM) {
       attn_stream<T, RT>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0, p1, rid,
-                         qpos, slot_stride, nact == 1 ? out : nullptr);
+                         qpos, slot_stride, ctx - a.query, nact == 1 ? out : nullptr);
     } else {
       attn_partition<T, RT, VEC>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0,
                                  p1, rid, qpos, slot_stride, nact == 1 ? out : nullptr);
@@ -435,6 +446,13 @@ KILN_DEV void unraw8(const Raw8<float>& r, float* o) {
   for (int k = 0; k < 8; ++k) o[k] = kiln_u2f(w[k]);
 }
 
+// One key's K and V chunks (same slot offset), loads issued together.
+template <typename T>
+KILN_DEV void load_kv(const T* kbase, const T* vbase, i64 off, Raw8<T>& k, Raw8<T>& v) {
+  k = load_raw8(kbase + off);
+  v = load_raw8(vbase + off);
+}
+
 // Merges softmax state (m2, l2, acc2) into (m, l, acc): both are sums of
 // exp(s - m) over disjoint key sets; an empty set has m = -inf and l = 0.
 KILN_DEV void merge_state(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
@@ -461,7 +479,8 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
                           const T* __restrict__ vc, const int* __restrict__ block_tables,
                           float* __restrict__ part_acc, float* __restrict__ part_ml,
                           const AttnShape& a, int b, int g, int part, int p0, int p1,
-                          const int* rid, const int* qpos, i64 slot_stride, T* direct_out) {
+                          const int* rid, const int* qpos, i64 slot_stride, int new_from,
+                          T* direct_out) {
   extern __shared__ float smem[];
   const int tid = threadIdx.x;
   const int hd = a.head_dim;
@@ -471,10 +490,13 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
   float* wacc = (float*)(slot_of + a.part_len);       // [warps][RT][hd]
   float* wml = wacc + KILN_ATTN_WARPS * RT * hd;      // [warps][RT][2]
   const int* bt = block_tables + (i64)b * a.max_blocks;
-  for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
-    const int j = i / hd, d = i % hd;
-    qs[i] = rid[j] >= 0 ? ld(q[(i64)rid[j] * hd + d]) : 0.0f;
-  }
+  // Before the dependency wait (programmatic dependent launch, sm_90): only
+  // what the kernel before this one cannot have written. Block tables and
+  // context lengths are step inputs, staged before the step's first
+  // kernel; K/V rows of positions before this step's tokens (p < ctx -
+  // query) were written by earlier steps. The kernel before attention
+  // writes q and the new tokens' K/V, so those are loaded after the wait.
+  // Nothing is written before it.
   for (int x = tid; x < np; x += KILN_ATTN_THREADS) {
     const int p = p0 + x;
     slot_of[x] = bt[p / a.block_size] * a.block_size + p % a.block_size;
@@ -489,6 +511,7 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
   const int c = active ? lig : 0;
   const int per_pass = KILN_ATTN_WARPS * kpw;  // keys one unrolled step covers per u
   const int me = warp * kpw + kslot;
+  const int old_end = new_from;  // positions >= this one are written by this step
   const T* kbase = kc + (i64)g * hd + c * 8;
   const T* vbase = vc + (i64)g * hd + c * 8;
   float m[RT], l[RT], acc[RT][8];
@@ -499,18 +522,42 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc[j][k] = 0.0f;
   }
-  for (int pb = p0; pb < p1; pb += per_pass * KU) {
-    Raw8<T> kr[KU], vr[KU];
+  Raw8<T> kr[KU], vr[KU];
 #pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      const int p = pb + u * per_pass + me;
-      if (active && p < p1) {
-        const i64 off = (i64)slot_of[p - p0] * slot_stride;
-        kr[u] = load_raw8(kbase + off);
-        vr[u] = load_raw8(vbase + off);
-      } else {
-        kr[u] = zero_raw8<T>();
-        vr[u] = zero_raw8<T>();
+  for (int u = 0; u < KU; ++u) {
+    const int p = p0 + u * per_pass + me;
+    if (active && p < p1 && p < old_end) {
+      load_kv(kbase, vbase, (i64)slot_of[p - p0] * slot_stride, kr[u], vr[u]);
+    } else {
+      kr[u] = zero_raw8<T>();
+      vr[u] = zero_raw8<T>();
+    }
+  }
+  KILN_PROLOGUE();
+  for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
+    const int j = i / hd, d = i % hd;
+    qs[i] = rid[j] >= 0 ? ld(q[(i64)rid[j] * hd + d]) : 0.0f;
+  }
+#pragma unroll
+  for (int u = 0; u < KU; ++u) {
+    const int p = p0 + u * per_pass + me;
+    if (active && p < p1 && p >= old_end) {
+      load_kv(kbase, vbase, (i64)slot_of[p - p0] * slot_stride, kr[u], vr[u]);
+    }
+  }
+  __syncthreads();
+
+  for (int pb = p0; pb < p1; pb += per_pass * KU) {
+    if (pb != p0) {
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        const int p = pb + u * per_pass + me;
+        if (active && p < p1) {
+          load_kv(kbase, vbase, (i64)slot_of[p - p0] * slot_stride, kr[u], vr[u]);
+        } else {
+          kr[u] = zero_raw8<T>();
+          vr[u] = zero_raw8<T>();
+        }
       }
     }
     float s[KU][RT];
@@ -527,11 +574,22 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
         s[u][j] = active ? d : 0.0f;
       }
     }
+    // Sum each key's dot product over its lane group: the steps unrolled
+    // with every (key, row) inside, so the shuffles of different keys
+    // overlap. Keys past the partition (the same for the whole warp) are
+    // skipped.
 #pragma unroll
-    for (int u = 0; u < KU; ++u)
+    for (int mk = KILN_WARP / 2; mk > 0; mk >>= 1) {
+      if (mk < tg) {
 #pragma unroll
-      for (int j = 0; j < RT; ++j)
-        for (int mk = tg / 2; mk > 0; mk >>= 1) s[u][j] += shfl_xor(s[u][j], mk);
+        for (int u = 0; u < KU; ++u) {
+          if (pb + u * per_pass < p1) {
+#pragma unroll
+            for (int j = 0; j < RT; ++j) s[u][j] += shfl_xor(s[u][j], mk);
+          }
+        }
+      }
+    }
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
       const int p = pb + u * per_pass + me;
@@ -559,7 +617,8 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
         for (int k = 0; k < 8; ++k) acc[j][k] *= corr;
 #pragma unroll
         for (int u = 0; u < KU; ++u) {
-          const float e = s[u][j] == -KILN_INF ? 0.0f : expf(s[u][j] - mx);
+          if (pb + u * per_pass >= p1) continue;  // past the partition, whole warp
+          const float e = expf(s[u][j] - mx);     // exp(-inf) = 0: invisible keys add nothing
           l[j] += e;
 #pragma unroll
           for (int k = 0; k < 8; ++k) acc[j][k] += e * vf[u][k];
@@ -569,7 +628,9 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
     }
   }
   // Lane groups of a warp: merge by shuffles (every lane takes part).
-  for (int off = tg; off < KILN_WARP; off <<= 1) {
+#pragma unroll
+  for (int off = 1; off < KILN_WARP; off <<= 1) {
+    if (off < tg) continue;
 #pragma unroll
     for (int j = 0; j < RT; ++j) {
       const float m2 = shfl_xor(m[j], off);

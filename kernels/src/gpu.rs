@@ -355,9 +355,12 @@ const KILN_WARP: u32 = 32;
 pub const ATTN_MAX_PARTS: u32 = 256;
 /// Elements of a row one block of the argmax's first stage scans.
 pub const ARGMAX_CHUNK: u32 = 4096;
-/// Attention blocks the partition size aims for by default (about eight per
-/// SM of an H100/H200, so enough K/V bytes are in flight).
-pub const ATTN_TARGET_BLOCKS: u64 = 1024;
+/// Attention blocks the partition size aims for by default (about two per
+/// SM of an H100/H200). With the streaming kernel, 256 matched 1024 at b1
+/// and beat it by 8% at b32 on the H200 (Qwen3-0.6B shape, context 512:
+/// `bench/results/gpu-2026-11-29-s4/`); shorter partitions only add
+/// combine work once each block keeps enough K/V loads in flight.
+pub const ATTN_TARGET_BLOCKS: u64 = 256;
 
 /// The attention block target in effect: `KILN_ATTN_TARGET_BLOCKS` when set
 /// to a positive integer (a tuning knob for `kiln bench` sweeps; geometry is

@@ -383,7 +383,11 @@ pub fn upload(b: &mut CudaBackend, step: &Step) -> DevStep {
         .iter()
         .map(|s| Launch {
             // Every matmul here multiplies by a weight, as in the engine.
-            const_args: if matches!(s.op, Op::MatMul { .. }) { 2 } else { 0 },
+            const_args: if matches!(s.op, Op::MatMul { .. }) {
+                2
+            } else {
+                0
+            },
             kernel: kiln_kernels::gpu::kernel_name(&s.op, step.bufs[s.args[0]].ty.dtype),
             op: s.op.clone(),
             args: s.args.iter().map(|&a| ptrs[a].clone()).collect(),
