@@ -30,13 +30,7 @@
 template <int VEC>
 KILN_DEV void load_vec(const kbf16* p, float* o) {
   if (VEC == 8) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      o[2 * k] = kiln_u2f(w[k] << 16);
-      o[2 * k + 1] = kiln_u2f(w[k] & 0xffff0000u);
-    }
+    unpack8(*reinterpret_cast<const uint4*>(p), p, o);
   } else {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) o[k] = ld(p[k]);
@@ -45,16 +39,7 @@ KILN_DEV void load_vec(const kbf16* p, float* o) {
 template <int VEC>
 KILN_DEV void load_vec(const kf16* p, float* o) {
   if (VEC == 8) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      kf16 lo, hi;
-      lo.bits = (unsigned short)(w[k] & 0xffffu);
-      hi.bits = (unsigned short)(w[k] >> 16);
-      o[2 * k] = ld(lo);
-      o[2 * k + 1] = ld(hi);
-    }
+    unpack8(*reinterpret_cast<const uint4*>(p), p, o);
   } else {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) o[k] = ld(p[k]);
@@ -70,6 +55,25 @@ KILN_DEV void load_vec(const float* p, float* o) {
   } else {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) o[k] = p[k];
+  }
+}
+
+// The tile's query rows into shared memory as f32 (zeros past the group).
+template <typename T, int RT>
+KILN_DEV void load_q_rows(const T* __restrict__ q, const int* rid, int hd, float* qs) {
+  for (int i = threadIdx.x; i < RT * hd; i += KILN_ATTN_THREADS) {
+    const int j = i / hd, d = i % hd;
+    qs[i] = rid[j] >= 0 ? ld(q[(i64)rid[j] * hd + d]) : 0.0f;
+  }
+}
+
+// The cache slot of each of the partition's np positions from p0, read
+// through the sequence's block table `bt`.
+KILN_DEV void fill_slots(const int* __restrict__ bt, int p0, int np, int block_size,
+                         int* slot_of) {
+  for (int x = threadIdx.x; x < np; x += KILN_ATTN_THREADS) {
+    const int p = p0 + x;
+    slot_of[x] = bt[p / block_size] * block_size + p % block_size;
   }
 }
 
@@ -245,14 +249,8 @@ KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
   float* sc = smem + RT * hd;             // [RT][P]
   int* slot_of = (int*)(sc + RT * a.part_len);  // [P]: cache slot of each position
   const int* bt = block_tables + (i64)b * a.max_blocks;
-  for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
-    const int j = i / hd, d = i % hd;
-    qs[i] = rid[j] >= 0 ? ld(q[(i64)rid[j] * hd + d]) : 0.0f;
-  }
-  for (int x = tid; x < np; x += KILN_ATTN_THREADS) {
-    const int p = p0 + x;
-    slot_of[x] = bt[p / a.block_size] * a.block_size + p % a.block_size;
-  }
+  load_q_rows<T, RT>(q, rid, hd, qs);
+  fill_slots(bt, p0, np, a.block_size, slot_of);
   __syncthreads();
 
   // Scores. tg lanes share a key (each lane VEC elements of the chunks it
@@ -421,24 +419,9 @@ KILN_DEV Raw8<T> zero_raw8() {
   return r;
 }
 KILN_DEV void unraw8(const Raw8<kbf16>& r, float* o) {
-  const unsigned int w[4] = {r.u[0].x, r.u[0].y, r.u[0].z, r.u[0].w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    o[2 * k] = kiln_u2f(w[k] << 16);
-    o[2 * k + 1] = kiln_u2f(w[k] & 0xffff0000u);
-  }
+  unpack8(r.u[0], (const kbf16*)nullptr, o);
 }
-KILN_DEV void unraw8(const Raw8<kf16>& r, float* o) {
-  const unsigned int w[4] = {r.u[0].x, r.u[0].y, r.u[0].z, r.u[0].w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    kf16 lo, hi;
-    lo.bits = (unsigned short)(w[k] & 0xffffu);
-    hi.bits = (unsigned short)(w[k] >> 16);
-    o[2 * k] = ld(lo);
-    o[2 * k + 1] = ld(hi);
-  }
-}
+KILN_DEV void unraw8(const Raw8<kf16>& r, float* o) { unpack8(r.u[0], (const kf16*)nullptr, o); }
 KILN_DEV void unraw8(const Raw8<float>& r, float* o) {
   const unsigned int w[8] = {r.u[0].x, r.u[0].y, r.u[0].z, r.u[0].w,
                              r.u[1].x, r.u[1].y, r.u[1].z, r.u[1].w};
@@ -497,10 +480,7 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
   // query) were written by earlier steps. The kernel before attention
   // writes q and the new tokens' K/V, so those are loaded after the wait.
   // Nothing is written before it.
-  for (int x = tid; x < np; x += KILN_ATTN_THREADS) {
-    const int p = p0 + x;
-    slot_of[x] = bt[p / a.block_size] * a.block_size + p % a.block_size;
-  }
+  fill_slots(bt, p0, np, a.block_size, slot_of);
   __syncthreads();
 
   constexpr int KU = RT <= 2 ? 8 : 4;
@@ -534,10 +514,7 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
     }
   }
   KILN_PROLOGUE();
-  for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
-    const int j = i / hd, d = i % hd;
-    qs[i] = rid[j] >= 0 ? ld(q[(i64)rid[j] * hd + d]) : 0.0f;
-  }
+  load_q_rows<T, RT>(q, rid, hd, qs);
 #pragma unroll
   for (int u = 0; u < KU; ++u) {
     const int p = p0 + u * per_pass + me;

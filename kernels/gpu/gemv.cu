@@ -13,26 +13,6 @@
 #define KILN_GEMV_WARPS 8
 #define KILN_GEMV_ROWS 2
 
-KILN_DEV void unpack8(uint4 u, const kbf16*, float* o) {
-  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    o[2 * k] = kiln_u2f(w[k] << 16);
-    o[2 * k + 1] = kiln_u2f(w[k] & 0xffff0000u);
-  }
-}
-KILN_DEV void unpack8(uint4 u, const kf16*, float* o) {
-  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    kf16 lo, hi;
-    lo.bits = (unsigned short)(w[k] & 0xffffu);
-    hi.bits = (unsigned short)(w[k] >> 16);
-    o[2 * k] = ld(lo);
-    o[2 * k + 1] = ld(hi);
-  }
-}
-
 template <typename T, typename O, int TT>
 KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
                         const T* __restrict__ bias, O* __restrict__ out, int tokens, int n, int k,

@@ -103,6 +103,28 @@ template <> KILN_DEV kf16 st<kf16>(float f) {
   return r;
 }
 
+// Eight packed 16-bit values (one 16-byte load) as f32. The pointer
+// argument only picks the storage type.
+KILN_DEV void unpack8(uint4 u, const kbf16*, float* o) {
+  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    o[2 * k] = kiln_u2f(w[k] << 16);
+    o[2 * k + 1] = kiln_u2f(w[k] & 0xffff0000u);
+  }
+}
+KILN_DEV void unpack8(uint4 u, const kf16*, float* o) {
+  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    kf16 lo, hi;
+    lo.bits = (unsigned short)(w[k] & 0xffffu);
+    hi.bits = (unsigned short)(w[k] >> 16);
+    o[2 * k] = ld(lo);
+    o[2 * k + 1] = ld(hi);
+  }
+}
+
 // Rounds an f32 to the storage type and back (the value a stored result has).
 template <typename T> KILN_DEV float round_to(float f) { return ld(st<T>(f)); }
 
