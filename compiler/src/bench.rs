@@ -614,7 +614,8 @@ mod cuda {
                         })
                     };
                     Ok(Launch {
-                        const_args: 0,
+                        // As the engine does: weights may be read early.
+                        const_args: op.weight_args(),
                         kernel: op.kernel.clone(),
                         op: op.op.clone(),
                         args: op.args.iter().map(operand).collect::<Result<_, _>>()?,

@@ -191,6 +191,20 @@ pub struct PlanOp {
     pub workspace_bytes: u64,
 }
 
+impl PlanOp {
+    /// Bit `i` set when argument `i` (of the first 32) is a weight: bytes
+    /// that never change while a plan is loaded, so a kernel may start
+    /// reading them before the ops it depends on have finished.
+    pub fn weight_args(&self) -> u32 {
+        self.args
+            .iter()
+            .take(32)
+            .enumerate()
+            .filter(|(_, a)| matches!(a.buf.region, Region::Weight(_)))
+            .fold(0, |m, (i, _)| m | 1 << i)
+    }
+}
+
 /// Placement and lifetime of one value in a key's plan (the memory map).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BufferPlan {
@@ -270,5 +284,43 @@ pub struct Plan {
 impl Plan {
     pub fn key_plan(&self, key: Key) -> Option<&KeyPlan> {
         self.keys.iter().find(|k| k.key == key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weight_args_marks_exactly_the_operands_in_weight_regions() {
+        let operand = |region| Operand {
+            buf: BufRef {
+                region,
+                offset: 0,
+                bytes: 16,
+            },
+            ty: TensorType::new(DType::BF16, vec![8]),
+        };
+        let op = PlanOp {
+            node: NodeId(0),
+            kernel: "gemm".into(),
+            op: Op::MatMul {
+                bias: true,
+                out: DType::BF16,
+            },
+            args: vec![
+                operand(Region::Arena),
+                operand(Region::Weight(3)),
+                operand(Region::Weight(0)),
+            ],
+            results: vec![operand(Region::Io)],
+            workspace_bytes: 0,
+        };
+        assert_eq!(op.weight_args(), 0b110);
+        let activations_only = PlanOp {
+            args: vec![operand(Region::Arena), operand(Region::KCache(0))],
+            ..op
+        };
+        assert_eq!(activations_only.weight_args(), 0);
     }
 }

@@ -355,13 +355,7 @@ impl Engine {
                         ty: o.ty.clone(),
                     };
                     Launch {
-                        const_args: op
-                            .args
-                            .iter()
-                            .take(32)
-                            .enumerate()
-                            .filter(|(_, a)| matches!(a.buf.region, Region::Weight(_)))
-                            .fold(0, |m, (i, _)| m | 1 << i),
+                        const_args: op.weight_args(),
                         kernel: op.kernel.clone(),
                         op: op.op.clone(),
                         args: op.args.iter().map(dev).collect(),
