@@ -616,6 +616,7 @@ mod cuda {
                     Ok(Launch {
                         // As the engine does: weights may be read early.
                         const_args: op.weight_args(),
+                        body: kiln_runtime::backend::LaunchBody::Reference,
                         kernel: op.kernel.clone(),
                         op: op.op.clone(),
                         args: op.args.iter().map(operand).collect::<Result<_, _>>()?,

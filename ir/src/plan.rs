@@ -189,6 +189,8 @@ pub struct PlanOp {
     pub results: Vec<Operand>,
     /// BLAS workspace this op may use (GEMMs only; 0 otherwise).
     pub workspace_bytes: u64,
+    /// How the op executes on the plan's target, decided at compile time.
+    pub lowering: Lowering,
 }
 
 impl PlanOp {
@@ -202,6 +204,95 @@ impl PlanOp {
             .enumerate()
             .filter(|(_, a)| matches!(a.buf.region, Region::Weight(_)))
             .fold(0, |m, (i, _)| m | 1 << i)
+    }
+}
+
+/// A GEMM `out[t, n] = x[t, k] @ w[n, k]^T (+ bias[n])` over row-major
+/// operands: the one description of a matmul shape that the compiler's
+/// workspace model, the kernel catalog and every backend's BLAS path share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GemmShape {
+    pub t: u32,
+    pub n: u32,
+    pub k: u32,
+    /// dtype of x, w and bias.
+    pub dtype: DType,
+    /// dtype of the result.
+    pub out: DType,
+    pub bias: bool,
+}
+
+/// One kernel parameter as the plan states it: a planned buffer's address
+/// or a constant. Nothing that changes from step to step is ever a
+/// constant here (token ids, positions, slots, block tables and context
+/// lengths are buffers).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum LaunchParam {
+    /// Device address of `offset` bytes into a region (an operand, the op's
+    /// planned scratch, its completion counters).
+    Buf(BufRef),
+    /// A null device pointer (an absent optional operand).
+    Null,
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    /// A by-value struct, laid out as the kernel declares it.
+    Blob(Vec<u8>),
+}
+
+impl LaunchParam {
+    /// Bytes of the parameter as the kernel receives it.
+    pub fn size(&self) -> usize {
+        match self {
+            LaunchParam::Buf(_) | LaunchParam::Null | LaunchParam::I64(_) => 8,
+            LaunchParam::I32(_) | LaunchParam::F32(_) => 4,
+            LaunchParam::Blob(b) => b.len(),
+        }
+    }
+}
+
+/// One kernel launch, decided by `kiln compile`: the runtime resolves the
+/// buffer parameters to addresses and launches it as written.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KernelLaunch {
+    /// Kernel image (module) name.
+    pub module: String,
+    /// Entry point (symbol) in that module.
+    pub entry: String,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    /// Dynamic shared memory bytes.
+    pub shared_bytes: u32,
+    pub params: Vec<LaunchParam>,
+    /// Launched with the programmatic-dependent-launch attribute (the
+    /// kernel may start before its predecessor finishes and waits for it
+    /// with `griddepcontrol.wait` before reading its outputs).
+    pub pdl: bool,
+}
+
+/// How one planned op executes on the plan's target.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Lowering {
+    /// `Target::Cpu`: the reference kernel for `PlanOp::op` over its operands.
+    Reference,
+    /// Kernel launches in stream order.
+    Kernels(Vec<KernelLaunch>),
+    /// One BLAS-Lt call over the op's operands and the planned workspace.
+    /// `gemv`: kiln's skinny-GEMM kernel for this shape where one applies,
+    /// the alternative the backend may time against the library at load.
+    Gemm {
+        shape: GemmShape,
+        gemv: Option<KernelLaunch>,
+    },
+}
+
+impl Lowering {
+    /// Kernels (or library calls) this op costs per step.
+    pub fn launches(&self) -> u32 {
+        match self {
+            Lowering::Reference | Lowering::Gemm { .. } => 1,
+            Lowering::Kernels(k) => k.len() as u32,
+        }
     }
 }
 
@@ -315,6 +406,7 @@ mod tests {
             ],
             results: vec![operand(Region::Io)],
             workspace_bytes: 0,
+            lowering: Lowering::Reference,
         };
         assert_eq!(op.weight_args(), 0b110);
         let activations_only = PlanOp {

@@ -46,6 +46,71 @@ pub struct Launch {
     /// ops it depends on have finished (the CUDA GEMV prefetches it then).
     /// 0 is always safe.
     pub const_args: u32,
+    /// How the op executes, as the plan lowered it, with every buffer
+    /// parameter resolved to an address. The backend launches it as
+    /// written; it never lowers an op itself.
+    pub body: LaunchBody,
+}
+
+/// The resolved form of [`kiln_ir::plan::Lowering`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum LaunchBody {
+    /// The CPU reference kernel for `Launch::op` over `args` / `results`.
+    Reference,
+    /// Kernel launches in stream order.
+    Kernels(Vec<ResolvedKernel>),
+    /// One BLAS-Lt call over `args` (x, w, bias) and `results[0]`, with
+    /// `Launch::workspace`; `gemv` is kiln's skinny-GEMM alternative.
+    Gemm {
+        shape: kiln_ir::plan::GemmShape,
+        gemv: Option<ResolvedKernel>,
+    },
+}
+
+/// A kernel launch with its parameters resolved to addresses.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResolvedKernel {
+    pub module: String,
+    pub entry: String,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_bytes: u32,
+    pub params: Vec<ResolvedParam>,
+    pub pdl: bool,
+}
+
+/// One resolved kernel parameter.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ResolvedParam {
+    Ptr(DevPtr),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    Blob(Vec<u8>),
+}
+
+impl ResolvedKernel {
+    /// The parameters packed as the kernel ABI lays them out (each value at
+    /// its natural alignment, blobs 8-aligned), with each parameter's byte
+    /// offset: the one packing both GPU drivers use.
+    pub fn pack(&self) -> (Vec<u8>, Vec<usize>) {
+        let mut buf = Vec::new();
+        let mut offsets = Vec::with_capacity(self.params.len());
+        for p in &self.params {
+            let (align, bytes): (usize, Vec<u8>) = match p {
+                ResolvedParam::Ptr(d) => (8, d.0.to_ne_bytes().to_vec()),
+                ResolvedParam::I64(v) => (8, v.to_ne_bytes().to_vec()),
+                ResolvedParam::I32(v) => (4, v.to_ne_bytes().to_vec()),
+                ResolvedParam::F32(v) => (4, v.to_ne_bytes().to_vec()),
+                ResolvedParam::Blob(b) => (8, b.clone()),
+            };
+            let at = buf.len().div_ceil(align) * align;
+            buf.resize(at, 0);
+            offsets.push(at);
+            buf.extend_from_slice(&bytes);
+        }
+        (buf, offsets)
+    }
 }
 
 /// A captured, instantiated graph.
@@ -131,4 +196,45 @@ pub trait Backend {
     fn replay(&mut self, graph: GraphHandle) -> Result<()>;
     /// Destroys a graph executable (synchronizing first).
     fn destroy_graph(&mut self, graph: GraphHandle) -> Result<()>;
+
+    /// Records a timing mark in stream order (GPU backends: an event; the
+    /// default: the host clock once all queued work is done). Not allowed
+    /// inside a capture. Benchmarks time steps between two marks.
+    fn mark(&mut self) -> Result<TimingMark> {
+        self.synchronize()?;
+        Ok(TimingMark::host_now())
+    }
+    /// Milliseconds between two marks (waits for the later one).
+    fn elapsed_ms(&mut self, from: TimingMark, to: TimingMark) -> Result<f32> {
+        self.synchronize()?;
+        Ok(to.host_ns.saturating_sub(from.host_ns) as f32 / 1e6)
+    }
+    /// Measured device-to-device copy bandwidth in bytes per second over a
+    /// buffer of `bytes` (the HBM floor's denominator); `None` where the
+    /// backend has no device memory of its own to measure.
+    fn copy_bandwidth(&mut self, bytes: u64, reps: u32) -> Result<Option<f64>> {
+        let _ = (bytes, reps);
+        Ok(None)
+    }
+}
+
+/// A point in a backend's stream, for timing. `event` is a backend handle
+/// (GPU event) when the backend records one; `host_ns` is the host clock
+/// (nanoseconds since the first mark of the process) otherwise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TimingMark {
+    pub host_ns: u64,
+    pub event: Option<u64>,
+}
+
+impl TimingMark {
+    /// A host-clock mark taken now.
+    pub fn host_now() -> TimingMark {
+        static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        let epoch = *EPOCH.get_or_init(std::time::Instant::now);
+        TimingMark {
+            host_ns: epoch.elapsed().as_nanos() as u64,
+            event: None,
+        }
+    }
 }

@@ -520,6 +520,7 @@ mod tests {
         };
         Launch {
             const_args: 0,
+            body: crate::backend::LaunchBody::Reference,
             kernel: "add_f32".into(),
             op: Op::Add,
             args: vec![o(a), o(b)],

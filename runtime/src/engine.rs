@@ -356,6 +356,7 @@ impl Engine {
                     };
                     Launch {
                         const_args: op.weight_args(),
+                        body: crate::backend::LaunchBody::Reference,
                         kernel: op.kernel.clone(),
                         op: op.op.clone(),
                         args: op.args.iter().map(dev).collect(),

@@ -493,6 +493,7 @@ pub fn naive_key_plan(key: Key, graph: Graph, manifest: &WeightManifest, kv: &Kv
             args: node.args.iter().map(operand).collect(),
             results: node.results.iter().map(operand).collect(),
             workspace_bytes: 0,
+            lowering: kiln_ir::plan::Lowering::Reference,
         });
     }
     let outputs = graph

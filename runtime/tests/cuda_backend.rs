@@ -369,6 +369,7 @@ fn packed_silu_mul_written_in_place_over_its_input_is_still_correct() {
     };
     let l = Launch {
         const_args: 0,
+        body: kiln_runtime::backend::LaunchBody::Reference,
         kernel: "silu_mul_bf16".into(),
         op: Op::SiluMul,
         args: vec![x],
@@ -480,6 +481,7 @@ fn gemm_algorithms_are_chosen_within_the_granted_workspace() {
         let out = poisoned(&mut b, &TensorType::new(DType::BF16, vec![16, 4096]));
         let l = Launch {
             const_args: 0,
+            body: kiln_runtime::backend::LaunchBody::Reference,
             kernel: "gemm".into(),
             op: Op::MatMul {
                 bias: false,
@@ -520,6 +522,7 @@ fn small_step(b: &mut CudaBackend, r: &mut Rng) -> (Vec<Launch>, DevOperand, Dev
     let next = poisoned(b, &TensorType::new(DType::I32, vec![4]));
     let l = |kernel: &str, op: Op, args: Vec<DevOperand>, results: Vec<DevOperand>| Launch {
         const_args: 0,
+        body: kiln_runtime::backend::LaunchBody::Reference,
         kernel: kernel.into(),
         op,
         args,
@@ -628,6 +631,7 @@ fn scratch_grown_after_a_capture_leaves_the_captured_graph_working() {
         let out = poisoned(b, &rty);
         Launch {
             const_args: 0,
+            body: kiln_runtime::backend::LaunchBody::Reference,
             kernel: "test:paged_attention".into(),
             op: op.clone(),
             args: dargs,
@@ -999,6 +1003,7 @@ fn bench_synthetic_qwen3_0_6b_step_replay_vs_eager() {
             let out = poisoned(&mut b, &TensorType::new(DType::BF16, vec![t, n]));
             let l = Launch {
                 const_args: 0,
+                body: kiln_runtime::backend::LaunchBody::Reference,
                 kernel: "gemm".into(),
                 op: Op::MatMul {
                     bias: false,

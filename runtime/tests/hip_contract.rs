@@ -49,6 +49,7 @@ fn add_launch(a: DevPtr, b: DevPtr, c: DevPtr, n: u32) -> Launch {
     };
     Launch {
         const_args: 0,
+        body: kiln_runtime::backend::LaunchBody::Reference,
         kernel: "add_f32".into(),
         op: Op::Add,
         args: vec![op(a), op(b)],
@@ -308,6 +309,7 @@ mod hip {
         );
         let l = Launch {
             const_args: 0,
+            body: kiln_runtime::backend::LaunchBody::Reference,
             kernel: "gemm".into(),
             op: Op::MatMul {
                 bias: true,
@@ -1166,6 +1168,7 @@ mod on_sim {
         }
         Launch {
             const_args: 0,
+            body: kiln_runtime::backend::LaunchBody::Reference,
             kernel: "gemm".into(),
             op: Op::MatMul {
                 bias: bias.is_some(),
@@ -1304,6 +1307,7 @@ mod on_sim {
         let i = |s: Vec<u32>| TensorType::new(DType::I32, s);
         Launch {
             const_args: 0,
+            body: kiln_runtime::backend::LaunchBody::Reference,
             kernel: "paged_attention_bf16".into(),
             op: Op::PagedAttention {
                 heads: 4,

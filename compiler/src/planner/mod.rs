@@ -365,6 +365,7 @@ pub fn plan_key(
             args: node.args.iter().map(|&a| operand(a)).collect(),
             results: node.results.iter().map(|&r| operand(r)).collect(),
             workspace_bytes: ws,
+            lowering: kiln_ir::plan::Lowering::Reference,
         };
         flops += cost::op_flops(&op, ctx.max_context as u64);
         ops.push(op);

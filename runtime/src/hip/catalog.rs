@@ -195,6 +195,7 @@ mod tests {
         };
         Launch {
             const_args: 0,
+            body: crate::backend::LaunchBody::Reference,
             kernel: "add_f32".into(),
             op: Op::Add,
             args: ops(args),

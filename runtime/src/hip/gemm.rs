@@ -407,6 +407,7 @@ mod tests {
     fn launch(op: Op, args: Vec<TensorType>, result: TensorType) -> Launch {
         Launch {
             const_args: 0,
+            body: crate::backend::LaunchBody::Reference,
             kernel: "gemm".into(),
             op,
             args: args

@@ -598,6 +598,7 @@ pub fn run_op(b: &mut CudaBackend, op: &Op, args: &[HT]) -> Vec<HT> {
         args: dargs.clone(),
         results: results.clone(),
         workspace: None,
+        body: kiln_runtime::backend::LaunchBody::Reference,
     };
     b.prepare(&launch).unwrap();
     b.launch(&launch).unwrap();

@@ -393,6 +393,7 @@ pub fn upload(b: &mut CudaBackend, step: &Step) -> DevStep {
             args: s.args.iter().map(|&a| ptrs[a].clone()).collect(),
             results: s.results.iter().map(|&r| ptrs[r].clone()).collect(),
             workspace: None,
+            body: kiln_runtime::backend::LaunchBody::Reference,
         })
         .collect();
     for l in &launches {
