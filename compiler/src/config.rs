@@ -164,6 +164,29 @@ pub struct DecoderConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// The largest structural sizes kiln accepts from a config.json. Each is
+/// far above any released model (the largest have ~260k-token vocabularies,
+/// 16k-wide hidden states and ~130 layers) and small enough that every table
+/// sized from it is bounded.
+pub struct Limits {
+    pub vocab_size: u32,
+    pub hidden_size: u32,
+    pub intermediate_size: u32,
+    pub num_layers: u32,
+    pub num_heads: u32,
+    pub head_dim: u32,
+}
+
+/// The limits in force.
+pub const LIMITS: Limits = Limits {
+    vocab_size: 4 << 20,
+    hidden_size: 65_536,
+    intermediate_size: 1 << 20,
+    num_layers: 1024,
+    num_heads: 1024,
+    head_dim: 1024,
+};
+
 fn required(v: Option<u32>, field: &'static str, what: &'static str) -> Result<u32, ConfigError> {
     match v {
         None => Err(ConfigError::Missing { field, what }),
@@ -267,6 +290,43 @@ pub fn resolve_common(cfg: &HfConfig, d: &FamilyDefaults) -> Result<DecoderConfi
         None => d.max_position_embeddings,
     };
     let rms_norm_eps = positive_finite(cfg.rms_norm_eps.unwrap_or(1e-6), "rms_norm_eps")? as f32;
+    // Limits, checked before anything is sized from these numbers (a
+    // config.json is input from a model directory: a layer count of 2^32-1
+    // must be a message, not a multi-gigabyte allocation).
+    for (field, value, max) in [
+        ("vocab_size", vocab_size, LIMITS.vocab_size),
+        ("hidden_size", hidden_size, LIMITS.hidden_size),
+        ("intermediate_size", intermediate_size, LIMITS.intermediate_size),
+        ("num_hidden_layers", num_layers, LIMITS.num_layers),
+        ("num_attention_heads", num_heads, LIMITS.num_heads),
+        ("num_key_value_heads", num_kv_heads, LIMITS.num_heads),
+        ("head_dim", head_dim, LIMITS.head_dim),
+    ] {
+        if value > max {
+            return Err(invalid(
+                field,
+                format!("{value} exceeds kiln's limit of {max}; check config.json (a damaged or hostile file?)"),
+            ));
+        }
+    }
+    let eos_token_ids = cfg
+        .eos_token_id
+        .as_ref()
+        .map(TokenIds::to_vec)
+        .unwrap_or_else(|| d.eos_token_ids.clone());
+    let bos_token_id = cfg.bos_token_id.or(d.bos_token_id);
+    for (field, id) in eos_token_ids
+        .iter()
+        .map(|&e| ("eos_token_id", e))
+        .chain(bos_token_id.map(|b| ("bos_token_id", b)))
+    {
+        if id >= vocab_size {
+            return Err(invalid(
+                field,
+                format!("{id} is outside the vocabulary (vocab_size {vocab_size}); fix the token id in config.json"),
+            ));
+        }
+    }
 
     // transformers 5 moved rope_theta and the scaling into `rope_parameters`.
     let params = cfg.rope_parameters.as_ref().or(cfg.rope_scaling.as_ref());
@@ -297,12 +357,8 @@ pub fn resolve_common(cfg: &HfConfig, d: &FamilyDefaults) -> Result<DecoderConfi
         mlp_bias: false,
         qk_norm: false,
         windows: vec![None; num_layers as usize],
-        bos_token_id: cfg.bos_token_id.or(d.bos_token_id),
-        eos_token_ids: cfg
-            .eos_token_id
-            .as_ref()
-            .map(TokenIds::to_vec)
-            .unwrap_or_else(|| d.eos_token_ids.clone()),
+        bos_token_id,
+        eos_token_ids,
     })
 }
 
@@ -559,6 +615,26 @@ mod tests {
             e.contains("`intermediate_size` is missing") && e.contains("add it"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn absurd_sizes_and_out_of_vocabulary_token_ids_are_refused_naming_the_field_and_limit() {
+        for (patch, needle) in [
+            (serde_json::json!({"num_hidden_layers": 4294967295u32}), "num_hidden_layers"),
+            (serde_json::json!({"num_hidden_layers": 100000000}), "exceeds kiln's limit of 1024"),
+            (serde_json::json!({"vocab_size": 4294967295u32}), "vocab_size"),
+            (serde_json::json!({"hidden_size": 0}), "at least 1"),
+            (serde_json::json!({"eos_token_id": 100}), "eos_token_id"),
+            (serde_json::json!({"eos_token_id": [1, 5000]}), "5000 is outside the vocabulary"),
+            (serde_json::json!({"bos_token_id": 100}), "bos_token_id"),
+        ] {
+            let mut v = base();
+            for (k, x) in patch.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            let e = resolve(v).unwrap_err().to_string();
+            assert!(e.contains(needle), "{patch}: {e}");
+        }
     }
 
     #[test]

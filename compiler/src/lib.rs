@@ -13,6 +13,7 @@ pub mod frontend;
 pub mod gguf;
 pub mod import;
 pub mod inspect;
+pub mod outpath;
 pub mod passes;
 pub mod planner;
 pub mod run_cmd;

@@ -241,6 +241,33 @@ pub fn read_header(path: &Path) -> Result<SafetensorsHeader, HeaderError> {
 
 type Parsed = (BTreeMap<String, TensorInfo>, BTreeMap<String, String>);
 
+/// The first key that appears twice at the top level of a JSON object
+/// (`serde_json::Value` keeps the last one silently, so a header naming a
+/// tensor twice would otherwise describe a different file than the bytes).
+pub fn first_duplicate_key(json: &[u8]) -> Option<String> {
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+    struct Keys;
+    impl<'de> Visitor<'de> for Keys {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Option<String>, A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            let mut dup = None;
+            while let Some(k) = m.next_key::<String>()? {
+                m.next_value::<IgnoredAny>()?;
+                if dup.is_none() && !seen.insert(k.clone()) {
+                    dup = Some(k);
+                }
+            }
+            Ok(dup)
+        }
+    }
+    let mut de = serde_json::Deserializer::from_slice(json);
+    de.deserialize_map(Keys).ok().flatten()
+}
+
 /// Parses the JSON header and checks every entry against a data section of
 /// `data_len` bytes.
 pub fn parse_json(path: &Path, json: &[u8], data_len: u64) -> Result<Parsed, HeaderError> {
@@ -253,6 +280,11 @@ pub fn parse_json(path: &Path, json: &[u8], data_len: u64) -> Result<Parsed, Hea
     let serde_json::Value::Object(map) = value else {
         return Err(bad_json("the top level is not an object".into()));
     };
+    if let Some(dup) = first_duplicate_key(json) {
+        return Err(bad_json(format!(
+            "tensor `{dup}` is listed twice in the header (a JSON object with a repeated key); the file is damaged or was not written by a safetensors writer"
+        )));
+    }
     let mut tensors = BTreeMap::new();
     let mut metadata = BTreeMap::new();
     for (name, entry) in map {
@@ -350,6 +382,19 @@ pub fn parse_json(path: &Path, json: &[u8], data_len: u64) -> Result<Parsed, Hea
         }
     }
     Ok((tensors, metadata))
+}
+
+#[cfg(test)]
+mod duplicate_key_tests {
+    use super::*;
+
+    #[test]
+    fn a_header_naming_a_tensor_twice_is_refused_naming_it() {
+        let json = br#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#;
+        let e = parse_json(Path::new("m.safetensors"), json, 8).unwrap_err().to_string();
+        assert!(e.contains("`a` is listed twice"), "{e}");
+        assert_eq!(first_duplicate_key(br#"{"a":1,"b":2}"#), None);
+    }
 }
 
 #[cfg(test)]

@@ -46,6 +46,81 @@ pub fn dtype_of(d: Dtype) -> Option<DType> {
     }
 }
 
+/// Resolves a weight file name recorded in a plan inside the weights
+/// directory, refusing, before anything is opened, a name that is absolute,
+/// has `..` (or any non-plain) component, or resolves (through symlinks)
+/// outside `root` (the canonical weights directory), and anything that is
+/// not a regular file (a FIFO would block `open` forever). A plan is an
+/// artifact people pass around: loading one never reaches outside the
+/// directory it is pointed at, and no error says anything about a file
+/// outside it.
+pub fn confined_weight_path(root: &Path, dir: &Path, name: &str) -> Result<PathBuf, EngineError> {
+    use std::path::Component;
+    let rel = Path::new(name);
+    let plain = !name.is_empty() && rel.components().all(|c| matches!(c, Component::Normal(_)));
+    if !plain {
+        return Err(EngineError::mismatch(format!(
+            "the plan names weight file `{name}`, which is not a plain relative path inside the weights directory (absolute paths and `..` are refused); recompile the plan from the model directory with `kiln compile`"
+        )));
+    }
+    let joined = dir.join(rel);
+    match std::fs::symlink_metadata(&joined) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(EngineError::mismatch(format!(
+                "{name} is missing from {} (the plan was compiled from it)",
+                dir.display()
+            )))
+        }
+        Err(e) => return Err(EngineError::io(&joined, e)),
+    }
+    // Every component is resolved (an intermediate directory may be a link too).
+    let resolved = match joined.canonicalize() {
+        Ok(p) if p.starts_with(root) => p,
+        _ => {
+            return Err(EngineError::mismatch(format!(
+                "{name} in {} resolves (through a symbolic link) to a file outside the weights directory; weight files must live inside it",
+                dir.display()
+            )))
+        }
+    };
+    let kind = std::fs::metadata(&resolved).map_err(|e| EngineError::io(&resolved, e))?;
+    if !kind.is_file() {
+        return Err(EngineError::mismatch(format!(
+            "{name} in {} is {}, not a regular file; the plan expects a safetensors file there",
+            dir.display(),
+            describe_file_type(&kind.file_type())
+        )));
+    }
+    Ok(resolved)
+}
+
+/// What a non-regular file is, for messages ("a directory", "a FIFO", ...).
+pub fn describe_file_type(t: &std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+        if t.is_block_device() || t.is_char_device() {
+            return "a device";
+        }
+    }
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else if t.is_file() {
+        "a regular file"
+    } else {
+        "not a regular file"
+    }
+}
+
 struct WeightFile {
     path: PathBuf,
     map: Mmap,
@@ -81,19 +156,10 @@ impl WeightSet {
             )));
         }
         let mut files = HashMap::new();
+        let root = dir.canonicalize().map_err(|e| EngineError::io(dir, e))?;
         for sf in &plan.meta.files {
-            let path = dir.join(&sf.name);
-            let file = File::open(&path).map_err(|e| {
-                if e.kind() == std::io::ErrorKind::NotFound {
-                    EngineError::mismatch(format!(
-                        "{} is missing from {} (the plan was compiled from it)",
-                        sf.name,
-                        dir.display()
-                    ))
-                } else {
-                    EngineError::io(&path, e)
-                }
-            })?;
+            let path = confined_weight_path(&root, dir, &sf.name)?;
+            let file = File::open(&path).map_err(|e| EngineError::io(&path, e))?;
             let size = file
                 .metadata()
                 .map_err(|e| EngineError::io(&path, e))?
@@ -292,5 +358,83 @@ pub fn convert(src: &[u8], from: DType, dst: &mut [u8], to: DType) {
             }
             DType::I32 => unreachable!("integer conversion is refused at validation"),
         }
+    }
+}
+
+#[cfg(test)]
+mod confinement_tests {
+    use super::*;
+
+    fn setup() -> (tempfile::TempDir, tempfile::TempDir, PathBuf) {
+        let outside = tempfile::tempdir().unwrap();
+        let secret = outside.path().join("secret.safetensors");
+        std::fs::write(&secret, vec![7u8; 12345]).unwrap();
+        let weights = tempfile::tempdir().unwrap();
+        std::fs::write(weights.path().join("model.safetensors"), b"x").unwrap();
+        (outside, weights, secret)
+    }
+
+    fn refuse(root: &Path, dir: &Path, name: &str) -> String {
+        let e = confined_weight_path(root, dir, name).unwrap_err().to_string();
+        assert!(!e.contains("12345"), "leaks the outside file's size: {e}");
+        e
+    }
+
+    #[test]
+    fn a_plain_name_inside_the_weights_directory_resolves() {
+        let (_o, w, _s) = setup();
+        let root = w.path().canonicalize().unwrap();
+        let p = confined_weight_path(&root, w.path(), "model.safetensors").unwrap();
+        assert!(p.starts_with(&root));
+    }
+
+    #[test]
+    fn absolute_and_parent_names_are_refused_before_anything_is_opened() {
+        let (_o, w, secret) = setup();
+        let root = w.path().canonicalize().unwrap();
+        let e = refuse(&root, w.path(), secret.to_str().unwrap());
+        assert!(e.contains("not a plain relative path"), "{e}");
+        let up = format!("../{}", secret.file_name().unwrap().to_str().unwrap());
+        assert!(refuse(&root, w.path(), &up).contains("`..`"));
+        assert!(refuse(&root, w.path(), "").contains("not a plain relative path"));
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_symlink_out_of_the_weights_directory_is_refused() {
+        let (_o, w, secret) = setup();
+        let root = w.path().canonicalize().unwrap();
+        std::os::unix::fs::symlink(&secret, w.path().join("link.safetensors")).unwrap();
+        let e = refuse(&root, w.path(), "link.safetensors");
+        assert!(e.contains("outside the weights directory"), "{e}");
+        // A link to a file inside is fine.
+        std::os::unix::fs::symlink(
+            w.path().join("model.safetensors"),
+            w.path().join("inner.safetensors"),
+        )
+        .unwrap();
+        confined_weight_path(&root, w.path(), "inner.safetensors").unwrap();
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_fifo_or_a_directory_is_named_for_what_it_is_and_never_opened() {
+        let (_o, w, _s) = setup();
+        let root = w.path().canonicalize().unwrap();
+        std::fs::create_dir(w.path().join("dir.safetensors")).unwrap();
+        assert!(refuse(&root, w.path(), "dir.safetensors").contains("is a directory"));
+        let fifo = w.path().join("fifo.safetensors");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if made.is_ok_and(|s| s.success()) {
+            // Would block forever if it were opened.
+            assert!(refuse(&root, w.path(), "fifo.safetensors").contains("is a FIFO"));
+        }
+    }
+
+    #[test]
+    fn a_missing_file_says_missing() {
+        let (_o, w, _s) = setup();
+        let root = w.path().canonicalize().unwrap();
+        assert!(refuse(&root, w.path(), "absent.safetensors").contains("missing"));
     }
 }
