@@ -16,9 +16,7 @@ use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
 use kiln_ir::plan::Plan;
 use kiln_ir::{DType, Key};
 use kiln_runtime::cpu::CpuStats;
-use kiln_runtime::{
-    CpuBackend, Engine, EngineOptions, Faults, GraphMode, PrefillMode, SeqOptions,
-};
+use kiln_runtime::{CpuBackend, Engine, EngineOptions, Faults, GraphMode, PrefillMode, SeqOptions};
 use std::path::Path;
 use std::sync::Arc;
 use tempfile::TempDir;
