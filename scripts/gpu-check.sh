@@ -70,7 +70,7 @@ for l in sys.stdin:
     (cd "$root" && cargo test --release -p kiln-runtime --features cuda --no-run -q 2>/dev/null)
   fi
   cp "$0" "$dest/gpu-check.sh"
-  (cd "$root" && cargo build -q --release -p kiln-compiler --features cuda --bin kiln)
+  (cd "$root" && cargo build -q --release -p kiln-cli --features cuda --bin kiln)
   cp "$root/target/release/kiln" "$dest/kiln"
   strip "$dest/kiln"
   # A real compiled plan for `kiln bench`: Qwen3-0.6B-shaped (the compiler's

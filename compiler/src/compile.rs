@@ -236,7 +236,7 @@ pub fn kernel_images(target: &Target) -> Result<Vec<KernelImage>, CompileError> 
             })
         }
         Target::Hip { gfx } => {
-            use kiln_runtime::hip::{catalog, offline};
+            use kiln_kernels::hip::{self as catalog, offline};
             let err = |message: String| CompileError::Kernels {
                 target: target.clone(),
                 message,

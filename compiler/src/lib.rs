@@ -1,13 +1,16 @@
 //! `kiln-compiler`: model frontends, passes, the memory/workspace planner, the
-//! emitter, GGUF import, and the `kiln` CLI (`src/main.rs`).
+//! emitter, GGUF import, fetch and inspect: everything that turns a model
+//! into a plan artifact.
+//!
+//! Deliberately not here: anything that runs a plan. The compiler never links
+//! the runtime or a backend (see ARCHITECTURE.md); the `kiln` binary and the
+//! commands that execute plans (run, demo, bench, bench-spec) live in the
+//! `kiln-cli` crate.
 
-pub mod bench;
-pub mod bench_spec;
 pub mod chat;
 pub mod compile;
 pub mod compile_bench;
 pub mod config;
-pub mod demo;
 pub mod fetch;
 pub mod frontend;
 pub mod gguf;
@@ -16,7 +19,7 @@ pub mod inspect;
 pub mod outpath;
 pub mod passes;
 pub mod planner;
-pub mod run_cmd;
 pub mod safetensors_header;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod tokenizer_build;

@@ -13,8 +13,11 @@
 //! frontend's own naming, so a naming mistake in either shows up as a test
 //! failure rather than agreeing with itself.
 //!
-//! Not here: tokenizers (tests feed token ids), real checkpoints, reading
-//! tensor data back (that is the runtime's weight binder).
+//! [`write_byte_tokenizer`] adds the simplest real tokenizer (bytes as
+//! tokens) for tests that go through text.
+//!
+//! Not here: real tokenizers and checkpoints, reading tensor data back (that
+//! is the runtime's weight binder).
 
 pub use crate::frontend::Family;
 use kiln_ir::{DType, RopeScaling};
@@ -499,6 +502,51 @@ pub fn smollm2_gguf_for_tests() -> Option<std::path::PathBuf> {
         path.display()
     );
     None
+}
+
+/// The GPT-2 byte-to-character map byte-level BPE vocabularies use.
+fn byte_char(b: u8) -> char {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+    if printable(b) {
+        return char::from(b);
+    }
+    let n = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + n).expect("valid code point")
+}
+
+/// Writes a byte-level BPE `tokenizer.json` into `dir`: token `i < 256` is
+/// byte `i` (no merges), token 256 is the special `<eos>`. Returns the EOS id.
+pub fn write_byte_tokenizer(dir: &Path) -> std::io::Result<u32> {
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..=255u8)
+        .map(|b| (byte_char(b).to_string(), serde_json::Value::from(b as u32)))
+        .chain(std::iter::once(("<eos>".to_string(), 256.into())))
+        .collect();
+    let byte_level = serde_json::json!({
+        "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true
+    });
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [{
+            "id": 256, "content": "<eos>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true
+        }],
+        "normalizer": null,
+        "pre_tokenizer": byte_level,
+        "post_processor": null,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": []
+        }
+    });
+    let tmp = dir.join("tokenizer.json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&json)?)?;
+    std::fs::rename(&tmp, dir.join("tokenizer.json"))?;
+    Ok(256)
 }
 
 #[cfg(test)]

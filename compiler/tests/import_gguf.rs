@@ -600,33 +600,3 @@ fn gguf_names_map_to_hugging_face_llama_names() {
         assert_eq!(hf_tensor_name(unknown), None, "{unknown}");
     }
 }
-
-#[test]
-fn kiln_import_command_line_converts_and_reports_errors() {
-    let case = case_from_writer(&TinyLlama::default().build().unwrap().writer);
-    let run = |extra: &[&str]| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .arg("import")
-            .arg(&case.gguf)
-            .arg("-o")
-            .arg(&case.out)
-            .args(extra)
-            .output()
-            .unwrap()
-    };
-    let ok = run(&[]);
-    assert!(
-        ok.status.success(),
-        "{}",
-        String::from_utf8_lossy(&ok.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&ok.stdout);
-    assert!(
-        stdout.contains("14 Q4_1") && stdout.contains("1 Q8_0"),
-        "{stdout}"
-    );
-    let again = run(&[]);
-    assert!(!again.status.success());
-    assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
-    assert!(run(&["--force"]).status.success());
-}

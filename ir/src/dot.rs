@@ -18,7 +18,8 @@
 //! planner's dump), any parsing of DOT.
 
 use crate::graph::{Graph, ValueDef, ValueId};
-use crate::print::{attrs, escape};
+use crate::print::attrs;
+use crate::text::escape;
 use std::collections::{BTreeSet, HashSet};
 use std::fmt::Write as _;
 

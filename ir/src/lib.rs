@@ -7,6 +7,8 @@
 //!   [`GraphInfo`] later stages require as proof;
 //! * [`print`](mod@print) / [`parse`](mod@parse): the stable text form, which
 //!   parses back exactly, with line:column errors;
+//! * [`text`]: what the text-form modules share (positions, source maps,
+//!   verifier locations, escapes), so they depend on each other one way;
 //! * [`dot`]: Graphviz output;
 //! * [`golden`]: golden-file checks for tests (`KILN_BLESS=1` refreshes);
 //! * [`key`]: shape keys `(batch, query, spec)`;
@@ -28,6 +30,7 @@ pub mod parse;
 pub mod plan;
 pub mod print;
 pub mod rng;
+pub mod text;
 pub mod types;
 pub mod verify;
 

@@ -41,89 +41,12 @@
 use crate::graph::{Graph, InputRole, Node, NodeId, ValueData, ValueDef, ValueId};
 use crate::manifest::WeightManifest;
 use crate::op::{Op, Rope, RopeScaling};
+use crate::text::attr_names;
+pub use crate::text::{NodeSpans, Pos, SourceMap, Span};
 use crate::types::{DType, Shape, TensorType};
-use crate::verify::{verify, GraphInfo, Location, VerifyError};
+use crate::verify::{verify, GraphInfo, VerifyError};
 use std::collections::BTreeMap;
 use std::fmt;
-
-/// A position in a text: 1-based line and 1-based column counted in
-/// characters (Unicode scalar values), not bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Pos {
-    pub line: u32,
-    pub column: u32,
-}
-
-impl fmt::Display for Pos {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.line, self.column)
-    }
-}
-
-/// A range of text, `start` inclusive, `end` exclusive.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Span {
-    pub start: Pos,
-    pub end: Pos,
-}
-
-/// Spans of one node statement.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NodeSpans {
-    /// The op mnemonic.
-    pub op: Span,
-    /// Each `%N` left of `=`.
-    pub results: Vec<Span>,
-    /// Each argument `%N`.
-    pub args: Vec<Span>,
-    /// Each result type right of `:`.
-    pub types: Vec<Span>,
-}
-
-/// Where each part of a graph is in its text, as recorded by [`parse_with_map`]
-/// or [`crate::print_with_map`]. Indices follow the graph's lists.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SourceMap {
-    /// The `graph` keyword.
-    pub graph: Span,
-    /// Each input statement, `%N` to the end of its type.
-    pub inputs: Vec<Span>,
-    /// Each weight statement.
-    pub weights: Vec<Span>,
-    pub nodes: Vec<NodeSpans>,
-    /// Each output statement.
-    pub outputs: Vec<Span>,
-}
-
-impl SourceMap {
-    /// The text a verifier location points at. Locations with no statement of
-    /// their own (the graph, an undeclared value) or outside this map point at
-    /// the `graph` keyword.
-    pub fn span(&self, loc: &Location) -> Span {
-        let node = |n: NodeId| self.nodes.get(n.index());
-        let found = match *loc {
-            Location::Graph | Location::Value(_) => None,
-            Location::Input(i) => self.inputs.get(i).copied(),
-            Location::Weight(i) => self.weights.get(i).copied(),
-            Location::Output(i) => self.outputs.get(i).copied(),
-            Location::Node(n) => node(n).map(|s| s.op),
-            Location::Arg { node: n, arg } => {
-                node(n).map(|s| s.args.get(arg).copied().unwrap_or(s.op))
-            }
-            Location::Result { node: n, result } => {
-                node(n).map(|s| s.results.get(result).copied().unwrap_or(s.op))
-            }
-            Location::ResultType { node: n, result } => node(n).map(|s| {
-                s.types
-                    .get(result)
-                    .or(s.results.get(result))
-                    .copied()
-                    .unwrap_or(s.op)
-            }),
-        };
-        found.unwrap_or(self.graph)
-    }
-}
 
 /// What is wrong with a text, without its position (see [`ParseError`]).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -284,38 +207,6 @@ pub fn parse_and_verify(
     }
 }
 
-/// Attribute names of each op, in the order the printer writes them.
-pub(crate) fn attr_names(mnemonic: &str) -> &'static [&'static str] {
-    match mnemonic {
-        "rms_norm" | "add_rms_norm" => &["eps", "unit_offset"],
-        "matmul" => &["bias", "out"],
-        "head_rms_norm" => &["heads", "head_dim", "eps", "unit_offset"],
-        "rope" => &["heads", "head_dim", "theta", "scaling"],
-        "paged_attention" => &[
-            "heads",
-            "kv_heads",
-            "head_dim",
-            "query",
-            "block_size",
-            "scale",
-            "window",
-            "softcap",
-        ],
-        "qkv_rope_kv_write" => &[
-            "heads",
-            "kv_heads",
-            "head_dim",
-            "theta",
-            "scaling",
-            "qk_norm",
-            "unit_offset",
-        ],
-        "gather_last" => &["group"],
-        "accept_greedy" => &["spec"],
-        _ => &[],
-    }
-}
-
 const LINEAR_ARGS: &[&str] = &["factor"];
 const LLAMA3_ARGS: &[&str] = &[
     "factor",
@@ -349,7 +240,7 @@ impl Token {
             Tok::Ident(s) => format!("`{s}`"),
             Tok::Value(v) => format!("`%{v}`"),
             Tok::Num(s) => format!("number `{s}`"),
-            Tok::Str(s) => format!("string \"{}\"", crate::print::escape(s)),
+            Tok::Str(s) => format!("string \"{}\"", crate::text::escape(s)),
             Tok::Punct(c) => format!("`{c}`"),
             Tok::Eof => "end of input".to_string(),
         }

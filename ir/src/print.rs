@@ -41,8 +41,7 @@
 
 use crate::graph::{Graph, ValueDef, ValueId};
 use crate::op::{Op, RopeScaling};
-use crate::parse::{NodeSpans, Pos, SourceMap, Span};
-use std::fmt::Write as _;
+use crate::text::{quote, NodeSpans, Pos, SourceMap, Span};
 
 /// Prints `g` in the text form.
 pub fn print(g: &Graph) -> String {
@@ -219,31 +218,6 @@ impl Printer {
     }
 }
 
-/// A string in double quotes with the text form's escapes.
-pub(crate) fn quote(s: &str) -> String {
-    format!("\"{}\"", escape(s))
-}
-
-/// The inside of a quoted string: `"` and `\` escaped, control characters as
-/// `\n`, `\r`, `\t` or `\u{HEX}`.
-pub(crate) fn escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c.is_control() => {
-                let _ = write!(out, "\\u{{{:x}}}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out
-}
-
 /// The shortest text that parses back to exactly `x`.
 pub(crate) fn fmt_f32(x: f32) -> String {
     if x.is_nan() {
@@ -285,7 +259,7 @@ fn fmt_scaling(s: &RopeScaling) -> String {
 }
 
 /// `name = value` pairs of an op in the fixed order of
-/// [`crate::parse::attr_names`], joined by `, `; empty for ops without
+/// [`crate::text::attr_names`], joined by `, `; empty for ops without
 /// attributes.
 pub(crate) fn attrs(op: &Op) -> String {
     let pairs: Vec<(&str, String)> = match op {
@@ -363,7 +337,7 @@ pub(crate) fn attrs(op: &Op) -> String {
     };
     debug_assert_eq!(
         pairs.iter().map(|p| p.0).collect::<Vec<_>>(),
-        crate::parse::attr_names(op.mnemonic()),
+        crate::text::attr_names(op.mnemonic()),
         "printer and parser disagree on the attributes of `{}`",
         op.mnemonic()
     );

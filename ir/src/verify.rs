@@ -40,35 +40,13 @@
 
 use crate::graph::{Graph, InputRole, NodeId, ValueDef, ValueId};
 use crate::manifest::WeightManifest;
-use crate::print::{print_with_map, quote};
+use crate::print::print_with_map;
+use crate::text::quote;
+pub use crate::text::Location;
 use crate::types::{DType, TensorType};
 use petgraph::graph::DiGraph;
 use std::collections::HashMap;
 use std::fmt;
-
-/// What a verifier error is about. [`crate::SourceMap::span`] turns it into
-/// a position in a text.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Location {
-    /// The graph as a whole.
-    Graph,
-    /// A value-table entry that no statement declares.
-    Value(ValueId),
-    /// Entry `i` of [`Graph::inputs`].
-    Input(usize),
-    /// Entry `i` of [`Graph::weights`].
-    Weight(usize),
-    /// A node (its op).
-    Node(NodeId),
-    /// Argument `arg` of a node.
-    Arg { node: NodeId, arg: usize },
-    /// Result `result` of a node (its id).
-    Result { node: NodeId, result: usize },
-    /// The recorded type of result `result` of a node.
-    ResultType { node: NodeId, result: usize },
-    /// Entry `i` of [`Graph::outputs`].
-    Output(usize),
-}
 
 /// What is wrong, without where (see [`VerifyError`]).
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]

@@ -9,12 +9,18 @@
 //! `libnvrtc.so.13` (see its docs for the search order) and preloads it, so
 //! neither `LD_LIBRARY_PATH` nor a toolkit install is required.
 //!
+//! Compiled images are cached on disk ([`crate::image_cache`], keyed by the
+//! exact module source, the options, the NVRTC version and the SM), so only
+//! the first compile of a kernel source for an SM runs NVRTC;
+//! [`compile_modules`] compiles a given list of modules and reports progress.
+//!
 //! Deliberately not here: PTX output (a plan carries machine code for its
 //! exact SM; a device of another SM is refused at load with a clear error
 //! instead of being JIT-compiled), and loading modules onto a device (the
 //! runtime's CUDA backend).
 
 use crate::gpu::{module_source, GpuModule, MODULES};
+use crate::image_cache::{CacheError, ImageCache, ImageKey, Lookup};
 use cudarc::nvrtc::sys;
 use kiln_ir::plan::{ImageKind, KernelImage};
 use std::ffi::{c_char, CStr, CString};
@@ -45,6 +51,8 @@ pub enum NvrtcError {
         sm: u32,
         log: String,
     },
+    #[error(transparent)]
+    Cache(#[from] CacheError),
     #[error("NVRTC call {call} failed for module `{module}`: {code}")]
     Api {
         call: &'static str,
@@ -321,21 +329,115 @@ fn program_log(prog: &Program, module: &'static str) -> Result<String, NvrtcErro
     Ok(String::from_utf8_lossy(&buf[..end]).trim().to_string())
 }
 
-/// Compiles every GPU module for `target_sm` (e.g. 90 for `cuda:sm_90`):
-/// one [`KernelImage`] of kind `Cubin` per module, named as the module.
-pub fn compile_cubins(target_sm: u32) -> Result<Vec<KernelImage>, NvrtcError> {
+/// One module finished, for a progress display.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModuleDone<'a> {
+    pub module: &'a str,
+    /// Served from the cache (no NVRTC run).
+    pub cached: bool,
+    /// Modules finished so far (this one included) and in all.
+    pub done: usize,
+    pub total: usize,
+}
+
+/// The cache key of module `m` for `sm` under NVRTC `version`.
+fn image_key<'a>(
+    source: &'a str,
+    options: &'a [String],
+    compiler: &'a str,
+    arch: &'a str,
+) -> ImageKey<'a> {
+    ImageKey {
+        source,
+        options,
+        compiler,
+        arch,
+    }
+}
+
+/// Compiles `modules` for `target_sm` (e.g. 90 for `cuda:sm_90`), in
+/// parallel: one [`KernelImage`] of kind `Cubin` per module, named as the
+/// module, in the order given. With a `cache`, a module whose entry is
+/// there (same source, options, NVRTC version and SM) is not compiled, and a
+/// fresh compile is stored; a corrupt entry is recompiled and replaced.
+/// `progress` is called once per module as it finishes, from any thread.
+pub fn compile_modules(
+    target_sm: u32,
+    modules: &[&GpuModule],
+    cache: Option<&ImageCache>,
+    progress: &(dyn Fn(ModuleDone<'_>) + Sync),
+) -> Result<Vec<KernelImage>, NvrtcError> {
     use rayon::prelude::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    if !SUPPORTED_SMS.contains(&target_sm) {
+        return Err(NvrtcError::UnsupportedSm(target_sm));
+    }
+    let (major, minor) = version()?;
+    let compiler = format!("nvrtc {major}.{minor}");
+    let arch = format!("sm_{target_sm}");
+    let opts = options(target_sm);
+    let done = AtomicUsize::new(0);
     // NVRTC programs are independent: compile the modules in parallel.
-    MODULES
+    modules
         .par_iter()
         .map(|m| {
+            let source = module_source(m);
+            let key = image_key(&source, &opts, &compiler, &arch);
+            let (code, cached) = match cache {
+                Some(c) => {
+                    if let Lookup::Corrupt(why) = c.lookup(&key)? {
+                        eprintln!("kiln: kernel cache: {why}; recompiling");
+                    }
+                    c.get_or_compile(&key, || compile_module(m, target_sm))?
+                }
+                None => (compile_module(m, target_sm)?, false),
+            };
+            progress(ModuleDone {
+                module: m.name,
+                cached,
+                done: done.fetch_add(1, Ordering::Relaxed) + 1,
+                total: modules.len(),
+            });
             Ok(KernelImage {
                 name: m.name.to_string(),
                 kind: ImageKind::Cubin,
-                code: compile_module(m, target_sm)?,
+                code,
             })
         })
         .collect()
+}
+
+/// The modules among `modules` whose images for `target_sm` are not in
+/// `cache` (or are corrupt there): what a compile would run NVRTC for.
+pub fn uncached_modules<'m>(
+    target_sm: u32,
+    modules: &[&'m GpuModule],
+    cache: &ImageCache,
+) -> Result<Vec<&'m GpuModule>, NvrtcError> {
+    let (major, minor) = version()?;
+    let compiler = format!("nvrtc {major}.{minor}");
+    let arch = format!("sm_{target_sm}");
+    let opts = options(target_sm);
+    let mut out = Vec::new();
+    for m in modules {
+        let source = module_source(m);
+        if !matches!(
+            cache.lookup(&image_key(&source, &opts, &compiler, &arch))?,
+            Lookup::Hit(_)
+        ) {
+            out.push(*m);
+        }
+    }
+    Ok(out)
+}
+
+/// Compiles every GPU module for `target_sm` through the default kernel
+/// cache (`$KILN_CACHE/kernels`, else `~/.cache/kiln/kernels`; without a
+/// home directory, uncached).
+pub fn compile_cubins(target_sm: u32) -> Result<Vec<KernelImage>, NvrtcError> {
+    let cache = ImageCache::open_default().ok();
+    let all: Vec<&GpuModule> = MODULES.iter().collect();
+    compile_modules(target_sm, &all, cache.as_ref(), &|_| {})
 }
 
 #[cfg(test)]
@@ -411,6 +513,38 @@ mod tests {
     fn an_unsupported_sm_is_refused_by_name() {
         let e = compile_module(&MODULES[0], 75).unwrap_err();
         assert!(e.to_string().contains("sm_75"), "{e}");
+    }
+
+    /// The cache test compiles the smallest module for real: a second compile
+    /// is served from the cache, a changed source is not.
+    #[test]
+    fn a_second_compile_hits_the_cache_and_a_changed_source_misses_it() {
+        if skip() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let cache = ImageCache::new(dir.path());
+        let small = MODULES
+            .iter()
+            .min_by_key(|m| m.raw_source.len())
+            .expect("there are modules");
+        let seen = std::sync::Mutex::new(Vec::new());
+        let record = |d: ModuleDone<'_>| seen.lock().unwrap().push((d.cached, d.done, d.total));
+        let first = compile_modules(90, &[small], Some(&cache), &record).unwrap();
+        let second = compile_modules(90, &[small], Some(&cache), &record).unwrap();
+        assert_eq!(first, second);
+        assert_eq!(*seen.lock().unwrap(), vec![(false, 1, 1), (true, 1, 1)]);
+        assert!(uncached_modules(90, &[small], &cache).unwrap().is_empty());
+        assert_eq!(uncached_modules(80, &[small], &cache).unwrap().len(), 1);
+        let edited_source = format!("{}\n// edited\n", small.raw_source);
+        let edited = GpuModule {
+            raw_source: Box::leak(edited_source.into_boxed_str()),
+            ..*small
+        };
+        assert_eq!(uncached_modules(90, &[&edited], &cache).unwrap().len(), 1);
+        let third = compile_modules(90, &[&edited], Some(&cache), &record).unwrap();
+        assert_eq!(seen.lock().unwrap().last(), Some(&(false, 1, 1)));
+        assert_eq!(third[0].name, small.name);
     }
 
     #[test]

@@ -20,6 +20,9 @@
 //! table rows of the null block). More rows than the largest batch run
 //! eagerly in sub-batches, counted, or fail under [`EagerFallback::Forbid`].
 //!
+//! [`timing`] times one key's step (replayed or eager) for `kiln bench`
+//! through the same loading path.
+//!
 //! Not here: sampling other than greedy, preemption, prefix caching, and a
 //! request queue (callers add and remove sequences between steps).
 
@@ -28,7 +31,7 @@ use crate::error::EngineError;
 use crate::kv::KvManager;
 use crate::loader::{check_kernel_abi, check_target, validate_plan};
 use crate::policy::{graphs_supported, EagerFallback, GraphDecision, GraphMode, GraphsSupportedFn};
-use crate::weights::WeightSet;
+use crate::weights::{WeightSet, Weights};
 use kiln_ir::graph::InputRole;
 use kiln_ir::plan::{BufRef, Plan, Region};
 use kiln_ir::{DType, Key};
@@ -39,9 +42,7 @@ use std::time::{Duration, Instant};
 #[cfg(target_endian = "big")]
 compile_error!("kiln's staging buffers are written in host order and read as little-endian");
 
-/// A sequence served by an engine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SeqId(pub u64);
+pub use crate::seq::SeqId;
 
 /// Why a sequence stopped generating.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -299,6 +300,17 @@ impl Engine {
     pub fn new(
         plan: Plan,
         weights_dir: &Path,
+        backend: Box<dyn Backend + Send>,
+        options: EngineOptions,
+    ) -> Result<Engine, EngineError> {
+        Engine::with_weights(plan, Weights::Dir(weights_dir), backend, options)
+    }
+
+    /// [`Engine::new`] with the weights from `weights`: a directory, or
+    /// random values for benchmarks of shape-only plans.
+    pub fn with_weights(
+        plan: Plan,
+        weights: Weights<'_>,
         mut backend: Box<dyn Backend + Send>,
         options: EngineOptions,
     ) -> Result<Engine, EngineError> {
@@ -307,15 +319,22 @@ impl Engine {
         check_target(&plan.meta.target, &info)?;
         check_kernel_abi(&plan)?;
         let decision = GraphDecision::decide(options.graphs, options.graphs_supported, &info)?;
-        let weights = WeightSet::open(&plan, weights_dir)?;
+        // The files are opened and checked now; random weights need nothing.
+        let files: Result<WeightSet, u64> = match weights {
+            Weights::Dir(dir) => Ok(WeightSet::open(&plan, dir)?),
+            Weights::Random { seed } => Err(seed),
+        };
 
         // Everything below allocates; nothing below is a user error any more
         // except running out of memory.
         let mut allocations = Vec::new();
         backend.load_kernels(&plan.kernels)?;
-        let bound = weights.bind(&plan, backend.as_mut())?;
+        let bound = match &files {
+            Ok(set) => set.bind(&plan, backend.as_mut())?,
+            Err(seed) => crate::weights::bind_random(&plan, backend.as_mut(), *seed)?,
+        };
         allocations.extend(bound.iter().map(|b| b.0));
-        drop(weights);
+        drop(files);
         let mut kc = Vec::new();
         let mut vc = Vec::new();
         let cache_bytes = plan.kv.cache_bytes();
@@ -861,54 +880,18 @@ impl Engine {
     ) -> Result<(), EngineError> {
         self.stage(ki, rows);
         let faults = self.options.faults;
+        if !(faults.freeze_staging && self.keys[ki].staged_once) {
+            self.upload_staging(ki)?;
+        }
+        if graphs {
+            self.capture_key(ki)?;
+        }
         let k = &mut self.keys[ki];
         let key = k.key;
         let be = self.backend.as_mut();
-        if !(faults.freeze_staging && k.staged_once) {
-            // SAFETY: i32 has no padding; u8 has no alignment requirement.
-            let bytes = unsafe {
-                std::slice::from_raw_parts(k.io_host.as_ptr() as *const u8, k.io_host.len() * 4)
-            };
-            for &(a, b) in &k.upload_runs {
-                be.upload(k.io.offset(a as u64), &bytes[a..b])?;
-            }
-            k.staged_once = true;
-        }
         let c = self.counters.get_mut(&key).expect("every key has counters");
         c.padded_rows += (key.batch as usize - rows.len()) as u64;
         if graphs {
-            if k.graph.is_none() {
-                let t = Instant::now();
-                be.begin_capture(key)
-                    .map_err(|source| EngineError::Capture { key, source })?;
-                let mut rec = || -> Result<(), BackendError> {
-                    if faults.alloc_inside_capture {
-                        be.alloc(256, "fault injection: allocation inside a capture")?;
-                    }
-                    for l in &k.launches {
-                        be.launch(l)?;
-                    }
-                    Ok(())
-                };
-                if let Err(source) = rec() {
-                    if let Err(e) = be.abort_capture() {
-                        if self.options.log {
-                            eprintln!("kiln: aborting the failed capture of {key}: {e}");
-                        }
-                    }
-                    return Err(EngineError::Capture { key, source });
-                }
-                let g = be
-                    .end_capture()
-                    .map_err(|source| EngineError::Capture { key, source })?;
-                k.graph = Some(g);
-                c.captures += 1;
-                if k.captured_before {
-                    c.recaptures += 1;
-                }
-                k.captured_before = true;
-                c.capture_time += t.elapsed();
-            }
             if !faults.skip_replay {
                 be.replay(k.graph.expect("captured above"))?;
             }
@@ -930,6 +913,65 @@ impl Engine {
             }
         }
         self.collect(ki, rows, out)
+    }
+
+    /// Copies key `ki`'s staging (its host mirror's upload runs) to the
+    /// device.
+    fn upload_staging(&mut self, ki: usize) -> Result<(), EngineError> {
+        let k = &mut self.keys[ki];
+        // SAFETY: i32 has no padding; u8 has no alignment requirement.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(k.io_host.as_ptr() as *const u8, k.io_host.len() * 4)
+        };
+        for &(a, b) in &k.upload_runs {
+            self.backend.upload(k.io.offset(a as u64), &bytes[a..b])?;
+        }
+        k.staged_once = true;
+        Ok(())
+    }
+
+    /// Captures key `ki`'s graph unless it has one; counted. A failure names
+    /// the key and aborts the capture.
+    fn capture_key(&mut self, ki: usize) -> Result<(), EngineError> {
+        let faults = self.options.faults;
+        let k = &mut self.keys[ki];
+        if k.graph.is_some() {
+            return Ok(());
+        }
+        let key = k.key;
+        let be = self.backend.as_mut();
+        let t = Instant::now();
+        be.begin_capture(key)
+            .map_err(|source| EngineError::Capture { key, source })?;
+        let mut rec = || -> Result<(), BackendError> {
+            if faults.alloc_inside_capture {
+                be.alloc(256, "fault injection: allocation inside a capture")?;
+            }
+            for l in &k.launches {
+                be.launch(l)?;
+            }
+            Ok(())
+        };
+        if let Err(source) = rec() {
+            if let Err(e) = be.abort_capture() {
+                if self.options.log {
+                    eprintln!("kiln: aborting the failed capture of {key}: {e}");
+                }
+            }
+            return Err(EngineError::Capture { key, source });
+        }
+        let g = be
+            .end_capture()
+            .map_err(|source| EngineError::Capture { key, source })?;
+        k.graph = Some(g);
+        let c = self.counters.get_mut(&key).expect("every key has counters");
+        c.captures += 1;
+        if k.captured_before {
+            c.recaptures += 1;
+        }
+        k.captured_before = true;
+        c.capture_time += t.elapsed();
+        Ok(())
     }
 
     /// Reads the step's outputs into the sequences.
@@ -1055,6 +1097,9 @@ impl Drop for Engine {
         }
     }
 }
+
+mod timing;
+pub use timing::{KeyFacts, StepMode, StepTimes};
 
 #[cfg(test)]
 mod tests {

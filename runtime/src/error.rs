@@ -2,7 +2,7 @@
 //! fail, each message naming the problem and, where there is one, the fix.
 
 use crate::backend::BackendError;
-use crate::engine::SeqId;
+use crate::seq::SeqId;
 use kiln_ir::Key;
 use std::path::PathBuf;
 
@@ -80,6 +80,8 @@ pub enum EngineError {
     Tokenizer { path: PathBuf, message: String },
     #[error("{0}")]
     Device(String),
+    #[error("cannot time key {key}: {message}")]
+    Timing { key: Key, message: String },
     #[error("{what} is not valid UTF-8 (first bad byte at offset {offset}); save it as UTF-8")]
     InvalidUtf8 { what: String, offset: usize },
 }

@@ -23,8 +23,8 @@ pub mod error;
 pub mod kv;
 pub mod loader;
 pub mod policy;
+pub mod seq;
 pub mod spec;
-pub mod testing;
 pub mod text;
 pub mod weights;
 
@@ -33,12 +33,13 @@ pub use cpu::CpuBackend;
 pub use device::{open_backend, DeviceSpec};
 pub use draft::{DraftError, PromptLookup};
 pub use engine::{
-    Engine, EngineOptions, EngineStats, Faults, FinishReason, KeyCounters, PrefillMode, SeqId,
-    SeqOptions, SeqView,
+    Engine, EngineOptions, EngineStats, Faults, FinishReason, KeyCounters, KeyFacts, PrefillMode,
+    SeqId, SeqOptions, SeqView, StepMode, StepTimes,
 };
 pub use error::EngineError;
 pub use policy::{EagerFallback, GraphDecision, GraphMode};
 pub use spec::{RowOutcome, SpecError, SpecOptions, SpecStats, Speculator};
+pub use weights::Weights;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod hip;

@@ -325,10 +325,21 @@ mod tests {
 
     #[test]
     fn a_gpu_plan_compiled_from_other_kernel_sources_is_refused_as_stale() {
+        use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
         let dir = tempfile::tempdir().unwrap();
-        let mut plan = crate::testing::TinyModel::default()
-            .build(dir.path())
-            .unwrap();
+        write_tiny_model(
+            dir.path(),
+            Family::Llama,
+            &TinySpec::for_family(Family::Llama),
+        )
+        .unwrap();
+        let opts = kiln_compiler::compile::CompileOptions {
+            keys: vec![kiln_ir::Key::new(1, 1, 0)],
+            ..Default::default()
+        };
+        let mut plan = kiln_compiler::compile::compile_dir(dir.path(), &opts, &mut |_, _| {})
+            .unwrap()
+            .plan;
         // A CPU plan carries no kernels: its fingerprint is not checked.
         plan.kernel_abi = 7;
         check_kernel_abi(&plan).unwrap();

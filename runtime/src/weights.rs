@@ -7,7 +7,9 @@
 //! buffer per manifest entry (`Region::Weight(i)`), applies the entry's
 //! load-time transform (rows concatenated, dtype converted among f32, f16 and
 //! bf16) and uploads it. An entry that needs no transform is uploaded straight
-//! from the mapping, with no host copy.
+//! from the mapping, with no host copy. [`bind_random`] binds reproducible
+//! random values instead, for benchmarks of plans compiled from shape-only
+//! model directories (their timing does not depend on the values).
 //!
 //! Not here: quantized formats (GGUF is turned into safetensors by
 //! `kiln import`), sharded index files (the plan lists the shard files
@@ -322,6 +324,64 @@ impl WeightSet {
         }
         Ok(out)
     }
+}
+
+/// Where an engine's weights come from.
+#[derive(Clone, Copy, Debug)]
+pub enum Weights<'a> {
+    /// The safetensors files the plan was compiled from, in this directory.
+    Dir(&'a Path),
+    /// Reproducible random values (norm weights near 1, others small), for
+    /// timing plans of models whose weights are not at hand. Tokens from
+    /// such an engine are meaningless.
+    Random { seed: u64 },
+}
+
+/// xorshift64*: reproducible random weights without a dependency.
+fn next_random(state: &mut u64) -> u64 {
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+/// The random values of one entry in its plan dtype: uniform in
+/// `[0.9, 1.1)` for rank-1 entries (norm weights), `[-0.05, 0.05)` otherwise.
+pub fn random_entry(entry: &WeightEntry, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let n = entry.shape.numel() as usize;
+    let norm_like = entry.shape.rank() == 1;
+    let f: Vec<u8> = (0..n)
+        .flat_map(|_| {
+            let u = ((next_random(&mut state) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+            let v = if norm_like { 1.0 + 0.1 * u } else { 0.05 * u };
+            v.to_le_bytes()
+        })
+        .collect();
+    if entry.dtype == DType::I32 {
+        return vec![0; n * 4];
+    }
+    let mut out = vec![0u8; n * entry.dtype.size()];
+    convert(&f, DType::F32, &mut out, entry.dtype);
+    out
+}
+
+/// Allocates `Region::Weight(i)` for every manifest entry and uploads random
+/// values ([`random_entry`], entry `i` seeded with `seed + i`). Returns what
+/// [`WeightSet::bind`] returns.
+pub fn bind_random(
+    plan: &Plan,
+    backend: &mut dyn Backend,
+    seed: u64,
+) -> Result<Vec<(DevPtr, u64)>, EngineError> {
+    let mut out = Vec::with_capacity(plan.manifest.entries.len());
+    for (i, entry) in plan.manifest.entries.iter().enumerate() {
+        let bytes = random_entry(entry, seed.wrapping_add(i as u64));
+        let ptr = backend.alloc(bytes.len() as u64, &format!("weight {}", entry.name))?;
+        backend.upload(ptr, &bytes)?;
+        out.push((ptr, bytes.len() as u64));
+    }
+    Ok(out)
 }
 
 fn read_f32(src: &[u8], dtype: DType, i: usize) -> f32 {

@@ -8,7 +8,7 @@ use kiln_ir::plan::{Plan, Target};
 use kiln_ir::{DType, Shape, TensorRef, WeightEntry, WeightManifest, WeightSource};
 use kiln_runtime::backend::Backend;
 use kiln_runtime::cpu::CpuStats;
-use kiln_runtime::testing::{reference_kernels, Rng, TinyModel};
+
 use kiln_runtime::weights::WeightSet;
 use kiln_runtime::{CpuBackend, Engine, EngineError, FinishReason, GraphMode, SeqOptions};
 use std::path::Path;
@@ -16,7 +16,7 @@ use std::path::Path;
 /// Loads `plan` from `dir`; returns the error and how many allocations the
 /// backend saw.
 fn load_err(plan: Plan, dir: &Path) -> (EngineError, u64) {
-    let be = CpuBackend::with_kernels(reference_kernels);
+    let be = CpuBackend::new();
     let stats = be.stats();
     let err = match Engine::new(plan, dir, Box::new(be), options(GraphMode::On)) {
         Ok(_) => panic!("the load should have failed"),
@@ -66,14 +66,21 @@ fn a_weight_file_with_another_header_is_a_mismatch() {
 #[test]
 fn a_tensor_missing_from_the_file_is_a_mismatch_naming_it() {
     let (dir, mut plan) = build(&TinyModel::default());
-    let WeightSource::Tensor(t) = &mut plan.manifest.entries[1].source else {
-        unreachable!()
+    let entry = plan
+        .manifest
+        .entries
+        .iter_mut()
+        .find(|e| matches!(e.source, WeightSource::Tensor(_)))
+        .expect("the plan has an unfused weight");
+    let name = entry.name.clone();
+    let WeightSource::Tensor(t) = &mut entry.source else {
+        unreachable!("found above")
     };
-    t.tensor = "l0.q_renamed".into();
+    t.tensor = "renamed_tensor".into();
     assert_mismatch(
         plan,
         dir.path(),
-        "`l0.q_renamed` (for weight `l0.q`) is missing",
+        &format!("`renamed_tensor` (for weight `{name}`) is missing"),
     );
 }
 
@@ -123,7 +130,7 @@ fn a_plan_whose_operand_leaves_its_region_is_refused_before_any_allocation() {
 #[test]
 fn out_of_memory_at_load_names_what_did_not_fit() {
     let (dir, plan) = build(&TinyModel::default());
-    let be = CpuBackend::with_kernels(reference_kernels).with_memory_limit(50_000);
+    let be = CpuBackend::new().with_memory_limit(50_000);
     let err = match Engine::new(plan, dir.path(), Box::new(be), options(GraphMode::On)) {
         Ok(_) => panic!("should not fit"),
         Err(e) => e,
@@ -228,57 +235,71 @@ fn kv_exhaustion_refuses_or_stops_one_sequence_and_the_others_go_on() {
 
 #[test]
 fn concatenated_and_converted_weights_are_bound_exactly() {
-    // Two bf16 tensors concatenated by rows into one f32 entry, and an f32
+    // Two bf16 tensors concatenated by rows into one f32 entry, and a bf16
     // tensor narrowed to f16.
-    let dir = tempfile::tempdir().unwrap();
     let model = TinyModel {
         file_dtype: DType::BF16,
         ..TinyModel::default()
     };
-    let (dir2, mut plan) = build(&model);
-    std::fs::copy(
-        dir2.path().join("model.safetensors"),
-        dir.path().join("model.safetensors"),
-    )
-    .unwrap();
-    let w = model.weights();
+    let (dir, mut plan) = build(&model);
+    let file = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&file).unwrap();
+    // (shape, values as f32) of a bf16 tensor of the file.
+    let tensor = |name: &str| {
+        let v = st.tensor(name).unwrap();
+        let shape: Vec<u32> = v.shape().iter().map(|&d| d as u32).collect();
+        let vals: Vec<f32> = v
+            .data()
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect();
+        (shape, vals)
+    };
+    let (k, v, o) = (
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+    );
     let part = |name: &str| TensorRef {
         file: "model.safetensors".into(),
         tensor: name.into(),
         dtype: DType::BF16,
-        shape: Shape::new(w.tensors[name].0.clone()),
+        shape: Shape::new(tensor(name).0),
     };
+    let (k_rows, cols) = (tensor(k).0[0], tensor(k).0[1]);
+    let v_rows = tensor(v).0[0];
+    let o_elems: u32 = tensor(o).0.iter().product();
     plan.manifest = WeightManifest {
         entries: vec![
             WeightEntry {
                 name: "kv".into(),
                 dtype: DType::F32,
-                shape: Shape::new([32, 32]),
-                source: WeightSource::ConcatRows(vec![part("l1.k"), part("l1.v")]),
+                shape: Shape::new([k_rows + v_rows, cols]),
+                source: WeightSource::ConcatRows(vec![part(k), part(v)]),
             },
             WeightEntry {
                 name: "o16".into(),
                 dtype: DType::F16,
-                shape: Shape::new([32 * 32]),
-                source: WeightSource::Tensor(part("l0.o")),
+                shape: Shape::new([o_elems]),
+                source: WeightSource::Tensor(part(o)),
             },
         ],
     };
     let set = WeightSet::open(&plan, dir.path()).unwrap();
-    let mut be = CpuBackend::with_kernels(reference_kernels);
+    let mut be = CpuBackend::new();
     let bound = set.bind(&plan, &mut be).unwrap();
     let mut got = vec![0u8; bound[0].1 as usize];
     be.download(bound[0].0, &mut got).unwrap();
-    let want: Vec<u8> = w.tensors["l1.k"]
+    let want: Vec<u8> = tensor(k)
         .1
         .iter()
-        .chain(&w.tensors["l1.v"].1)
+        .chain(&tensor(v).1)
         .flat_map(|x| x.to_le_bytes())
         .collect();
     assert_eq!(got, want);
     let mut got = vec![0u8; bound[1].1 as usize];
     be.download(bound[1].0, &mut got).unwrap();
-    let want: Vec<u8> = w.tensors["l0.o"]
+    let want: Vec<u8> = tensor(o)
         .1
         .iter()
         .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
@@ -286,7 +307,7 @@ fn concatenated_and_converted_weights_are_bound_exactly() {
     assert_eq!(got, want);
 
     // A concatenation whose rows do not add up is a malformed plan.
-    plan.manifest.entries[0].shape = Shape::new([33, 32]);
+    plan.manifest.entries[0].shape = Shape::new([k_rows + v_rows + 1, cols]);
     let err = WeightSet::open(&plan, dir.path()).err().unwrap();
     assert!(err.to_string().contains("rows in all"), "{err}");
 }

@@ -6,13 +6,12 @@
 
 mod common;
 
-use common::{build, options, prompt};
+use common::{build, options, prompt, Rng, TinyModel};
 use kiln_ir::plan::Target;
 use kiln_runtime::hip::catalog::kernels_translation_unit;
 use kiln_runtime::hip::offline::kernel_images;
 use kiln_runtime::hip::policy::graphs_supported;
 use kiln_runtime::hip::HipBackend;
-use kiln_runtime::testing::{Rng, TinyModel};
 use kiln_runtime::{Backend, Engine, GraphMode, SeqOptions};
 
 /// Logits of the HIP kernels (f32 accumulation in another order than the

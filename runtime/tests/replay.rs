@@ -13,7 +13,7 @@ mod common;
 
 use common::*;
 use kiln_runtime::cpu::CpuStats;
-use kiln_runtime::testing::{Rng, TinyModel};
+
 use kiln_runtime::{BackendError, EngineError, Faults, GraphMode, SeqId, SeqOptions};
 use std::collections::BTreeSet;
 
@@ -218,7 +218,7 @@ fn dropping_an_engine_with_work_in_flight_frees_everything() {
 fn kiln_graphs_child() {
     let (dir, plan) = build(&TinyModel::default());
     let opts = options(GraphMode::FromEnv);
-    let be = kiln_runtime::CpuBackend::with_kernels(kiln_runtime::testing::reference_kernels);
+    let be = kiln_runtime::CpuBackend::new();
     let mut e = match kiln_runtime::Engine::new(plan, dir.path(), Box::new(be), opts) {
         Ok(e) => e,
         Err(err) => {

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use kiln_runtime::testing::{write_byte_tokenizer, TinyModel};
+use kiln_compiler::testing::write_byte_tokenizer;
 use kiln_runtime::text::{generate_text, read_prompt_file, TextTokenizer};
 use kiln_runtime::{EngineError, FinishReason, GraphMode};
 

@@ -3,12 +3,12 @@
 //! plain decoding's, drafts are accepted, the report says so, and a plan
 //! without the verification keys is refused with the `kiln compile` fix.
 
-use kiln_compiler::bench_spec::{self, BenchSpecArgs};
+use kiln_cli::bench_spec::{self, BenchSpecArgs};
+use kiln_cli::run_cmd::{self, RunArgs};
 use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
-use kiln_compiler::run_cmd::{self, RunArgs};
+use kiln_compiler::testing::write_byte_tokenizer;
 use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
 use kiln_ir::Key;
-use kiln_runtime::testing::write_byte_tokenizer;
 use std::path::{Path, PathBuf};
 
 /// A tiny model with a byte tokenizer in `dir`, compiled for `keys`.

@@ -14,6 +14,7 @@
 
 pub mod dequant;
 pub mod error;
+#[cfg(any(test, feature = "testing"))]
 pub mod fixture;
 pub mod permute;
 pub mod reader;

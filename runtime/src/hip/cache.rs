@@ -102,18 +102,7 @@ pub fn default_cache_dir() -> Result<PathBuf, CacheError> {
     )
 }
 
-/// `ELF` magic plus `e_machine == EM_AMDGPU` (224), or a clang offload bundle
-/// (what `hipcc --genco` writes). Both load with `hipModuleLoadData`.
-pub fn is_code_object(bytes: &[u8]) -> bool {
-    const EM_AMDGPU: u16 = 224;
-    const BUNDLE: &[u8] = b"__CLANG_OFFLOAD_BUNDLE__";
-    if bytes.starts_with(BUNDLE) {
-        return bytes.len() > BUNDLE.len();
-    }
-    bytes.len() >= 64
-        && bytes.starts_with(b"\x7fELF")
-        && u16::from_le_bytes([bytes[18], bytes[19]]) == EM_AMDGPU
-}
+pub use kiln_kernels::hip::is_code_object;
 
 /// A directory of compiled code objects.
 #[derive(Clone, Debug)]

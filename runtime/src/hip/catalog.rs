@@ -14,27 +14,10 @@
 //! (`kiln_kernels::gpu`).
 
 use crate::backend::{BackendError, DevOperand, DevPtr, Launch};
-use crate::hip::source::{translation_unit, SourceError, SourceText};
 use kiln_kernels::gpu::{self, Lowered, Param, Placement};
 use std::ffi::c_void;
 
-/// Every catalog module in one translation unit (the portability header once,
-/// then the modules in catalog order): what a HIP plan embeds as source or
-/// compiles into its code object.
-pub fn kernels_translation_unit() -> Result<String, SourceError> {
-    let header = SourceText {
-        name: crate::hip::source::PORT_HEADER,
-        text: gpu::PORT_HEADER,
-    };
-    let sources: Vec<SourceText<'_>> = gpu::MODULES
-        .iter()
-        .map(|m| SourceText {
-            name: m.file,
-            text: m.raw_source,
-        })
-        .collect();
-    translation_unit(&header, &sources)
-}
+pub use kiln_kernels::hip::kernels_translation_unit;
 
 /// Every entry point of every catalog module, with its module name.
 pub fn all_entry_points() -> Vec<(&'static str, String)> {

@@ -26,9 +26,11 @@ pub mod catalog;
 pub mod device;
 pub mod driver;
 pub mod gemm;
-pub mod offline;
 pub mod policy;
-pub mod source;
+
+// Compile-time HIP images live with the kernel sources, so the compiler can
+// produce them without linking the runtime.
+pub use kiln_kernels::hip::{offline, source};
 
 #[cfg(feature = "rocm")]
 pub mod blaslt;

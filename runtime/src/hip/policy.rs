@@ -55,10 +55,7 @@ pub struct PolicyError(pub String);
 
 /// The base architecture of a HIP `gcnArchName` (`gfx90a:sramecc+:xnack-` is
 /// `gfx90a`): the target features after `:` do not change the policy.
-pub fn base_arch(gcn_arch_name: &str) -> &str {
-    let name = gcn_arch_name.trim();
-    name.split(':').next().unwrap_or(name)
-}
+pub use kiln_kernels::hip::base_arch;
 
 /// The allowlist entry of an architecture, if it has one.
 pub fn allowlisted(gcn_arch_name: &str) -> Option<&'static str> {

