@@ -119,6 +119,12 @@ impl Rng {
     }
 }
 
+/// A per-tensor seed for random blocks, stable across runs.
+fn rng_seed(name: &str) -> u64 {
+    name.bytes()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
 /// A built fixture.
 pub struct TinyLlamaFile {
     pub writer: GgufWriter,
@@ -184,11 +190,32 @@ impl TinyLlama {
                           permute_heads: Option<usize>,
                           values: Vec<f32>|
          -> Result<(), GgufError> {
+            let werr = |e: &dyn std::fmt::Display| GgufError::Write {
+                reason: e.to_string(),
+            };
+            if !dequant::can_quantize(ty) {
+                // No quantizer for this type: random blocks stand in for the
+                // weights, in GGUF row order, and the expectation is their
+                // decoding put back into Hugging Face order.
+                let n = values.len();
+                let blocks = n / ty.block_size() as usize;
+                let bytes = dequant::random_blocks(ty, blocks, rng_seed(gguf_name));
+                let stored = dequant::dequantize(ty, &bytes, n).map_err(|e| werr(&e))?;
+                let hf = match permute_heads {
+                    Some(h) => {
+                        permute::unpermute_rows(&stored, shape[0] as usize, shape[1] as usize, h)
+                            .map_err(|e| werr(&e))?
+                    }
+                    None => stored,
+                };
+                expected.insert(hf_name.to_string(), (shape.clone(), hf));
+                let dims: Vec<u64> = shape.iter().rev().copied().collect();
+                w.add_raw_tensor(gguf_name, &dims, ty, bytes)?;
+                return Ok(());
+            }
             // What survives the encoding, row by row (rows are independent
             // of the permutation, which only reorders them).
-            let bytes = dequant::quantize(ty, &values).map_err(|e| GgufError::Write {
-                reason: e.to_string(),
-            })?;
+            let bytes = dequant::quantize(ty, &values).map_err(|e| werr(&e))?;
             let roundtrip =
                 dequant::dequantize(ty, &bytes, values.len()).map_err(|e| GgufError::Write {
                     reason: e.to_string(),
@@ -340,4 +367,60 @@ impl TinyLlama {
             expected,
         })
     }
+}
+
+/// Tensors of the GGUF at `path` dequantized by the `gguf` Python package
+/// (llama.cpp's reference reader) through `scripts/gguf_dequant_parity.py`,
+/// by name, in GGML element order; every tensor when `names` is empty.
+/// `None` (the caller skips, saying so) when python3 or the package is
+/// missing, unless `KILN_REQUIRE_GGUF_PY=1`, which makes that a panic.
+/// A failing script is always a panic: it is a test helper.
+pub fn python_dequantize(
+    path: &std::path::Path,
+    names: &[&str],
+) -> Option<BTreeMap<String, Vec<f32>>> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("scripts")
+        .join("gguf_dequant_parity.py");
+    let python = std::env::var("KILN_PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let out = tempfile::tempdir().expect("a temporary directory");
+    let status = std::process::Command::new(&python)
+        .arg(&script)
+        .arg(path)
+        .arg(out.path())
+        .args(names)
+        .status();
+    let required = std::env::var("KILN_REQUIRE_GGUF_PY").as_deref() == Ok("1");
+    match status {
+        Ok(s) if s.success() => {}
+        Ok(s) if s.code() == Some(3) => {
+            assert!(
+                !required,
+                "KILN_REQUIRE_GGUF_PY=1 but the gguf Python package is missing (pip install gguf)"
+            );
+            eprintln!("SKIPPED: the gguf Python package is missing (pip install gguf)");
+            return None;
+        }
+        Ok(s) => panic!("{} failed with {s}", script.display()),
+        Err(e) => {
+            assert!(!required, "KILN_REQUIRE_GGUF_PY=1 but {python} cannot run: {e}");
+            eprintln!("SKIPPED: {python} cannot run ({e}); the gguf parity check needs it");
+            return None;
+        }
+    }
+    let index: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(out.path().join("index.json")).expect("the script writes index.json"),
+    )
+    .expect("index.json is JSON");
+    let mut tensors = BTreeMap::new();
+    for name in index.as_object().expect("an object").keys() {
+        let bytes = std::fs::read(out.path().join(format!("{name}.f32"))).expect("tensor file");
+        let values = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        tensors.insert(name.clone(), values);
+    }
+    Some(tensors)
 }
