@@ -327,24 +327,30 @@ fn assert_refused(w: GgufWriter, check: impl Fn(&ImportError) -> bool, needle: &
 }
 
 #[test]
-fn non_llama_architectures_are_refused() {
+fn unknown_architectures_are_refused_naming_what_is_supported() {
     let base = TinyLlama::default().build().unwrap().writer;
     let w = rewrite(
         &base,
         |k, v| {
             Some(if k == "general.architecture" {
-                MetaValue::String("qwen2".into())
+                MetaValue::String("phi3".into())
             } else {
                 v.clone()
             })
         },
         keep_tensor,
     );
-    assert_refused(
-        w,
-        |e| matches!(e, ImportError::UnsupportedArchitecture { .. }),
-        "qwen2",
+    let case = case_from_writer(&w);
+    let err = import(&case).unwrap_err();
+    assert!(
+        matches!(err, ImportError::UnsupportedArchitecture { .. }),
+        "{err}"
     );
+    let msg = err.to_string();
+    for needle in ["\"phi3\"", "llama", "mistral", "qwen2", "qwen3", "gemma3", "Not supported"] {
+        assert!(msg.contains(needle), "{needle} missing from: {msg}");
+    }
+    assert!(!case.out.exists());
 }
 
 #[test]
@@ -392,11 +398,12 @@ fn unsupported_quantizations_are_refused_naming_tensor_and_type() {
     let base = TinyLlama::default().build().unwrap().writer;
     let w = rewrite(&base, keep_meta, |n, d, t, b| {
         if n == "blk.0.ffn_down.weight" {
-            // Re-declare the tensor as Q4_K: ne0 96 is not a multiple of 256,
-            // so widen it to 256 columns of zeros.
+            // Re-declare the tensor as IQ4_XS (an I-quant kiln does not
+            // decode): ne0 96 is not a multiple of 256, so widen it to 256
+            // columns of zeros.
             let dims = vec![256, d[1]];
-            let bytes = vec![0u8; (d[1] as usize) * 144];
-            Some((n.to_string(), dims, GgmlType::Q4K, bytes))
+            let bytes = vec![0u8; (d[1] as usize) * 136];
+            Some((n.to_string(), dims, GgmlType::Iq4Xs, bytes))
         } else {
             Some((n.to_string(), d.to_vec(), t, b.to_vec()))
         }
@@ -409,22 +416,41 @@ fn unsupported_quantizations_are_refused_naming_tensor_and_type() {
 }
 
 #[test]
-fn rope_scaling_and_sentencepiece_vocabularies_are_refused() {
+fn k_quant_matrices_import_to_their_decoded_values() {
+    // 256-wide rows so every K-quant block type fits.
+    for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q5_0, GgmlType::Q3K] {
+        check_weights(&TinyLlama {
+            hidden: 256,
+            ffn: 256,
+            heads: 4,
+            kv_heads: 1,
+            matrix_type: ty,
+            embed_type: GgmlType::Q8_0,
+            tied: false,
+            ..TinyLlama::default()
+        });
+    }
+}
+
+#[test]
+fn non_llama3_rope_freqs_and_unigram_vocabularies_are_refused() {
     let base = TinyLlama::default().build().unwrap().writer;
     let mut w = rewrite(&base, keep_meta, keep_tensor);
-    w.add_tensor("rope_freqs.weight", &[8], GgmlType::F32, &[1.0; 8])
+    // Alternating factors follow no llama3 schedule.
+    let bogus: Vec<f32> = (0..8).map(|i| if i % 2 == 0 { 1.0 } else { 3.0 }).collect();
+    w.add_tensor("rope_freqs.weight", &[8], GgmlType::F32, &bogus)
         .unwrap();
     assert_refused(
         w,
         |e| matches!(e, ImportError::UnsupportedFeature { .. }),
-        "rope_freqs",
+        "rope_freqs.weight that is not llama3",
     );
 
     let w = rewrite(
         &base,
         |k, v| {
             Some(if k == "tokenizer.ggml.model" {
-                MetaValue::String("llama".into())
+                MetaValue::String("t5".into())
             } else {
                 v.clone()
             })
@@ -439,7 +465,7 @@ fn rope_scaling_and_sentencepiece_vocabularies_are_refused() {
                 ImportError::Tokenizer(TokenizerBuildError::UnsupportedModel { .. })
             )
         },
-        "SentencePiece",
+        "unigram",
     );
 
     let w = rewrite(

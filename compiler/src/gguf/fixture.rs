@@ -34,6 +34,12 @@ pub struct TinyLlama {
     /// `tokenizer.ggml.pre`.
     pub pre: String,
     pub seed: u64,
+    /// `general.architecture`: `llama` (default), `mistral`, `qwen2`
+    /// (adds q/k/v biases), `qwen3` (adds q/k norms) or `gemma3` (q/k
+    /// norms, post-attention and post-feedforward norms, every norm stored
+    /// as `w + 1` as llama.cpp's converter writes it). Only llama and
+    /// mistral get llama.cpp's q/k row permutation.
+    pub arch: String,
 }
 
 impl Default for TinyLlama {
@@ -51,6 +57,7 @@ impl Default for TinyLlama {
             tied: true,
             pre: "smollm".to_string(),
             seed: 0x6b69_6c6e,
+            arch: "llama".to_string(),
         }
     }
 }
@@ -145,19 +152,28 @@ impl TinyLlama {
         let vocab = vocabulary();
         let n_vocab = vocab.len();
         let hd = self.head_dim();
+        let a = self.arch.as_str();
+        let k = |s: &str| format!("{a}.{s}");
+        let gemma = a == "gemma3";
+        let permuted = matches!(a, "llama" | "mistral");
         let mut w = GgufWriter::new();
-        w.add_str("general.architecture", "llama")
-            .add_str("general.name", "kiln tiny llama fixture")
-            .add_u32("llama.block_count", self.layers as u32)
-            .add_u32("llama.context_length", self.context)
-            .add_u32("llama.embedding_length", self.hidden as u32)
-            .add_u32("llama.feed_forward_length", self.ffn as u32)
-            .add_u32("llama.attention.head_count", self.heads as u32)
-            .add_u32("llama.attention.head_count_kv", self.kv_heads as u32)
-            .add_f32("llama.rope.freq_base", 100000.0)
-            .add_f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-            .add_u32("llama.rope.dimension_count", hd as u32)
-            .add_u32("llama.vocab_size", n_vocab as u32)
+        w.add_str("general.architecture", a)
+            .add_str("general.name", "kiln tiny fixture")
+            .add_u32(&k("block_count"), self.layers as u32)
+            .add_u32(&k("context_length"), self.context)
+            .add_u32(&k("embedding_length"), self.hidden as u32)
+            .add_u32(&k("feed_forward_length"), self.ffn as u32)
+            .add_u32(&k("attention.head_count"), self.heads as u32)
+            .add_u32(&k("attention.head_count_kv"), self.kv_heads as u32)
+            .add_f32(&k("rope.freq_base"), 100000.0)
+            .add_f32(&k("attention.layer_norm_rms_epsilon"), 1e-5)
+            .add_u32(&k("rope.dimension_count"), hd as u32)
+            .add_u32(&k("attention.key_length"), hd as u32)
+            .add_u32(&k("vocab_size"), n_vocab as u32);
+        if gemma {
+            w.add_u32(&k("attention.sliding_window"), 64);
+        }
+        w
             .add_str("tokenizer.ggml.model", "gpt2")
             .add_str("tokenizer.ggml.pre", &self.pre)
             .add_str_array("tokenizer.ggml.tokens", &vocab)
@@ -248,7 +264,9 @@ impl TinyLlama {
             let g = |s: &str| format!("blk.{l}.{s}.weight");
             let h = |s: &str| format!("model.layers.{l}.{s}.weight");
             let mt = self.matrix_type;
-            let norm = |rng: &mut Rng| (0..self.hidden).map(|_| 1.0 + 0.1 * rng.unit()).collect();
+            // Gemma stores 1 + w; the shift is taken off the expectation below.
+            let base = if gemma { 2.0 } else { 1.0 };
+            let norm = |rng: &mut Rng| (0..self.hidden).map(|_| base + 0.1 * rng.unit()).collect();
             let v = norm(&mut rng);
             tensor(
                 &mut w,
@@ -266,7 +284,7 @@ impl TinyLlama {
                 &h("self_attn.q_proj"),
                 vec![q, d],
                 mt,
-                Some(self.heads),
+                permuted.then_some(self.heads),
                 v,
             )?;
             let v = rng.vec((kv * d) as usize, 0.2);
@@ -276,7 +294,7 @@ impl TinyLlama {
                 &h("self_attn.k_proj"),
                 vec![kv, d],
                 mt,
-                Some(self.kv_heads),
+                permuted.then_some(self.kv_heads),
                 v,
             )?;
             let v = rng.vec((kv * d) as usize, 0.2);
@@ -303,7 +321,11 @@ impl TinyLlama {
             tensor(
                 &mut w,
                 &g("ffn_norm"),
-                &h("post_attention_layernorm"),
+                &h(if gemma {
+                    "pre_feedforward_layernorm"
+                } else {
+                    "post_attention_layernorm"
+                }),
                 vec![d],
                 self.norm_type,
                 None,
@@ -339,8 +361,38 @@ impl TinyLlama {
                 None,
                 v,
             )?;
+            if a == "qwen2" {
+                for (gn, hn, rows) in [("attn_q", "q_proj", q), ("attn_k", "k_proj", kv), ("attn_v", "v_proj", kv)] {
+                    let v = rng.vec(rows as usize, 0.1);
+                    tensor(
+                        &mut w,
+                        &format!("blk.{l}.{gn}.bias"),
+                        &format!("model.layers.{l}.self_attn.{hn}.bias"),
+                        vec![rows],
+                        GgmlType::F32,
+                        None,
+                        v,
+                    )?;
+                }
+            }
+            if a == "qwen3" || gemma {
+                for (gn, hn) in [("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm")] {
+                    let v = (0..hd).map(|_| base + 0.1 * rng.unit()).collect();
+                    tensor(&mut w, &g(gn), &h(hn), vec![hd as u64], self.norm_type, None, v)?;
+                }
+            }
+            if gemma {
+                for (gn, hn) in [
+                    ("post_attention_norm", "post_attention_layernorm"),
+                    ("post_ffw_norm", "post_feedforward_layernorm"),
+                ] {
+                    let v = norm(&mut rng);
+                    tensor(&mut w, &g(gn), &h(hn), vec![d], self.norm_type, None, v)?;
+                }
+            }
         }
-        let v = (0..self.hidden).map(|_| 1.0 + 0.1 * rng.unit()).collect();
+        let base = if gemma { 2.0 } else { 1.0 };
+        let v = (0..self.hidden).map(|_| base + 0.1 * rng.unit()).collect();
         tensor(
             &mut w,
             "output_norm.weight",
@@ -361,6 +413,13 @@ impl TinyLlama {
                 None,
                 v,
             )?;
+        }
+        if gemma {
+            for (name, (_, values)) in expected.iter_mut() {
+                if name.ends_with("norm.weight") {
+                    values.iter_mut().for_each(|v| *v -= 1.0);
+                }
+            }
         }
         Ok(TinyLlamaFile {
             writer: w,
