@@ -152,7 +152,9 @@ pub enum ImportError {
     #[error("this GGUF uses {feature}, which kiln import does not support yet")]
     UnsupportedFeature { feature: String },
 
-    #[error("GGUF tensor {name:?} has no Hugging Face counterpart that kiln knows for a {arch} model")]
+    #[error(
+        "GGUF tensor {name:?} has no Hugging Face counterpart that kiln knows for a {arch} model"
+    )]
     UnknownTensor { name: String, arch: GgufArch },
 
     #[error(
@@ -339,9 +341,10 @@ struct Hparams {
 
 fn read_hparams(g: &GgufFile) -> Result<Hparams, ImportError> {
     let name = g.require_str("general.architecture", "names the model architecture")?;
-    let arch = GgufArch::from_gguf_name(name).ok_or_else(|| ImportError::UnsupportedArchitecture {
-        arch: name.to_string(),
-    })?;
+    let arch =
+        GgufArch::from_gguf_name(name).ok_or_else(|| ImportError::UnsupportedArchitecture {
+            arch: name.to_string(),
+        })?;
     let k = |s: &str| format!("{arch}.{s}");
     let why = &format!("is a {arch} hyperparameter kiln needs");
     let hidden = g.require_u64(&k("embedding_length"), why)?;
@@ -393,13 +396,11 @@ fn read_hparams(g: &GgufFile) -> Result<Hparams, ImportError> {
             }
             Some(json!({"rope_type": "linear", "factor": f32_as_written(factor)}))
         }
-        Some(kind) => {
-            return Err(ImportError::UnsupportedFeature {
-                feature: format!(
-                    "RoPE scaling {kind:?} (supported: linear, and llama3 through rope_freqs.weight)"
-                ),
-            })
-        }
+        Some(kind) => return Err(ImportError::UnsupportedFeature {
+            feature: format!(
+                "RoPE scaling {kind:?} (supported: linear, and llama3 through rope_freqs.weight)"
+            ),
+        }),
     };
     if head_dim % 2 != 0 {
         return Err(ImportError::BadConfig(format!(
@@ -457,7 +458,8 @@ pub fn llama3_rope_factors(
             } else if wavelen > low_wavelen {
                 factor
             } else {
-                let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                let smooth =
+                    (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                 1.0 / ((1.0 - smooth) / factor + smooth)
             }
         })
@@ -595,16 +597,27 @@ fn plan_tensors<'a>(g: &'a GgufFile, h: &Hparams) -> Result<Layout<'a>, ImportEr
         Transform::None
     };
     let (perm_q, perm_k) = if arch.qk_permuted() {
-        (Transform::Unpermute(h.heads), Transform::Unpermute(h.kv_heads))
+        (
+            Transform::Unpermute(h.heads),
+            Transform::Unpermute(h.kv_heads),
+        )
     } else {
         (Transform::None, Transform::None)
     };
     let mut expected: Vec<(String, Vec<u64>, Transform)> = vec![
-        ("token_embd.weight".into(), vec![vocab, h.hidden], Transform::None),
+        (
+            "token_embd.weight".into(),
+            vec![vocab, h.hidden],
+            Transform::None,
+        ),
         ("output_norm.weight".into(), vec![h.hidden], norm),
     ];
     if !tied {
-        expected.push(("output.weight".into(), vec![vocab, h.hidden], Transform::None));
+        expected.push((
+            "output.weight".into(),
+            vec![vocab, h.hidden],
+            Transform::None,
+        ));
     }
     for l in 0..h.layers {
         let b = |s: &str| format!("blk.{l}.{s}");
@@ -655,10 +668,11 @@ fn plan_tensors<'a>(g: &'a GgufFile, h: &Hparams) -> Result<Layout<'a>, ImportEr
     }
     let mut plans = Vec::with_capacity(expected.len());
     for (name, shape, transform) in expected {
-        let hf_name = hf_tensor_name_for(arch, &name).ok_or_else(|| ImportError::UnknownTensor {
-            name: name.clone(),
-            arch,
-        })?;
+        let hf_name =
+            hf_tensor_name_for(arch, &name).ok_or_else(|| ImportError::UnknownTensor {
+                name: name.clone(),
+                arch,
+            })?;
         let info = g.tensor(&name).ok_or_else(|| missing(&name, &hf_name))?;
         if !dequant::is_supported(info.ggml_type) {
             return Err(GgufError::UnsupportedDequant {
@@ -699,12 +713,13 @@ fn convert(g: &GgufFile, p: &Plan<'_>) -> Result<Vec<u8>, ImportError> {
         Transform::Unpermute(heads) => {
             let rows = p.shape[0] as usize;
             let cols = p.shape[1] as usize;
-            values = permute::unpermute_rows(&values, rows, cols, heads as usize).map_err(
-                |source| ImportError::Permute {
-                    name: p.info.name.clone(),
-                    source,
-                },
-            )?;
+            values =
+                permute::unpermute_rows(&values, rows, cols, heads as usize).map_err(|source| {
+                    ImportError::Permute {
+                        name: p.info.name.clone(),
+                        source,
+                    }
+                })?;
         }
         Transform::MinusOne => values.iter_mut().for_each(|v| *v -= 1.0),
     }

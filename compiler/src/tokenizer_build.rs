@@ -53,9 +53,7 @@ pub enum TokenizerBuildError {
     )]
     UnsupportedModel { model: String },
 
-    #[error(
-        "tokenizer.ggml.scores has {scores} entries but tokenizer.ggml.tokens has {tokens}"
-    )]
+    #[error("tokenizer.ggml.scores has {scores} entries but tokenizer.ggml.tokens has {tokens}")]
     ScoresLength { tokens: usize, scores: usize },
 
     #[error("token {id} is marked as a byte token but is {token:?}, not <0xNN>")]
@@ -228,11 +226,7 @@ fn sentencepiece_merges<'a>(
             }
         }
     }
-    ranked.sort_by(|a, b| {
-        b.0.total_cmp(&a.0)
-            .then(a.1.cmp(&b.1))
-            .then(a.2.cmp(&b.2))
-    });
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
     ranked.into_iter().map(|(_, _, _, m)| m).collect()
 }
 

@@ -193,7 +193,14 @@ fn types_without_a_dequantizer_are_errors_naming_the_type() {
     );
     // It names the tensor, the type, what is supported and what is not.
     let msg = err.to_string();
-    for needle in ["blk.0.ffn_up.weight", "IQ4_XS", "Q4_K", "Q6_K", "Q5_0", "not supported: I-quants"] {
+    for needle in [
+        "blk.0.ffn_up.weight",
+        "IQ4_XS",
+        "Q4_K",
+        "Q6_K",
+        "Q5_0",
+        "not supported: I-quants",
+    ] {
         assert!(msg.contains(needle), "{needle} missing from: {msg}");
     }
 }

@@ -230,7 +230,15 @@ fn damaged_k_quant_tensors_in_a_file_are_clear_errors() {
     let image = bad.to_bytes().unwrap();
     let err = GgufFile::from_bytes(image).unwrap_err();
     assert!(
-        matches!(err, GgufError::NotBlockAligned { ty: GgmlType::Q4K, ne0: 128, block: 256, .. }),
+        matches!(
+            err,
+            GgufError::NotBlockAligned {
+                ty: GgmlType::Q4K,
+                ne0: 128,
+                block: 256,
+                ..
+            }
+        ),
         "{err}"
     );
 }
@@ -243,7 +251,12 @@ fn every_supported_quantized_type_matches_the_gguf_python_package() {
         kiln_compiler::gguf::MetaValue::String("parity".into()),
     );
     let mut types = TYPES.to_vec();
-    types.extend([GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F16]);
+    types.extend([
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::F16,
+    ]);
     for (i, ty) in types.iter().enumerate() {
         let rows = 3u64;
         let ne0 = 512u64;
@@ -270,7 +283,11 @@ fn every_supported_quantized_type_matches_the_gguf_python_package() {
         assert_eq!(ours.len(), theirs.len(), "{}", t.name);
         let scale = theirs.iter().fold(0f32, |a, v| a.max(v.abs()));
         for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
-            assert!(close(*a, *b, scale), "{} element {i}: kiln {a}, gguf {b}", t.name);
+            assert!(
+                close(*a, *b, scale),
+                "{} element {i}: kiln {a}, gguf {b}",
+                t.name
+            );
         }
     }
 }

@@ -93,13 +93,20 @@ fn gemma3_imports_with_a_config_matching_its_metadata() {
     assert_eq!(types.len(), 18);
     for (i, t) in types.iter().enumerate() {
         let full = (i + 1) % 6 == 0;
-        assert_eq!(t, if full { "full_attention" } else { "sliding_attention" }, "layer {i}");
+        assert_eq!(
+            t,
+            if full {
+                "full_attention"
+            } else {
+                "sliding_attention"
+            },
+            "layer {i}"
+        );
     }
     // 18 layers × 13 tensors + embedding + final norm; no lm_head (tied).
     assert_eq!(report.tensors_written, 18 * 13 + 2);
     let tc: Value =
-        serde_json::from_slice(&std::fs::read(out.join("tokenizer_config.json")).unwrap())
-            .unwrap();
+        serde_json::from_slice(&std::fs::read(out.join("tokenizer_config.json")).unwrap()).unwrap();
     assert_eq!(tc["add_bos_token"], true);
     assert_eq!(tc["bos_token"], "<bos>");
     let tok = tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();

@@ -1,4 +1,4 @@
-//! Tiny random llama-family GGUF files for tests.
+//! Tiny random GGUF files for tests (llama, mistral, qwen2, qwen3, gemma3).
 //!
 //! Tests must not depend on downloaded weights, so this writes a complete,
 //! valid llama GGUF of a few hundred kilobytes: random weights in the GGML
@@ -7,7 +7,10 @@
 //! symbols, a few merges, ChatML control tokens and a chat template). It
 //! also returns the weights the importer should recover, in Hugging Face
 //! order, so a test can check names, shapes, the un-permutation and the
-//! dequantization end to end. Not a general model generator: llama only.
+//! dequantization end to end. Types without a quantizer here (the
+//! K-quants, Q5_0/Q5_1) are filled with random blocks. Also the bridge to
+//! the `gguf` Python package for parity tests ([`python_dequantize`]).
+//! Not a general model generator: the tokenizer is always byte-level BPE.
 
 use super::dequant;
 use super::error::GgufError;
@@ -128,8 +131,9 @@ impl Rng {
 
 /// A per-tensor seed for random blocks, stable across runs.
 fn rng_seed(name: &str) -> u64 {
-    name.bytes()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
 }
 
 /// A built fixture.
@@ -173,8 +177,7 @@ impl TinyLlama {
         if gemma {
             w.add_u32(&k("attention.sliding_window"), 64);
         }
-        w
-            .add_str("tokenizer.ggml.model", "gpt2")
+        w.add_str("tokenizer.ggml.model", "gpt2")
             .add_str("tokenizer.ggml.pre", &self.pre)
             .add_str_array("tokenizer.ggml.tokens", &vocab)
             .add_i32_array(
@@ -362,7 +365,11 @@ impl TinyLlama {
                 v,
             )?;
             if a == "qwen2" {
-                for (gn, hn, rows) in [("attn_q", "q_proj", q), ("attn_k", "k_proj", kv), ("attn_v", "v_proj", kv)] {
+                for (gn, hn, rows) in [
+                    ("attn_q", "q_proj", q),
+                    ("attn_k", "k_proj", kv),
+                    ("attn_v", "v_proj", kv),
+                ] {
                     let v = rng.vec(rows as usize, 0.1);
                     tensor(
                         &mut w,
@@ -376,9 +383,20 @@ impl TinyLlama {
                 }
             }
             if a == "qwen3" || gemma {
-                for (gn, hn) in [("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm")] {
+                for (gn, hn) in [
+                    ("attn_q_norm", "self_attn.q_norm"),
+                    ("attn_k_norm", "self_attn.k_norm"),
+                ] {
                     let v = (0..hd).map(|_| base + 0.1 * rng.unit()).collect();
-                    tensor(&mut w, &g(gn), &h(hn), vec![hd as u64], self.norm_type, None, v)?;
+                    tensor(
+                        &mut w,
+                        &g(gn),
+                        &h(hn),
+                        vec![hd as u64],
+                        self.norm_type,
+                        None,
+                        v,
+                    )?;
                 }
             }
             if gemma {
@@ -463,7 +481,10 @@ pub fn python_dequantize(
         }
         Ok(s) => panic!("{} failed with {s}", script.display()),
         Err(e) => {
-            assert!(!required, "KILN_REQUIRE_GGUF_PY=1 but {python} cannot run: {e}");
+            assert!(
+                !required,
+                "KILN_REQUIRE_GGUF_PY=1 but {python} cannot run: {e}"
+            );
             eprintln!("SKIPPED: {python} cannot run ({e}); the gguf parity check needs it");
             return None;
         }
