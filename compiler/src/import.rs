@@ -396,11 +396,13 @@ fn read_hparams(g: &GgufFile) -> Result<Hparams, ImportError> {
             }
             Some(json!({"rope_type": "linear", "factor": f32_as_written(factor)}))
         }
-        Some(kind) => return Err(ImportError::UnsupportedFeature {
-            feature: format!(
+        Some(kind) => {
+            return Err(ImportError::UnsupportedFeature {
+                feature: format!(
                 "RoPE scaling {kind:?} (supported: linear, and llama3 through rope_freqs.weight)"
             ),
-        }),
+            })
+        }
     };
     if head_dim % 2 != 0 {
         return Err(ImportError::BadConfig(format!(

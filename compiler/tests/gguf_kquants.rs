@@ -92,7 +92,11 @@ fn reference(ty: GgmlType, b: &[u8], e: usize) -> f32 {
             let qs = if five { &b[48..176] } else { &b[16..144] };
             let s = e / 32;
             let byte = qs[32 * (e / 64) + e % 32];
-            let mut q = if s % 2 == 0 { byte & 15 } else { byte >> 4 };
+            let mut q = if s.is_multiple_of(2) {
+                byte & 15
+            } else {
+                byte >> 4
+            };
             if five && (b[16 + e % 32] >> s) & 1 == 1 {
                 q += 16;
             }

@@ -695,7 +695,7 @@ fn each_supported_architecture_imports_with_its_own_tensors_and_config() {
         assert_eq!(c["head_dim"], spec.head_dim(), "{arch}");
         let st_bytes = std::fs::read(case.out.join("model.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&st_bytes).unwrap();
-        let has = |n: &str| st.names().iter().any(|m| *m == n);
+        let has = |n: &str| st.names().contains(&n);
         assert_eq!(has("model.layers.0.self_attn.q_proj.bias"), arch == "qwen2");
         assert_eq!(
             has("model.layers.1.self_attn.k_norm.weight"),
@@ -819,4 +819,56 @@ fn llama3_rope_freqs_become_the_rope_scaling_they_encode() {
     kiln_compiler::frontend::registry::Family::Llama
         .resolve(&hf)
         .unwrap();
+}
+
+#[test]
+fn unsupported_rope_settings_are_refused_naming_what_is_supported() {
+    let base = TinyLlama::default().build().unwrap().writer;
+    // YaRN scaling.
+    let mut w = rewrite(&base, keep_meta, keep_tensor);
+    w.add_str("llama.rope.scaling.type", "yarn");
+    assert_refused(
+        w,
+        |e| matches!(e, ImportError::UnsupportedFeature { .. }),
+        "supported: linear, and llama3 through rope_freqs.weight",
+    );
+    // Linear scaling is carried into config.json.
+    let mut w = rewrite(&base, keep_meta, keep_tensor);
+    w.add_str("llama.rope.scaling.type", "linear")
+        .add_f32("llama.rope.scaling.factor", 2.0);
+    let case = case_from_writer(&w);
+    import(&case).unwrap();
+    let c = read_json(&case.out.join("config.json"));
+    assert_eq!(
+        c["rope_scaling"],
+        serde_json::json!({"rope_type": "linear", "factor": 2.0})
+    );
+    // rope_freqs in an architecture llama.cpp never gives one.
+    let qwen = TinyLlama {
+        arch: "qwen3".into(),
+        ..TinyLlama::default()
+    };
+    let mut w = rewrite(&qwen.build().unwrap().writer, keep_meta, keep_tensor);
+    w.add_tensor("rope_freqs.weight", &[8], GgmlType::F32, &[1.0; 8])
+        .unwrap();
+    assert_refused(
+        w,
+        |e| matches!(e, ImportError::UnsupportedFeature { .. }),
+        "rope_freqs.weight) in a qwen3 model",
+    );
+    // A Gemma-3 file without its sliding window.
+    let gemma = TinyLlama {
+        arch: "gemma3".into(),
+        ..TinyLlama::default()
+    };
+    let w = rewrite(
+        &gemma.build().unwrap().writer,
+        |k, v| (k != "gemma3.attention.sliding_window").then(|| v.clone()),
+        keep_tensor,
+    );
+    assert_refused(
+        w,
+        |e| matches!(e, ImportError::Gguf(_)),
+        "gemma3.attention.sliding_window",
+    );
 }

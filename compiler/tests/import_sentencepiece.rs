@@ -86,22 +86,16 @@ fn spaces_become_the_visible_space_and_the_prefix_follows_the_metadata() {
     let tok = build(&writer(&BASE, None, false)).unwrap();
     assert_eq!(pieces(&tok, "hi hi", false), ["▁hi", "▁hi"]);
     assert_eq!(
-        tok.decode(
-            &tok.encode("hi hi", false).unwrap().get_ids().to_vec(),
-            false
-        )
-        .unwrap(),
+        tok.decode(tok.encode("hi hi", false).unwrap().get_ids(), false)
+            .unwrap(),
         "hi hi"
     );
     // Gemma: add_space_prefix = false.
     let tok = build(&writer(&BASE, Some(false), false)).unwrap();
     assert_eq!(pieces(&tok, "hi hi", false), ["h", "i", "▁hi"]);
     assert_eq!(
-        tok.decode(
-            &tok.encode("hi hi", false).unwrap().get_ids().to_vec(),
-            false
-        )
-        .unwrap(),
+        tok.decode(tok.encode("hi hi", false).unwrap().get_ids(), false)
+            .unwrap(),
         "hi hi"
     );
 }
