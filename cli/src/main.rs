@@ -32,7 +32,7 @@ enum Cmd {
     BenchSpec(kiln_cli::bench_spec::BenchSpecArgs),
     /// Time compiling a Qwen3-0.6B-shaped model for 16 keys.
     BenchCompile(kiln_compiler::compile_bench::BenchCompileArgs),
-    /// Convert a llama-family GGUF file into a model directory
+    /// Convert a GGUF file (llama, mistral, qwen2, qwen3, gemma3) into a model directory
     /// (config.json, model.safetensors, tokenizer.json, ...).
     Import {
         /// The .gguf file.

@@ -1,19 +1,35 @@
-//! `kiln import`: a llama-family GGUF file → a Hugging Face style model
-//! directory (`config.json`, `model.safetensors`, `tokenizer.json`,
+//! `kiln import`: a GGUF file → a Hugging Face style model directory
+//! (`config.json`, `model.safetensors`, `tokenizer.json`,
 //! `tokenizer_config.json`, `generation_config.json`) that kiln's frontend
 //! compiles like any other checkpoint.
 //!
-//! On the way every tensor is dequantized to f32 (see `gguf::dequant`),
-//! `attn_q`/`attn_k` rows are put back into Hugging Face's rotate-half order
-//! (see `gguf::permute`), GGML's reversed dims become `[out, in]`, and the
-//! values are stored as bf16. The directory is assembled under a temporary
-//! name beside the destination and renamed into place, so a failed import
-//! never leaves a half-written model behind.
+//! Architectures (`general.architecture`): `llama` (Llama 2, 3, 3.1, 3.2,
+//! SmolLM2; Mistral files converted as llama), `mistral`, `qwen2` (Qwen2 and
+//! Qwen2.5), `qwen3` and `gemma3`. Each writes the config.json its Hugging
+//! Face class reads (see [`GgufArch`]).
 //!
-//! Deliberately not supported, each a clear error: architectures other than
-//! `llama` (Llama 2/3, Mistral and SmolLM GGUFs all use it), RoPE scaling
-//! (`rope_freqs.weight`, `llama.rope.scaling.*`), partial rotary
-//! dimensions, and tensors this mapping does not know.
+//! On the way every tensor is dequantized to f32 (see `gguf::dequant`),
+//! GGML's reversed dims become `[out, in]`, and the values are stored as
+//! bf16. Two things llama.cpp's converter did to the weights are undone:
+//! - `attn_q`/`attn_k` rows are put back into Hugging Face's rotate-half
+//!   order (see `gguf::permute`) for llama and mistral only; llama.cpp
+//!   permutes only those (Qwen and Gemma use NEOX-style RoPE, unpermuted).
+//! - Gemma-3's RMSNorm scales by `1 + w`; llama.cpp's converter stores
+//!   `w + 1` in every `*norm.weight` tensor (`Gemma3Model.norm_shift`) so
+//!   that its plain RMSNorm applies. kiln subtracts the 1 again, so the
+//!   written weights mean what Hugging Face's Gemma-3 checkpoint means.
+//!
+//! Llama-3.1/3.2 files carry `rope_freqs.weight`, the per-frequency divisors
+//! of llama3 RoPE scaling; the importer writes the `rope_scaling` they
+//! encode after checking every entry against the llama3 formula.
+//!
+//! The directory is assembled under a temporary name beside the destination
+//! and renamed into place, so a failed import never leaves a half-written
+//! model behind.
+//!
+//! Deliberately not supported, each a clear error: other architectures,
+//! RoPE scaling other than llama3 (`rope_freqs`) and linear, partial
+//! rotary dimensions, and tensors this mapping does not know.
 
 use crate::gguf::dequant;
 use crate::gguf::permute::{self, PermuteError};
@@ -23,11 +39,91 @@ use half::bf16;
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashSet};
+use std::fmt;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 /// The weights file `kiln import` writes.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
+
+/// A `general.architecture` kiln import converts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GgufArch {
+    /// `llama`: Llama 2/3/3.1/3.2, SmolLM2, and Mistral files llama.cpp
+    /// converted as llama. → `LlamaForCausalLM`.
+    Llama,
+    /// `mistral` → `MistralForCausalLM` (sliding window when the file has one).
+    Mistral,
+    /// `qwen2`: Qwen2 and Qwen2.5, q/k/v bias. → `Qwen2ForCausalLM`.
+    Qwen2,
+    /// `qwen3`: per-head q/k RMSNorm. → `Qwen3ForCausalLM`.
+    Qwen3,
+    /// `gemma3`: text-only Gemma-3. → `Gemma3ForCausalLM` / `gemma3_text`.
+    Gemma3,
+}
+
+impl GgufArch {
+    pub const ALL: [GgufArch; 5] = [
+        GgufArch::Llama,
+        GgufArch::Mistral,
+        GgufArch::Qwen2,
+        GgufArch::Qwen3,
+        GgufArch::Gemma3,
+    ];
+
+    /// The `general.architecture` value (also the metadata key prefix).
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            GgufArch::Llama => "llama",
+            GgufArch::Mistral => "mistral",
+            GgufArch::Qwen2 => "qwen2",
+            GgufArch::Qwen3 => "qwen3",
+            GgufArch::Gemma3 => "gemma3",
+        }
+    }
+
+    pub fn from_gguf_name(name: &str) -> Option<GgufArch> {
+        GgufArch::ALL.into_iter().find(|a| a.gguf_name() == name)
+    }
+
+    /// The Hugging Face `architectures[0]` written to config.json.
+    pub fn hf_architecture(self) -> &'static str {
+        match self {
+            GgufArch::Llama => "LlamaForCausalLM",
+            GgufArch::Mistral => "MistralForCausalLM",
+            GgufArch::Qwen2 => "Qwen2ForCausalLM",
+            GgufArch::Qwen3 => "Qwen3ForCausalLM",
+            GgufArch::Gemma3 => "Gemma3ForCausalLM",
+        }
+    }
+
+    /// The Hugging Face `model_type` written to config.json.
+    pub fn hf_model_type(self) -> &'static str {
+        match self {
+            GgufArch::Llama => "llama",
+            GgufArch::Mistral => "mistral",
+            GgufArch::Qwen2 => "qwen2",
+            GgufArch::Qwen3 => "qwen3",
+            GgufArch::Gemma3 => "gemma3_text",
+        }
+    }
+
+    /// Whether llama.cpp's converter permuted the q/k rows of this family.
+    pub fn qk_permuted(self) -> bool {
+        matches!(self, GgufArch::Llama | GgufArch::Mistral)
+    }
+
+    /// The supported list, for error messages.
+    pub fn supported_list() -> &'static str {
+        "llama (Llama 2, 3, 3.1, 3.2, SmolLM2), mistral, qwen2 (Qwen2, Qwen2.5), qwen3, gemma3"
+    }
+}
+
+impl fmt::Display for GgufArch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.gguf_name())
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImportError {
@@ -46,24 +142,29 @@ pub enum ImportError {
     },
 
     #[error(
-        "general.architecture is {arch:?}; kiln import converts llama-family GGUFs \
-         (general.architecture = \"llama\": Llama 2/3, Mistral, SmolLM2) only"
+        "general.architecture is {arch:?}, which kiln import does not convert; supported: {}. \
+         Not supported: every other architecture (e.g. gemma, gemma2, phi3, qwen2moe, qwen3moe, \
+         deepseek2, mixtral-style MoE)",
+        GgufArch::supported_list()
     )]
     UnsupportedArchitecture { arch: String },
 
     #[error("this GGUF uses {feature}, which kiln import does not support yet")]
     UnsupportedFeature { feature: String },
 
-    #[error("GGUF tensor {name:?} has no Hugging Face counterpart that kiln knows")]
-    UnknownTensor { name: String },
+    #[error(
+        "GGUF tensor {name:?} has no Hugging Face counterpart that kiln knows for a {arch} model"
+    )]
+    UnknownTensor { name: String, arch: GgufArch },
 
     #[error(
-        "GGUF file lacks tensor {name:?} ({hf_name}), which a {layers}-layer llama model needs"
+        "GGUF file lacks tensor {name:?} ({hf_name}), which a {layers}-layer {arch} model needs"
     )]
     MissingTensor {
         name: String,
         hf_name: String,
         layers: u64,
+        arch: GgufArch,
     },
 
     #[error(
@@ -107,9 +208,11 @@ pub struct ImportOptions {
     pub force: bool,
 }
 
-/// The Hugging Face `config.json` kiln import writes (LlamaForCausalLM).
+/// The Hugging Face `config.json` kiln import writes: the fields every
+/// decoder family shares, plus the family's own in `extra` (Gemma-3's
+/// `query_pre_attn_scalar`, `layer_types`, ...).
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct LlamaConfig {
+pub struct ModelConfig {
     pub architectures: Vec<String>,
     pub model_type: String,
     pub hidden_size: u64,
@@ -129,16 +232,26 @@ pub struct LlamaConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pad_token_id: Option<u32>,
     pub hidden_act: String,
-    pub attention_bias: bool,
-    pub mlp_bias: bool,
+    /// Absent for Qwen2, whose q/k/v bias is implied by the class.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attention_bias: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mlp_bias: Option<bool>,
     pub torch_dtype: String,
+    /// Family-specific fields, written after the shared ones.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, Value>,
 }
+
+/// The config type's former name.
+pub type LlamaConfig = ModelConfig;
 
 /// What an import did.
 #[derive(Clone, Debug)]
 pub struct ImportReport {
     pub out_dir: PathBuf,
-    pub config: LlamaConfig,
+    pub arch: GgufArch,
+    pub config: ModelConfig,
     /// How many source tensors had each GGML type.
     pub source_types: BTreeMap<GgmlType, usize>,
     /// Tensors written to `model.safetensors`.
@@ -152,8 +265,19 @@ pub struct ImportReport {
 }
 
 /// The Hugging Face name of a llama-family GGUF tensor, or `None` for a name
-/// this mapping does not know.
+/// this mapping does not know. Same as [`hf_tensor_name_for`] with
+/// [`GgufArch::Llama`].
 pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
+    hf_tensor_name_for(GgufArch::Llama, gguf_name)
+}
+
+/// The Hugging Face name of a GGUF tensor of an `arch` model, or `None`
+/// for a name this mapping does not know. `ffn_norm` is the one name whose
+/// meaning differs: the pre-MLP norm, which Llama-style models call
+/// `post_attention_layernorm` and Gemma-3 `pre_feedforward_layernorm`
+/// (Gemma-3's `post_attention_layernorm` is `post_attention_norm`, the
+/// norm of the attention output).
+pub fn hf_tensor_name_for(arch: GgufArch, gguf_name: &str) -> Option<String> {
     let fixed = match gguf_name {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
@@ -166,13 +290,23 @@ pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
     let rest = gguf_name.strip_prefix("blk.")?;
     let (layer, part) = rest.split_once('.')?;
     let layer: u64 = layer.parse().ok()?;
+    let gemma = arch == GgufArch::Gemma3;
+    let qk_norm = matches!(arch, GgufArch::Qwen3 | GgufArch::Gemma3);
     let hf = match part {
         "attn_q.weight" => "self_attn.q_proj.weight",
         "attn_k.weight" => "self_attn.k_proj.weight",
         "attn_v.weight" => "self_attn.v_proj.weight",
         "attn_output.weight" => "self_attn.o_proj.weight",
         "attn_norm.weight" => "input_layernorm.weight",
+        "ffn_norm.weight" if gemma => "pre_feedforward_layernorm.weight",
         "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "post_attention_norm.weight" if gemma => "post_attention_layernorm.weight",
+        "post_ffw_norm.weight" if gemma => "post_feedforward_layernorm.weight",
+        "attn_q_norm.weight" if qk_norm => "self_attn.q_norm.weight",
+        "attn_k_norm.weight" if qk_norm => "self_attn.k_norm.weight",
+        "attn_q.bias" if arch == GgufArch::Qwen2 => "self_attn.q_proj.bias",
+        "attn_k.bias" if arch == GgufArch::Qwen2 => "self_attn.k_proj.bias",
+        "attn_v.bias" if arch == GgufArch::Qwen2 => "self_attn.v_proj.bias",
         "ffn_gate.weight" => "mlp.gate_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
         "ffn_down.weight" => "mlp.down_proj.weight",
@@ -189,6 +323,7 @@ fn f32_as_written(v: f64) -> f64 {
 }
 
 struct Hparams {
+    arch: GgufArch,
     hidden: u64,
     ffn: u64,
     layers: u64,
@@ -198,17 +333,20 @@ struct Hparams {
     eps: f64,
     theta: f64,
     context: u64,
+    /// `linear` RoPE scaling from the metadata (llama3 comes from
+    /// `rope_freqs.weight`, see [`llama3_scaling`]).
+    rope_scaling: Option<Value>,
+    sliding_window: Option<u64>,
 }
 
 fn read_hparams(g: &GgufFile) -> Result<Hparams, ImportError> {
-    let arch = g.require_str("general.architecture", "names the model architecture")?;
-    if arch != "llama" {
-        return Err(ImportError::UnsupportedArchitecture {
-            arch: arch.to_string(),
-        });
-    }
-    let k = |s: &str| format!("llama.{s}");
-    let why = "is a llama hyperparameter kiln needs";
+    let name = g.require_str("general.architecture", "names the model architecture")?;
+    let arch =
+        GgufArch::from_gguf_name(name).ok_or_else(|| ImportError::UnsupportedArchitecture {
+            arch: name.to_string(),
+        })?;
+    let k = |s: &str| format!("{arch}.{s}");
+    let why = &format!("is a {arch} hyperparameter kiln needs");
     let hidden = g.require_u64(&k("embedding_length"), why)?;
     let ffn = g.require_u64(&k("feed_forward_length"), why)?;
     let layers = g.require_u64(&k("block_count"), why)?;
@@ -228,7 +366,7 @@ fn read_hparams(g: &GgufFile) -> Result<Hparams, ImportError> {
         None => {
             return Err(ImportError::BadConfig(format!(
                 "hidden size {hidden} is not a multiple of {heads} heads and \
-                 llama.attention.key_length is absent"
+                 {arch}.attention.key_length is absent"
             )))
         }
     };
@@ -248,19 +386,39 @@ fn read_hparams(g: &GgufFile) -> Result<Hparams, ImportError> {
             });
         }
     }
-    if let Some(kind) = g.get_str(&k("rope.scaling.type"))? {
-        if kind != "none" {
-            return Err(ImportError::UnsupportedFeature {
-                feature: format!("RoPE scaling ({kind})"),
-            });
+    let rope_scaling = match g.get_str(&k("rope.scaling.type"))? {
+        None | Some("none") => None,
+        Some("linear") => {
+            let key = k("rope.scaling.factor");
+            let factor = g.require_f64(&key, "is the factor of linear RoPE scaling")?;
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(ImportError::BadConfig(format!("{key} is {factor}")));
+            }
+            Some(json!({"rope_type": "linear", "factor": f32_as_written(factor)}))
         }
-    }
+        Some(kind) => {
+            return Err(ImportError::UnsupportedFeature {
+                feature: format!(
+                "RoPE scaling {kind:?} (supported: linear, and llama3 through rope_freqs.weight)"
+            ),
+            })
+        }
+    };
     if head_dim % 2 != 0 {
         return Err(ImportError::BadConfig(format!(
             "head size {head_dim} is odd"
         )));
     }
+    let sliding_window = g.get_u64(&k("attention.sliding_window"))?;
+    if arch == GgufArch::Gemma3 && sliding_window.is_none() {
+        return Err(GgufError::MissingKey {
+            key: k("attention.sliding_window"),
+            why: "is the local attention window of Gemma-3's sliding layers".into(),
+        }
+        .into());
+    }
     Ok(Hparams {
+        arch,
         hidden,
         ffn,
         layers,
@@ -270,7 +428,114 @@ fn read_hparams(g: &GgufFile) -> Result<Hparams, ImportError> {
         eps: f32_as_written(eps),
         theta: f32_as_written(theta),
         context,
+        rope_scaling,
+        sliding_window,
     })
+}
+
+/// Llama-3.1 RoPE parameters that `rope_freqs.weight` does not record and
+/// every Llama 3.1/3.2/3.3 release uses.
+const LLAMA3_LOW_FREQ_FACTOR: f64 = 1.0;
+const LLAMA3_HIGH_FREQ_FACTOR: f64 = 4.0;
+const LLAMA3_ORIGINAL_CONTEXT: u64 = 8192;
+
+/// The llama3 per-frequency divisors (what llama.cpp's converter writes to
+/// `rope_freqs.weight`) for a head of `head_dim`.
+pub fn llama3_rope_factors(
+    head_dim: u64,
+    theta: f64,
+    factor: f64,
+    low_freq_factor: f64,
+    high_freq_factor: f64,
+    original_context: u64,
+) -> Vec<f64> {
+    let old = original_context as f64;
+    let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth =
+                    (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect()
+}
+
+/// The llama3 `rope_scaling` a `rope_freqs.weight` tensor encodes: the
+/// factor is its largest entry (or `rope.scaling.factor`), the original
+/// context `rope.scaling.original_context_length` or 8192, the frequency
+/// factors 1 and 4; every entry must then match the llama3 formula.
+fn llama3_scaling(g: &GgufFile, h: &Hparams, t: &TensorInfo) -> Result<Value, ImportError> {
+    let n = h.head_dim / 2;
+    if t.shape() != [n] {
+        return Err(ImportError::ShapeMismatch {
+            name: t.name.clone(),
+            hf_name: "rope_scaling (config.json)".into(),
+            expected: vec![n],
+            found: t.shape(),
+        });
+    }
+    let got = g.dequantize(&t.name)?;
+    let k = |s: &str| format!("{}.{s}", h.arch);
+    let factor = match g.get_f64(&k("rope.scaling.factor"))? {
+        Some(f) => f,
+        None => got.iter().copied().fold(f32::MIN, f32::max) as f64,
+    };
+    let original = g
+        .get_u64(&k("rope.scaling.original_context_length"))?
+        .unwrap_or(LLAMA3_ORIGINAL_CONTEXT);
+    if !(factor.is_finite() && factor >= 1.0) {
+        return Err(ImportError::UnsupportedFeature {
+            feature: format!("rope_freqs.weight with a largest factor of {factor} (llama3 scaling has a factor >= 1)"),
+        });
+    }
+    let want = llama3_rope_factors(
+        h.head_dim,
+        h.theta,
+        factor,
+        LLAMA3_LOW_FREQ_FACTOR,
+        LLAMA3_HIGH_FREQ_FACTOR,
+        original,
+    );
+    if let Some((i, (g, w))) = got
+        .iter()
+        .zip(&want)
+        .enumerate()
+        .find(|(_, (g, w))| ((f64::from(**g) - **w) / **w).abs() > 1e-4)
+    {
+        return Err(ImportError::UnsupportedFeature {
+            feature: format!(
+                "rope_freqs.weight that is not llama3 RoPE scaling with factor {factor}, \
+                 low_freq_factor {LLAMA3_LOW_FREQ_FACTOR}, high_freq_factor \
+                 {LLAMA3_HIGH_FREQ_FACTOR} and original_max_position_embeddings {original} \
+                 (entry {i} is {g}, the formula gives {w})"
+            ),
+        });
+    }
+    Ok(json!({
+        "rope_type": "llama3",
+        "factor": f32_as_written(factor),
+        "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+        "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": original,
+    }))
+}
+
+/// What happens to a tensor's values between dequantizing and writing.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Transform {
+    None,
+    /// Undo llama.cpp's q/k row permutation with this many heads.
+    Unpermute(u64),
+    /// Subtract the 1 llama.cpp's Gemma converter added to a norm weight.
+    MinusOne,
 }
 
 /// One tensor to convert.
@@ -278,26 +543,42 @@ struct Plan<'a> {
     info: &'a TensorInfo,
     hf_name: String,
     shape: Vec<u64>,
-    /// Heads to un-permute the rows for (attn_q, attn_k).
-    unpermute: Option<u64>,
+    transform: Transform,
 }
 
-fn plan_tensors<'a>(
-    g: &'a GgufFile,
-    h: &Hparams,
-) -> Result<(Vec<Plan<'a>>, u64, bool), ImportError> {
-    if let Some(t) = g.tensors().iter().find(|t| t.name == "rope_freqs.weight") {
-        return Err(ImportError::UnsupportedFeature {
-            feature: format!("Llama-3.1 RoPE frequency scaling ({})", t.name),
-        });
+struct Layout<'a> {
+    plans: Vec<Plan<'a>>,
+    vocab: u64,
+    tied: bool,
+    rope_scaling: Option<Value>,
+}
+
+fn plan_tensors<'a>(g: &'a GgufFile, h: &Hparams) -> Result<Layout<'a>, ImportError> {
+    let arch = h.arch;
+    let mut rope_scaling = h.rope_scaling.clone();
+    let rope_freqs = g.tensor("rope_freqs.weight");
+    if let Some(t) = rope_freqs {
+        if !matches!(arch, GgufArch::Llama | GgufArch::Mistral) {
+            return Err(ImportError::UnsupportedFeature {
+                feature: format!("RoPE frequency factors ({}) in a {arch} model", t.name),
+            });
+        }
+        if rope_scaling.is_some() {
+            return Err(ImportError::UnsupportedFeature {
+                feature: format!("both {}.rope.scaling.type and rope_freqs.weight", arch),
+            });
+        }
+        rope_scaling = Some(llama3_scaling(g, h, t)?);
     }
+    let missing = |name: &str, hf_name: &str| ImportError::MissingTensor {
+        name: name.into(),
+        hf_name: hf_name.into(),
+        layers: h.layers,
+        arch,
+    };
     let embd = g
         .tensor("token_embd.weight")
-        .ok_or(ImportError::MissingTensor {
-            name: "token_embd.weight".into(),
-            hf_name: "model.embed_tokens.weight".into(),
-            layers: h.layers,
-        })?;
+        .ok_or_else(|| missing("token_embd.weight", "model.embed_tokens.weight"))?;
     let vocab = match embd.shape().as_slice() {
         [v, d] if *d == h.hidden => *v,
         other => {
@@ -312,28 +593,71 @@ fn plan_tensors<'a>(
     let tied = g.tensor("output.weight").is_none();
     let q = h.heads * h.head_dim;
     let kv = h.kv_heads * h.head_dim;
-    let mut expected: Vec<(String, Vec<u64>, Option<u64>)> = vec![
-        ("token_embd.weight".into(), vec![vocab, h.hidden], None),
-        ("output_norm.weight".into(), vec![h.hidden], None),
+    let norm = if arch == GgufArch::Gemma3 {
+        Transform::MinusOne
+    } else {
+        Transform::None
+    };
+    let (perm_q, perm_k) = if arch.qk_permuted() {
+        (
+            Transform::Unpermute(h.heads),
+            Transform::Unpermute(h.kv_heads),
+        )
+    } else {
+        (Transform::None, Transform::None)
+    };
+    let mut expected: Vec<(String, Vec<u64>, Transform)> = vec![
+        (
+            "token_embd.weight".into(),
+            vec![vocab, h.hidden],
+            Transform::None,
+        ),
+        ("output_norm.weight".into(), vec![h.hidden], norm),
     ];
     if !tied {
-        expected.push(("output.weight".into(), vec![vocab, h.hidden], None));
+        expected.push((
+            "output.weight".into(),
+            vec![vocab, h.hidden],
+            Transform::None,
+        ));
     }
     for l in 0..h.layers {
-        let b = |s: &str| format!("blk.{l}.{s}.weight");
+        let b = |s: &str| format!("blk.{l}.{s}");
         expected.extend([
-            (b("attn_norm"), vec![h.hidden], None),
-            (b("attn_q"), vec![q, h.hidden], Some(h.heads)),
-            (b("attn_k"), vec![kv, h.hidden], Some(h.kv_heads)),
-            (b("attn_v"), vec![kv, h.hidden], None),
-            (b("attn_output"), vec![h.hidden, q], None),
-            (b("ffn_norm"), vec![h.hidden], None),
-            (b("ffn_gate"), vec![h.ffn, h.hidden], None),
-            (b("ffn_up"), vec![h.ffn, h.hidden], None),
-            (b("ffn_down"), vec![h.hidden, h.ffn], None),
+            (b("attn_norm.weight"), vec![h.hidden], norm),
+            (b("attn_q.weight"), vec![q, h.hidden], perm_q),
+            (b("attn_k.weight"), vec![kv, h.hidden], perm_k),
+            (b("attn_v.weight"), vec![kv, h.hidden], Transform::None),
+            (b("attn_output.weight"), vec![h.hidden, q], Transform::None),
+            (b("ffn_norm.weight"), vec![h.hidden], norm),
+            (b("ffn_gate.weight"), vec![h.ffn, h.hidden], Transform::None),
+            (b("ffn_up.weight"), vec![h.ffn, h.hidden], Transform::None),
+            (b("ffn_down.weight"), vec![h.hidden, h.ffn], Transform::None),
         ]);
+        if arch == GgufArch::Qwen2 {
+            expected.extend([
+                (b("attn_q.bias"), vec![q], Transform::None),
+                (b("attn_k.bias"), vec![kv], Transform::None),
+                (b("attn_v.bias"), vec![kv], Transform::None),
+            ]);
+        }
+        if matches!(arch, GgufArch::Qwen3 | GgufArch::Gemma3) {
+            expected.extend([
+                (b("attn_q_norm.weight"), vec![h.head_dim], norm),
+                (b("attn_k_norm.weight"), vec![h.head_dim], norm),
+            ]);
+        }
+        if arch == GgufArch::Gemma3 {
+            expected.extend([
+                (b("post_attention_norm.weight"), vec![h.hidden], norm),
+                (b("post_ffw_norm.weight"), vec![h.hidden], norm),
+            ]);
+        }
     }
-    let wanted: HashSet<&str> = expected.iter().map(|(n, _, _)| n.as_str()).collect();
+    let mut wanted: HashSet<&str> = expected.iter().map(|(n, _, _)| n.as_str()).collect();
+    if rope_freqs.is_some() {
+        wanted.insert("rope_freqs.weight");
+    }
     if let Some(t) = g
         .tensors()
         .iter()
@@ -341,17 +665,17 @@ fn plan_tensors<'a>(
     {
         return Err(ImportError::UnknownTensor {
             name: t.name.clone(),
+            arch,
         });
     }
     let mut plans = Vec::with_capacity(expected.len());
-    for (name, shape, unpermute) in expected {
-        let hf_name = hf_tensor_name(&name)
-            .ok_or_else(|| ImportError::UnknownTensor { name: name.clone() })?;
-        let info = g.tensor(&name).ok_or_else(|| ImportError::MissingTensor {
-            name: name.clone(),
-            hf_name: hf_name.clone(),
-            layers: h.layers,
-        })?;
+    for (name, shape, transform) in expected {
+        let hf_name =
+            hf_tensor_name_for(arch, &name).ok_or_else(|| ImportError::UnknownTensor {
+                name: name.clone(),
+                arch,
+            })?;
+        let info = g.tensor(&name).ok_or_else(|| missing(&name, &hf_name))?;
         if !dequant::is_supported(info.ggml_type) {
             return Err(GgufError::UnsupportedDequant {
                 name,
@@ -371,26 +695,35 @@ fn plan_tensors<'a>(
             info,
             hf_name,
             shape,
-            unpermute,
+            transform,
         });
     }
     plans.sort_by(|a, b| a.hf_name.cmp(&b.hf_name));
-    Ok((plans, vocab, tied))
+    Ok(Layout {
+        plans,
+        vocab,
+        tied,
+        rope_scaling,
+    })
 }
 
 /// The bf16 bytes of one converted tensor.
 fn convert(g: &GgufFile, p: &Plan<'_>) -> Result<Vec<u8>, ImportError> {
     let mut values = g.dequantize(&p.info.name)?;
-    if let Some(heads) = p.unpermute {
-        let rows = p.shape[0] as usize;
-        let cols = p.shape[1] as usize;
-        values =
-            permute::unpermute_rows(&values, rows, cols, heads as usize).map_err(|source| {
-                ImportError::Permute {
-                    name: p.info.name.clone(),
-                    source,
-                }
-            })?;
+    match p.transform {
+        Transform::None => {}
+        Transform::Unpermute(heads) => {
+            let rows = p.shape[0] as usize;
+            let cols = p.shape[1] as usize;
+            values =
+                permute::unpermute_rows(&values, rows, cols, heads as usize).map_err(|source| {
+                    ImportError::Permute {
+                        name: p.info.name.clone(),
+                        source,
+                    }
+                })?;
+        }
+        Transform::MinusOne => values.iter_mut().for_each(|v| *v -= 1.0),
     }
     let mut out = Vec::with_capacity(values.len() * 2);
     for v in values {
@@ -452,6 +785,117 @@ fn write_json(dir: &Path, name: &str, value: &impl Serialize) -> Result<(), Impo
     std::fs::write(&path, text).map_err(io_err("cannot write", &path))
 }
 
+/// Gemma-3's local (sliding-window) RoPE base, which llama.cpp does not
+/// store for gemma3 unless `rope.freq_base_swa` is present.
+const GEMMA3_LOCAL_ROPE_THETA: f64 = 10000.0;
+/// Every sixth Gemma-3 layer is global (llama.cpp hard-codes the pattern).
+const GEMMA3_SLIDING_PATTERN: u64 = 6;
+/// Gemma-3-27B's query scale is `hidden / heads` (168), not the head size;
+/// llama.cpp recognises it by its 62 layers.
+const GEMMA3_27B_LAYERS: u64 = 62;
+
+/// The config.json of the imported model.
+fn model_config(
+    g: &GgufFile,
+    h: &Hparams,
+    layout: &Layout<'_>,
+    tok: &tokenizer_build::BuiltTokenizer,
+) -> Result<ModelConfig, ImportError> {
+    let arch = h.arch;
+    let k = |s: &str| format!("{arch}.{s}");
+    let mut extra = serde_json::Map::new();
+    let (mut attention_bias, mut mlp_bias) = (Some(false), Some(false));
+    let mut hidden_act = "silu";
+    match arch {
+        GgufArch::Llama => {}
+        GgufArch::Mistral => {
+            extra.insert("sliding_window".into(), json!(h.sliding_window));
+        }
+        GgufArch::Qwen2 => {
+            (attention_bias, mlp_bias) = (None, None);
+            extra.insert("use_sliding_window".into(), json!(false));
+            extra.insert("sliding_window".into(), json!(h.sliding_window));
+        }
+        GgufArch::Qwen3 => {
+            mlp_bias = None;
+            extra.insert("use_sliding_window".into(), json!(false));
+            extra.insert("sliding_window".into(), json!(h.sliding_window));
+        }
+        GgufArch::Gemma3 => {
+            mlp_bias = None;
+            hidden_act = "gelu_pytorch_tanh";
+            let pattern = g
+                .get_u64(&k("attention.sliding_window_pattern"))?
+                .unwrap_or(GEMMA3_SLIDING_PATTERN);
+            if pattern == 0 {
+                return Err(ImportError::BadConfig(format!(
+                    "{} is 0",
+                    k("attention.sliding_window_pattern")
+                )));
+            }
+            let layer_types: Vec<&str> = (0..h.layers)
+                .map(|i| {
+                    if (i + 1) % pattern == 0 {
+                        "full_attention"
+                    } else {
+                        "sliding_attention"
+                    }
+                })
+                .collect();
+            let scalar = if h.layers == GEMMA3_27B_LAYERS {
+                h.hidden / h.heads
+            } else {
+                h.head_dim
+            };
+            let local_theta = g
+                .get_f64(&k("rope.freq_base_swa"))?
+                .map(f32_as_written)
+                .unwrap_or(GEMMA3_LOCAL_ROPE_THETA);
+            let softcap = |key: &str| -> Result<Value, ImportError> {
+                Ok(json!(g.get_f64(&k(key))?.map(f32_as_written)))
+            };
+            extra.insert("hidden_activation".into(), json!(hidden_act));
+            extra.insert("query_pre_attn_scalar".into(), json!(scalar));
+            extra.insert("sliding_window".into(), json!(h.sliding_window));
+            extra.insert("sliding_window_pattern".into(), json!(pattern));
+            extra.insert("layer_types".into(), json!(layer_types));
+            extra.insert("rope_local_base_freq".into(), json!(local_theta));
+            extra.insert(
+                "final_logit_softcapping".into(),
+                softcap("final_logit_softcapping")?,
+            );
+            extra.insert(
+                "attn_logit_softcapping".into(),
+                softcap("attn_logit_softcapping")?,
+            );
+        }
+    }
+    Ok(ModelConfig {
+        architectures: vec![arch.hf_architecture().into()],
+        model_type: arch.hf_model_type().into(),
+        hidden_size: h.hidden,
+        intermediate_size: h.ffn,
+        num_hidden_layers: h.layers,
+        num_attention_heads: h.heads,
+        num_key_value_heads: h.kv_heads,
+        head_dim: h.head_dim,
+        rms_norm_eps: h.eps,
+        rope_theta: h.theta,
+        rope_scaling: layout.rope_scaling.clone(),
+        max_position_embeddings: h.context,
+        vocab_size: layout.vocab,
+        tie_word_embeddings: layout.tied,
+        bos_token_id: tok.special.bos,
+        eos_token_id: tok.special.eos,
+        pad_token_id: tok.special.pad,
+        hidden_act: hidden_act.into(),
+        attention_bias,
+        mlp_bias,
+        torch_dtype: "bfloat16".into(),
+        extra,
+    })
+}
+
 /// Converts the GGUF at `gguf_path` into a model directory at `out_dir`.
 pub fn import_gguf(
     gguf_path: &Path,
@@ -465,7 +909,8 @@ pub fn import_gguf(
     }
     let g = GgufFile::open(gguf_path)?;
     let h = read_hparams(&g)?;
-    let (plans, vocab, tied) = plan_tensors(&g, &h)?;
+    let layout = plan_tensors(&g, &h)?;
+    let vocab = layout.vocab;
     let tok = tokenizer_build::build_tokenizer(&g, Some(h.context))?;
     if tok.vocab_size as u64 > vocab {
         return Err(ImportError::BadConfig(format!(
@@ -474,29 +919,7 @@ pub fn import_gguf(
         )));
     }
 
-    let config = LlamaConfig {
-        architectures: vec!["LlamaForCausalLM".into()],
-        model_type: "llama".into(),
-        hidden_size: h.hidden,
-        intermediate_size: h.ffn,
-        num_hidden_layers: h.layers,
-        num_attention_heads: h.heads,
-        num_key_value_heads: h.kv_heads,
-        head_dim: h.head_dim,
-        rms_norm_eps: h.eps,
-        rope_theta: h.theta,
-        rope_scaling: None,
-        max_position_embeddings: h.context,
-        vocab_size: vocab,
-        tie_word_embeddings: tied,
-        bos_token_id: tok.special.bos,
-        eos_token_id: tok.special.eos,
-        pad_token_id: tok.special.pad,
-        hidden_act: "silu".into(),
-        attention_bias: false,
-        mlp_bias: false,
-        torch_dtype: "bfloat16".into(),
-    };
+    let config = model_config(&g, &h, &layout, &tok)?;
     let mut generation = serde_json::Map::new();
     generation.insert("_from_model_config".into(), json!(true));
     if let Some(b) = tok.special.bos {
@@ -528,7 +951,8 @@ pub fn import_gguf(
     let tok_path = tmp.path().join("tokenizer.json");
     std::fs::write(&tok_path, &tok.tokenizer_json).map_err(io_err("cannot write", &tok_path))?;
     write_json(tmp.path(), "tokenizer_config.json", &tok.tokenizer_config)?;
-    write_safetensors(&g, &plans, &tmp.path().join(WEIGHTS_FILE), &source_name)?;
+    let plans = &layout.plans;
+    write_safetensors(&g, plans, &tmp.path().join(WEIGHTS_FILE), &source_name)?;
 
     install_dir(tmp, out_dir)?;
 
@@ -538,6 +962,7 @@ pub fn import_gguf(
     }
     Ok(ImportReport {
         out_dir: out_dir.to_path_buf(),
+        arch: h.arch,
         parameters: plans.iter().map(|p| p.info.n_elements).sum(),
         tensors_written: plans.len(),
         source_types,

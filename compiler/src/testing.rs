@@ -549,6 +549,35 @@ pub fn write_byte_tokenizer(dir: &Path) -> std::io::Result<u32> {
     Ok(256)
 }
 
+/// The Gemma-3-270M GGUF (Q4_K_M) the real-model tests read:
+/// `KILN_GEMMA3_GGUF`, else `gemma3/gemma-3-270m-q4_k_m.gguf` in kiln's
+/// cache, where `scripts/fetch-gemma3.sh` puts it. `None` (the test skips,
+/// saying so) when it is not there, unless `KILN_REQUIRE_GEMMA3=1` (CI),
+/// which makes a missing file a panic.
+pub fn gemma3_gguf_for_tests() -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("KILN_GEMMA3_GGUF")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            crate::fetch::default_cache_dir()
+                .join("gemma3")
+                .join("gemma-3-270m-q4_k_m.gguf")
+        });
+    if path.is_file() {
+        return Some(path);
+    }
+    if std::env::var("KILN_REQUIRE_GEMMA3").as_deref() == Ok("1") {
+        panic!(
+            "KILN_REQUIRE_GEMMA3=1 but {} does not exist; run scripts/fetch-gemma3.sh",
+            path.display()
+        );
+    }
+    eprintln!(
+        "SKIPPED: {} not found (run scripts/fetch-gemma3.sh, or set KILN_GEMMA3_GGUF)",
+        path.display()
+    );
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,10 +7,22 @@
 //! loads it with the `tokenizers` crate to prove it is valid before anyone
 //! writes it to disk.
 //!
-//! Supported: byte-level BPE vocabularies (`tokenizer.ggml.model = "gpt2"`)
-//! with the pre-tokenizers of the GPT-2, SmolLM/StarCoder, Llama-3 and
-//! Qwen2 families. Deliberately not supported: SentencePiece (`"llama"`),
-//! unigram (`"t5"`) and WordPiece vocabularies; each is a clear error.
+//! Supported:
+//! - byte-level BPE vocabularies (`tokenizer.ggml.model = "gpt2"`) with the
+//!   pre-tokenizers of the GPT-2, SmolLM/StarCoder, Llama-3 and Qwen2
+//!   families;
+//! - SentencePiece BPE vocabularies with scores (`"llama"`: Llama 2,
+//!   Mistral, Gemma). They become a `tokenizers` BPE model: the merges are
+//!   every split of a normal token into two vocabulary tokens, ranked by the
+//!   merged token's score (SentencePiece merges the adjacent pair whose
+//!   concatenation scores highest, which is the same order); characters
+//!   outside the vocabulary fall back to the `<0xNN>` byte tokens; spaces
+//!   become `▁`, and `tokenizer.ggml.add_space_prefix` (default true, false
+//!   for Gemma) prepends one to each text segment, as llama.cpp does.
+//!
+//! Special tokens and `add_bos`/`add_eos` come from the metadata for both.
+//! Deliberately not supported: unigram (`"t5"`), WordPiece (`"bert"`) and
+//! RWKV vocabularies; each is a clear error.
 
 use crate::gguf::{GgufError, GgufFile, MetaValue, ValueType};
 use serde::ser::{SerializeMap, Serializer};
@@ -35,11 +47,17 @@ pub enum TokenizerBuildError {
     Gguf(#[from] GgufError),
 
     #[error(
-        "tokenizer.ggml.model is {model:?}; kiln import builds only byte-level BPE \
-         vocabularies (\"gpt2\"), not SentencePiece (\"llama\"), unigram (\"t5\") or \
-         WordPiece (\"bert\") ones"
+        "tokenizer.ggml.model is {model:?}; kiln import builds byte-level BPE (\"gpt2\") \
+         and SentencePiece BPE (\"llama\") vocabularies, not unigram (\"t5\"), \
+         WordPiece (\"bert\"), RWKV (\"rwkv\") or others"
     )]
     UnsupportedModel { model: String },
+
+    #[error("tokenizer.ggml.scores has {scores} entries but tokenizer.ggml.tokens has {tokens}")]
+    ScoresLength { tokens: usize, scores: usize },
+
+    #[error("token {id} is marked as a byte token but is {token:?}, not <0xNN>")]
+    BadByteToken { id: usize, token: String },
 
     #[error(
         "tokenizer.ggml.pre is {pre:?}, a pre-tokenizer kiln does not know; supported: {known}"
@@ -159,6 +177,59 @@ impl PreTokenizer {
     }
 }
 
+/// The vocabulary kinds `tokenizer.ggml.model` names that kiln builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenizerKind {
+    /// `"gpt2"`: byte-level BPE with explicit merges.
+    ByteLevelBpe,
+    /// `"llama"`: SentencePiece BPE with scores and byte fallback.
+    SentencePiece,
+}
+
+/// SentencePiece's visible space.
+const SPACE: &str = "\u{2581}";
+
+/// The byte token `<0xNN>` of byte `b`.
+fn byte_token(b: u8) -> String {
+    format!("<0x{b:02X}>")
+}
+
+/// The byte a `<0xNN>` token stands for.
+fn byte_token_value(tok: &str) -> Option<u8> {
+    let hex = tok.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok())?
+}
+
+/// BPE merges equivalent to SentencePiece's score-ordered merging: every
+/// split of a normal token into two normal tokens, ranked by the merged
+/// token's score (highest first), ties by the ids of the left and right
+/// parts. Control, user-defined, byte and unused tokens are never built by
+/// merging.
+fn sentencepiece_merges<'a>(
+    tokens: &[&'a str],
+    types: &[i32],
+    scores: &[f64],
+    ids: &HashMap<&str, usize>,
+) -> Vec<[&'a str; 2]> {
+    let normal = |id: usize| types[id] == token_type::NORMAL;
+    let mut ranked: Vec<(f64, usize, usize, [&'a str; 2])> = Vec::new();
+    for (id, &tok) in tokens.iter().enumerate() {
+        if !normal(id) {
+            continue;
+        }
+        for (at, _) in tok.char_indices().skip(1) {
+            let (l, r) = tok.split_at(at);
+            if let (Some(&li), Some(&ri)) = (ids.get(l), ids.get(r)) {
+                if normal(li) && normal(ri) {
+                    ranked.push((scores[id], li, ri, [l, r]));
+                }
+            }
+        }
+    }
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    ranked.into_iter().map(|(_, _, _, m)| m).collect()
+}
+
 /// Special token ids read from the GGUF (`tokenizer.ggml.*_token_id`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SpecialIds {
@@ -179,7 +250,11 @@ pub struct BuiltTokenizer {
     pub add_bos: bool,
     pub add_eos: bool,
     pub vocab_size: usize,
-    pub pre: PreTokenizer,
+    pub kind: TokenizerKind,
+    /// The byte-level pre-tokenizer; `None` for SentencePiece.
+    pub pre: Option<PreTokenizer>,
+    /// SentencePiece only: a `▁` is prepended to each text segment.
+    pub add_space_prefix: bool,
     /// Ids of control/unknown tokens, emitted as special added tokens.
     pub special_token_ids: Vec<u32>,
 }
@@ -267,18 +342,32 @@ pub fn build_tokenizer(
         "tokenizer.ggml.model",
         "names the tokenizer kind and is needed to build tokenizer.json",
     )?;
-    if model != "gpt2" {
-        return Err(TokenizerBuildError::UnsupportedModel {
-            model: model.to_string(),
-        });
-    }
-    let pre = PreTokenizer::from_gguf_name(gguf.get_str("tokenizer.ggml.pre")?)?;
+    let kind = match model {
+        "gpt2" => TokenizerKind::ByteLevelBpe,
+        "llama" => TokenizerKind::SentencePiece,
+        _ => {
+            return Err(TokenizerBuildError::UnsupportedModel {
+                model: model.to_string(),
+            })
+        }
+    };
+    let spm = kind == TokenizerKind::SentencePiece;
+    let pre = match kind {
+        TokenizerKind::ByteLevelBpe => Some(PreTokenizer::from_gguf_name(
+            gguf.get_str("tokenizer.ggml.pre")?,
+        )?),
+        TokenizerKind::SentencePiece => None,
+    };
     let tokens = strings(gguf, "tokenizer.ggml.tokens", "holds the vocabulary")?;
-    let merges_raw = strings(
-        gguf,
-        "tokenizer.ggml.merges",
-        "holds the BPE merges of a byte-level vocabulary",
-    )?;
+    let merges_raw = if spm {
+        Vec::new()
+    } else {
+        strings(
+            gguf,
+            "tokenizer.ggml.merges",
+            "holds the BPE merges of a byte-level vocabulary",
+        )?
+    };
     let types: Vec<i32> = match gguf.get("tokenizer.ggml.token_type") {
         None => vec![token_type::NORMAL; tokens.len()],
         Some(_) => gguf
@@ -305,20 +394,53 @@ pub fn build_tokenizer(
         }
     }
 
-    let mut merges = Vec::with_capacity(merges_raw.len());
-    for (index, m) in merges_raw.iter().enumerate() {
-        match m.split_once(' ') {
-            Some((a, b)) if !a.is_empty() && !b.is_empty() && !b.contains(' ') => {
-                merges.push([a, b])
-            }
-            _ => {
-                return Err(TokenizerBuildError::BadMerge {
-                    index,
-                    merge: m.to_string(),
-                })
+    let merges = if spm {
+        let scores: Vec<f64> = gguf
+            .require_array(
+                "tokenizer.ggml.scores",
+                ValueType::F32,
+                "ranks the merges of a SentencePiece vocabulary",
+            )?
+            .iter()
+            .map(|v| v.as_f64().unwrap_or(f64::NEG_INFINITY))
+            .collect();
+        if scores.len() != tokens.len() {
+            return Err(TokenizerBuildError::ScoresLength {
+                tokens: tokens.len(),
+                scores: scores.len(),
+            });
+        }
+        for (id, (&tok, &ty)) in tokens.iter().zip(&types).enumerate() {
+            if ty == token_type::BYTE && byte_token_value(tok).is_none() {
+                return Err(TokenizerBuildError::BadByteToken {
+                    id,
+                    token: tok.to_string(),
+                });
             }
         }
-    }
+        sentencepiece_merges(&tokens, &types, &scores, &seen)
+    } else {
+        let mut merges = Vec::with_capacity(merges_raw.len());
+        for (index, m) in merges_raw.iter().enumerate() {
+            match m.split_once(' ') {
+                Some((a, b)) if !a.is_empty() && !b.is_empty() && !b.contains(' ') => {
+                    merges.push([a, b])
+                }
+                _ => {
+                    return Err(TokenizerBuildError::BadMerge {
+                        index,
+                        merge: m.to_string(),
+                    })
+                }
+            }
+        }
+        merges
+    };
+    let add_space_prefix = spm
+        && gguf
+            .get_bool("tokenizer.ggml.add_space_prefix")?
+            .unwrap_or(true);
+    let byte_fallback_complete = (0..=255u8).all(|b| seen.contains_key(byte_token(b).as_str()));
 
     let n = tokens.len();
     let special = SpecialIds {
@@ -357,25 +479,57 @@ pub fn build_tokenizer(
         }
     }
 
-    let post_processor = post_processor(&tokens, &special, add_bos, add_eos);
+    let post_processor = post_processor(kind, &tokens, &special, add_bos, add_eos);
+    let (normalizer, pre_tokenizer, decoder) = match pre {
+        Some(pre) => (
+            None,
+            pre.to_json(),
+            json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+        ),
+        None => {
+            let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": SPACE});
+            let normalizer = if add_space_prefix {
+                json!({"type": "Sequence", "normalizers": [
+                    {"type": "Prepend", "prepend": SPACE}, replace]})
+            } else {
+                replace
+            };
+            let mut decoders = vec![
+                json!({"type": "Replace", "pattern": {"String": SPACE}, "content": " "}),
+                json!({"type": "ByteFallback"}),
+                json!({"type": "Fuse"}),
+            ];
+            if add_space_prefix {
+                decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+            }
+            (
+                Some(normalizer),
+                Value::Null,
+                json!({"type": "Sequence", "decoders": decoders}),
+            )
+        }
+    };
     let doc = TokenizerJson {
         version: "1.0",
         truncation: None,
         padding: None,
         added_tokens: added,
-        normalizer: None,
-        pre_tokenizer: pre.to_json(),
+        normalizer,
+        pre_tokenizer,
         post_processor,
-        decoder: json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+        decoder,
         model: BpeModel {
             kind: "BPE",
             dropout: None,
-            unk_token: None,
+            unk_token: special
+                .unk
+                .filter(|_| spm)
+                .map(|id| tokens[id as usize].to_string()),
             continuing_subword_prefix: None,
             end_of_word_suffix: None,
-            fuse_unk: false,
-            byte_fallback: false,
-            ignore_merges: pre.ignore_merges(),
+            fuse_unk: spm,
+            byte_fallback: spm,
+            ignore_merges: pre.is_some_and(PreTokenizer::ignore_merges),
             vocab: Vocab(
                 // Owned copies keep the serializer simple; the vocabulary is
                 // at most a few MB.
@@ -388,7 +542,7 @@ pub fn build_tokenizer(
         serde_json::to_string_pretty(&doc).map_err(|e| TokenizerBuildError::Load {
             reason: format!("cannot serialize: {e}"),
         })?;
-    check_loads(&tokenizer_json, n)?;
+    check_loads(&tokenizer_json, n, !spm || byte_fallback_complete)?;
 
     let name = |id: Option<u32>| id.map(|i| tokens[i as usize].to_string());
     let mut decoder = serde_json::Map::new();
@@ -411,7 +565,7 @@ pub fn build_tokenizer(
         "unk_token": name(special.unk),
         "pad_token": name(special.pad),
         "clean_up_tokenization_spaces": false,
-        "tokenizer_class": "GPT2Tokenizer",
+        "tokenizer_class": if spm { "PreTrainedTokenizerFast" } else { "GPT2Tokenizer" },
     });
     if let Some(len) = model_max_length {
         config["model_max_length"] = json!(len);
@@ -427,17 +581,28 @@ pub fn build_tokenizer(
         add_bos,
         add_eos,
         vocab_size: n,
+        kind,
         pre,
+        add_space_prefix,
         special_token_ids,
     })
 }
 
 /// A template adding BOS/EOS when the GGUF asks for them, otherwise the
 /// byte-level post-processor Hugging Face byte-level tokenizers carry.
-fn post_processor(tokens: &[&str], special: &SpecialIds, add_bos: bool, add_eos: bool) -> Value {
+fn post_processor(
+    kind: TokenizerKind,
+    tokens: &[&str],
+    special: &SpecialIds,
+    add_bos: bool,
+    add_eos: bool,
+) -> Value {
     let bos = special.bos.filter(|_| add_bos);
     let eos = special.eos.filter(|_| add_eos);
     if bos.is_none() && eos.is_none() {
+        if kind == TokenizerKind::SentencePiece {
+            return Value::Null;
+        }
         return json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true});
     }
     let mut single = Vec::new();
@@ -469,8 +634,10 @@ fn post_processor(tokens: &[&str], special: &SpecialIds, add_bos: bool, add_eos:
 }
 
 /// Loads the JSON with the `tokenizers` crate and checks the vocabulary
-/// size and a byte-level round trip, so a broken file is never written.
-fn check_loads(text: &str, vocab: usize) -> Result<(), TokenizerBuildError> {
+/// size and (where every byte is representable: always for byte-level
+/// BPE, with all 256 byte tokens for SentencePiece) a round trip, so a
+/// broken file is never written.
+fn check_loads(text: &str, vocab: usize, round_trip: bool) -> Result<(), TokenizerBuildError> {
     let tok = tokenizers::Tokenizer::from_str(text).map_err(|e| TokenizerBuildError::Load {
         reason: e.to_string(),
     })?;
@@ -479,6 +646,9 @@ fn check_loads(text: &str, vocab: usize) -> Result<(), TokenizerBuildError> {
         return Err(TokenizerBuildError::Check {
             problem: format!("has {got} tokens where the GGUF lists {vocab}"),
         });
+    }
+    if !round_trip {
+        return Ok(());
     }
     let probe = "kiln import: héllo wörld 123 ✓\n\tend";
     let ids = tok

@@ -157,10 +157,11 @@ fn quantizers_round_trip_random_data_within_their_step_bounds() {
 #[test]
 fn types_without_a_dequantizer_are_errors_naming_the_type() {
     for ty in [
-        GgmlType::Q4K,
-        GgmlType::Q6K,
-        GgmlType::Q5_0,
+        GgmlType::Q8K,
+        GgmlType::Q8_1,
+        GgmlType::Iq4Xs,
         GgmlType::Iq2Xxs,
+        GgmlType::Tq1_0,
         GgmlType::I32,
     ] {
         let n = ty.block_size() as usize;
@@ -174,8 +175,8 @@ fn types_without_a_dequantizer_are_errors_naming_the_type() {
     w.add_raw_tensor(
         "blk.0.ffn_up.weight",
         &[256, 2],
-        GgmlType::Q4K,
-        vec![7; 288],
+        GgmlType::Iq4Xs,
+        vec![7; 272],
     )
     .unwrap();
     let g = GgufFile::from_bytes(w.to_bytes().unwrap()).unwrap();
@@ -184,17 +185,24 @@ fn types_without_a_dequantizer_are_errors_naming_the_type() {
         matches!(
             err,
             GgufError::UnsupportedDequant {
-                ty: GgmlType::Q4K,
+                ty: GgmlType::Iq4Xs,
                 ..
             }
         ),
         "{err}"
     );
+    // It names the tensor, the type, what is supported and what is not.
     let msg = err.to_string();
-    assert!(
-        msg.contains("blk.0.ffn_up.weight") && msg.contains("Q4_K"),
-        "{msg}"
-    );
+    for needle in [
+        "blk.0.ffn_up.weight",
+        "IQ4_XS",
+        "Q4_K",
+        "Q6_K",
+        "Q5_0",
+        "not supported: I-quants",
+    ] {
+        assert!(msg.contains(needle), "{needle} missing from: {msg}");
+    }
 }
 
 #[test]

@@ -327,24 +327,38 @@ fn assert_refused(w: GgufWriter, check: impl Fn(&ImportError) -> bool, needle: &
 }
 
 #[test]
-fn non_llama_architectures_are_refused() {
+fn unknown_architectures_are_refused_naming_what_is_supported() {
     let base = TinyLlama::default().build().unwrap().writer;
     let w = rewrite(
         &base,
         |k, v| {
             Some(if k == "general.architecture" {
-                MetaValue::String("qwen2".into())
+                MetaValue::String("phi3".into())
             } else {
                 v.clone()
             })
         },
         keep_tensor,
     );
-    assert_refused(
-        w,
-        |e| matches!(e, ImportError::UnsupportedArchitecture { .. }),
-        "qwen2",
+    let case = case_from_writer(&w);
+    let err = import(&case).unwrap_err();
+    assert!(
+        matches!(err, ImportError::UnsupportedArchitecture { .. }),
+        "{err}"
     );
+    let msg = err.to_string();
+    for needle in [
+        "\"phi3\"",
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma3",
+        "Not supported",
+    ] {
+        assert!(msg.contains(needle), "{needle} missing from: {msg}");
+    }
+    assert!(!case.out.exists());
 }
 
 #[test]
@@ -392,11 +406,12 @@ fn unsupported_quantizations_are_refused_naming_tensor_and_type() {
     let base = TinyLlama::default().build().unwrap().writer;
     let w = rewrite(&base, keep_meta, |n, d, t, b| {
         if n == "blk.0.ffn_down.weight" {
-            // Re-declare the tensor as Q4_K: ne0 96 is not a multiple of 256,
-            // so widen it to 256 columns of zeros.
+            // Re-declare the tensor as IQ4_XS (an I-quant kiln does not
+            // decode): ne0 96 is not a multiple of 256, so widen it to 256
+            // columns of zeros.
             let dims = vec![256, d[1]];
-            let bytes = vec![0u8; (d[1] as usize) * 144];
-            Some((n.to_string(), dims, GgmlType::Q4K, bytes))
+            let bytes = vec![0u8; (d[1] as usize) * 136];
+            Some((n.to_string(), dims, GgmlType::Iq4Xs, bytes))
         } else {
             Some((n.to_string(), d.to_vec(), t, b.to_vec()))
         }
@@ -409,22 +424,41 @@ fn unsupported_quantizations_are_refused_naming_tensor_and_type() {
 }
 
 #[test]
-fn rope_scaling_and_sentencepiece_vocabularies_are_refused() {
+fn k_quant_matrices_import_to_their_decoded_values() {
+    // 256-wide rows so every K-quant block type fits.
+    for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q5_0, GgmlType::Q3K] {
+        check_weights(&TinyLlama {
+            hidden: 256,
+            ffn: 256,
+            heads: 4,
+            kv_heads: 1,
+            matrix_type: ty,
+            embed_type: GgmlType::Q8_0,
+            tied: false,
+            ..TinyLlama::default()
+        });
+    }
+}
+
+#[test]
+fn non_llama3_rope_freqs_and_unigram_vocabularies_are_refused() {
     let base = TinyLlama::default().build().unwrap().writer;
     let mut w = rewrite(&base, keep_meta, keep_tensor);
-    w.add_tensor("rope_freqs.weight", &[8], GgmlType::F32, &[1.0; 8])
+    // Alternating factors follow no llama3 schedule.
+    let bogus: Vec<f32> = (0..8).map(|i| if i % 2 == 0 { 1.0 } else { 3.0 }).collect();
+    w.add_tensor("rope_freqs.weight", &[8], GgmlType::F32, &bogus)
         .unwrap();
     assert_refused(
         w,
         |e| matches!(e, ImportError::UnsupportedFeature { .. }),
-        "rope_freqs",
+        "rope_freqs.weight that is not llama3",
     );
 
     let w = rewrite(
         &base,
         |k, v| {
             Some(if k == "tokenizer.ggml.model" {
-                MetaValue::String("llama".into())
+                MetaValue::String("t5".into())
             } else {
                 v.clone()
             })
@@ -439,7 +473,7 @@ fn rope_scaling_and_sentencepiece_vocabularies_are_refused() {
                 ImportError::Tokenizer(TokenizerBuildError::UnsupportedModel { .. })
             )
         },
-        "SentencePiece",
+        "unigram",
     );
 
     let w = rewrite(
@@ -599,4 +633,212 @@ fn gguf_names_map_to_hugging_face_llama_names() {
     ] {
         assert_eq!(hf_tensor_name(unknown), None, "{unknown}");
     }
+}
+
+fn import_arch(arch: &str, hidden: usize) -> (Case, Value, TinyLlama) {
+    let spec = TinyLlama {
+        arch: arch.to_string(),
+        hidden,
+        ..TinyLlama::default()
+    };
+    check_weights(&spec);
+    let case = case_from_writer(&spec.build().unwrap().writer);
+    import(&case).unwrap();
+    let config = read_json(&case.out.join("config.json"));
+    (case, config, spec)
+}
+
+#[test]
+fn each_supported_architecture_imports_with_its_own_tensors_and_config() {
+    use kiln_compiler::config::HfConfig;
+    use kiln_compiler::frontend::registry::Family;
+    for (arch, class, model_type) in [
+        ("llama", "LlamaForCausalLM", "llama"),
+        ("mistral", "MistralForCausalLM", "mistral"),
+        ("qwen2", "Qwen2ForCausalLM", "qwen2"),
+        ("qwen3", "Qwen3ForCausalLM", "qwen3"),
+        ("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
+    ] {
+        let (case, c, spec) = import_arch(arch, 64);
+        assert_eq!(c["architectures"][0], class, "{arch}");
+        assert_eq!(c["model_type"], model_type, "{arch}");
+        assert_eq!(c["head_dim"], spec.head_dim(), "{arch}");
+        let st_bytes = std::fs::read(case.out.join("model.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&st_bytes).unwrap();
+        let has = |n: &str| st.names().contains(&n);
+        assert_eq!(has("model.layers.0.self_attn.q_proj.bias"), arch == "qwen2");
+        assert_eq!(
+            has("model.layers.1.self_attn.k_norm.weight"),
+            arch == "qwen3" || arch == "gemma3"
+        );
+        assert_eq!(
+            has("model.layers.0.post_feedforward_layernorm.weight"),
+            arch == "gemma3"
+        );
+        if arch == "gemma3" {
+            assert_eq!(c["hidden_activation"], "gelu_pytorch_tanh");
+            assert_eq!(c["query_pre_attn_scalar"], spec.head_dim());
+            assert_eq!(c["sliding_window"], 64);
+            assert_eq!(c["rope_local_base_freq"], 10000.0);
+            assert_eq!(
+                c["layer_types"],
+                serde_json::json!(["sliding_attention", "sliding_attention"])
+            );
+            continue;
+        }
+        // The frontends accept every non-Gemma config as written.
+        let text = std::fs::read_to_string(case.out.join("config.json")).unwrap();
+        let hf = HfConfig::from_json(&text).unwrap();
+        let family = Family::from_architecture(class).unwrap();
+        let resolved = family.resolve(&hf).unwrap();
+        assert_eq!(resolved.qkv_bias, arch == "qwen2", "{arch}");
+        assert_eq!(resolved.qk_norm, arch == "qwen3", "{arch}");
+    }
+}
+
+#[test]
+fn only_llama_and_mistral_files_get_their_q_k_rows_unpermuted() {
+    // check_weights compares against the Hugging Face order; the fixture
+    // permutes only llama and mistral, as llama.cpp does. An importer that
+    // unpermuted qwen/gemma rows too would fail here.
+    for arch in ["qwen2", "qwen3", "gemma3"] {
+        let spec = TinyLlama {
+            arch: arch.to_string(),
+            ..TinyLlama::default()
+        };
+        let built = spec.build().unwrap();
+        let g = GgufFile::from_bytes(built.writer.to_bytes().unwrap()).unwrap();
+        let stored = g.dequantize("blk.0.attn_q.weight").unwrap();
+        let (_, want) = &built.expected["model.layers.0.self_attn.q_proj.weight"];
+        assert_eq!(
+            &stored, want,
+            "{arch}: q rows are stored in Hugging Face order"
+        );
+        check_weights(&spec);
+    }
+}
+
+#[test]
+fn gemma3_norm_weights_lose_the_one_llama_cpp_added() {
+    let spec = TinyLlama {
+        arch: "gemma3".into(),
+        ..TinyLlama::default()
+    };
+    let built = spec.build().unwrap();
+    let g = GgufFile::from_bytes(built.writer.to_bytes().unwrap()).unwrap();
+    let stored = g.dequantize("blk.0.post_ffw_norm.weight").unwrap();
+    let case = case_from_writer(&built.writer);
+    import(&case).unwrap();
+    let bytes = std::fs::read(case.out.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let got = bf16_values(
+        st.tensor("model.layers.0.post_feedforward_layernorm.weight")
+            .unwrap()
+            .data(),
+    );
+    for (g, s) in got.iter().zip(&stored) {
+        assert!((g - (s - 1.0)).abs() <= 2f32.powi(-8), "{g} vs {s} - 1");
+    }
+    // ffn_norm is the pre-feedforward norm in Gemma-3, not post-attention.
+    assert_eq!(
+        import::hf_tensor_name_for(import::GgufArch::Gemma3, "blk.3.ffn_norm.weight").as_deref(),
+        Some("model.layers.3.pre_feedforward_layernorm.weight")
+    );
+    assert_eq!(
+        import::hf_tensor_name_for(import::GgufArch::Gemma3, "blk.3.post_attention_norm.weight")
+            .as_deref(),
+        Some("model.layers.3.post_attention_layernorm.weight")
+    );
+}
+
+#[test]
+fn llama3_rope_freqs_become_the_rope_scaling_they_encode() {
+    // Llama-3.1-8B's head: 128 dims, theta 500000, factor 8.
+    let f = import::llama3_rope_factors(128, 500000.0, 8.0, 1.0, 4.0, 8192);
+    assert_eq!(f.len(), 64);
+    assert_eq!(f[0], 1.0, "the fastest frequency is unscaled");
+    assert_eq!(f[63], 8.0, "the slowest is divided by the factor");
+    assert!(
+        f.windows(2).all(|w| w[0] <= w[1]),
+        "factors grow with wavelength"
+    );
+    assert!(f.iter().any(|x| *x > 1.0 && *x < 8.0), "a smooth band");
+
+    // The fixture's head: 16 dims, theta 100000; factor 32 as Llama 3.2.
+    let spec = TinyLlama::default();
+    let factors: Vec<f32> = import::llama3_rope_factors(16, 100000.0, 32.0, 1.0, 4.0, 8192)
+        .iter()
+        .map(|&x| x as f32)
+        .collect();
+    let mut w = rewrite(&spec.build().unwrap().writer, keep_meta, keep_tensor);
+    w.add_tensor("rope_freqs.weight", &[8], GgmlType::F32, &factors)
+        .unwrap();
+    let case = case_from_writer(&w);
+    let report = import(&case).unwrap();
+    assert_eq!(report.tensors_written, spec.build().unwrap().expected.len());
+    let c = read_json(&case.out.join("config.json"));
+    assert_eq!(
+        c["rope_scaling"],
+        serde_json::json!({"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    );
+    let hf = kiln_compiler::config::HfConfig::from_json(
+        &std::fs::read_to_string(case.out.join("config.json")).unwrap(),
+    )
+    .unwrap();
+    kiln_compiler::frontend::registry::Family::Llama
+        .resolve(&hf)
+        .unwrap();
+}
+
+#[test]
+fn unsupported_rope_settings_are_refused_naming_what_is_supported() {
+    let base = TinyLlama::default().build().unwrap().writer;
+    // YaRN scaling.
+    let mut w = rewrite(&base, keep_meta, keep_tensor);
+    w.add_str("llama.rope.scaling.type", "yarn");
+    assert_refused(
+        w,
+        |e| matches!(e, ImportError::UnsupportedFeature { .. }),
+        "supported: linear, and llama3 through rope_freqs.weight",
+    );
+    // Linear scaling is carried into config.json.
+    let mut w = rewrite(&base, keep_meta, keep_tensor);
+    w.add_str("llama.rope.scaling.type", "linear")
+        .add_f32("llama.rope.scaling.factor", 2.0);
+    let case = case_from_writer(&w);
+    import(&case).unwrap();
+    let c = read_json(&case.out.join("config.json"));
+    assert_eq!(
+        c["rope_scaling"],
+        serde_json::json!({"rope_type": "linear", "factor": 2.0})
+    );
+    // rope_freqs in an architecture llama.cpp never gives one.
+    let qwen = TinyLlama {
+        arch: "qwen3".into(),
+        ..TinyLlama::default()
+    };
+    let mut w = rewrite(&qwen.build().unwrap().writer, keep_meta, keep_tensor);
+    w.add_tensor("rope_freqs.weight", &[8], GgmlType::F32, &[1.0; 8])
+        .unwrap();
+    assert_refused(
+        w,
+        |e| matches!(e, ImportError::UnsupportedFeature { .. }),
+        "rope_freqs.weight) in a qwen3 model",
+    );
+    // A Gemma-3 file without its sliding window.
+    let gemma = TinyLlama {
+        arch: "gemma3".into(),
+        ..TinyLlama::default()
+    };
+    let w = rewrite(
+        &gemma.build().unwrap().writer,
+        |k, v| (k != "gemma3.attention.sliding_window").then(|| v.clone()),
+        keep_tensor,
+    );
+    assert_refused(
+        w,
+        |e| matches!(e, ImportError::Gguf(_)),
+        "gemma3.attention.sliding_window",
+    );
 }

@@ -131,8 +131,10 @@ pub enum GgufError {
 
     #[error(
         "tensor {name:?} is stored as {ty}, which kiln cannot dequantize \
-         (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1); pick a GGUF with one of those \
-         quantizations"
+         (supported: {list}; not supported: I-quants (IQ*), TQ1_0/TQ2_0, MXFP4/NVFP4, \
+         Q1_0, Q8_1/Q8_K and integer types); pick a GGUF with one of the supported \
+         quantizations",
+        list = super::dequant::SUPPORTED_LIST
     )]
     UnsupportedDequant { name: String, ty: GgmlType },
 

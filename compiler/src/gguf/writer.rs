@@ -90,6 +90,18 @@ impl GgufWriter {
         )
     }
 
+    /// Adds an array of f32 (SentencePiece scores).
+    pub fn add_f32_array(&mut self, key: &str, items: &[f32]) -> &mut Self {
+        let items = items.iter().map(|&v| MetaValue::F32(v)).collect();
+        self.add_meta(
+            key,
+            MetaValue::Array {
+                elem: ValueType::F32,
+                items,
+            },
+        )
+    }
+
     /// Adds an array of i32.
     pub fn add_i32_array(&mut self, key: &str, items: &[i32]) -> &mut Self {
         let items = items.iter().map(|&v| MetaValue::I32(v)).collect();
