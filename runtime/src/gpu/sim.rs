@@ -230,6 +230,11 @@ impl SimDriver {
         )
     }
 
+    /// The vendor this device simulates.
+    pub fn vendor_of_config(&self) -> Vendor {
+        self.cfg.vendor
+    }
+
     /// The journal, shared: readable after the driver is dropped.
     pub fn journal(&self) -> JournalHandle {
         self.journal.clone()
