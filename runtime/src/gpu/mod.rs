@@ -34,6 +34,7 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod driver;
+pub mod hip;
 pub mod sim;
 
 use crate::backend::{
