@@ -33,7 +33,7 @@ pub fn why(call: &str) -> &'static str {
         "replay" => "graphs do not nest: replaying a graph inside a capture would record it as a child of this one",
         "destroy_graph" => "destroying a graph synchronizes the stream, which a capture cannot do",
         "begin_capture" => "captures do not nest; end the current capture first",
-        "mark" | "elapsed_ms" => "timing marks are taken between steps, outside any capture",
+        "mark" | "elapsed_ms" | "time_ms" => "timing marks are taken between steps, outside any capture",
         "copy_bandwidth" => "measuring bandwidth allocates and synchronizes",
         _ => "the capture contract forbids it",
     }
@@ -256,7 +256,10 @@ mod tests {
         }
         let msg = s.forbid("alloc").unwrap_err().to_string();
         assert!(msg.contains("b4q2s1") && msg.contains("`alloc`"), "{msg}");
-        let lazy = s.forbid_with(|| "free(0x10)".into()).unwrap_err().to_string();
+        let lazy = s
+            .forbid_with(|| "free(0x10)".into())
+            .unwrap_err()
+            .to_string();
         assert!(lazy.contains("`free(0x10)`"), "{lazy}");
     }
 

@@ -152,7 +152,11 @@ fn forbidden_calls_inside_a_capture_never_reach_the_device() {
         assert_eq!(b.driver().log().len(), before, "{:?}", b.driver().log());
         let g = b.end_capture().unwrap();
         b.replay(g).unwrap();
-        assert!(b.driver().violations().is_empty(), "{:?}", b.driver().violations());
+        assert!(
+            b.driver().violations().is_empty(),
+            "{:?}",
+            b.driver().violations()
+        );
     }
 }
 
@@ -276,7 +280,11 @@ fn a_launch_not_prepared_before_capture_fails_the_capture_naming_key_and_op() {
         let key = Key::new(2, 1, 0);
         b.begin_capture(key).unwrap();
         match b.launch(&l).unwrap_err() {
-            BackendError::CaptureFailed { key: k, op, message } => {
+            BackendError::CaptureFailed {
+                key: k,
+                op,
+                message,
+            } => {
                 assert_eq!(k, key);
                 assert!(op.contains("matmul_f32"), "{op}");
                 assert!(message.contains("not prepared before capture"), "{message}");
@@ -334,18 +342,27 @@ fn out_of_memory_names_the_request() {
 
 #[test]
 fn the_pdl_attribute_reaches_the_driver_only_where_the_device_supports_it() {
-    for (t, want) in [(Sim(SimConfig::cuda()), true), (Sim(SimConfig::hip()), false)] {
+    for (t, want) in [
+        (Sim(SimConfig::cuda()), true),
+        (Sim(SimConfig::hip()), false),
+    ] {
         let mut b = t.open();
         assert_eq!(b.pdl(), want);
         let (x, y, z) = buffers(&mut b, 16);
         b.launch(&t.add(x, y, z, 16)).unwrap();
         let log = b.driver().log();
-        let launch = log.iter().rfind(|l| l.starts_with("launch_kernel")).unwrap();
+        let launch = log
+            .iter()
+            .rfind(|l| l.starts_with("launch_kernel"))
+            .unwrap();
         assert_eq!(launch.contains("pdl"), want, "{launch}");
         b.set_pdl(false);
         b.launch(&t.add(x, y, z, 16)).unwrap();
         let log = b.driver().log();
-        let launch = log.iter().rfind(|l| l.starts_with("launch_kernel")).unwrap();
+        let launch = log
+            .iter()
+            .rfind(|l| l.starts_with("launch_kernel"))
+            .unwrap();
         assert!(!launch.contains("pdl"), "{launch}");
     }
 }

@@ -1659,7 +1659,8 @@ mod on_gpu_backend {
     impl Target for Hip {
         type B = B;
         fn open(&self) -> B {
-            let driver = HipGpuDriver::new(SimHip::new(Config::default())).with_cache_dir(self.0.path());
+            let driver =
+                HipGpuDriver::new(SimHip::new(Config::default())).with_cache_dir(self.0.path());
             let mut b = GpuBackend::with_driver(driver, 0).unwrap();
             let tu = kernels_translation_unit().unwrap();
             b.load_kernels(&kernel_images(&b.info().arch, &tu, None).unwrap())

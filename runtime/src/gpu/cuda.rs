@@ -387,7 +387,11 @@ impl GpuDriver for CudaDriver {
         let mut buf = vec![0u64; params.len().div_ceil(8)];
         // SAFETY: `buf` holds at least params.len() bytes.
         unsafe {
-            std::ptr::copy_nonoverlapping(params.as_ptr(), buf.as_mut_ptr() as *mut u8, params.len())
+            std::ptr::copy_nonoverlapping(
+                params.as_ptr(),
+                buf.as_mut_ptr() as *mut u8,
+                params.len(),
+            )
         };
         let base = buf.as_mut_ptr() as *mut u8;
         let mut ptrs: Vec<*mut c_void> = offsets
@@ -607,8 +611,16 @@ impl GpuDriver for CudaDriver {
         workspace: Option<(DevPtr, u64)>,
         stream: Handle,
     ) -> DriverResult<()> {
-        let missing = |what: &str| DriverError::other(-1, format!("no cuBLASLt {what} for this GEMM; prepare it first"));
-        let d = self.descriptors.get(shape).ok_or_else(|| missing("descriptors"))?;
+        let missing = |what: &str| {
+            DriverError::other(
+                -1,
+                format!("no cuBLASLt {what} for this GEMM; prepare it first"),
+            )
+        };
+        let d = self
+            .descriptors
+            .get(shape)
+            .ok_or_else(|| missing("descriptors"))?;
         let algo = self
             .algorithms
             .get(&algorithm.id)

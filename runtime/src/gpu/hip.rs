@@ -15,9 +15,7 @@ use super::driver::{
     GpuDriver, Handle, Vendor,
 };
 use crate::backend::{BackendError, DevPtr};
-use crate::hip::cache::{
-    cache_key, default_cache_dir, hiprtc_options, CacheOutcome, CodeCache,
-};
+use crate::hip::cache::{cache_key, default_cache_dir, hiprtc_options, CacheOutcome, CodeCache};
 use crate::hip::catalog::PackedParams;
 use crate::hip::driver::{self as hd, HipDriver};
 use crate::hip::gemm::{self as hg, GemmProblem};

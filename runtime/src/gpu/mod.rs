@@ -534,7 +534,11 @@ impl<D: GpuDriver> GpuBackend<D> {
         }
     }
 
-    fn destroy_pair(&mut self, graph: Handle, exec: Handle) -> std::result::Result<(), DriverError> {
+    fn destroy_pair(
+        &mut self,
+        graph: Handle,
+        exec: Handle,
+    ) -> std::result::Result<(), DriverError> {
         let a = self.driver.exec_destroy(exec);
         let b = self.driver.graph_destroy(graph);
         a.and(b)
@@ -736,14 +740,14 @@ impl<D: GpuDriver> Backend for GpuBackend<D> {
         let last_op = self.capture.last_op().to_string();
         let (key, elapsed, launches) = self.capture.end()?;
         let t = Instant::now();
-        let graph = self
-            .driver
-            .end_capture(self.stream)
-            .map_err(|e| BackendError::CaptureFailed {
-                key,
-                op: last_op,
-                message: format!("end stream capture: {}", e.description),
-            })?;
+        let graph =
+            self.driver
+                .end_capture(self.stream)
+                .map_err(|e| BackendError::CaptureFailed {
+                    key,
+                    op: last_op,
+                    message: format!("end stream capture: {}", e.description),
+                })?;
         let exec = match self.driver.instantiate(graph) {
             Ok(exec) => exec,
             Err(e) => {

@@ -61,7 +61,10 @@ pub struct JournalHandle(Arc<Mutex<Journal>>);
 impl JournalHandle {
     /// A copy of the journal now.
     pub fn read(&self) -> Journal {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     fn with<R>(&self, f: impl FnOnce(&mut Journal) -> R) -> R {
@@ -647,7 +650,11 @@ impl GpuDriver for SimDriver {
             .get(&function)
             .cloned()
             .ok_or_else(|| DriverError::other(400, "simErrorInvalidHandle (400): function"))?;
-        let detail = if pdl { format!("{entry}, pdl") } else { entry.clone() };
+        let detail = if pdl {
+            format!("{entry}, pdl")
+        } else {
+            entry.clone()
+        };
         self.call("launch_kernel", detail, true)?;
         if pdl && !self.cfg.pdl {
             return Err(DriverError::other(
@@ -665,7 +672,10 @@ impl GpuDriver for SimDriver {
     fn begin_capture(&mut self, _stream: Handle) -> DriverResult<()> {
         self.call("begin_capture", String::new(), true)?;
         if self.capturing.is_some() {
-            return Err(DriverError::other(900, "simErrorIllegalState: capture open"));
+            return Err(DriverError::other(
+                900,
+                "simErrorIllegalState: capture open",
+            ));
         }
         self.capturing = Some(Vec::new());
         Ok(())

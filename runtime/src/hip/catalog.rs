@@ -165,7 +165,11 @@ impl PackedParams {
         let mut slots = Vec::with_capacity(offsets.len());
         let mut sizes = Vec::with_capacity(offsets.len());
         for (i, &at) in offsets.iter().enumerate() {
-            let end = offsets.get(i + 1).copied().unwrap_or(bytes.len()).min(bytes.len());
+            let end = offsets
+                .get(i + 1)
+                .copied()
+                .unwrap_or(bytes.len())
+                .min(bytes.len());
             let b = &bytes[at.min(end)..end];
             let mut slot = vec![0u64; b.len().div_ceil(8).max(1)].into_boxed_slice();
             // SAFETY: the slot has at least `b.len()` bytes.

@@ -139,7 +139,10 @@ pub fn copies_outside_allocations_are_bad_addresses<T: Target>(t: &T) {
         Err(BackendError::BadAddress(_))
     ));
     b.free(p).unwrap();
-    assert!(matches!(b.upload(p, &[1]), Err(BackendError::BadAddress(_))));
+    assert!(matches!(
+        b.upload(p, &[1]),
+        Err(BackendError::BadAddress(_))
+    ));
     assert!(matches!(b.free(p), Err(BackendError::BadAddress(_))));
 }
 
