@@ -426,3 +426,33 @@ fn a_workspace_grown_before_any_capture_frees_the_old_one_and_after_a_capture_re
     assert_eq!(b.driver().live_allocations(), 2);
     b.destroy_graph(g).unwrap();
 }
+
+#[test]
+fn a_kernel_pointer_outside_every_allocation_is_refused_before_the_launch() {
+    for t in both() {
+        let mut b = t.open();
+        let (x, y, z) = buffers(&mut b, 16);
+        let mut l = t.add(x, y, z, 16);
+        if let LaunchBody::Kernels(ks) = &mut l.body {
+            ks[0].params[1] = ResolvedParam::Ptr(DevPtr(0x10));
+        }
+        let launches = b.counters().kernel_launches;
+        assert!(matches!(b.launch(&l), Err(BackendError::BadAddress(0x10))));
+        assert_eq!(b.counters().kernel_launches, launches);
+    }
+}
+
+#[test]
+fn timing_marks_older_than_the_event_ring_are_refused_not_misread() {
+    let t = Sim(SimConfig::cuda());
+    let mut b = t.open();
+    let first = b.mark().unwrap();
+    let mut last = first;
+    for _ in 0..64 {
+        last = b.mark().unwrap();
+    }
+    let e = b.elapsed_ms(first, last).unwrap_err().to_string();
+    assert!(e.contains("no longer live"), "{e}");
+    let cpu_mark = kiln_runtime::backend::TimingMark::host_now();
+    assert!(b.elapsed_ms(cpu_mark, last).is_err());
+}

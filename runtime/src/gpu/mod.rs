@@ -689,7 +689,10 @@ impl<D: GpuDriver> Backend for GpuBackend<D> {
                 self.resolve(&k.module, &k.entry)?;
                 self.check_params(k)
             }),
-            LaunchBody::Gemm { shape, .. } => self.prepare_gemm(launch, &shape.clone()).map(|_| ()),
+            LaunchBody::Gemm { shape, .. } => {
+                let shape = *shape;
+                self.prepare_gemm(launch, &shape).map(|_| ())
+            }
         }
     }
 
