@@ -26,11 +26,12 @@
 use crate::backend::{
     Backend, BackendError, DevOperand, DevPtr, DeviceInfo, GraphHandle, Launch, Result,
 };
+use crate::capture::{CaptureState, GraphTable};
 use kiln_ir::plan::KernelImage;
 use kiln_ir::{Key, Op};
 use kiln_kernels::cpu::{KernelError, RawTensor};
 use std::alloc::Layout;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -211,18 +212,15 @@ fn execute(mem: &AddressSpace, kernels: KernelFn, scratch: &mut Scratch, l: &Lau
         .map_err(|e| BackendError::Device(format!("kernel `{}`: {e}", l.kernel)))
 }
 
-struct Recording {
-    key: Key,
-    launches: Vec<Launch>,
-}
-
 /// The CPU backend. See the module docs.
 pub struct CpuBackend {
     mem: AddressSpace,
     kernels: KernelFn,
-    capture: Option<Recording>,
-    graphs: HashMap<u32, (Key, Vec<Launch>)>,
-    next_graph: u32,
+    /// The contract bookkeeping every backend shares.
+    capture: CaptureState,
+    /// Launches recorded by the open capture.
+    recording: Vec<Launch>,
+    graphs: GraphTable<Vec<Launch>>,
     workspace: Option<(DevPtr, u64)>,
     scratch: Scratch,
     stats: Arc<CpuStats>,
@@ -249,9 +247,9 @@ impl CpuBackend {
         CpuBackend {
             mem: AddressSpace::new(None),
             kernels,
-            capture: None,
-            graphs: HashMap::new(),
-            next_graph: 0,
+            capture: CaptureState::default(),
+            recording: Vec::new(),
+            graphs: GraphTable::default(),
             workspace: None,
             scratch: Scratch::default(),
             stats: Arc::new(CpuStats::default()),
@@ -275,15 +273,8 @@ impl CpuBackend {
         self.mem.allocs.len()
     }
 
-    fn forbid_in_capture(&self, call: &str, why: &str) -> Result<()> {
-        match &self.capture {
-            Some(r) => Err(BackendError::CaptureContract {
-                key: r.key,
-                call: call.to_string(),
-                why: why.to_string(),
-            }),
-            None => Ok(()),
-        }
+    fn forbid_in_capture(&self, call: impl FnOnce() -> String) -> Result<()> {
+        self.capture.forbid_with(call)
     }
 }
 
@@ -301,10 +292,7 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&mut self, bytes: u64, what: &str) -> Result<DevPtr> {
-        self.forbid_in_capture(
-            &format!("alloc({bytes} bytes for {what})"),
-            "memory must be allocated before the first capture and live until teardown",
-        )?;
+        self.forbid_in_capture(|| format!("alloc({bytes} bytes for {what})"))?;
         let p = self.mem.alloc(bytes, what)?;
         self.stats.allocs.fetch_add(1, Ordering::Relaxed);
         self.stats
@@ -314,10 +302,7 @@ impl Backend for CpuBackend {
     }
 
     fn free(&mut self, ptr: DevPtr) -> Result<()> {
-        self.forbid_in_capture(
-            &format!("free({:#x})", ptr.0),
-            "memory is freed only at teardown, after the graphs are destroyed",
-        )?;
+        self.forbid_in_capture(|| format!("free({:#x})", ptr.0))?;
         self.mem.free(ptr)?;
         self.stats.frees.fetch_add(1, Ordering::Relaxed);
         self.stats
@@ -327,10 +312,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&mut self, dst: DevPtr, data: &[u8]) -> Result<()> {
-        self.forbid_in_capture(
-            &format!("upload({} bytes to {:#x})", data.len(), dst.0),
-            "staging is refreshed before replay, outside the capture; a copy recorded from host memory would replay frozen data",
-        )?;
+        self.forbid_in_capture(|| format!("upload({} bytes to {:#x})", data.len(), dst.0))?;
         let p = self.mem.resolve(dst.0, data.len() as u64)?;
         // SAFETY: `p` is valid for data.len() bytes; host and emulated memory
         // never overlap.
@@ -343,10 +325,7 @@ impl Backend for CpuBackend {
     }
 
     fn download(&mut self, src: DevPtr, out: &mut [u8]) -> Result<()> {
-        self.forbid_in_capture(
-            &format!("download({} bytes from {:#x})", out.len(), src.0),
-            "reading back synchronizes with the host",
-        )?;
+        self.forbid_in_capture(|| format!("download({} bytes from {:#x})", out.len(), src.0))?;
         let p = self.mem.resolve(src.0, out.len() as u64)?;
         // SAFETY: as in `upload`.
         unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) };
@@ -354,7 +333,7 @@ impl Backend for CpuBackend {
     }
 
     fn load_kernels(&mut self, images: &[KernelImage]) -> Result<()> {
-        self.forbid_in_capture("load_kernels", "modules are loaded before capture")?;
+        self.forbid_in_capture(|| "load_kernels".into())?;
         match images.first() {
             None => Ok(()),
             Some(img) => Err(BackendError::Device(format!(
@@ -365,10 +344,7 @@ impl Backend for CpuBackend {
     }
 
     fn reserve_workspace(&mut self, bytes: u64) -> Result<Option<(DevPtr, u64)>> {
-        self.forbid_in_capture(
-            "reserve_workspace",
-            "the workspace is grown before any capture",
-        )?;
+        self.forbid_in_capture(|| "reserve_workspace".into())?;
         if bytes == 0 {
             return Ok(None);
         }
@@ -393,19 +369,20 @@ impl Backend for CpuBackend {
     }
 
     fn launch(&mut self, launch: &Launch) -> Result<()> {
-        if let Some(rec) = &mut self.capture {
+        if let Some(key) = self.capture.key() {
             // Check the addresses now, so a capture fails at the op that
             // broke it; replay resolves them again against live memory.
             for o in launch.args.iter().chain(&launch.results) {
                 if let Err(e) = self.mem.resolve(o.ptr.0, o.ty.size_bytes()) {
                     return Err(BackendError::CaptureFailed {
-                        key: rec.key,
+                        key,
                         op: launch.kernel.clone(),
                         message: e.to_string(),
                     });
                 }
             }
-            rec.launches.push(launch.clone());
+            self.capture.recorded(&launch.kernel);
+            self.recording.push(launch.clone());
             self.stats.recorded_ops.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
@@ -415,51 +392,29 @@ impl Backend for CpuBackend {
     }
 
     fn synchronize(&mut self) -> Result<()> {
-        self.forbid_in_capture("synchronize", "a capture region never waits on the host")
+        self.forbid_in_capture(|| "synchronize".into())
     }
 
     fn begin_capture(&mut self, key: Key) -> Result<()> {
-        if let Some(r) = &self.capture {
-            return Err(BackendError::CaptureContract {
-                key: r.key,
-                call: format!("begin_capture({key})"),
-                why: "captures do not nest".into(),
-            });
-        }
-        self.capture = Some(Recording {
-            key,
-            launches: Vec::new(),
-        });
+        self.capture.begin(key)?;
+        self.recording.clear();
         Ok(())
     }
 
     fn end_capture(&mut self) -> Result<GraphHandle> {
-        let rec = self.capture.take().ok_or_else(|| {
-            BackendError::Device("end_capture without a matching begin_capture".into())
-        })?;
-        let h = self.next_graph;
-        self.next_graph += 1;
-        self.graphs.insert(h, (rec.key, rec.launches));
-        Ok(GraphHandle(h))
+        let (key, _, _) = self.capture.end()?;
+        Ok(self.graphs.insert(key, std::mem::take(&mut self.recording)))
     }
 
     fn abort_capture(&mut self) -> Result<()> {
-        self.capture = None;
+        let _ = self.capture.end();
+        self.recording.clear();
         Ok(())
     }
 
     fn replay(&mut self, graph: GraphHandle) -> Result<()> {
-        if let Some(r) = &self.capture {
-            return Err(BackendError::CaptureContract {
-                key: r.key,
-                call: format!("replay(graph {})", graph.0),
-                why: "graphs are replayed outside capture regions".into(),
-            });
-        }
-        let (_, launches) = self
-            .graphs
-            .get(&graph.0)
-            .ok_or_else(|| BackendError::Device(format!("replay of unknown graph {}", graph.0)))?;
+        self.forbid_in_capture(|| format!("replay(graph {})", graph.0))?;
+        let (_, launches) = self.graphs.get(graph)?;
         for l in launches {
             execute(&self.mem, self.kernels, &mut self.scratch, l)?;
         }
@@ -471,11 +426,8 @@ impl Backend for CpuBackend {
     }
 
     fn destroy_graph(&mut self, graph: GraphHandle) -> Result<()> {
-        self.forbid_in_capture("destroy_graph", "graphs are destroyed at teardown")?;
-        self.graphs
-            .remove(&graph.0)
-            .map(|_| ())
-            .ok_or_else(|| BackendError::Device(format!("destroy of unknown graph {}", graph.0)))
+        self.forbid_in_capture(|| "destroy_graph".into())?;
+        self.graphs.remove(graph).map(|_| ())
     }
 }
 

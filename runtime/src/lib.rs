@@ -5,8 +5,10 @@
 //!
 //! * [`engine`]: the public API: load a plan and weights on a backend, add and
 //!   remove sequences, step, read tokens, logits and counters;
-//! * [`backend`]: the seam every execution target implements, and [`cpu`], the
-//!   CPU backend with emulated capture;
+//! * [`backend`]: the seam every execution target implements; [`capture`],
+//!   the capture contract's bookkeeping every backend shares; [`cpu`], the
+//!   CPU backend with emulated capture; [`gpu`], the one GPU backend over a
+//!   vendor driver (CUDA, HIP, or a simulated device);
 //! * [`loader`] and [`weights`]: everything checked before anything is
 //!   allocated, then weights bound to device memory;
 //! * [`kv`]: the paged KV cache's block allocator; [`policy`]: graphs or eager;
@@ -15,11 +17,13 @@
 //!   them over an engine.
 
 pub mod backend;
+pub mod capture;
 pub mod cpu;
 pub mod device;
 pub mod draft;
 pub mod engine;
 pub mod error;
+pub mod gpu;
 pub mod kv;
 pub mod loader;
 pub mod policy;

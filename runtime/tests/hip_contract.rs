@@ -10,6 +10,9 @@
 //! The bodies take a backend whose kernels are already loaded, so the same
 //! bodies run on any backend.
 
+#[macro_use]
+mod contract;
+
 use kiln_ir::{DType, Key, Op, TensorType};
 use kiln_runtime::backend::{Backend, BackendError, DevOperand, DevPtr, Launch};
 
@@ -985,6 +988,19 @@ mod sim {
         fn gemm_prepared_count(&self) -> usize {
             self.prepared.len()
         }
+        fn event_create(&mut self) -> Result<Handle, DriverError> {
+            self.call("hipEventCreate");
+            Ok(self.handle())
+        }
+        fn event_record(&mut self, _event: Handle, _stream: Handle) -> Result<(), DriverError> {
+            self.call("hipEventRecord");
+            Ok(())
+        }
+        /// Work completes when submitted, so no time passes between events.
+        fn event_elapsed_ms(&mut self, _from: Handle, _to: Handle) -> Result<f32, DriverError> {
+            self.call("hipEventElapsedTime");
+            Ok(0.0)
+        }
         fn gemm_release(&mut self) {
             self.call("gemm_release");
             self.prepared.clear();
@@ -1616,40 +1632,100 @@ mod on_sim {
     }
 }
 
-/// The same bodies on the CPU backend (emulated capture, reference kernels).
-mod on_cpu {
-    use super::*;
-    use kiln_runtime::CpuBackend;
+/// The shared contract bodies (`contract/mod.rs`, also run on cpu and the
+/// simulated GPU driver) on the one GPU backend over this file's simulated
+/// HIP driver, through the HIP adapter (`kiln_runtime::gpu::hip`).
+mod on_gpu_backend {
+    use super::contract::{f32_operand, Gemm, Target};
+    use super::sim::{Config, SimHip};
+    use kiln_ir::plan::GemmShape;
+    use kiln_ir::{DType, Op};
+    use kiln_runtime::backend::{
+        Backend, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
+    };
+    use kiln_runtime::gpu::hip::HipGpuDriver;
+    use kiln_runtime::gpu::GpuBackend;
+    use kiln_runtime::hip::catalog::kernels_translation_unit;
+    use kiln_runtime::hip::offline::kernel_images;
 
-    #[test]
-    fn uploads_download_unchanged() {
-        contract_uploads_download_unchanged(&mut CpuBackend::new());
+    type B = GpuBackend<HipGpuDriver<SimHip>>;
+
+    struct Hip(tempfile::TempDir);
+
+    fn hip() -> Option<Hip> {
+        Some(Hip(tempfile::tempdir().unwrap()))
     }
 
-    #[test]
-    fn copies_outside_allocations_are_bad_addresses() {
-        contract_copies_outside_allocations_are_bad_addresses(&mut CpuBackend::new());
+    impl Target for Hip {
+        type B = B;
+        fn open(&self) -> B {
+            let driver =
+                HipGpuDriver::new(SimHip::new(Config::default())).with_cache_dir(self.0.path());
+            let mut b = GpuBackend::with_driver(driver, 0).unwrap();
+            let tu = kernels_translation_unit().unwrap();
+            b.load_kernels(&kernel_images(&b.info().arch, &tu, None).unwrap())
+                .unwrap();
+            b
+        }
+        fn add(&self, a: DevPtr, b: DevPtr, c: DevPtr, n: u32) -> Launch {
+            Launch {
+                kernel: "add_f32".into(),
+                op: Op::Add,
+                args: vec![f32_operand(a, vec![n]), f32_operand(b, vec![n])],
+                results: vec![f32_operand(c, vec![n])],
+                workspace: None,
+                const_args: 0,
+                body: LaunchBody::Kernels(vec![ResolvedKernel {
+                    module: "elementwise".into(),
+                    entry: "add_f32".into(),
+                    grid: [4, 1, 1],
+                    block: [256, 1, 1],
+                    shared_bytes: 0,
+                    params: vec![
+                        ResolvedParam::Ptr(a),
+                        ResolvedParam::Ptr(b),
+                        ResolvedParam::Ptr(c),
+                        ResolvedParam::I64(n.into()),
+                    ],
+                    pdl: true,
+                }]),
+            }
+        }
+        fn gemm(&self, g: Gemm, ws: Option<(DevPtr, u64)>) -> Launch {
+            Launch {
+                kernel: "matmul_f32".into(),
+                op: Op::MatMul {
+                    bias: false,
+                    out: DType::F32,
+                },
+                args: vec![
+                    f32_operand(g.x, vec![g.t, g.k]),
+                    f32_operand(g.w, vec![g.n, g.k]),
+                ],
+                results: vec![f32_operand(g.out, vec![g.t, g.n])],
+                workspace: ws,
+                const_args: 0b10,
+                body: LaunchBody::Gemm {
+                    shape: GemmShape {
+                        t: g.t,
+                        n: g.n,
+                        k: g.k,
+                        dtype: DType::F32,
+                        out: DType::F32,
+                        bias: false,
+                    },
+                    gemv: None,
+                },
+            }
+        }
+        fn replays(&self, b: &B) -> u64 {
+            b.counters().graphs.replays()
+        }
+        fn require_workspace(&self, b: &mut B, bytes: u64) -> bool {
+            b.driver_mut().hip_mut().cfg.gemm_algos = vec![(bytes, true)];
+            true
+        }
     }
 
-    #[test]
-    fn forbidden_calls_inside_a_capture_name_key_and_call() {
-        contract_forbidden_calls_inside_a_capture_name_key_and_call(&mut CpuBackend::new());
-    }
-
-    #[test]
-    fn captures_do_not_nest() {
-        contract_captures_do_not_nest(&mut CpuBackend::new());
-    }
-
-    #[test]
-    fn replay_reads_fresh_inputs_at_the_captured_addresses() {
-        let replays =
-            contract_replay_reads_fresh_inputs_at_the_captured_addresses(&mut CpuBackend::new());
-        assert_eq!(replays, 4);
-    }
-
-    #[test]
-    fn teardown_with_live_graphs_is_safe() {
-        contract_teardown_with_live_graphs_is_safe(CpuBackend::new());
-    }
+    contract_tests!(hip(), workspace);
 }

@@ -239,13 +239,11 @@ impl CudaBackend {
         check(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
     }
 
-    fn refuse_in_capture(&self, call: &str, why: &str) -> Result<()> {
+    /// The capture contract's refusal, with the reasons every backend
+    /// shares (`crate::capture`).
+    fn refuse_in_capture(&self, call: &str) -> Result<()> {
         match self.capturing {
-            Some(key) => Err(BackendError::CaptureContract {
-                key,
-                call: call.into(),
-                why: why.into(),
-            }),
+            Some(key) => Err(crate::capture::contract_violation(key, call)),
             None => Ok(()),
         }
     }
@@ -685,7 +683,7 @@ impl CudaBackend {
     /// a capture.
     pub fn time_ms(&mut self, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<f32> {
         self.bind()?;
-        self.refuse_in_capture("time_ms", "timing synchronizes with the host")?;
+        self.refuse_in_capture("time_ms")?;
         // SAFETY: events and stream are live.
         unsafe {
             check(
@@ -801,19 +799,13 @@ impl Backend for CudaBackend {
 
     fn alloc(&mut self, bytes: u64, what: &str) -> Result<DevPtr> {
         self.bind()?;
-        self.refuse_in_capture(
-            &format!("alloc({bytes} bytes for {what})"),
-            "device memory is allocated before the first capture and lives until teardown",
-        )?;
+        self.refuse_in_capture(&format!("alloc({bytes} bytes for {what})"))?;
         self.raw_alloc(bytes, what)
     }
 
     fn free(&mut self, ptr: DevPtr) -> Result<()> {
         self.bind()?;
-        self.refuse_in_capture(
-            &format!("free({:#x})", ptr.0),
-            "memory a graph may address is freed only at teardown",
-        )?;
+        self.refuse_in_capture(&format!("free({:#x})", ptr.0))?;
         if self.workspace.is_some_and(|w| w.0 == ptr) {
             self.workspace = None;
         }
@@ -828,17 +820,14 @@ impl Backend for CudaBackend {
 
     fn upload(&mut self, dst: DevPtr, data: &[u8]) -> Result<()> {
         self.bind()?;
-        self.refuse_in_capture(
-            "upload",
-            "a copy recorded in a graph would re-read this host buffer at every replay; refresh inputs before replay instead",
-        )?;
+        self.refuse_in_capture("upload")?;
         self.check_range(dst, data.len() as u64)?;
         self.staging.upload(dst.0, data, self.stream)
     }
 
     fn download(&mut self, src: DevPtr, out: &mut [u8]) -> Result<()> {
         self.bind()?;
-        self.refuse_in_capture("download", "a download synchronizes with the host")?;
+        self.refuse_in_capture("download")?;
         self.check_range(src, out.len() as u64)?;
         if out.is_empty() {
             return Ok(());
@@ -856,7 +845,7 @@ impl Backend for CudaBackend {
 
     fn load_kernels(&mut self, images: &[KernelImage]) -> Result<()> {
         self.bind()?;
-        self.refuse_in_capture("load_kernels", "modules are loaded before capture")?;
+        self.refuse_in_capture("load_kernels")?;
         for img in images {
             if img.kind != ImageKind::Cubin {
                 return Err(BackendError::Device(format!(
@@ -902,10 +891,7 @@ impl Backend for CudaBackend {
 
     fn reserve_workspace(&mut self, bytes: u64) -> Result<Option<(DevPtr, u64)>> {
         self.bind()?;
-        self.refuse_in_capture(
-            "reserve_workspace",
-            "the BLAS workspace is grown to the plan's figure before any capture",
-        )?;
+        self.refuse_in_capture("reserve_workspace")?;
         if let Some((p, n)) = self.workspace {
             if n == bytes {
                 return Ok(self.workspace);
@@ -923,10 +909,7 @@ impl Backend for CudaBackend {
 
     fn prepare(&mut self, launch: &Launch) -> Result<()> {
         self.bind()?;
-        self.refuse_in_capture(
-            "prepare",
-            "algorithm selection and scratch sizing happen before capture",
-        )?;
+        self.refuse_in_capture("prepare")?;
         match Self::lower(launch)? {
             Lowered::Gemm(g) => self.prepare_gemm(launch, &g, true)?,
             Lowered::Kernels {
@@ -970,7 +953,7 @@ impl Backend for CudaBackend {
 
     fn synchronize(&mut self) -> Result<()> {
         self.bind()?;
-        self.refuse_in_capture("synchronize", "a capture region never waits for the host")?;
+        self.refuse_in_capture("synchronize")?;
         // SAFETY: live stream.
         check(
             unsafe { cu::cuStreamSynchronize(self.stream) },
@@ -1056,7 +1039,7 @@ impl Backend for CudaBackend {
 
     fn replay(&mut self, graph: GraphHandle) -> Result<()> {
         self.bind()?;
-        self.refuse_in_capture("replay", "graphs are replayed outside capture regions")?;
+        self.refuse_in_capture("replay")?;
         let exec = *self
             .graphs
             .get(&graph.0)
@@ -1070,10 +1053,7 @@ impl Backend for CudaBackend {
 
     fn destroy_graph(&mut self, graph: GraphHandle) -> Result<()> {
         self.bind()?;
-        self.refuse_in_capture(
-            "destroy_graph",
-            "graphs are destroyed outside capture regions",
-        )?;
+        self.refuse_in_capture("destroy_graph")?;
         let exec = self
             .graphs
             .remove(&graph.0)

@@ -142,6 +142,33 @@ impl PackedParams {
         Ok(PackedParams { slots, sizes, ptrs })
     }
 
+    /// Parameters packed by `ResolvedKernel::pack` (`bytes`, and each
+    /// parameter's byte offset), each given its own stable slot.
+    pub fn from_packed(bytes: &[u8], offsets: &[usize]) -> PackedParams {
+        let mut slots = Vec::with_capacity(offsets.len());
+        let mut sizes = Vec::with_capacity(offsets.len());
+        for (i, &at) in offsets.iter().enumerate() {
+            let end = offsets
+                .get(i + 1)
+                .copied()
+                .unwrap_or(bytes.len())
+                .min(bytes.len());
+            let b = &bytes[at.min(end)..end];
+            let mut slot = vec![0u64; b.len().div_ceil(8).max(1)].into_boxed_slice();
+            // SAFETY: the slot has at least `b.len()` bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(b.as_ptr(), slot.as_mut_ptr().cast::<u8>(), b.len());
+            }
+            slots.push(slot);
+            sizes.push(b.len());
+        }
+        let ptrs = slots
+            .iter_mut()
+            .map(|s| s.as_mut_ptr().cast::<c_void>())
+            .collect();
+        PackedParams { slots, sizes, ptrs }
+    }
+
     /// The `kernelParams` array.
     pub fn as_kernel_params(&mut self) -> *mut *mut c_void {
         self.ptrs.as_mut_ptr()

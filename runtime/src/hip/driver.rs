@@ -35,6 +35,14 @@ pub const ERROR_INVALID_IMAGE: i32 = 200;
 /// `hipErrorNoBinaryForGpu`.
 pub const ERROR_NO_BINARY_FOR_GPU: i32 = 209;
 
+/// The error of a call a driver does not implement.
+fn unsupported(what: &str) -> DriverError {
+    DriverError {
+        code: -1,
+        description: format!("this HIP driver does not implement {what}"),
+    }
+}
+
 impl DriverError {
     /// The error as a backend error, naming the call.
     pub fn during(self, call: &str) -> BackendError {
@@ -135,6 +143,33 @@ pub trait HipDriver {
         workspace: Option<DevPtr>,
         stream: Handle,
     ) -> Result<(), BackendError>;
+    /// Stream-ordered device-to-device copy (bandwidth probes).
+    fn copy_device(
+        &mut self,
+        dst: DevPtr,
+        src: DevPtr,
+        bytes: u64,
+        stream: Handle,
+    ) -> Result<(), DriverError> {
+        let _ = (dst, src, bytes, stream);
+        Err(unsupported("device-to-device copies"))
+    }
+    fn event_create(&mut self) -> Result<Handle, DriverError> {
+        Err(unsupported("events"))
+    }
+    fn event_record(&mut self, event: Handle, stream: Handle) -> Result<(), DriverError> {
+        let _ = (event, stream);
+        Err(unsupported("events"))
+    }
+    /// Milliseconds between two recorded events (waits for `to`).
+    fn event_elapsed_ms(&mut self, from: Handle, to: Handle) -> Result<f32, DriverError> {
+        let _ = (from, to);
+        Err(unsupported("events"))
+    }
+    fn event_destroy(&mut self, event: Handle) {
+        let _ = event;
+    }
+
     /// GEMM problems prepared.
     fn gemm_prepared_count(&self) -> usize;
     /// Releases the BLAS library's handle and descriptors (teardown, before

@@ -28,6 +28,7 @@ pub type Function = *mut c_void;
 pub type Graph = *mut c_void;
 pub type GraphExec = *mut c_void;
 pub type GraphNode = *mut c_void;
+pub type Event = *mut c_void;
 
 pub const HIP_SUCCESS: HipError = 0;
 pub const HIP_ERROR_OUT_OF_MEMORY: HipError = 2;
@@ -106,6 +107,18 @@ extern "C" {
     pub fn hipGraphLaunch(exec: GraphExec, stream: Stream) -> HipError;
     pub fn hipGraphExecDestroy(exec: GraphExec) -> HipError;
     pub fn hipGraphDestroy(graph: Graph) -> HipError;
+
+    pub fn hipMemcpyDtoDAsync(
+        dst: *mut c_void,
+        src: *mut c_void,
+        size: usize,
+        stream: Stream,
+    ) -> HipError;
+    pub fn hipEventCreate(event: *mut Event) -> HipError;
+    pub fn hipEventRecord(event: Event, stream: Stream) -> HipError;
+    pub fn hipEventSynchronize(event: Event) -> HipError;
+    pub fn hipEventElapsedTime(ms: *mut f32, start: Event, stop: Event) -> HipError;
+    pub fn hipEventDestroy(event: Event) -> HipError;
 }
 
 fn c_str(p: *const c_char) -> String {

@@ -9,12 +9,16 @@
 //!   [`source`] and [`catalog`] (the kernels as one translation unit, launch
 //!   parameters), [`cache`] (the code-object cache), [`offline`] (code
 //!   objects via hipcc at compile time), [`gemm`] (column-major mapping,
-//!   workspace bounds, algorithm choice), [`capture`] (contract bookkeeping,
-//!   graph table, counters);
+//!   workspace bounds, algorithm choice), [`capture`] (the HIP counters; the
+//!   contract bookkeeping itself is shared by every backend, `crate::capture`);
 //! * behind the `rocm` feature, which links `libamdhip64` through `hip-sys`
 //!   (hiprtc and hipBLASLt are loaded with dlopen at run time, so neither is
 //!   needed to build): `real::RealHip`, the driver on the real libraries, and
 //!   `HipBackend`, the backend on it.
+//!
+//! The same HIP drivers also run the one GPU backend (`crate::gpu`) through
+//! `crate::gpu::hip::HipGpuDriver`; `HipBackendOn` stays until the engine
+//! hands every backend lowered launch bodies.
 //!
 //! Not here: the engine that drives the backend, and the kernels themselves
 //! (`kernels/gpu`, shared with CUDA).

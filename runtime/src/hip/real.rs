@@ -302,6 +302,44 @@ impl HipDriver for RealHip {
             .compile(source, name, options)
     }
 
+    fn copy_device(
+        &mut self,
+        dst: DevPtr,
+        src: DevPtr,
+        bytes: u64,
+        stream: Handle,
+    ) -> Result<(), DriverError> {
+        // SAFETY: the backend allocated both ranges.
+        rc(unsafe { ffi::hipMemcpyDtoDAsync(ptr(dst.0), ptr(src.0), bytes as usize, ptr(stream)) })
+    }
+
+    fn event_create(&mut self) -> Result<Handle, DriverError> {
+        let mut e: ffi::Event = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        rc(unsafe { ffi::hipEventCreate(&mut e) })?;
+        Ok(e as usize as Handle)
+    }
+
+    fn event_record(&mut self, event: Handle, stream: Handle) -> Result<(), DriverError> {
+        // SAFETY: live event and stream.
+        rc(unsafe { ffi::hipEventRecord(ptr(event), ptr(stream)) })
+    }
+
+    fn event_elapsed_ms(&mut self, from: Handle, to: Handle) -> Result<f32, DriverError> {
+        let mut ms = 0f32;
+        // SAFETY: live events; `to` is waited for first.
+        unsafe {
+            rc(ffi::hipEventSynchronize(ptr(to)))?;
+            rc(ffi::hipEventElapsedTime(&mut ms, ptr(from), ptr(to)))?;
+        }
+        Ok(ms)
+    }
+
+    fn event_destroy(&mut self, event: Handle) {
+        // SAFETY: a live event, destroyed once.
+        unsafe { ffi::hipEventDestroy(ptr(event)) };
+    }
+
     fn gemm_prepare(&mut self, p: &GemmProblem, granted: u64) -> Result<u64, BackendError> {
         self.blas()?.prepare(p, granted)
     }
