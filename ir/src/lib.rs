@@ -29,6 +29,7 @@ pub mod plan;
 pub mod print;
 pub mod rng;
 pub mod types;
+pub mod validate;
 pub mod verify;
 
 pub use dot::to_dot;
@@ -44,3 +45,4 @@ pub use parse::{
 pub use print::{print, print_with_map};
 pub use types::{DType, Shape, TensorType};
 pub use verify::{verify, GraphInfo, Location, VerifyError, VerifyErrorKind, VerifyErrors};
+pub use validate::{validate, PlanInfo};
