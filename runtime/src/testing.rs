@@ -333,6 +333,7 @@ impl TinyModel {
             manifest,
             arena_bytes: keys.iter().map(|k| k.arena_peak).max().unwrap_or(0),
             workspace_bytes: 0,
+            counter_bytes: 0,
             kv,
             keys,
             kernels: vec![],
@@ -494,6 +495,8 @@ pub fn naive_key_plan(key: Key, graph: Graph, manifest: &WeightManifest, kv: &Kv
             results: node.results.iter().map(operand).collect(),
             workspace_bytes: 0,
             lowering: kiln_ir::plan::Lowering::Reference,
+            scratch: None,
+            counters: None,
         });
     }
     let outputs = graph
