@@ -968,7 +968,9 @@ mod tests {
                         let known = match o.buf.region {
                             Region::Weight(i) => (i as usize) < plan.manifest.entries.len(),
                             Region::KCache(l) | Region::VCache(l) => l < plan.kv.layers,
-                            Region::Arena | Region::Io | Region::Workspace | Region::Counters => true,
+                            Region::Arena | Region::Io | Region::Workspace | Region::Counters => {
+                                true
+                            }
                         };
                         assert!(known, "{family:?} {key}: {:?}", o.buf.region);
                     }

@@ -5,7 +5,10 @@
 //! pass unless told otherwise), and planned. The weight manifest is shared:
 //! fusions add stacked entries, and after all keys it is pruned to exactly
 //! what the graphs read, so `Region::Weight` indices are final before any
-//! key is planned. Finished plans are re-checked by the independent checker
+//! key is planned. GPU targets are lowered while planning (launch lists,
+//! attention geometry from `--attn-target-blocks`, PDL from the SM), and
+//! kernel images are built only for the modules the launch lists use.
+//! Finished plans are re-checked by the independent checker
 //! ([`crate::planner::check`]) when verification is on.
 //!
 //! Determinism: keys are sorted and deduplicated, every pass is canonical and
@@ -224,7 +227,7 @@ pub fn kv_layout(
 
 /// Kernel images for `target`, embedded in the plan.
 ///
-/// `cuda:*`: NVRTC cubins of the kernel catalog for the target SM. `hip:*`:
+/// `cuda:*`: NVRTC cubins of the used modules for the target SM. `hip:*`:
 /// one module of every catalog source, as a code object when hipcc or
 /// amdclang++ is installed (`KILN_HIPCC` names one, or `none`), else as
 /// source that the runtime compiles with hiprtc at load and caches. The CPU

@@ -7,11 +7,11 @@
 //! the model, KV layout, arena/workspace sizes and the weight manifest; and
 //! per key a summary (launches, arena peak, lower bound, efficiency,
 //! workspace, Io bytes, flops, bytes moved), the IR after passes in the
-//! `kiln_ir` text form (which parses back), the launch list (GPU targets:
-//! each op's kernels with module, entry, grid, block, dynamic shared bytes,
-//! PDL flag and parameters, or its GEMM shape and skinny-GEMM alternative;
-//! CPU: one line, the reference kernels), and the memory map (value, region,
-//! offset, bytes, first and last use; then each op's scratch and counters).
+//! `kiln_ir` text form (which parses back), the memory map (value, region,
+//! offset, bytes, first and last use; then each op's scratch and counters),
+//! and the launch list (GPU targets: each op's kernels with module, entry,
+//! grid, block, dynamic shared bytes, PDL flag and parameters, or its GEMM
+//! shape and skinny-GEMM alternative; CPU: one line, the reference kernels).
 //!
 //! Not here: decoding (that is [`kiln_ir::artifact`]), any judgement of the
 //! plan (that is [`crate::planner::check`]).
@@ -255,31 +255,6 @@ fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
                 let _ = writeln!(o, "    {line}");
             }
         }
-        if kp.ops.iter().all(|op| op.lowering == Lowering::Reference) {
-            let _ = writeln!(o, "  launches    reference kernels, one per op");
-        } else {
-            let _ = writeln!(o, "  launches");
-            for (i, op) in kp.ops.iter().enumerate() {
-                let head = format!("    op {i:<4} {:<18}", op.op.mnemonic());
-                match &op.lowering {
-                    Lowering::Reference => {
-                        let _ = writeln!(o, "{head} reference");
-                    }
-                    Lowering::Kernels(ls) => {
-                        for (n, l) in ls.iter().enumerate() {
-                            let lead = if n == 0 { head.clone() } else { " ".repeat(head.len()) };
-                            let _ = writeln!(o, "{lead} {}", launch_line(l));
-                        }
-                    }
-                    Lowering::Gemm { shape, gemv } => {
-                        let _ = writeln!(o, "{head} {}", gemm_line(shape));
-                        if let Some(l) = gemv {
-                            let _ = writeln!(o, "{} or {}", " ".repeat(head.len()), launch_line(l));
-                        }
-                    }
-                }
-            }
-        }
         let _ = writeln!(o, "  memory");
         let _ = writeln!(
             o,
@@ -311,6 +286,35 @@ fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
                     i,
                     i
                 );
+            }
+        }
+        if kp.ops.iter().all(|op| op.lowering == Lowering::Reference) {
+            let _ = writeln!(o, "  launches    reference kernels, one per op");
+        } else {
+            let _ = writeln!(o, "  launches");
+            for (i, op) in kp.ops.iter().enumerate() {
+                let head = format!("    op {i:<4} {:<18}", op.op.mnemonic());
+                match &op.lowering {
+                    Lowering::Reference => {
+                        let _ = writeln!(o, "{head} reference");
+                    }
+                    Lowering::Kernels(ls) => {
+                        for (n, l) in ls.iter().enumerate() {
+                            let lead = if n == 0 {
+                                head.clone()
+                            } else {
+                                " ".repeat(head.len())
+                            };
+                            let _ = writeln!(o, "{lead} {}", launch_line(l));
+                        }
+                    }
+                    Lowering::Gemm { shape, gemv } => {
+                        let _ = writeln!(o, "{head} {}", gemm_line(shape));
+                        if let Some(l) = gemv {
+                            let _ = writeln!(o, "{} or {}", " ".repeat(head.len()), launch_line(l));
+                        }
+                    }
+                }
             }
         }
     }

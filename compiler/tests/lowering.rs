@@ -17,7 +17,10 @@ use kiln_ir::{Key, Op};
 use kiln_kernels::gpu::{LowerOptions, ROPE_MAX_HEAD_DIM};
 use planner_support::*;
 
-fn compile(spec: &SynthSpec, target: &str) -> Result<kiln_compiler::compile::Compiled, CompileError> {
+fn compile(
+    spec: &SynthSpec,
+    target: &str,
+) -> Result<kiln_compiler::compile::Compiled, CompileError> {
     let opts = CompileOptions {
         keys: keys("b1q1s0,b3q1s0,b2q3s2"),
         target: target.parse().unwrap(),
@@ -73,8 +76,10 @@ fn an_op_beyond_the_kernels_limits_fails_kiln_compile_naming_the_op_and_the_limi
     assert!(mnemonic.contains("rope"), "{e}");
     let m = e.to_string();
     assert!(
-        m.contains(&format!("head_dim {} exceeds {ROPE_MAX_HEAD_DIM}", spec.head_dim))
-            && m.contains("cuda:sm_90")
+        m.contains(&format!(
+            "head_dim {} exceeds {ROPE_MAX_HEAD_DIM}",
+            spec.head_dim
+        )) && m.contains("cuda:sm_90")
             && m.contains(mnemonic),
         "{m}"
     );
@@ -118,8 +123,12 @@ fn a_gpu_plan_lowers_every_op_over_planned_scratch_and_counters() {
                     _ => None,
                 })
                 .collect();
-            assert!(bufs.iter().any(|b| b.region == Region::Arena && b.offset == s.offset));
-            assert!(bufs.iter().any(|b| b.region == Region::Counters && b.offset == c.offset));
+            assert!(bufs
+                .iter()
+                .any(|b| b.region == Region::Arena && b.offset == s.offset));
+            assert!(bufs
+                .iter()
+                .any(|b| b.region == Region::Counters && b.offset == c.offset));
             // HIP launches without the PDL attribute.
             assert!(!ls[0].pdl);
         }
@@ -194,7 +203,8 @@ fn the_checker_refuses_scratch_that_shares_bytes_with_a_live_value() {
     let kv = spec.kv_layout(16, 9, 64);
     let errs = check_key(&kp, &spec.manifest(), &kv);
     assert!(
-        errs.iter().any(|e| e.contains("scratch") && e.contains("share arena bytes")),
+        errs.iter()
+            .any(|e| e.contains("scratch") && e.contains("share arena bytes")),
         "{errs:#?}"
     );
 }
@@ -219,6 +229,10 @@ fn inspect_shows_the_launch_list_with_grids_blocks_and_params() {
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     let ops = v["keys"][0]["ops"].as_array().unwrap();
     assert!(ops.iter().any(|o| o["lowering"] == "kernels"
-        && o["launches"][0]["grid"].as_array().is_some_and(|g| g.len() == 3)));
-    assert!(ops.iter().any(|o| o["lowering"] == "gemm" && o["gemm"]["k"].is_u64()));
+        && o["launches"][0]["grid"]
+            .as_array()
+            .is_some_and(|g| g.len() == 3)));
+    assert!(ops
+        .iter()
+        .any(|o| o["lowering"] == "gemm" && o["gemm"]["k"].is_u64()));
 }

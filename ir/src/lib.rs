@@ -44,5 +44,5 @@ pub use parse::{
 };
 pub use print::{print, print_with_map};
 pub use types::{DType, Shape, TensorType};
-pub use verify::{verify, GraphInfo, Location, VerifyError, VerifyErrorKind, VerifyErrors};
 pub use validate::{validate, PlanInfo};
+pub use verify::{verify, GraphInfo, Location, VerifyError, VerifyErrorKind, VerifyErrors};

@@ -49,8 +49,7 @@
 use crate::key::Key;
 use crate::op::Op;
 use crate::plan::{
-    BufRef, KernelLaunch, KeyPlan, LaunchParam, Lowering, Plan, PlanOp, Region, Target,
-    ARENA_ALIGN,
+    BufRef, KernelLaunch, KeyPlan, LaunchParam, Lowering, Plan, PlanOp, Region, Target, ARENA_ALIGN,
 };
 use std::collections::{BTreeSet, HashSet};
 
@@ -206,7 +205,12 @@ pub fn validate(plan: &Plan) -> Result<PlanInfo, PlanError> {
             ),
         );
     }
-    let ws = plan.keys.iter().map(|k| k.workspace_bytes).max().unwrap_or(0);
+    let ws = plan
+        .keys
+        .iter()
+        .map(|k| k.workspace_bytes)
+        .max()
+        .unwrap_or(0);
     if plan.workspace_bytes != ws {
         return err(
             "workspace_bytes",
@@ -237,7 +241,9 @@ pub fn validate(plan: &Plan) -> Result<PlanInfo, PlanError> {
                 if !plan.kernels.iter().any(|k| &k.name == m) {
                     return err(
                         "kernels",
-                        format!("module `{m}` is launched but has no kernel image; recompile the plan"),
+                        format!(
+                            "module `{m}` is launched but has no kernel image; recompile the plan"
+                        ),
                     );
                 }
             }
@@ -343,10 +349,7 @@ fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo
                 let f = || format!("{of}.{what}[{j}]");
                 check(&f, &o.buf)?;
                 if g.values.get(v.index()).map(|d| &d.ty) != Some(&o.ty) {
-                    return err(
-                        f(),
-                        format!("is typed {} but graph value {v} is not", o.ty),
-                    );
+                    return err(f(), format!("is typed {} but graph value {v} is not", o.ty));
                 }
                 if o.ty.size_bytes() > o.buf.bytes {
                     return err(
@@ -406,7 +409,10 @@ fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo
                 );
             }
             if let Some((o, _)) = counters.iter().find(|(_, d)| {
-                d.bytes > 0 && c.bytes > 0 && c.offset < d.offset + d.bytes && d.offset < c.offset + c.bytes
+                d.bytes > 0
+                    && c.bytes > 0
+                    && c.offset < d.offset + d.bytes
+                    && d.offset < c.offset + c.bytes
             }) {
                 return err(
                     format!("{of}.counters"),
@@ -478,10 +484,16 @@ fn validate_lowering(
     match (&op.lowering, gpu) {
         (Lowering::Reference, false) => return Ok(()),
         (Lowering::Reference, true) => {
-            return err(field, "a GPU plan needs the op's launch list, not `Reference`")
+            return err(
+                field,
+                "a GPU plan needs the op's launch list, not `Reference`",
+            )
         }
         (_, false) => {
-            return err(field, "a cpu plan runs the reference kernels: `Reference` only")
+            return err(
+                field,
+                "a cpu plan runs the reference kernels: `Reference` only",
+            )
         }
         (Lowering::Gemm { shape, .. }, true) => {
             if !is_gemm {
@@ -489,8 +501,20 @@ fn validate_lowering(
             }
             let (x, w) = (&op.args[0].ty, &op.args[1].ty);
             let (xd, wd) = (x.shape.dims(), w.shape.dims());
-            let want = (xd.first(), wd.first(), xd.get(1), x.dtype, op.results[0].ty.dtype);
-            let got = (Some(&shape.t), Some(&shape.n), Some(&shape.k), shape.dtype, shape.out);
+            let want = (
+                xd.first(),
+                wd.first(),
+                xd.get(1),
+                x.dtype,
+                op.results[0].ty.dtype,
+            );
+            let got = (
+                Some(&shape.t),
+                Some(&shape.n),
+                Some(&shape.k),
+                shape.dtype,
+                shape.out,
+            );
             let bias = op.args.len() == 3;
             if want != got || shape.bias != bias {
                 return err(

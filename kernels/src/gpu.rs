@@ -4,18 +4,30 @@
 //! The CUDA C sources live in `kernels/gpu/*.cu` and are the one source for
 //! both GPU backends (NVRTC for CUDA, hiprtc for HIP); `kiln_port.h` is
 //! inlined in front of each module by [`module_source`], so a module compiles
-//! with no include path. [`lower`] maps an op and its operand types to either
-//! a list of kernel launches ([`KernelCall`]) or one BLAS call
-//! ([`GemmCall`]). The launch parameters are described symbolically
-//! ([`Param`]): operands by index, constants by value, so a backend only
-//! resolves addresses. Nothing that changes between steps is ever a
-//! parameter: token ids, positions, slots, block tables and context lengths
-//! are operands (device memory), read by the kernels at run time.
+//! with no include path.
+//!
+//! Lowering is a compile-time decision. `kiln compile` asks [`op_needs`] for
+//! the scratch and completion counters an op's kernels need (so the planner
+//! can place them), then [`lower_op`] turns the op into the plan's
+//! [`Lowering`]: its complete launch list with every buffer parameter a
+//! planned [`BufRef`], or a GEMM with kiln's skinny-GEMM alternative
+//! ([`gemv_call`]). [`LowerOptions`] carries what the target decides (PDL,
+//! the attention block target). An op no kernel can run is a
+//! [`CatalogError`] naming the op and the limit, so the compile fails.
+//!
+//! [`lower`] (symbolic [`Param`]s, geometry from `KILN_ATTN_TARGET_BLOCKS`)
+//! is the older run-time form the CUDA and HIP backends still call; it is
+//! the same catalog ([`lower_symbolic`]) and goes once they launch
+//! `Launch::body`. Nothing that changes between steps is ever a parameter:
+//! token ids, positions, slots, block tables and context lengths are
+//! operands (device memory), read by the kernels at run time.
 //!
 //! Deliberately not here: any driver call (the backends own those), and the
 //! GEMM implementation (cuBLASLt / hipBLASLt, chosen by the backend).
 
-use kiln_ir::plan::{BufRef, GemmShape, KernelLaunch, LaunchParam, Lowering, Operand, Region, Target};
+use kiln_ir::plan::{
+    BufRef, GemmShape, KernelLaunch, LaunchParam, Lowering, Operand, Region, Target,
+};
 use kiln_ir::{DType, Op, Rope, TensorType};
 
 /// The portability header every module starts with.
@@ -354,10 +366,10 @@ pub const ARGMAX_CHUNK: u32 = 4096;
 /// combine work once each block keeps enough K/V loads in flight.
 pub const ATTN_TARGET_BLOCKS: u64 = 256;
 
-/// The attention block target in effect: `KILN_ATTN_TARGET_BLOCKS` when set
-/// to a positive integer (a tuning knob for `kiln bench` sweeps; geometry is
-/// chosen when a launch is lowered at load, so a plan needs no recompiling),
-/// else [`ATTN_TARGET_BLOCKS`].
+/// The attention block target of the run-time [`lower`]:
+/// `KILN_ATTN_TARGET_BLOCKS` when set to a positive integer, else
+/// [`ATTN_TARGET_BLOCKS`]. Plans choose theirs at compile time
+/// (`kiln compile --attn-target-blocks`, [`LowerOptions`]).
 pub fn attn_target_blocks() -> u64 {
     static TARGET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *TARGET.get_or_init(|| {
@@ -1141,11 +1153,16 @@ pub fn lower_op(
         for p in c.params {
             let missing = |what: &str, i: u64| CatalogError::Unsupported {
                 op: m,
-                why: format!("kernel {} wants {what} {i}, which the op does not have", c.entry),
+                why: format!(
+                    "kernel {} wants {what} {i}, which the op does not have",
+                    c.entry
+                ),
             };
             params.push(match p {
                 Param::Arg(i) => LaunchParam::Buf(
-                    args.get(i).ok_or_else(|| missing("argument", i as u64))?.buf,
+                    args.get(i)
+                        .ok_or_else(|| missing("argument", i as u64))?
+                        .buf,
                 ),
                 Param::Result(i) => LaunchParam::Buf(
                     results
@@ -1403,6 +1420,77 @@ mod tests {
         let n = |i: usize| i32::from_ne_bytes(b[i * 4..i * 4 + 4].try_into().unwrap());
         assert_eq!((n(0), n(2), n(4), n(6), n(7)), (2, 4, 64, 4, 0));
         assert_eq!((f(8), f(9)), (0.125, 30.0));
+    }
+
+    #[test]
+    fn lower_op_points_kernels_at_the_planned_scratch_and_counters_and_refuses_too_few() {
+        let op = Op::PagedAttention {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            query: 1,
+            block_size: 16,
+            scale: 0.125,
+            window: None,
+            softcap: None,
+        };
+        let a = vec![
+            tt(DType::BF16, &[2, 256]),
+            tt(DType::BF16, &[64, 128]),
+            tt(DType::BF16, &[64, 128]),
+            tt(DType::I32, &[2, 4]),
+            tt(DType::I32, &[2]),
+        ];
+        let r = vec![tt(DType::BF16, &[2, 256])];
+        let at = |region, offset, ty: &TensorType| Operand {
+            buf: BufRef {
+                region,
+                offset,
+                bytes: ty.size_bytes(),
+            },
+            ty: ty.clone(),
+        };
+        let args: Vec<_> = a
+            .iter()
+            .enumerate()
+            .map(|(i, t)| at(Region::Io, 1024 * i as u64, t))
+            .collect();
+        let results = vec![at(Region::Arena, 0, &r[0])];
+        let opts = LowerOptions::for_target(&Target::Cuda { sm: 90 }, 1);
+        let needs = op_needs(&op, &a, &r, &opts).unwrap();
+        assert!(needs.scratch_bytes > 0 && needs.counters > 0);
+        let scratch = BufRef {
+            region: Region::Arena,
+            offset: 4096,
+            bytes: needs.scratch_bytes,
+        };
+        let counters = BufRef {
+            region: Region::Counters,
+            offset: 16,
+            bytes: needs.counters as u64 * 4,
+        };
+        let lower = |s, c| lower_op(&op, &args, &results, s, c, 0, &opts);
+        let Lowering::Kernels(ls) = lower(Some(scratch), Some(counters)).unwrap() else {
+            panic!("attention lowers to kernels")
+        };
+        let buf_at = |i: usize| match &ls[0].params[i] {
+            LaunchParam::Buf(b) => *b,
+            p => panic!("parameter {i} is {p:?}"),
+        };
+        assert_eq!(buf_at(0), args[0].buf);
+        assert_eq!(buf_at(5).offset, 4096);
+        assert!(buf_at(6).offset > 4096 && buf_at(6).region == Region::Arena);
+        assert_eq!((buf_at(7).region, buf_at(7).offset), (Region::Counters, 16));
+        assert_eq!(buf_at(8), results[0].buf);
+        assert!(ls[0].pdl);
+        let small = BufRef {
+            bytes: needs.scratch_bytes - 1,
+            ..scratch
+        };
+        let e = lower(Some(small), Some(counters)).unwrap_err().to_string();
+        assert!(e.contains("scratch"), "{e}");
+        let e = lower(Some(scratch), None).unwrap_err().to_string();
+        assert!(e.contains("completion counters"), "{e}");
     }
 
     #[test]

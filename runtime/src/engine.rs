@@ -330,8 +330,8 @@ impl Regions {
 impl Engine {
     /// Loads `plan` with the weights in `weights_dir` onto `backend`.
     ///
-    /// Everything is checked before the first allocation: the plan's internal
-    /// consistency, its target against the backend's device, a GPU plan's
+    /// Everything is checked before the first allocation: its target against
+    /// the backend's device, the plan's internal consistency, a GPU plan's
     /// kernel ABI against this runtime's kernels, and the weight
     /// files against the plan (sizes, header hashes, every tensor's dtype and
     /// shape).
@@ -341,9 +341,11 @@ impl Engine {
         mut backend: Box<dyn Backend + Send>,
         options: EngineOptions,
     ) -> Result<Engine, EngineError> {
-        validate_plan(&plan)?;
+        // The target first: a plan for another device is refused as such,
+        // before its (other target's) lowering is judged.
         let info = backend.info();
         check_target(&plan.meta.target, &info)?;
+        validate_plan(&plan)?;
         check_kernel_abi(&plan)?;
         let decision = GraphDecision::decide(options.graphs, options.graphs_supported, &info)?;
         let weights = WeightSet::open(&plan, weights_dir)?;

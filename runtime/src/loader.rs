@@ -85,7 +85,8 @@ pub fn check_kernel_abi(plan: &Plan) -> Result<(), EngineError> {
 /// `kiln_ir::validate`, then what the engine needs of each key's staging
 /// inputs and named outputs). Allocates nothing.
 pub fn validate_plan(plan: &Plan) -> Result<PlanInfo, EngineError> {
-    let info = kiln_ir::validate::validate(plan).map_err(|e| EngineError::BadPlan(e.to_string()))?;
+    let info =
+        kiln_ir::validate::validate(plan).map_err(|e| EngineError::BadPlan(e.to_string()))?;
     let bad = |m: String| Err(EngineError::BadPlan(m));
     let model = &plan.meta.info;
     if model.max_context < 2 || model.vocab_size == 0 {

@@ -14,13 +14,21 @@
 //! * everything else goes to the arena, with liveness over the schedule
 //!   (program order) and in-place reuse where [`Op::may_reuse`] allows it,
 //!   the argument dies at that op, and sizes match; offsets come from
-//!   [`memory::place`].
+//!   [`memory::place`];
+//! * on GPU targets, an op's kernel scratch (attention partials, argmax
+//!   pairs) is one more arena block, alive during that op only, and its
+//!   completion counters get their own bytes of `Region::Counters` (each op
+//!   of a key its own, so kernels that overlap under PDL never share them);
+//!   then every op is lowered (`kiln_kernels::gpu::lower_op`) over those
+//!   addresses, and `launches` counts the kernels. An op no kernel of the
+//!   target can run is [`PlanError::Unsupported`].
 //!
 //! [`check`] re-derives all of this independently and is run on every plan
 //! the tests compile.
 //!
-//! Not here: graph rewrites (passes), kernel selection beyond naming (the GPU
-//! kernel catalog maps `PlanOp::kernel`), anything needing a device.
+//! Not here: graph rewrites (passes), the kernel catalog itself (geometry,
+//! entry points and parameter layouts live in `kiln_kernels::gpu`), anything
+//! needing a device.
 
 pub mod check;
 pub mod cost;
@@ -30,10 +38,10 @@ pub mod workspace;
 use kiln_ir::plan::{
     BufRef, BufferPlan, KeyPlan, KvLayout, Lowering, Operand, PlanOp, Region, Target, ARENA_ALIGN,
 };
-use kiln_kernels::gpu::{self, LowerOptions, OpNeeds};
 use kiln_ir::{
     Graph, GraphInfo, InputRole, Key, NodeId, Op, TensorType, ValueDef, ValueId, WeightManifest,
 };
+use kiln_kernels::gpu::{self, LowerOptions, OpNeeds};
 
 /// Why a graph cannot be planned. These are mismatches between a graph and
 /// the manifest or KV layout it is planned against.
