@@ -473,11 +473,14 @@ fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo
     })
 }
 
+/// Checks one buffer's bounds and alignment; the field is named lazily.
+type BufCheck<'a> = dyn FnMut(&dyn Fn() -> String, &BufRef) -> Result<(), PlanError> + 'a;
+
 fn validate_lowering(
     op: &PlanOp,
     gpu: bool,
     of: &str,
-    check: &mut dyn FnMut(&dyn Fn() -> String, &BufRef) -> Result<(), PlanError>,
+    check: &mut BufCheck<'_>,
 ) -> Result<(), PlanError> {
     let field = format!("{of}.lowering");
     let is_gemm = matches!(op.op, Op::MatMul { .. });
