@@ -5,7 +5,10 @@
 //! pass unless told otherwise), and planned. The weight manifest is shared:
 //! fusions add stacked entries, and after all keys it is pruned to exactly
 //! what the graphs read, so `Region::Weight` indices are final before any
-//! key is planned. Finished plans are re-checked by the independent checker
+//! key is planned. GPU targets are lowered while planning (launch lists,
+//! attention geometry from `--attn-target-blocks`, PDL from the SM), and
+//! kernel images are built only for the modules the launch lists use.
+//! Finished plans are re-checked by the independent checker
 //! ([`crate::planner::check`]) when verification is on.
 //!
 //! Determinism: keys are sorted and deduplicated, every pass is canonical and
@@ -21,6 +24,7 @@ use crate::passes::{self, Pass, PassError, PassStats, DEFAULT_PIPELINE};
 use crate::planner::{self, PlanContext, PlanError};
 use kiln_ir::plan::{KernelImage, KvLayout, ModelInfo, ModelMeta, Plan, Target};
 use kiln_ir::{Graph, Key, WeightManifest};
+use std::collections::BTreeSet;
 use std::fmt::Display;
 use std::path::{Path, PathBuf};
 
@@ -65,6 +69,9 @@ pub struct CompileOptions {
     /// Verify every graph before and after each pass, and check every plan.
     pub verify: bool,
     pub passes: Vec<Pass>,
+    /// Attention blocks the GPU partition size aims for (a lowering
+    /// decision: `--attn-target-blocks`).
+    pub attn_target_blocks: u64,
 }
 
 impl Default for CompileOptions {
@@ -76,6 +83,7 @@ impl Default for CompileOptions {
             logits: false,
             verify: true,
             passes: DEFAULT_PIPELINE.to_vec(),
+            attn_target_blocks: kiln_kernels::gpu::ATTN_TARGET_BLOCKS,
         }
     }
 }
@@ -219,20 +227,49 @@ pub fn kv_layout(
 
 /// Kernel images for `target`, embedded in the plan.
 ///
-/// `cuda:*`: NVRTC cubins of the kernel catalog for the target SM. `hip:*`:
+/// `cuda:*`: NVRTC cubins of the used modules for the target SM. `hip:*`:
 /// one module of every catalog source, as a code object when hipcc or
 /// amdclang++ is installed (`KILN_HIPCC` names one, or `none`), else as
 /// source that the runtime compiles with hiprtc at load and caches. The CPU
 /// target needs none.
-pub fn kernel_images(target: &Target) -> Result<Vec<KernelImage>, CompileError> {
+///
+/// `modules`: the modules the plan's launch lists use
+/// (`kiln_ir::validate::modules_used`); CUDA compiles only those.
+pub fn kernel_images(
+    target: &Target,
+    modules: &BTreeSet<String>,
+) -> Result<Vec<KernelImage>, CompileError> {
     match target {
         Target::Cpu => Ok(Vec::new()),
-        // NVRTC compiles every module to a CUBIN for the target SM (no GPU
-        // needed); the plan embeds cubins, never PTX.
+        // NVRTC compiles each used module to a CUBIN for the target SM (no
+        // GPU needed); the plan embeds cubins, never PTX.
         Target::Cuda { sm } => {
-            kiln_kernels::nvrtc::compile_cubins(*sm).map_err(|e| CompileError::Kernels {
-                target: target.clone(),
-                message: e.to_string(),
+            let used: Vec<_> = kiln_kernels::gpu::MODULES
+                .iter()
+                .filter(|m| modules.contains(m.name))
+                .collect();
+            std::thread::scope(|s| {
+                let jobs: Vec<_> = used
+                    .iter()
+                    .map(|m| s.spawn(|| kiln_kernels::nvrtc::compile_module(m, *sm)))
+                    .collect();
+                used.iter()
+                    .zip(jobs)
+                    .map(|(m, j)| {
+                        let code = j
+                            .join()
+                            .map_err(|_| "NVRTC compile thread panicked".to_string())
+                            .and_then(|r| r.map_err(|e| e.to_string()));
+                        Ok(KernelImage {
+                            name: m.name.to_string(),
+                            kind: kiln_ir::plan::ImageKind::Cubin,
+                            code: code.map_err(|message| CompileError::Kernels {
+                                target: target.clone(),
+                                message,
+                            })?,
+                        })
+                    })
+                    .collect()
             })
         }
         Target::Hip { gfx } => {
@@ -292,6 +329,7 @@ pub fn compile_traced<E: Display>(
         kv: &kv,
         target: &opts.target,
         max_context,
+        lower: kiln_kernels::gpu::LowerOptions::for_target(&opts.target, opts.attn_target_blocks),
     };
     let mut key_plans = Vec::with_capacity(keys.len());
     let mut reports = Vec::with_capacity(keys.len());
@@ -306,8 +344,7 @@ pub fn compile_traced<E: Display>(
         });
         progress(Stage::Planned, key);
     }
-    let kernels = kernel_images(&opts.target)?;
-    let plan = Plan {
+    let mut plan = Plan {
         meta,
         arena_bytes: key_plans.iter().map(|k| k.arena_peak).max().unwrap_or(0),
         workspace_bytes: key_plans
@@ -315,16 +352,22 @@ pub fn compile_traced<E: Display>(
             .map(|k| k.workspace_bytes)
             .max()
             .unwrap_or(0),
+        counter_bytes: key_plans
+            .iter()
+            .map(planner::counter_bytes)
+            .max()
+            .unwrap_or(0),
         manifest,
         kv,
         keys: key_plans,
-        kernel_abi: if kernels.is_empty() {
-            0
-        } else {
-            kiln_kernels::gpu::kernel_abi()
-        },
-        kernels,
+        kernel_abi: 0,
+        kernels: Vec::new(),
     };
+    // Only the modules the launch lists use are compiled.
+    plan.kernels = kernel_images(&opts.target, &kiln_ir::validate::modules_used(&plan))?;
+    if !plan.kernels.is_empty() {
+        plan.kernel_abi = kiln_kernels::gpu::kernel_abi();
+    }
     if opts.verify {
         planner::check::check_plan(&plan).map_err(CompileError::Check)?;
     }
@@ -405,6 +448,10 @@ pub struct CompileArgs {
     /// verified before planning) and the independent plan checker.
     #[arg(long)]
     pub no_verify: bool,
+    /// GPU targets: attention blocks the partition size aims for (a
+    /// compile-time lowering decision; more blocks, shorter partitions).
+    #[arg(long, default_value_t = kiln_kernels::gpu::ATTN_TARGET_BLOCKS, value_parser = clap::value_parser!(u64).range(1..))]
+    pub attn_target_blocks: u64,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -436,6 +483,7 @@ impl CompileArgs {
             logits: self.logits,
             verify: !self.no_verify,
             passes: DEFAULT_PIPELINE.to_vec(),
+            attn_target_blocks: self.attn_target_blocks,
         }
     }
 }

@@ -7,15 +7,18 @@
 //! the model, KV layout, arena/workspace sizes and the weight manifest; and
 //! per key a summary (launches, arena peak, lower bound, efficiency,
 //! workspace, Io bytes, flops, bytes moved), the IR after passes in the
-//! `kiln_ir` text form (which parses back), and the memory map (value,
-//! region, offset, bytes, first and last use).
+//! `kiln_ir` text form (which parses back), the memory map (value, region,
+//! offset, bytes, first and last use; then each op's scratch and counters),
+//! and the launch list (GPU targets: each op's kernels with module, entry,
+//! grid, block, dynamic shared bytes, PDL flag and parameters, or its GEMM
+//! shape and skinny-GEMM alternative; CPU: one line, the reference kernels).
 //!
 //! Not here: decoding (that is [`kiln_ir::artifact`]), any judgement of the
 //! plan (that is [`crate::planner::check`]).
 
 use crate::compile::efficiency;
 use kiln_ir::artifact::{self, ArtifactError};
-use kiln_ir::plan::{KeyPlan, Plan, Region};
+use kiln_ir::plan::{GemmShape, KernelLaunch, KeyPlan, LaunchParam, Lowering, Plan, Region};
 use kiln_ir::{Key, WeightSource};
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -116,7 +119,50 @@ fn region(r: Region) -> String {
         Region::KCache(l) => format!("k_cache.{l}"),
         Region::VCache(l) => format!("v_cache.{l}"),
         Region::Workspace => "workspace".into(),
+        Region::Counters => "counters".into(),
     }
+}
+
+/// One launch parameter as `kiln inspect` prints it: a buffer as
+/// `region+offset[bytes]`, constants with their type.
+fn param(p: &LaunchParam) -> String {
+    match p {
+        LaunchParam::Buf(b) => format!("{}+{}[{}]", region(b.region), b.offset, b.bytes),
+        LaunchParam::Null => "null".into(),
+        LaunchParam::I32(v) => format!("i32 {v}"),
+        LaunchParam::I64(v) => format!("i64 {v}"),
+        LaunchParam::F32(v) => format!("f32 {v:?}"),
+        LaunchParam::Blob(b) => format!("blob[{}]", b.len()),
+    }
+}
+
+fn dims(d: [u32; 3]) -> String {
+    format!("{}x{}x{}", d[0], d[1], d[2])
+}
+
+fn launch_line(l: &KernelLaunch) -> String {
+    format!(
+        "{}.{} grid {} block {} shared {}{} ({})",
+        l.module,
+        l.entry,
+        dims(l.grid),
+        dims(l.block),
+        l.shared_bytes,
+        if l.pdl { " pdl" } else { "" },
+        l.params.iter().map(param).collect::<Vec<_>>().join(", ")
+    )
+}
+
+fn gemm_line(g: &GemmShape) -> String {
+    format!(
+        "gemm t {} n {} k {} {} -> {}{}",
+        g.t,
+        g.n,
+        g.k,
+        g.dtype,
+        g.out,
+        if g.bias { " +bias" } else { "" }
+    )
 }
 
 fn opt(x: Option<u32>) -> String {
@@ -150,6 +196,7 @@ fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
     );
     let _ = writeln!(o, "  arena       {} bytes", plan.arena_bytes);
     let _ = writeln!(o, "  workspace   {} bytes", plan.workspace_bytes);
+    let _ = writeln!(o, "  counters    {} bytes", plan.counter_bytes);
     if plan.kernels.is_empty() {
         let _ = writeln!(o, "  kernels     0");
     } else {
@@ -226,6 +273,50 @@ fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
                 opt(b.last_use)
             );
         }
+        for (i, op) in kp.ops.iter().enumerate() {
+            for (what, b) in [("scratch", op.scratch), ("counters", op.counters)] {
+                let Some(b) = b else { continue };
+                let _ = writeln!(
+                    o,
+                    "    {:<7} {:<12} {:>12} {:>12} {:>6} {:>6}",
+                    format!("{what}.{i}"),
+                    region(b.region),
+                    b.offset,
+                    b.bytes,
+                    i,
+                    i
+                );
+            }
+        }
+        if kp.ops.iter().all(|op| op.lowering == Lowering::Reference) {
+            let _ = writeln!(o, "  launches    reference kernels, one per op");
+        } else {
+            let _ = writeln!(o, "  launches");
+            for (i, op) in kp.ops.iter().enumerate() {
+                let head = format!("    op {i:<4} {:<18}", op.op.mnemonic());
+                match &op.lowering {
+                    Lowering::Reference => {
+                        let _ = writeln!(o, "{head} reference");
+                    }
+                    Lowering::Kernels(ls) => {
+                        for (n, l) in ls.iter().enumerate() {
+                            let lead = if n == 0 {
+                                head.clone()
+                            } else {
+                                " ".repeat(head.len())
+                            };
+                            let _ = writeln!(o, "{lead} {}", launch_line(l));
+                        }
+                    }
+                    Lowering::Gemm { shape, gemv } => {
+                        let _ = writeln!(o, "{head} {}", gemm_line(shape));
+                        if let Some(l) = gemv {
+                            let _ = writeln!(o, "{} or {}", " ".repeat(head.len()), launch_line(l));
+                        }
+                    }
+                }
+            }
+        }
     }
     o
 }
@@ -237,6 +328,7 @@ struct JsonPlan<'a> {
     compiler_version: &'a str,
     arena_bytes: u64,
     workspace_bytes: u64,
+    counter_bytes: u64,
     weight_entries: usize,
     weight_bytes: u64,
     kv_cache_bytes_per_layer: u64,
@@ -257,6 +349,62 @@ struct JsonKey {
     io_bytes: u64,
     flops: u64,
     bytes_moved: u64,
+    ops: Vec<JsonOp>,
+}
+
+#[derive(Serialize)]
+struct JsonOp {
+    op: String,
+    /// `reference`, `kernels` or `gemm`.
+    lowering: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gemm: Option<GemmShape>,
+    /// The kernel list; for a GEMM, its skinny-GEMM alternative if any.
+    launches: Vec<JsonLaunch>,
+}
+
+#[derive(Serialize)]
+struct JsonLaunch {
+    module: String,
+    entry: String,
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared_bytes: u32,
+    pdl: bool,
+    params: Vec<String>,
+}
+
+fn json_launch(l: &KernelLaunch) -> JsonLaunch {
+    JsonLaunch {
+        module: l.module.clone(),
+        entry: l.entry.clone(),
+        grid: l.grid,
+        block: l.block,
+        shared_bytes: l.shared_bytes,
+        pdl: l.pdl,
+        params: l.params.iter().map(param).collect(),
+    }
+}
+
+fn json_ops(kp: &KeyPlan) -> Vec<JsonOp> {
+    kp.ops
+        .iter()
+        .map(|op| {
+            let (lowering, gemm, launches) = match &op.lowering {
+                Lowering::Reference => ("reference", None, vec![]),
+                Lowering::Kernels(ls) => ("kernels", None, ls.iter().map(json_launch).collect()),
+                Lowering::Gemm { shape, gemv } => {
+                    ("gemm", Some(*shape), gemv.iter().map(json_launch).collect())
+                }
+            };
+            JsonOp {
+                op: op.op.mnemonic().to_string(),
+                lowering,
+                gemm,
+                launches,
+            }
+        })
+        .collect()
 }
 
 fn json(plan: &Plan, keys: &[&KeyPlan]) -> String {
@@ -266,6 +414,7 @@ fn json(plan: &Plan, keys: &[&KeyPlan]) -> String {
         compiler_version: &plan.meta.compiler_version,
         arena_bytes: plan.arena_bytes,
         workspace_bytes: plan.workspace_bytes,
+        counter_bytes: plan.counter_bytes,
         weight_entries: plan.manifest.entries.len(),
         weight_bytes: plan.manifest.total_bytes(),
         kv_cache_bytes_per_layer: 2 * plan.kv.cache_bytes(),
@@ -285,6 +434,7 @@ fn json(plan: &Plan, keys: &[&KeyPlan]) -> String {
                 io_bytes: k.io_bytes,
                 flops: k.flops,
                 bytes_moved: k.bytes_moved,
+                ops: json_ops(k),
             })
             .collect(),
     };

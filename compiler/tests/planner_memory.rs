@@ -445,6 +445,7 @@ fn a_graph_traced_for_another_kv_layout_with_a_non_computed_output_or_unverified
         kv: &kv,
         target: &target,
         max_context: 64,
+        lower: Default::default(),
     };
     let g = spec.graph(key, &other, false);
     let e = plan_key(key, g.clone(), &verified(&g), &ctx).unwrap_err();

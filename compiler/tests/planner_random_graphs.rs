@@ -176,6 +176,7 @@ fn check_random(seed: u64) -> (f64, u32) {
         kv: &kv,
         target: &target,
         max_context: 16,
+        lower: Default::default(),
     };
     let key = Key::new(T, 1, 0);
     let (kp, report) = plan_key(key, g, &info, &ctx).unwrap_or_else(|e| panic!("{e}"));

@@ -34,7 +34,7 @@ pub const MAGIC: [u8; 8] = *b"KILNPLAN";
 
 /// Version of the encoding this build writes and reads. Bump it whenever a
 /// plan type changes shape (a serde field added, removed or reordered).
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 24;
@@ -281,6 +281,7 @@ mod tests {
             },
             arena_bytes: 4096,
             workspace_bytes: 0,
+            counter_bytes: 64,
             keys: vec![KeyPlan {
                 key: Key::new(2, 1, 0),
                 graph: Graph::new("g"),

@@ -32,6 +32,7 @@ pub mod print;
 pub mod rng;
 pub mod text;
 pub mod types;
+pub mod validate;
 pub mod verify;
 
 pub use dot::to_dot;
@@ -46,4 +47,5 @@ pub use parse::{
 };
 pub use print::{print, print_with_map};
 pub use types::{DType, Shape, TensorType};
+pub use validate::{validate, PlanInfo};
 pub use verify::{verify, GraphInfo, Location, VerifyError, VerifyErrorKind, VerifyErrors};

@@ -159,6 +159,10 @@ pub enum Region {
     VCache(u32),
     /// The BLAS workspace (`workspace_bytes`).
     Workspace,
+    /// Completion counters (`Plan::counter_bytes`, u32 each): zeroed once at
+    /// load, before any capture; every kernel that uses them leaves them
+    /// zero. Within a key each op has its own counters.
+    Counters,
 }
 
 /// Bytes `[offset, offset + bytes)` of a region.
@@ -191,6 +195,13 @@ pub struct PlanOp {
     pub workspace_bytes: u64,
     /// How the op executes on the plan's target, decided at compile time.
     pub lowering: Lowering,
+    /// Arena bytes the op's kernels use as scratch (attention partials and
+    /// their (max, sum) pairs), live only during this op; `None` when it
+    /// needs none (always on `Target::Cpu`).
+    pub scratch: Option<BufRef>,
+    /// The op's own completion counters in [`Region::Counters`]; `None`
+    /// when it uses none.
+    pub counters: Option<BufRef>,
 }
 
 impl PlanOp {
@@ -327,6 +338,8 @@ pub struct KeyPlan {
     pub arena_lower_bound: u64,
     /// Largest workspace any GEMM of this key needs.
     pub workspace_bytes: u64,
+    /// Kernels (and library calls) one step launches: the sum of the ops'
+    /// [`Lowering::launches`].
     pub launches: u32,
     pub flops: u64,
     /// Bytes the step must move (weights + KV read + activations).
@@ -363,6 +376,9 @@ pub struct Plan {
     pub arena_bytes: u64,
     /// BLAS workspace bytes: the maximum over keys; grown before any capture.
     pub workspace_bytes: u64,
+    /// Bytes of [`Region::Counters`]: the most any key's ops use together
+    /// (keys never run concurrently, so they share it).
+    pub counter_bytes: u64,
     pub keys: Vec<KeyPlan>,
     /// Empty for `Target::Cpu`.
     pub kernels: Vec<KernelImage>,
@@ -407,6 +423,8 @@ mod tests {
             results: vec![operand(Region::Io)],
             workspace_bytes: 0,
             lowering: Lowering::Reference,
+            scratch: None,
+            counters: None,
         };
         assert_eq!(op.weight_args(), 0b110);
         let activations_only = PlanOp {

@@ -4,17 +4,30 @@
 //! The CUDA C sources live in `kernels/gpu/*.cu` and are the one source for
 //! both GPU backends (NVRTC for CUDA, hiprtc for HIP); `kiln_port.h` is
 //! inlined in front of each module by [`module_source`], so a module compiles
-//! with no include path. [`lower`] maps an op and its operand types to either
-//! a list of kernel launches ([`KernelCall`]) or one BLAS call
-//! ([`GemmCall`]). The launch parameters are described symbolically
-//! ([`Param`]): operands by index, constants by value, so a backend only
-//! resolves addresses. Nothing that changes between steps is ever a
-//! parameter: token ids, positions, slots, block tables and context lengths
-//! are operands (device memory), read by the kernels at run time.
+//! with no include path.
+//!
+//! Lowering is a compile-time decision. `kiln compile` asks [`op_needs`] for
+//! the scratch and completion counters an op's kernels need (so the planner
+//! can place them), then [`lower_op`] turns the op into the plan's
+//! [`Lowering`]: its complete launch list with every buffer parameter a
+//! planned [`BufRef`], or a GEMM with kiln's skinny-GEMM alternative
+//! ([`gemv_call`]). [`LowerOptions`] carries what the target decides (PDL,
+//! the attention block target). An op no kernel can run is a
+//! [`CatalogError`] naming the op and the limit, so the compile fails.
+//!
+//! [`lower`] (symbolic [`Param`]s, geometry from `KILN_ATTN_TARGET_BLOCKS`)
+//! is the older run-time form the CUDA and HIP backends still call; it is
+//! the same catalog ([`lower_symbolic`]) and goes once they launch
+//! `Launch::body`. Nothing that changes between steps is ever a parameter:
+//! token ids, positions, slots, block tables and context lengths are
+//! operands (device memory), read by the kernels at run time.
 //!
 //! Deliberately not here: any driver call (the backends own those), and the
 //! GEMM implementation (cuBLASLt / hipBLASLt, chosen by the backend).
 
+use kiln_ir::plan::{
+    BufRef, GemmShape, KernelLaunch, LaunchParam, Lowering, Operand, Region, Target,
+};
 use kiln_ir::{DType, Op, Rope, TensorType};
 
 /// The portability header every module starts with.
@@ -289,18 +302,9 @@ pub struct KernelCall {
     pub params: Vec<Param>,
 }
 
-/// A GEMM `out[t, n] = x[t, k] @ w[n, k]^T (+ bias[n])`, row-major operands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct GemmCall {
-    pub t: u32,
-    pub n: u32,
-    pub k: u32,
-    /// dtype of x, w and bias.
-    pub dtype: DType,
-    /// dtype of the result.
-    pub out: DType,
-    pub bias: bool,
-}
+/// A GEMM `out[t, n] = x[t, k] @ w[n, k]^T (+ bias[n])`, row-major operands:
+/// the plan's [`GemmShape`] (one description of a matmul shape everywhere).
+pub type GemmCall = GemmShape;
 
 /// How an op runs on a GPU.
 #[derive(Clone, Debug, PartialEq)]
@@ -362,10 +366,10 @@ pub const ARGMAX_CHUNK: u32 = 4096;
 /// combine work once each block keeps enough K/V loads in flight.
 pub const ATTN_TARGET_BLOCKS: u64 = 256;
 
-/// The attention block target in effect: `KILN_ATTN_TARGET_BLOCKS` when set
-/// to a positive integer (a tuning knob for `kiln bench` sweeps; geometry is
-/// chosen when a launch is lowered at load, so a plan needs no recompiling),
-/// else [`ATTN_TARGET_BLOCKS`].
+/// The attention block target of the run-time [`lower`]:
+/// `KILN_ATTN_TARGET_BLOCKS` when set to a positive integer, else
+/// [`ATTN_TARGET_BLOCKS`]. Plans choose theirs at compile time
+/// (`kiln compile --attn-target-blocks`, [`LowerOptions`]).
 pub fn attn_target_blocks() -> u64 {
     static TARGET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *TARGET.get_or_init(|| {
@@ -476,6 +480,31 @@ pub fn attention_geometry(
     block_size: u32,
     max_blocks: u32,
 ) -> Result<AttnGeometry, CatalogError> {
+    attention_geometry_for(
+        batch,
+        query,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        max_blocks,
+        attn_target_blocks(),
+    )
+}
+
+/// [`attention_geometry`] aiming at `target_blocks` attention blocks (the
+/// compile option `--attn-target-blocks`) instead of the environment's.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_geometry_for(
+    batch: u32,
+    query: u32,
+    heads: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    block_size: u32,
+    max_blocks: u32,
+    target_blocks: u64,
+) -> Result<AttnGeometry, CatalogError> {
     let op = "paged_attention";
     let unsupported = |why: String| CatalogError::Unsupported { op, why };
     let group = heads / kv_heads;
@@ -500,7 +529,7 @@ pub fn attention_geometry(
     // least 32 positions, and never more than ATTN_MAX_PARTS partitions.
     let base_blocks = batch as u64 * kv_heads as u64 * tiles as u64;
     let mut part_len: u64 = 512;
-    let target = attn_target_blocks();
+    let target = target_blocks.max(1);
     while part_len > 32 && base_blocks * max_ctx.div_ceil(part_len) < target {
         part_len /= 2;
     }
@@ -550,11 +579,26 @@ pub fn attention_geometry(
 
 /// Lowers `op` with operand types `args` / `results` to kernel launches or a
 /// GEMM. The operand types must already type-check (`Op::infer`).
+///
+/// The run-time form, kept while the backends still lower at load: attention
+/// geometry follows [`attn_target_blocks`]. Plans are lowered by
+/// [`lower_op`] at compile time.
 pub fn lower(
     op: &Op,
     args: &[TensorType],
     results: &[TensorType],
     placement: Placement,
+) -> Result<Lowered, CatalogError> {
+    lower_symbolic(op, args, results, placement, attn_target_blocks())
+}
+
+/// [`lower`] with an explicit attention block target.
+pub fn lower_symbolic(
+    op: &Op,
+    args: &[TensorType],
+    results: &[TensorType],
+    placement: Placement,
+    attn_target_blocks: u64,
 ) -> Result<Lowered, CatalogError> {
     let m = op.mnemonic();
     let arity_ok = op.arity().contains(&args.len());
@@ -776,7 +820,7 @@ pub fn lower(
         } => {
             let s = float_suffix(m, args[0].dtype)?;
             let (batch, max_blocks) = two(&dims(&args[3]))?;
-            let g = attention_geometry(
+            let g = attention_geometry_for(
                 batch,
                 *query,
                 *heads,
@@ -784,6 +828,7 @@ pub fn lower(
                 *head_dim,
                 *block_size,
                 max_blocks,
+                attn_target_blocks,
             )?;
             to_i32(m, "context", max_blocks as u64 * *block_size as u64)?;
             let mut shape = Vec::with_capacity(56);
@@ -984,6 +1029,210 @@ pub fn lower(
     })
 }
 
+/// What `kiln compile` decides about lowering for its target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LowerOptions {
+    /// Attention blocks the partition size aims for
+    /// (`kiln compile --attn-target-blocks`).
+    pub attn_target_blocks: u64,
+    /// Launch every kernel with the programmatic-dependent-launch attribute.
+    pub pdl: bool,
+}
+
+impl LowerOptions {
+    /// The options for `target`: PDL on CUDA sm_90 and later (the kernels'
+    /// prologue waits on their predecessor with `griddepcontrol.wait`; older
+    /// parts and HIP launch plainly), attention aiming at `attn_target_blocks`.
+    pub fn for_target(target: &Target, attn_target_blocks: u64) -> LowerOptions {
+        LowerOptions {
+            attn_target_blocks: attn_target_blocks.max(1),
+            pdl: matches!(target, Target::Cuda { sm } if *sm >= 90),
+        }
+    }
+}
+
+impl Default for LowerOptions {
+    fn default() -> LowerOptions {
+        LowerOptions {
+            attn_target_blocks: ATTN_TARGET_BLOCKS,
+            pdl: false,
+        }
+    }
+}
+
+/// Buffers an op's kernels need besides its operands, which the planner
+/// places before the op is lowered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpNeeds {
+    /// Scratch bytes, live only during the op (an arena buffer).
+    pub scratch_bytes: u64,
+    /// u32 completion counters (zero on entry, left zero).
+    pub counters: u32,
+}
+
+fn placement_of(args: &[Operand], results: &[Operand]) -> Placement {
+    let meet = |a: &BufRef, b: &BufRef| {
+        a.region == b.region
+            && a.bytes > 0
+            && b.bytes > 0
+            && a.offset < b.offset.saturating_add(b.bytes)
+            && b.offset < a.offset.saturating_add(a.bytes)
+    };
+    Placement {
+        result0_overlaps_arg0: match (results.first(), args.first()) {
+            (Some(r), Some(a)) => meet(&r.buf, &a.buf),
+            _ => false,
+        },
+    }
+}
+
+fn types(o: &[Operand]) -> Vec<TensorType> {
+    o.iter().map(|o| o.ty.clone()).collect()
+}
+
+/// The scratch and counters `op`'s kernels need with operands of these
+/// types (they depend on types and options only, not on placement, so the
+/// planner asks before it places anything). Errors name the op and the
+/// limit the operands exceed: this is where `kiln compile` refuses an op no
+/// kernel of the target can run.
+pub fn op_needs(
+    op: &Op,
+    args: &[TensorType],
+    results: &[TensorType],
+    opts: &LowerOptions,
+) -> Result<OpNeeds, CatalogError> {
+    let l = lower_symbolic(
+        op,
+        args,
+        results,
+        Placement::default(),
+        opts.attn_target_blocks,
+    )?;
+    Ok(match l {
+        Lowered::Kernels {
+            scratch_bytes,
+            counters,
+            ..
+        } => OpNeeds {
+            scratch_bytes,
+            counters,
+        },
+        Lowered::Gemm(_) => OpNeeds::default(),
+    })
+}
+
+/// Lowers one planned op for a GPU target: its complete launch list with
+/// every buffer parameter a planned [`BufRef`] (an operand, `scratch`,
+/// `counters`), or a GEMM with kiln's skinny-GEMM alternative. `weight_args`
+/// is [`kiln_ir::plan::PlanOp::weight_args`]: when the GEMM's weight operand
+/// is a weight, the GEMV may prefetch it before its dependency wait.
+/// `scratch` and `counters` must hold what [`op_needs`] asked for.
+pub fn lower_op(
+    op: &Op,
+    args: &[Operand],
+    results: &[Operand],
+    scratch: Option<BufRef>,
+    counters: Option<BufRef>,
+    weight_args: u32,
+    opts: &LowerOptions,
+) -> Result<Lowering, CatalogError> {
+    let m = op.mnemonic();
+    let lowered = lower_symbolic(
+        op,
+        &types(args),
+        &types(results),
+        placement_of(args, results),
+        opts.attn_target_blocks,
+    )?;
+    let short = |what: &str, need: u64, have: u64| CatalogError::Unsupported {
+        op: m,
+        why: format!("needs {need} bytes of {what} but {have} were planned"),
+    };
+    let resolve = |c: KernelCall| -> Result<KernelLaunch, CatalogError> {
+        let mut params = Vec::with_capacity(c.params.len());
+        for p in c.params {
+            let missing = |what: &str, i: u64| CatalogError::Unsupported {
+                op: m,
+                why: format!(
+                    "kernel {} wants {what} {i}, which the op does not have",
+                    c.entry
+                ),
+            };
+            params.push(match p {
+                Param::Arg(i) => LaunchParam::Buf(
+                    args.get(i)
+                        .ok_or_else(|| missing("argument", i as u64))?
+                        .buf,
+                ),
+                Param::Result(i) => LaunchParam::Buf(
+                    results
+                        .get(i)
+                        .ok_or_else(|| missing("result", i as u64))?
+                        .buf,
+                ),
+                Param::Scratch(off) => {
+                    let s = scratch
+                        .filter(|s| off <= s.bytes)
+                        .ok_or_else(|| missing("scratch at byte", off))?;
+                    LaunchParam::Buf(BufRef {
+                        region: s.region,
+                        offset: s.offset + off,
+                        bytes: s.bytes - off,
+                    })
+                }
+                Param::Counters(i) => {
+                    let at = 4 * i as u64;
+                    let c = counters
+                        .filter(|c| c.region == Region::Counters && at < c.bytes)
+                        .ok_or_else(|| missing("completion counter", i as u64))?;
+                    LaunchParam::Buf(BufRef {
+                        region: Region::Counters,
+                        offset: c.offset + at,
+                        bytes: c.bytes - at,
+                    })
+                }
+                Param::Null => LaunchParam::Null,
+                Param::I32(v) => LaunchParam::I32(v),
+                Param::I64(v) => LaunchParam::I64(v),
+                Param::F32(v) => LaunchParam::F32(v),
+                Param::Blob(b) => LaunchParam::Blob(b),
+            });
+        }
+        Ok(KernelLaunch {
+            module: c.module.to_string(),
+            entry: c.entry,
+            grid: c.grid,
+            block: c.block,
+            shared_bytes: c.shared_bytes,
+            params,
+            pdl: opts.pdl,
+        })
+    };
+    Ok(match lowered {
+        Lowered::Kernels {
+            calls,
+            scratch_bytes,
+            counters: n,
+        } => {
+            let have = scratch.map_or(0, |s| s.bytes);
+            if scratch_bytes > have {
+                return Err(short("scratch", scratch_bytes, have));
+            }
+            let have = counters.map_or(0, |c| c.bytes);
+            if n as u64 * 4 > have {
+                return Err(short("completion counters", n as u64 * 4, have));
+            }
+            Lowering::Kernels(calls.into_iter().map(resolve).collect::<Result<_, _>>()?)
+        }
+        Lowered::Gemm(shape) => Lowering::Gemm {
+            shape,
+            gemv: gemv_call(&shape, weight_args & 2 != 0)
+                .map(resolve)
+                .transpose()?,
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1171,6 +1420,77 @@ mod tests {
         let n = |i: usize| i32::from_ne_bytes(b[i * 4..i * 4 + 4].try_into().unwrap());
         assert_eq!((n(0), n(2), n(4), n(6), n(7)), (2, 4, 64, 4, 0));
         assert_eq!((f(8), f(9)), (0.125, 30.0));
+    }
+
+    #[test]
+    fn lower_op_points_kernels_at_the_planned_scratch_and_counters_and_refuses_too_few() {
+        let op = Op::PagedAttention {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            query: 1,
+            block_size: 16,
+            scale: 0.125,
+            window: None,
+            softcap: None,
+        };
+        let a = vec![
+            tt(DType::BF16, &[2, 256]),
+            tt(DType::BF16, &[64, 128]),
+            tt(DType::BF16, &[64, 128]),
+            tt(DType::I32, &[2, 4]),
+            tt(DType::I32, &[2]),
+        ];
+        let r = vec![tt(DType::BF16, &[2, 256])];
+        let at = |region, offset, ty: &TensorType| Operand {
+            buf: BufRef {
+                region,
+                offset,
+                bytes: ty.size_bytes(),
+            },
+            ty: ty.clone(),
+        };
+        let args: Vec<_> = a
+            .iter()
+            .enumerate()
+            .map(|(i, t)| at(Region::Io, 1024 * i as u64, t))
+            .collect();
+        let results = vec![at(Region::Arena, 0, &r[0])];
+        let opts = LowerOptions::for_target(&Target::Cuda { sm: 90 }, 1);
+        let needs = op_needs(&op, &a, &r, &opts).unwrap();
+        assert!(needs.scratch_bytes > 0 && needs.counters > 0);
+        let scratch = BufRef {
+            region: Region::Arena,
+            offset: 4096,
+            bytes: needs.scratch_bytes,
+        };
+        let counters = BufRef {
+            region: Region::Counters,
+            offset: 16,
+            bytes: needs.counters as u64 * 4,
+        };
+        let lower = |s, c| lower_op(&op, &args, &results, s, c, 0, &opts);
+        let Lowering::Kernels(ls) = lower(Some(scratch), Some(counters)).unwrap() else {
+            panic!("attention lowers to kernels")
+        };
+        let buf_at = |i: usize| match &ls[0].params[i] {
+            LaunchParam::Buf(b) => *b,
+            p => panic!("parameter {i} is {p:?}"),
+        };
+        assert_eq!(buf_at(0), args[0].buf);
+        assert_eq!(buf_at(5).offset, 4096);
+        assert!(buf_at(6).offset > 4096 && buf_at(6).region == Region::Arena);
+        assert_eq!((buf_at(7).region, buf_at(7).offset), (Region::Counters, 16));
+        assert_eq!(buf_at(8), results[0].buf);
+        assert!(ls[0].pdl);
+        let small = BufRef {
+            bytes: needs.scratch_bytes - 1,
+            ..scratch
+        };
+        let e = lower(Some(small), Some(counters)).unwrap_err().to_string();
+        assert!(e.contains("scratch"), "{e}");
+        let e = lower(Some(scratch), None).unwrap_err().to_string();
+        assert!(e.contains("completion counters"), "{e}");
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //!
 //! Loading checks everything before it allocates anything (plan consistency,
 //! target, weight files), then allocates every region once (weights, KV
-//! caches, arena, workspace, one Io region per key) and resolves each key's
-//! op list to device addresses. Nothing is allocated after that: a step only
+//! caches, arena, workspace, completion counters, one Io region per key) and
+//! resolves each key's op list, as the plan lowered it, to device addresses
+//! (the runtime never lowers an op). Nothing is allocated after that: a step only
 //! refreshes the key's staging buffers (uploads to fixed Io addresses), runs
 //! the key (first time with graphs on: capture, then replay; later: replay;
 //! graphs off: the same op list launched eagerly) and reads back the next
@@ -26,14 +27,17 @@
 //! Not here: sampling other than greedy, preemption, prefix caching, and a
 //! request queue (callers add and remove sequences between steps).
 
-use crate::backend::{Backend, BackendError, DevOperand, DevPtr, GraphHandle, Launch};
+use crate::backend::{
+    Backend, BackendError, DevOperand, DevPtr, GraphHandle, Launch, LaunchBody, ResolvedKernel,
+    ResolvedParam,
+};
 use crate::error::EngineError;
 use crate::kv::KvManager;
 use crate::loader::{check_kernel_abi, check_target, validate_plan};
 use crate::policy::{graphs_supported, EagerFallback, GraphDecision, GraphMode, GraphsSupportedFn};
 use crate::weights::{WeightSet, Weights};
 use kiln_ir::graph::InputRole;
-use kiln_ir::plan::{BufRef, Plan, Region};
+use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Lowering, Plan, Region};
 use kiln_ir::{DType, Key};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -270,6 +274,7 @@ pub struct Engine {
 struct Regions {
     arena: DevPtr,
     workspace: DevPtr,
+    counters: DevPtr,
     weights: Vec<DevPtr>,
     kc: Vec<DevPtr>,
     vc: Vec<DevPtr>,
@@ -281,19 +286,53 @@ impl Regions {
             Region::Arena => self.arena,
             Region::Io => io,
             Region::Workspace => self.workspace,
+            Region::Counters => self.counters,
             Region::Weight(i) => self.weights[i as usize],
             Region::KCache(l) => self.kc[l as usize],
             Region::VCache(l) => self.vc[l as usize],
         };
         base.offset(b.offset)
     }
+
+    /// The plan's lowering with every buffer parameter resolved to an
+    /// address: what the backend launches. The runtime never lowers.
+    fn body(&self, io: DevPtr, l: &Lowering) -> LaunchBody {
+        let kernel = |k: &KernelLaunch| ResolvedKernel {
+            module: k.module.clone(),
+            entry: k.entry.clone(),
+            grid: k.grid,
+            block: k.block,
+            shared_bytes: k.shared_bytes,
+            params: k
+                .params
+                .iter()
+                .map(|p| match p {
+                    LaunchParam::Buf(b) => ResolvedParam::Ptr(self.resolve(io, b)),
+                    LaunchParam::Null => ResolvedParam::Ptr(DevPtr(0)),
+                    LaunchParam::I32(v) => ResolvedParam::I32(*v),
+                    LaunchParam::I64(v) => ResolvedParam::I64(*v),
+                    LaunchParam::F32(v) => ResolvedParam::F32(*v),
+                    LaunchParam::Blob(b) => ResolvedParam::Blob(b.clone()),
+                })
+                .collect(),
+            pdl: k.pdl,
+        };
+        match l {
+            Lowering::Reference => LaunchBody::Reference,
+            Lowering::Kernels(ks) => LaunchBody::Kernels(ks.iter().map(kernel).collect()),
+            Lowering::Gemm { shape, gemv } => LaunchBody::Gemm {
+                shape: *shape,
+                gemv: gemv.as_ref().map(kernel),
+            },
+        }
+    }
 }
 
 impl Engine {
     /// Loads `plan` with the weights in `weights_dir` onto `backend`.
     ///
-    /// Everything is checked before the first allocation: the plan's internal
-    /// consistency, its target against the backend's device, a GPU plan's
+    /// Everything is checked before the first allocation: its target against
+    /// the backend's device, the plan's internal consistency, a GPU plan's
     /// kernel ABI against this runtime's kernels, and the weight
     /// files against the plan (sizes, header hashes, every tensor's dtype and
     /// shape).
@@ -314,9 +353,11 @@ impl Engine {
         mut backend: Box<dyn Backend + Send>,
         options: EngineOptions,
     ) -> Result<Engine, EngineError> {
-        validate_plan(&plan)?;
+        // The target first: a plan for another device is refused as such,
+        // before its (other target's) lowering is judged.
         let info = backend.info();
         check_target(&plan.meta.target, &info)?;
+        validate_plan(&plan)?;
         check_kernel_abi(&plan)?;
         let decision = GraphDecision::decide(options.graphs, options.graphs_supported, &info)?;
         // The files are opened and checked now; random weights need nothing.
@@ -353,9 +394,19 @@ impl Engine {
         let workspace = backend
             .reserve_workspace(plan.workspace_bytes)?
             .map_or(DevPtr(0), |w| w.0);
+        // Completion counters: zeroed here (alloc zeroes), once, before any
+        // capture; the kernels that use them leave them zero.
+        let counters = if plan.counter_bytes > 0 {
+            let p = backend.alloc(plan.counter_bytes, "completion counters")?;
+            allocations.push(p);
+            p
+        } else {
+            DevPtr(0)
+        };
         let regions = Regions {
             arena,
             workspace,
+            counters,
             weights: bound.iter().map(|b| b.0).collect(),
             kc,
             vc,
@@ -375,7 +426,7 @@ impl Engine {
                     };
                     Launch {
                         const_args: op.weight_args(),
-                        body: crate::backend::LaunchBody::Reference,
+                        body: regions.body(io, &op.lowering),
                         kernel: op.kernel.clone(),
                         op: op.op.clone(),
                         args: op.args.iter().map(dev).collect(),

@@ -1,7 +1,9 @@
 //! Plan checks that run before anything is allocated: the target against the
-//! executing device, and the plan's internal consistency (every operand inside
-//! its region, every op well typed, the staging inputs and outputs the engine
-//! reads present with the sizes their key implies).
+//! executing device, and the plan's internal consistency: the plan
+//! invariants (`kiln_ir::validate`: every buffer inside its region, every op
+//! well typed, lowering against target, ...) and what the engine itself
+//! reads (staging inputs and outputs present with the sizes their key
+//! implies, a decode key).
 //!
 //! A plan is data from a file; the engine trusts nothing in it that it has not
 //! checked here. Not here: weight files (see [`crate::weights`]) and the
@@ -11,7 +13,8 @@
 use crate::backend::DeviceInfo;
 use crate::error::EngineError;
 use kiln_ir::graph::InputRole;
-use kiln_ir::plan::{BufRef, KeyPlan, Plan, Region, Target};
+use kiln_ir::plan::{KeyPlan, Plan, Region, Target};
+use kiln_ir::validate::PlanInfo;
 use kiln_ir::DType;
 use std::collections::HashSet;
 
@@ -63,54 +66,6 @@ pub fn check_target(target: &Target, info: &DeviceInfo) -> Result<(), EngineErro
     })
 }
 
-/// Size of a region as the plan declares it, for key `kp`.
-fn region_size(plan: &Plan, kp: &KeyPlan, r: Region) -> Option<u64> {
-    match r {
-        Region::Arena => Some(plan.arena_bytes),
-        Region::Io => Some(kp.io_bytes),
-        Region::Workspace => Some(plan.workspace_bytes),
-        Region::Weight(i) => plan
-            .manifest
-            .entries
-            .get(i as usize)
-            .map(|e| e.shape.numel() * e.dtype.size() as u64),
-        Region::KCache(l) | Region::VCache(l) => {
-            (l < plan.kv.layers).then(|| plan.kv.cache_bytes())
-        }
-    }
-}
-
-fn check_buf(
-    plan: &Plan,
-    kp: &KeyPlan,
-    buf: &BufRef,
-    what: &dyn Fn() -> String,
-) -> Result<(), EngineError> {
-    let size = region_size(plan, kp, buf.region).ok_or_else(|| {
-        EngineError::BadPlan(format!(
-            "key {}: {} refers to {:?}, which the plan does not define",
-            kp.key,
-            what(),
-            buf.region
-        ))
-    })?;
-    if buf
-        .offset
-        .checked_add(buf.bytes)
-        .is_none_or(|end| end > size)
-    {
-        return Err(EngineError::BadPlan(format!(
-            "key {}: {} spans bytes {}..{} of {:?}, which holds {size}",
-            kp.key,
-            what(),
-            buf.offset,
-            buf.offset.saturating_add(buf.bytes),
-            buf.region
-        )));
-    }
-    Ok(())
-}
-
 /// Refuses a GPU plan whose kernel images were compiled from kernel
 /// sources other than this runtime's (see `kiln_kernels::gpu::kernel_abi`).
 pub fn check_kernel_abi(plan: &Plan) -> Result<(), EngineError> {
@@ -126,40 +81,21 @@ pub fn check_kernel_abi(plan: &Plan) -> Result<(), EngineError> {
     })
 }
 
-/// Checks a plan's internal consistency. Allocates nothing.
-pub fn validate_plan(plan: &Plan) -> Result<(), EngineError> {
+/// Checks a plan's internal consistency (the plan invariants of
+/// `kiln_ir::validate`, then what the engine needs of each key's staging
+/// inputs and named outputs). Allocates nothing.
+pub fn validate_plan(plan: &Plan) -> Result<PlanInfo, EngineError> {
+    let info =
+        kiln_ir::validate::validate(plan).map_err(|e| EngineError::BadPlan(e.to_string()))?;
     let bad = |m: String| Err(EngineError::BadPlan(m));
-    let kv = &plan.kv;
-    let info = &plan.meta.info;
-    if kv.block_size == 0 || kv.num_blocks < 2 || kv.null_block >= kv.num_blocks {
-        return bad(format!(
-            "KV layout needs a positive block size and at least one block besides the null block (block_size {}, num_blocks {}, null_block {})",
-            kv.block_size, kv.num_blocks, kv.null_block
-        ));
-    }
-    if (kv.max_blocks_per_seq as u64) * (kv.block_size as u64) < info.max_context as u64 {
-        return bad(format!(
-            "block tables of {} blocks of {} tokens cannot hold the context of {}",
-            kv.max_blocks_per_seq, kv.block_size, info.max_context
-        ));
-    }
-    if info.max_context < 2 || info.vocab_size == 0 {
+    let model = &plan.meta.info;
+    if model.max_context < 2 || model.vocab_size == 0 {
         return bad(format!(
             "model context {} / vocabulary {} is too small",
-            info.max_context, info.vocab_size
+            model.max_context, model.vocab_size
         ));
     }
-    if plan.keys.is_empty() {
-        return bad("the plan has no keys".into());
-    }
-    let mut seen = HashSet::new();
     for kp in &plan.keys {
-        kp.key
-            .validate()
-            .map_err(|e| EngineError::BadPlan(e.to_string()))?;
-        if !seen.insert(kp.key) {
-            return bad(format!("key {} appears twice", kp.key));
-        }
         validate_key(plan, kp)?;
     }
     if !plan
@@ -169,47 +105,14 @@ pub fn validate_plan(plan: &Plan) -> Result<(), EngineError> {
     {
         return bad("the plan has no decode key (query 1, spec 0), so no sequence can finish its prompt or decode; compile with e.g. --keys b1q1s0".into());
     }
-    Ok(())
+    Ok(info)
 }
 
+/// The engine's needs of one key's staging inputs and named outputs (their
+/// bounds are already checked by `kiln_ir::validate`).
 fn validate_key(plan: &Plan, kp: &KeyPlan) -> Result<(), EngineError> {
     let key = kp.key;
     let bad = |m: String| Err(EngineError::BadPlan(format!("key {key}: {m}")));
-    for (i, op) in kp.ops.iter().enumerate() {
-        let desc = || format!("op {i} (`{}`)", op.kernel);
-        for (j, o) in op.args.iter().chain(&op.results).enumerate() {
-            check_buf(plan, kp, &o.buf, &|| format!("{} operand {j}", desc()))?;
-            if o.ty.size_bytes() > o.buf.bytes {
-                return bad(format!(
-                    "{} operand {j} of type {} needs {} bytes but its buffer has {}",
-                    desc(),
-                    o.ty,
-                    o.ty.size_bytes(),
-                    o.buf.bytes
-                ));
-            }
-        }
-        let arg_types: Vec<_> = op.args.iter().map(|o| o.ty.clone()).collect();
-        let want = op
-            .op
-            .infer(&arg_types)
-            .map_err(|e| EngineError::BadPlan(format!("key {key}: {}: {e}", desc())))?;
-        let got: Vec<_> = op.results.iter().map(|o| o.ty.clone()).collect();
-        if want != got {
-            return bad(format!(
-                "{} results are typed {got:?} but its arguments imply {want:?}",
-                desc()
-            ));
-        }
-        if op.workspace_bytes > plan.workspace_bytes {
-            return bad(format!(
-                "{} needs {} bytes of workspace but the plan reserves {}",
-                desc(),
-                op.workspace_bytes,
-                plan.workspace_bytes
-            ));
-        }
-    }
     let (b, q, s) = (key.batch as u64, key.query as u64, key.spec as u64);
     let m = plan.kv.max_blocks_per_seq as u64;
     let mut roles = HashSet::new();
@@ -227,7 +130,6 @@ fn validate_key(plan: &Plan, kp: &KeyPlan) -> Result<(), EngineError> {
                 buf.region
             ));
         }
-        check_buf(plan, kp, buf, &|| format!("input {}", role.name()))?;
         if buf.offset % 4 != 0 {
             return bad(format!(
                 "input {} at Io offset {} is not aligned for i32",
@@ -260,7 +162,6 @@ fn validate_key(plan: &Plan, kp: &KeyPlan) -> Result<(), EngineError> {
     }
     let mut has_next = false;
     for (name, o) in &kp.outputs {
-        check_buf(plan, kp, &o.buf, &|| format!("output {name}"))?;
         if o.buf.region != Region::Io {
             return bad(format!("output {name} is not in the key's Io region"));
         }

@@ -1,10 +1,13 @@
 //! An independent checker of finished plans.
 //!
 //! It exists because a planner bug is silent: two live buffers sharing bytes
-//! produce plausible but wrong tokens. This module re-derives, from the
-//! graph and the op list alone, what a correct plan must satisfy, with
-//! deliberately simple code that shares nothing with the planner (no
-//! interval sweeps, no groups: every pair of buffers is compared, O(n^2)):
+//! produce plausible but wrong tokens. [`check_plan`] first runs the plan
+//! invariants every consumer relies on (`kiln_ir::validate`: bounds,
+//! alignment, operand types, sizes, lowering against target, launch
+//! parameters, key uniqueness), then re-derives, from the graph and the op
+//! list alone, what a correct placement must satisfy, with deliberately
+//! simple code that shares nothing with the planner (no interval sweeps, no
+//! groups: every pair of buffers is compared, O(n^2)):
 //!
 //! * each op executes its graph node with the node's operands at the
 //!   addresses of the memory map, and is named `gemm` or its mnemonic;
@@ -15,12 +18,13 @@
 //! * arena buffers are 256-byte aligned and inside `[0, arena_peak)`, and
 //!   two arena buffers alive at the same op never share a byte, except an
 //!   argument and the result an op may write over it ([`Op::may_reuse`]) when
-//!   the argument dies at that op and they are placed identically;
-//! * Io buffers are aligned, inside `io_bytes` and pairwise disjoint;
+//!   the argument dies at that op and they are placed identically; an op's
+//!   scratch is an arena buffer alive during that op only, and shares no
+//!   byte with anything alive then (its own operands included);
+//! * Io buffers are pairwise disjoint;
 //! * the lower bound is recomputed (the largest sum of aligned sizes alive
-//!   at one op, counting a reused pair once) and equals the plan's, and the
-//!   peak is at least that;
-//! * workspace, launches and the plan-level maxima are consistent.
+//!   at one op, scratch included, counting a reused pair once) and equals
+//!   the plan's, and the peak is at least that.
 //!
 //! Not here: judging how good a placement is (that is the efficiency
 //! figure), or checking the graph itself (the verifier).
@@ -44,46 +48,11 @@ fn round_up(x: u64) -> u64 {
 /// violation found, each naming the key and the values involved.
 pub fn check_plan(plan: &Plan) -> Result<(), Vec<String>> {
     let mut errs = Vec::new();
+    if let Err(e) = kiln_ir::validate::validate(plan) {
+        errs.push(e.to_string());
+    }
     for kp in &plan.keys {
         errs.extend(check_key(kp, &plan.manifest, &plan.kv));
-        if kp.arena_peak > plan.arena_bytes {
-            errs.push(format!(
-                "{}: arena peak {} exceeds the plan's arena {}",
-                kp.key, kp.arena_peak, plan.arena_bytes
-            ));
-        }
-        if kp.workspace_bytes > plan.workspace_bytes {
-            errs.push(format!(
-                "{}: workspace {} exceeds the plan's {}",
-                kp.key, kp.workspace_bytes, plan.workspace_bytes
-            ));
-        }
-    }
-    let peak = plan.keys.iter().map(|k| k.arena_peak).max().unwrap_or(0);
-    if plan.arena_bytes != peak {
-        errs.push(format!(
-            "plan arena {} is not the largest key peak {peak}",
-            plan.arena_bytes
-        ));
-    }
-    let ws = plan
-        .keys
-        .iter()
-        .map(|k| k.workspace_bytes)
-        .max()
-        .unwrap_or(0);
-    if plan.workspace_bytes != ws {
-        errs.push(format!(
-            "plan workspace {} is not the largest key workspace {ws}",
-            plan.workspace_bytes
-        ));
-    }
-    for (i, a) in plan.keys.iter().enumerate() {
-        for b in &plan.keys[..i] {
-            if a.key == b.key {
-                errs.push(format!("key {} is planned twice", a.key));
-            }
-        }
     }
     if errs.is_empty() {
         Ok(())
@@ -144,12 +113,6 @@ pub fn check_key(kp: &KeyPlan, manifest: &WeightManifest, kv: &KvLayout) -> Vec<
                 "{k}: op {i} kernel `{}` should be `{want}`",
                 op.kernel
             ));
-        }
-        if !matches!(node.op, Op::MatMul { .. }) && op.workspace_bytes != 0 {
-            errs.push(format!("{k}: op {i} (`{want}`) is granted workspace"));
-        }
-        if op.workspace_bytes > kp.workspace_bytes {
-            errs.push(format!("{k}: op {i} workspace exceeds the key's"));
         }
         for (list, vals, what) in [
             (&op.args, &node.args, "argument"),
@@ -319,10 +282,34 @@ pub fn check_key(kp: &KeyPlan, manifest: &WeightManifest, kv: &KvLayout) -> Vec<
             ));
         }
     }
+    // Scratch: an arena buffer alive during its op only.
+    for (i, op) in kp.ops.iter().enumerate() {
+        let Some(s) = op.scratch else { continue };
+        if s.region != Region::Arena
+            || !s.offset.is_multiple_of(ARENA_ALIGN)
+            || s.offset + s.bytes > kp.arena_peak
+        {
+            errs.push(format!(
+                "{k}: op {i} scratch {s:?} is not an aligned arena buffer inside the peak {}",
+                kp.arena_peak
+            ));
+        }
+        for &w in &arena {
+            let Some((ws, we)) = live(w) else { continue };
+            if ws <= i as u32 && i as u32 <= we && ranges_meet(&s, &kp.buffers[w].buf) {
+                errs.push(format!(
+                    "{k}: op {i} scratch and %{w} (ops {ws}..{we}) are alive together and share arena bytes"
+                ));
+            }
+        }
+    }
     // The lower bound, recomputed op by op.
     let mut lb = 0u64;
     for t in 0..kp.ops.len() as u32 {
-        let mut sum = 0u64;
+        let mut sum = kp.ops[t as usize]
+            .scratch
+            .filter(|s| s.region == Region::Arena)
+            .map_or(0, |s| round_up(s.bytes));
         for &v in &arena {
             if let Some((s, e)) = live(v) {
                 if s <= t && t <= e {
@@ -361,18 +348,12 @@ pub fn check_key(kp: &KeyPlan, manifest: &WeightManifest, kv: &KvLayout) -> Vec<
         ));
     }
 
-    // Io: aligned, inside io_bytes, pairwise disjoint.
+    // Io: pairwise disjoint (bounds and alignment: `kiln_ir::validate`).
     let io: Vec<usize> = (0..nv)
         .filter(|&v| kp.buffers[v].buf.region == Region::Io)
         .collect();
     for (x, &u) in io.iter().enumerate() {
         let b = kp.buffers[u].buf;
-        if !b.offset.is_multiple_of(ARENA_ALIGN) || b.offset + b.bytes > kp.io_bytes {
-            errs.push(format!(
-                "{k}: Io buffer of %{u} at {:?} is misaligned or outside io_bytes {}",
-                b, kp.io_bytes
-            ));
-        }
         for &w in &io[..x] {
             if ranges_meet(&b, &kp.buffers[w].buf) {
                 errs.push(format!("{k}: Io buffers of %{u} and %{w} overlap"));
@@ -380,20 +361,5 @@ pub fn check_key(kp: &KeyPlan, manifest: &WeightManifest, kv: &KvLayout) -> Vec<
         }
     }
 
-    // Figures.
-    let ws = kp.ops.iter().map(|o| o.workspace_bytes).max().unwrap_or(0);
-    if ws != kp.workspace_bytes {
-        errs.push(format!(
-            "{k}: key workspace {} is not the largest op workspace {ws}",
-            kp.workspace_bytes
-        ));
-    }
-    if kp.launches as usize != kp.ops.len() {
-        errs.push(format!(
-            "{k}: {} launches for {} ops",
-            kp.launches,
-            kp.ops.len()
-        ));
-    }
     errs
 }

@@ -14,13 +14,21 @@
 //! * everything else goes to the arena, with liveness over the schedule
 //!   (program order) and in-place reuse where [`Op::may_reuse`] allows it,
 //!   the argument dies at that op, and sizes match; offsets come from
-//!   [`memory::place`].
+//!   [`memory::place`];
+//! * on GPU targets, an op's kernel scratch (attention partials, argmax
+//!   pairs) is one more arena block, alive during that op only, and its
+//!   completion counters get their own bytes of `Region::Counters` (each op
+//!   of a key its own, so kernels that overlap under PDL never share them);
+//!   then every op is lowered (`kiln_kernels::gpu::lower_op`) over those
+//!   addresses, and `launches` counts the kernels. An op no kernel of the
+//!   target can run is [`PlanError::Unsupported`].
 //!
 //! [`check`] re-derives all of this independently and is run on every plan
 //! the tests compile.
 //!
-//! Not here: graph rewrites (passes), kernel selection beyond naming (the GPU
-//! kernel catalog maps `PlanOp::kernel`), anything needing a device.
+//! Not here: graph rewrites (passes), the kernel catalog itself (geometry,
+//! entry points and parameter layouts live in `kiln_kernels::gpu`), anything
+//! needing a device.
 
 pub mod check;
 pub mod cost;
@@ -28,11 +36,12 @@ pub mod memory;
 pub mod workspace;
 
 use kiln_ir::plan::{
-    BufRef, BufferPlan, KeyPlan, KvLayout, Operand, PlanOp, Region, Target, ARENA_ALIGN,
+    BufRef, BufferPlan, KeyPlan, KvLayout, Lowering, Operand, PlanOp, Region, Target, ARENA_ALIGN,
 };
 use kiln_ir::{
     Graph, GraphInfo, InputRole, Key, NodeId, Op, TensorType, ValueDef, ValueId, WeightManifest,
 };
+use kiln_kernels::gpu::{self, LowerOptions, OpNeeds};
 
 /// Why a graph cannot be planned. These are mismatches between a graph and
 /// the manifest or KV layout it is planned against.
@@ -74,6 +83,15 @@ pub enum PlanError {
         result: usize,
         arg: usize,
     },
+    #[error("key {key}: op {op} (node {node}, `{mnemonic}`) cannot run on {target}: {why}; no kernel of the target supports it (compile for another target, or a model within the kernels' limits)")]
+    Unsupported {
+        key: Key,
+        op: u32,
+        node: u32,
+        mnemonic: &'static str,
+        target: Target,
+        why: String,
+    },
     #[error("key {key}: value %{value} is neither an input, a weight nor a node result, so it cannot be placed; the verifier accepted a graph it should not have: please report this compiler bug")]
     Unplaced { key: Key, value: u32 },
 }
@@ -86,6 +104,8 @@ pub struct PlanContext<'a> {
     pub target: &'a Target,
     /// Longest context a sequence may reach (for cost figures).
     pub max_context: u32,
+    /// Lowering decisions for GPU targets (ignored for `Target::Cpu`).
+    pub lower: LowerOptions,
 }
 
 /// Rounds up to [`ARENA_ALIGN`].
@@ -99,6 +119,16 @@ pub fn kernel_name(op: &Op) -> String {
         Op::MatMul { .. } => "gemm".to_string(),
         _ => op.mnemonic().to_string(),
     }
+}
+
+/// Bytes of [`Region::Counters`] a key's ops use (the end of the last one).
+pub fn counter_bytes(kp: &KeyPlan) -> u64 {
+    kp.ops
+        .iter()
+        .filter_map(|o| o.counters)
+        .map(|c| c.offset + c.bytes)
+        .max()
+        .unwrap_or(0)
 }
 
 /// Statistics of a placement, for reports.
@@ -310,6 +340,33 @@ pub fn plan_key(
             group_of[r.index()] = Some(g);
         }
     }
+    // GPU targets: each op's scratch (an arena block live only during the
+    // op) and its own completion counters, sized from the operand types.
+    let gpu_target = *ctx.target != Target::Cpu;
+    let mut needs = vec![OpNeeds::default(); n_ops];
+    let mut scratch_block: Vec<Option<usize>> = vec![None; n_ops];
+    if gpu_target {
+        for (i, node) in graph.nodes.iter().enumerate() {
+            let ty = |v: &[ValueId]| v.iter().map(|&v| graph.ty(v).clone()).collect::<Vec<_>>();
+            needs[i] = gpu::op_needs(&node.op, &ty(&node.args), &ty(&node.results), &ctx.lower)
+                .map_err(|e| PlanError::Unsupported {
+                    key,
+                    op: i as u32,
+                    node: i as u32,
+                    mnemonic: node.op.mnemonic(),
+                    target: ctx.target.clone(),
+                    why: e.to_string(),
+                })?;
+            if needs[i].scratch_bytes > 0 {
+                blocks.push(memory::Block {
+                    size: align(needs[i].scratch_bytes),
+                    start: i as u32,
+                    end: i as u32,
+                });
+                scratch_block[i] = Some(blocks.len() - 1);
+            }
+        }
+    }
     let placement = memory::place(&blocks);
     let lower_bound = memory::lower_bound(&blocks);
     for v in 0..nv {
@@ -348,6 +405,7 @@ pub fn plan_key(
     let mut ops = Vec::with_capacity(n_ops);
     let mut flops = 0u64;
     let mut ws_max = 0u64;
+    let mut counter_at = 0u64;
     for (i, node) in graph.nodes.iter().enumerate() {
         let ws = match node.op {
             Op::MatMul { .. } => {
@@ -358,15 +416,50 @@ pub fn plan_key(
             _ => 0,
         };
         ws_max = ws_max.max(ws);
-        let op = PlanOp {
+        let scratch = scratch_block[i].map(|b| BufRef {
+            region: Region::Arena,
+            offset: placement.offsets[b],
+            bytes: needs[i].scratch_bytes,
+        });
+        let counters = (needs[i].counters > 0).then(|| {
+            let b = BufRef {
+                region: Region::Counters,
+                offset: counter_at,
+                bytes: needs[i].counters as u64 * 4,
+            };
+            counter_at += b.bytes;
+            b
+        });
+        let mut op = PlanOp {
             node: NodeId(i as u32),
             kernel: kernel_name(&node.op),
             op: node.op.clone(),
             args: node.args.iter().map(|&a| operand(a)).collect(),
             results: node.results.iter().map(|&r| operand(r)).collect(),
             workspace_bytes: ws,
-            lowering: kiln_ir::plan::Lowering::Reference,
+            lowering: Lowering::Reference,
+            scratch,
+            counters,
         };
+        if gpu_target {
+            op.lowering = gpu::lower_op(
+                &op.op,
+                &op.args,
+                &op.results,
+                op.scratch,
+                op.counters,
+                op.weight_args(),
+                &ctx.lower,
+            )
+            .map_err(|e| PlanError::Unsupported {
+                key,
+                op: i as u32,
+                node: i as u32,
+                mnemonic: node.op.mnemonic(),
+                target: ctx.target.clone(),
+                why: e.to_string(),
+            })?;
+        }
         flops += cost::op_flops(&op, ctx.max_context as u64);
         ops.push(op);
     }
@@ -385,7 +478,7 @@ pub fn plan_key(
         .iter()
         .map(|(n, v)| (n.clone(), operand(*v)))
         .collect();
-    let launches = ops.len() as u32;
+    let launches = ops.iter().map(|o| o.lowering.launches()).sum();
     Ok((
         KeyPlan {
             key,

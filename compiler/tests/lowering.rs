@@ -1,0 +1,238 @@
+//! Lowering at compile time: GPU plans carry every op's complete launch
+//! list over planned buffers (attention scratch in the arena, completion
+//! counters in their own region), PDL and attention geometry are compile
+//! decisions, `launches` counts kernels, and an op no kernel of the target
+//! can run fails `kiln compile`.
+
+mod planner_support;
+
+use kiln_compiler::compile::{compile_traced, CompileError, CompileOptions};
+use kiln_compiler::inspect::{render, Format};
+use kiln_compiler::passes::synth::{SynthFamily, SynthSpec};
+use kiln_compiler::planner::check::{check_key, check_plan};
+use kiln_compiler::planner::{plan_key, PlanContext, PlanError};
+use kiln_ir::plan::{KeyPlan, LaunchParam, Lowering, Region, Target};
+use kiln_ir::validate::{kernel_launches, validate};
+use kiln_ir::{Key, Op};
+use kiln_kernels::gpu::{LowerOptions, ROPE_MAX_HEAD_DIM};
+use planner_support::*;
+
+fn compile(
+    spec: &SynthSpec,
+    target: &str,
+) -> Result<kiln_compiler::compile::Compiled, CompileError> {
+    let opts = CompileOptions {
+        keys: keys("b1q1s0,b3q1s0,b2q3s2"),
+        target: target.parse().unwrap(),
+        ..CompileOptions::default()
+    };
+    compile_traced(
+        synth_meta(spec),
+        spec.manifest(),
+        &opts,
+        |k, kv| Ok::<_, String>(spec.graph(k, kv, false)),
+        &mut |_, _| {},
+    )
+}
+
+/// One key planned directly (no kernel images needed), unfused graph.
+fn plan_one(spec: &SynthSpec, target: Target, lower: LowerOptions) -> KeyPlan {
+    let key: Key = "b2q1s0".parse().unwrap();
+    let kv = spec.kv_layout(16, 9, 64);
+    let m = spec.manifest();
+    let ctx = PlanContext {
+        manifest: &m,
+        kv: &kv,
+        target: &target,
+        max_context: 64,
+        lower,
+    };
+    let g = spec.graph(key, &kv, false);
+    let info = kiln_ir::verify(&g, None).unwrap_or_else(|e| panic!("{e}"));
+    let (kp, _) = plan_key(key, g, &info, &ctx).unwrap_or_else(|e| panic!("{e}"));
+    let errs = check_key(&kp, &m, &kv);
+    assert!(errs.is_empty(), "{errs:#?}");
+    kp
+}
+
+fn attention_ops(kp: &KeyPlan) -> Vec<usize> {
+    (0..kp.ops.len())
+        .filter(|&i| matches!(kp.ops[i].op, Op::PagedAttention { .. }))
+        .collect()
+}
+
+#[test]
+fn an_op_beyond_the_kernels_limits_fails_kiln_compile_naming_the_op_and_the_limit() {
+    let spec = SynthSpec {
+        head_dim: ROPE_MAX_HEAD_DIM + 64,
+        ..SynthSpec::tiny(SynthFamily::Llama)
+    };
+    // The reference kernels run it: the refusal is the GPU kernels' limit.
+    compile(&spec, "cpu").unwrap();
+    let e = compile(&spec, "cuda:sm_90").unwrap_err();
+    let CompileError::Plan(PlanError::Unsupported { mnemonic, .. }) = &e else {
+        panic!("expected an unsupported-op refusal, got {e}")
+    };
+    assert!(mnemonic.contains("rope"), "{e}");
+    let m = e.to_string();
+    assert!(
+        m.contains(&format!(
+            "head_dim {} exceeds {ROPE_MAX_HEAD_DIM}",
+            spec.head_dim
+        )) && m.contains("cuda:sm_90")
+            && m.contains(mnemonic),
+        "{m}"
+    );
+}
+
+#[test]
+fn a_gpu_plan_lowers_every_op_over_planned_scratch_and_counters() {
+    let c = compile(&SynthSpec::tiny(SynthFamily::Qwen3), "hip:gfx1100").unwrap();
+    let plan = &c.plan;
+    check_plan(plan).unwrap_or_else(|e| panic!("{e:#?}"));
+    let info = validate(plan).unwrap();
+    for m in ["attention", "norm", "rope", "elementwise", "sampling"] {
+        assert!(info.modules.contains(m), "{m} not in {:?}", info.modules);
+    }
+    assert!(plan.counter_bytes > 0);
+    for kp in &plan.keys {
+        let sum: u32 = kp.ops.iter().map(|o| o.lowering.launches()).sum();
+        assert_eq!(kp.launches, sum);
+        assert!(kp.ops.iter().all(|o| o.lowering != Lowering::Reference));
+        let att = attention_ops(kp);
+        assert!(!att.is_empty());
+        let mut counters = Vec::new();
+        for &i in &att {
+            let op = &kp.ops[i];
+            let s = op.scratch.expect("attention has scratch");
+            assert_eq!(s.region, Region::Arena);
+            let c = op.counters.expect("attention has counters");
+            assert_eq!(c.region, Region::Counters);
+            assert!(counters.iter().all(|d: &kiln_ir::plan::BufRef| {
+                c.offset >= d.offset + d.bytes || d.offset >= c.offset + c.bytes
+            }));
+            counters.push(c);
+            let Lowering::Kernels(ls) = &op.lowering else {
+                panic!("attention lowers to kernels")
+            };
+            let bufs: Vec<_> = ls[0]
+                .params
+                .iter()
+                .filter_map(|p| match p {
+                    LaunchParam::Buf(b) => Some(*b),
+                    _ => None,
+                })
+                .collect();
+            assert!(bufs
+                .iter()
+                .any(|b| b.region == Region::Arena && b.offset == s.offset));
+            assert!(bufs
+                .iter()
+                .any(|b| b.region == Region::Counters && b.offset == c.offset));
+            // HIP launches without the PDL attribute.
+            assert!(!ls[0].pdl);
+        }
+    }
+}
+
+#[test]
+fn pdl_is_decided_per_target_at_compile_time() {
+    let spec = SynthSpec::tiny(SynthFamily::Llama);
+    for (sm, want) in [(90, true), (80, false)] {
+        let t = Target::Cuda { sm };
+        let kp = plan_one(&spec, t.clone(), LowerOptions::for_target(&t, 256));
+        let launches: Vec<_> = kp
+            .ops
+            .iter()
+            .flat_map(|o| kernel_launches(&o.lowering))
+            .collect();
+        assert!(!launches.is_empty());
+        assert!(launches.iter().all(|l| l.pdl == want), "sm_{sm}");
+    }
+}
+
+#[test]
+fn attention_geometry_follows_the_compile_option() {
+    let spec = SynthSpec::tiny(SynthFamily::Llama);
+    let t = Target::Cuda { sm: 90 };
+    let grid = |blocks| {
+        let kp = plan_one(&spec, t.clone(), LowerOptions::for_target(&t, blocks));
+        let i = attention_ops(&kp)[0];
+        let Lowering::Kernels(ls) = &kp.ops[i].lowering else {
+            panic!()
+        };
+        (ls[0].grid, kp.ops[i].scratch.unwrap().bytes)
+    };
+    let (few, few_scratch) = grid(1);
+    let (many, many_scratch) = grid(100_000);
+    // More target blocks: shorter partitions, more of them, more partials.
+    assert!(many[0] > few[0], "{few:?} vs {many:?}");
+    assert!(many_scratch > few_scratch);
+}
+
+#[test]
+fn a_gemm_carries_its_gemv_alternative_with_the_weight_prefetch_flag() {
+    let spec = SynthSpec::tiny(SynthFamily::Llama);
+    let t = Target::Cuda { sm: 90 };
+    let kp = plan_one(&spec, t.clone(), LowerOptions::for_target(&t, 256));
+    let mut seen = 0;
+    for op in &kp.ops {
+        let Lowering::Gemm { shape, gemv } = &op.lowering else {
+            continue;
+        };
+        assert_eq!(shape.k, op.args[0].ty.shape.dims()[1]);
+        let g = gemv.as_ref().expect("decode-shaped GEMMs have a GEMV");
+        let w_const = op.weight_args() & 2 != 0;
+        assert_eq!(g.params.last(), Some(&LaunchParam::I32(w_const as i32)));
+        assert_eq!(g.params[1], LaunchParam::Buf(op.args[1].buf));
+        seen += 1;
+    }
+    assert!(seen > 0);
+}
+
+#[test]
+fn the_checker_refuses_scratch_that_shares_bytes_with_a_live_value() {
+    let spec = SynthSpec::tiny(SynthFamily::Llama);
+    let t = Target::Cuda { sm: 90 };
+    let mut kp = plan_one(&spec, t.clone(), LowerOptions::for_target(&t, 256));
+    let i = attention_ops(&kp)[0];
+    // Move the scratch over the attention's own (arena) query operand.
+    let q = kp.ops[i].args[0].buf;
+    assert_eq!(q.region, Region::Arena);
+    kp.ops[i].scratch.as_mut().unwrap().offset = q.offset;
+    let kv = spec.kv_layout(16, 9, 64);
+    let errs = check_key(&kp, &spec.manifest(), &kv);
+    assert!(
+        errs.iter()
+            .any(|e| e.contains("scratch") && e.contains("share arena bytes")),
+        "{errs:#?}"
+    );
+}
+
+#[test]
+fn inspect_shows_the_launch_list_with_grids_blocks_and_params() {
+    let c = compile(&SynthSpec::tiny(SynthFamily::Llama), "hip:gfx1100").unwrap();
+    let text = render(&c.plan, Some("b1q1s0".parse().unwrap()), Format::Text).unwrap();
+    assert!(text.contains("  launches\n"), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.contains("attention.paged_attn"))
+        .expect("an attention launch line");
+    assert!(
+        line.contains(" grid ") && line.contains(" block 128x1x1") && line.contains("counters+"),
+        "{line}"
+    );
+    assert!(text.contains("gemm t 1 n "), "{text}");
+    assert!(text.lines().any(|l| l.trim_start().starts_with("scratch.")));
+    assert!(text.contains("  counters    "));
+    let json = render(&c.plan, None, Format::Json).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let ops = v["keys"][0]["ops"].as_array().unwrap();
+    assert!(ops.iter().any(|o| o["lowering"] == "kernels"
+        && o["launches"][0]["grid"]
+            .as_array()
+            .is_some_and(|g| g.len() == 3)));
+    assert!(ops
+        .iter()
+        .any(|o| o["lowering"] == "gemm" && o["gemm"]["k"].is_u64()));
+}

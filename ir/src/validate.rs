@@ -1,0 +1,562 @@
+//! Plan validation: the invariants every consumer of a [`Plan`] relies on,
+//! checked once, next to the plan types.
+//!
+//! A plan is data from a file. [`validate`] checks it and returns a
+//! [`PlanInfo`] carrying what consumers need afterwards (per-key region
+//! sizes, the extents actually used, the weights and kernel modules the
+//! launch lists use), in the manner of naga's `ModuleInfo`: whoever holds a
+//! `PlanInfo` knows the plan passed. Both the compiler's independent checker
+//! (which adds its own overlap and lower-bound checks) and the runtime loader
+//! (which adds what the engine needs of staging inputs and outputs) call it.
+//!
+//! Invariants, in the order they are checked (an error names the field):
+//!
+//! 1. the KV layout is usable: a positive block size, at least one block
+//!    besides the null block, the null block inside the layout, and block
+//!    tables wide enough for the model's context;
+//! 2. the plan has at least one key, every key is valid (`Key::validate`)
+//!    and no key appears twice;
+//! 3. every [`BufRef`] (operands, staging inputs, outputs, the memory map,
+//!    scratch, counters, launch parameters) names a region the plan defines
+//!    and lies inside it (`offset + bytes` does not overflow nor pass the
+//!    region's size; see [`region_size`]);
+//! 4. arena and Io buffers start on [`ARENA_ALIGN`]; counters on 4 bytes;
+//!    scratch lives in the arena, counters in [`Region::Counters`];
+//! 5. every op runs a node of its key's graph, and its operands have that
+//!    node's values' types; each operand's buffer holds its type; the op's
+//!    result types are what its argument types imply (`Op::infer`);
+//! 6. sizes are consistent: each key's arena buffers end within its
+//!    `arena_peak`, the plan's `arena_bytes` is the largest peak, its
+//!    `workspace_bytes` the largest key workspace, each op's workspace at
+//!    most its key's (and only GEMMs have any), and `counter_bytes` the
+//!    largest counters extent of any key;
+//! 7. within a key no two ops share counter bytes;
+//! 8. the lowering matches the target: `Reference` for every op iff the
+//!    target is `Cpu`; on GPU targets `Gemm` exactly for matmuls (with the
+//!    shape its operands imply) and a non-empty kernel list otherwise;
+//! 9. every buffer a launch parameter refers to lies inside one of the op's
+//!    operands, its scratch or its counters (planned buffers only);
+//! 10. kernel images: none for `Cpu`; for `Cuda` every module the launch
+//!     lists use is in `plan.kernels`; for `Hip` at least one image (one
+//!     translation unit holds every module);
+//! 11. `launches` of each key is the sum of its ops' [`Lowering::launches`].
+//!
+//! Not here: whether two live arena buffers overlap or how good a placement
+//! is (the compiler's checker), weight files against the manifest (the
+//! runtime's weight loader), the artifact encoding ([`crate::artifact`]),
+//! and what the engine requires of staging inputs and named outputs.
+
+use crate::key::Key;
+use crate::op::Op;
+use crate::plan::{
+    BufRef, KernelLaunch, KeyPlan, LaunchParam, Lowering, Plan, PlanOp, Region, Target, ARENA_ALIGN,
+};
+use std::collections::{BTreeSet, HashSet};
+
+/// A violated invariant: the field (a path into the plan, e.g.
+/// `keys[b1q1s0].ops[3].args[1]`) and what is wrong with it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("plan field `{field}`: {problem}")]
+pub struct PlanError {
+    pub field: String,
+    pub problem: String,
+}
+
+/// What one key uses, as validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyInfo {
+    pub key: Key,
+    /// Size of this key's Io region.
+    pub io_bytes: u64,
+    /// Highest end of any arena buffer the key uses (at most its peak).
+    pub arena_extent: u64,
+    /// Highest end of any counter the key uses.
+    pub counter_extent: u64,
+    /// Kernels (and library calls) per step.
+    pub launches: u32,
+}
+
+/// What a valid plan holds, for its consumers. See the module docs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanInfo {
+    /// One entry per key, in plan order.
+    pub keys: Vec<KeyInfo>,
+    /// Manifest indices an op of some key reads.
+    pub weights_used: BTreeSet<u32>,
+    /// Kernel modules the launch lists use (empty for `Cpu`).
+    pub modules: BTreeSet<String>,
+    /// Bytes of each shared region: arena, workspace, counters.
+    pub arena_bytes: u64,
+    pub workspace_bytes: u64,
+    pub counter_bytes: u64,
+}
+
+/// Size of region `r` as the plan declares it for key `kp` (`None`: the
+/// plan defines no such region).
+pub fn region_size(plan: &Plan, kp: &KeyPlan, r: Region) -> Option<u64> {
+    match r {
+        Region::Arena => Some(plan.arena_bytes),
+        Region::Io => Some(kp.io_bytes),
+        Region::Workspace => Some(plan.workspace_bytes),
+        Region::Counters => Some(plan.counter_bytes),
+        Region::Weight(i) => plan
+            .manifest
+            .entries
+            .get(i as usize)
+            .map(|e| e.shape.numel() * e.dtype.size() as u64),
+        Region::KCache(l) | Region::VCache(l) => {
+            (l < plan.kv.layers).then(|| plan.kv.cache_bytes())
+        }
+    }
+}
+
+/// The kernel modules `plan`'s launch lists use, sorted: what a GPU compile
+/// must build images for.
+pub fn modules_used(plan: &Plan) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for op in plan.keys.iter().flat_map(|k| &k.ops) {
+        for l in kernel_launches(&op.lowering) {
+            out.insert(l.module.clone());
+        }
+    }
+    out
+}
+
+/// Every kernel launch of a lowering (the GEMV alternative included).
+pub fn kernel_launches(l: &Lowering) -> Vec<&KernelLaunch> {
+    match l {
+        Lowering::Reference => vec![],
+        Lowering::Kernels(k) => k.iter().collect(),
+        Lowering::Gemm { gemv, .. } => gemv.iter().collect(),
+    }
+}
+
+fn err<T>(field: impl Into<String>, problem: impl Into<String>) -> Result<T, PlanError> {
+    Err(PlanError {
+        field: field.into(),
+        problem: problem.into(),
+    })
+}
+
+fn end(b: &BufRef) -> Option<u64> {
+    b.offset.checked_add(b.bytes)
+}
+
+fn inside(outer: &BufRef, inner: &BufRef) -> bool {
+    outer.region == inner.region
+        && inner.offset >= outer.offset
+        && matches!((end(inner), end(outer)), (Some(i), Some(o)) if i <= o)
+}
+
+/// Checks every invariant of the module docs; see [`PlanInfo`].
+pub fn validate(plan: &Plan) -> Result<PlanInfo, PlanError> {
+    let kv = &plan.kv;
+    let info = &plan.meta.info;
+    if kv.block_size == 0 || kv.num_blocks < 2 || kv.null_block >= kv.num_blocks {
+        return err(
+            "kv",
+            format!(
+                "KV layout needs a positive block size and at least one block besides the null block (block_size {}, num_blocks {}, null_block {})",
+                kv.block_size, kv.num_blocks, kv.null_block
+            ),
+        );
+    }
+    if (kv.max_blocks_per_seq as u64) * (kv.block_size as u64) < info.max_context as u64 {
+        return err(
+            "kv.max_blocks_per_seq",
+            format!(
+                "block tables of {} blocks of {} tokens cannot hold the context of {}",
+                kv.max_blocks_per_seq, kv.block_size, info.max_context
+            ),
+        );
+    }
+    if plan.keys.is_empty() {
+        return err("keys", "the plan has no keys");
+    }
+    let mut seen = HashSet::new();
+    let mut out = PlanInfo {
+        keys: Vec::with_capacity(plan.keys.len()),
+        weights_used: BTreeSet::new(),
+        modules: BTreeSet::new(),
+        arena_bytes: plan.arena_bytes,
+        workspace_bytes: plan.workspace_bytes,
+        counter_bytes: plan.counter_bytes,
+    };
+    for (i, kp) in plan.keys.iter().enumerate() {
+        if let Err(e) = kp.key.validate() {
+            return err(format!("keys[{i}].key"), e.to_string());
+        }
+        if !seen.insert(kp.key) {
+            return err(
+                format!("keys[{i}].key"),
+                format!("key {} appears twice", kp.key),
+            );
+        }
+        let ki = validate_key(plan, kp, &mut out)?;
+        out.keys.push(ki);
+    }
+    let peak = plan.keys.iter().map(|k| k.arena_peak).max().unwrap_or(0);
+    if plan.arena_bytes != peak {
+        return err(
+            "arena_bytes",
+            format!(
+                "{} is not the largest key arena peak {peak}",
+                plan.arena_bytes
+            ),
+        );
+    }
+    let ws = plan
+        .keys
+        .iter()
+        .map(|k| k.workspace_bytes)
+        .max()
+        .unwrap_or(0);
+    if plan.workspace_bytes != ws {
+        return err(
+            "workspace_bytes",
+            format!(
+                "{} is not the largest key workspace {ws}",
+                plan.workspace_bytes
+            ),
+        );
+    }
+    let counters = out.keys.iter().map(|k| k.counter_extent).max().unwrap_or(0);
+    if plan.counter_bytes != counters {
+        return err(
+            "counter_bytes",
+            format!(
+                "{} is not the largest counters extent of a key ({counters})",
+                plan.counter_bytes
+            ),
+        );
+    }
+    match &plan.meta.target {
+        Target::Cpu => {
+            if !plan.kernels.is_empty() {
+                return err("kernels", "a cpu plan carries no kernel images");
+            }
+        }
+        Target::Cuda { .. } => {
+            for m in &out.modules {
+                if !plan.kernels.iter().any(|k| &k.name == m) {
+                    return err(
+                        "kernels",
+                        format!(
+                            "module `{m}` is launched but has no kernel image; recompile the plan"
+                        ),
+                    );
+                }
+            }
+        }
+        Target::Hip { .. } => {
+            if !out.modules.is_empty() && plan.kernels.is_empty() {
+                return err(
+                    "kernels",
+                    "the launch lists use kernels but the plan has no kernel image; recompile the plan",
+                );
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo, PlanError> {
+    let key = kp.key;
+    let kf = format!("keys[{key}]");
+    let mut arena_extent = 0u64;
+    let mut counter_extent = 0u64;
+    // Bounds and alignment of one buffer.
+    let mut check = |field: &dyn Fn() -> String, b: &BufRef| -> Result<(), PlanError> {
+        let Some(size) = region_size(plan, kp, b.region) else {
+            return err(
+                field(),
+                format!("refers to {:?}, which the plan does not define", b.region),
+            );
+        };
+        let Some(e) = end(b).filter(|&e| e <= size) else {
+            return err(
+                field(),
+                format!(
+                    "spans bytes {}..{} of {:?}, which holds {size}",
+                    b.offset,
+                    b.offset.saturating_add(b.bytes),
+                    b.region
+                ),
+            );
+        };
+        match b.region {
+            Region::Arena | Region::Io if !b.offset.is_multiple_of(ARENA_ALIGN) => {
+                return err(
+                    field(),
+                    format!(
+                        "offset {} in {:?} is not {ARENA_ALIGN}-byte aligned",
+                        b.offset, b.region
+                    ),
+                );
+            }
+            Region::Counters if !b.offset.is_multiple_of(4) => {
+                return err(
+                    field(),
+                    format!("counter offset {} is not 4-byte aligned", b.offset),
+                );
+            }
+            Region::Arena => arena_extent = arena_extent.max(e),
+            Region::Counters => counter_extent = counter_extent.max(e),
+            _ => {}
+        }
+        Ok(())
+    };
+    for (j, (role, b)) in kp.inputs.iter().enumerate() {
+        check(&|| format!("{kf}.inputs[{j}] ({})", role.name()), b)?;
+    }
+    for (name, o) in &kp.outputs {
+        check(&|| format!("{kf}.outputs[{name}]"), &o.buf)?;
+    }
+    for (j, b) in kp.buffers.iter().enumerate() {
+        check(&|| format!("{kf}.buffers[{j}]"), &b.buf)?;
+    }
+    let g = &kp.graph;
+    let gpu = plan.meta.target != Target::Cpu;
+    let mut launches = 0u32;
+    let mut counters: Vec<(usize, BufRef)> = Vec::new();
+    for (i, op) in kp.ops.iter().enumerate() {
+        let of = format!("{kf}.ops[{i}]");
+        let Some(node) = g.nodes.get(op.node.index()) else {
+            return err(
+                format!("{of}.node"),
+                format!("runs {}, which the key's graph does not have", op.node),
+            );
+        };
+        if node.op != op.op {
+            return err(format!("{of}.op"), "is not its graph node's op");
+        }
+        for (what, list, vals) in [
+            ("args", &op.args, &node.args),
+            ("results", &op.results, &node.results),
+        ] {
+            if list.len() != vals.len() {
+                return err(
+                    format!("{of}.{what}"),
+                    format!(
+                        "has {} operands but node {} has {}",
+                        list.len(),
+                        op.node,
+                        vals.len()
+                    ),
+                );
+            }
+            for (j, (o, &v)) in list.iter().zip(vals).enumerate() {
+                let f = || format!("{of}.{what}[{j}]");
+                check(&f, &o.buf)?;
+                if g.values.get(v.index()).map(|d| &d.ty) != Some(&o.ty) {
+                    return err(f(), format!("is typed {} but graph value {v} is not", o.ty));
+                }
+                if o.ty.size_bytes() > o.buf.bytes {
+                    return err(
+                        f(),
+                        format!(
+                            "of type {} needs {} bytes but its buffer has {}",
+                            o.ty,
+                            o.ty.size_bytes(),
+                            o.buf.bytes
+                        ),
+                    );
+                }
+                if let Region::Weight(w) = o.buf.region {
+                    out.weights_used.insert(w);
+                }
+            }
+        }
+        let arg_types: Vec<_> = op.args.iter().map(|o| o.ty.clone()).collect();
+        let want = match op.op.infer(&arg_types) {
+            Ok(w) => w,
+            Err(e) => return err(format!("{of}.args"), e.to_string()),
+        };
+        let got: Vec<_> = op.results.iter().map(|o| o.ty.clone()).collect();
+        if want != got {
+            return err(
+                format!("{of}.results"),
+                format!("are typed {got:?} but the arguments imply {want:?}"),
+            );
+        }
+        if op.workspace_bytes > kp.workspace_bytes {
+            return err(
+                format!("{of}.workspace_bytes"),
+                format!(
+                    "{} exceeds the key's workspace {}",
+                    op.workspace_bytes, kp.workspace_bytes
+                ),
+            );
+        }
+        if op.workspace_bytes > 0 && !matches!(op.op, Op::MatMul { .. }) {
+            return err(
+                format!("{of}.workspace_bytes"),
+                "only GEMMs are granted workspace",
+            );
+        }
+        if let Some(s) = &op.scratch {
+            check(&|| format!("{of}.scratch"), s)?;
+            if s.region != Region::Arena {
+                return err(format!("{of}.scratch"), "scratch must live in the arena");
+            }
+        }
+        if let Some(c) = &op.counters {
+            check(&|| format!("{of}.counters"), c)?;
+            if c.region != Region::Counters {
+                return err(
+                    format!("{of}.counters"),
+                    "completion counters must live in the Counters region",
+                );
+            }
+            if let Some((o, _)) = counters.iter().find(|(_, d)| {
+                d.bytes > 0
+                    && c.bytes > 0
+                    && c.offset < d.offset + d.bytes
+                    && d.offset < c.offset + c.bytes
+            }) {
+                return err(
+                    format!("{of}.counters"),
+                    format!("shares counter bytes with op {o}; each op needs its own"),
+                );
+            }
+            counters.push((i, *c));
+        }
+        validate_lowering(op, gpu, &of, &mut check)?;
+        for l in kernel_launches(&op.lowering) {
+            out.modules.insert(l.module.clone());
+        }
+        launches = launches.saturating_add(op.lowering.launches());
+    }
+    if kp.arena_peak > plan.arena_bytes {
+        return err(
+            format!("{kf}.arena_peak"),
+            format!(
+                "{} exceeds the plan's arena {}",
+                kp.arena_peak, plan.arena_bytes
+            ),
+        );
+    }
+    if arena_extent > kp.arena_peak {
+        return err(
+            format!("{kf}.arena_peak"),
+            format!(
+                "{} is below the end of an arena buffer the key uses ({arena_extent})",
+                kp.arena_peak
+            ),
+        );
+    }
+    let ws = kp.ops.iter().map(|o| o.workspace_bytes).max().unwrap_or(0);
+    if ws != kp.workspace_bytes {
+        return err(
+            format!("{kf}.workspace_bytes"),
+            format!(
+                "{} is not the largest op workspace {ws}",
+                kp.workspace_bytes
+            ),
+        );
+    }
+    if kp.launches != launches {
+        return err(
+            format!("{kf}.launches"),
+            format!(
+                "{} but the ops' lowerings launch {launches} kernels",
+                kp.launches
+            ),
+        );
+    }
+    Ok(KeyInfo {
+        key,
+        io_bytes: kp.io_bytes,
+        arena_extent,
+        counter_extent,
+        launches,
+    })
+}
+
+/// Checks one buffer's bounds and alignment; the field is named lazily.
+type BufCheck<'a> = dyn FnMut(&dyn Fn() -> String, &BufRef) -> Result<(), PlanError> + 'a;
+
+fn validate_lowering(
+    op: &PlanOp,
+    gpu: bool,
+    of: &str,
+    check: &mut BufCheck<'_>,
+) -> Result<(), PlanError> {
+    let field = format!("{of}.lowering");
+    let is_gemm = matches!(op.op, Op::MatMul { .. });
+    match (&op.lowering, gpu) {
+        (Lowering::Reference, false) => return Ok(()),
+        (Lowering::Reference, true) => {
+            return err(
+                field,
+                "a GPU plan needs the op's launch list, not `Reference`",
+            )
+        }
+        (_, false) => {
+            return err(
+                field,
+                "a cpu plan runs the reference kernels: `Reference` only",
+            )
+        }
+        (Lowering::Gemm { shape, .. }, true) => {
+            if !is_gemm {
+                return err(field, "only matmuls lower to a GEMM");
+            }
+            let (x, w) = (&op.args[0].ty, &op.args[1].ty);
+            let (xd, wd) = (x.shape.dims(), w.shape.dims());
+            let want = (
+                xd.first(),
+                wd.first(),
+                xd.get(1),
+                x.dtype,
+                op.results[0].ty.dtype,
+            );
+            let got = (
+                Some(&shape.t),
+                Some(&shape.n),
+                Some(&shape.k),
+                shape.dtype,
+                shape.out,
+            );
+            let bias = op.args.len() == 3;
+            if want != got || shape.bias != bias {
+                return err(
+                    field,
+                    format!("GEMM shape {shape:?} does not match the operands"),
+                );
+            }
+        }
+        (Lowering::Kernels(k), true) => {
+            if is_gemm {
+                return err(field, "a matmul lowers to a GEMM");
+            }
+            if k.is_empty() {
+                return err(field, "the launch list is empty");
+            }
+        }
+    }
+    let planned: Vec<BufRef> = op
+        .args
+        .iter()
+        .chain(&op.results)
+        .map(|o| o.buf)
+        .chain(op.scratch)
+        .chain(op.counters)
+        .collect();
+    for (n, l) in kernel_launches(&op.lowering).into_iter().enumerate() {
+        for (p, param) in l.params.iter().enumerate() {
+            let LaunchParam::Buf(b) = param else { continue };
+            let f = || format!("{field}.launch[{n}].params[{p}]");
+            check(&f, b)?;
+            if !planned.iter().any(|o| inside(o, b)) {
+                return err(
+                    f(),
+                    format!(
+                        "{b:?} is not inside an operand, the scratch or the counters of the op"
+                    ),
+                );
+            }
+        }
+    }
+    Ok(())
+}
