@@ -296,7 +296,11 @@ pub fn resolve_common(cfg: &HfConfig, d: &FamilyDefaults) -> Result<DecoderConfi
     for (field, value, max) in [
         ("vocab_size", vocab_size, LIMITS.vocab_size),
         ("hidden_size", hidden_size, LIMITS.hidden_size),
-        ("intermediate_size", intermediate_size, LIMITS.intermediate_size),
+        (
+            "intermediate_size",
+            intermediate_size,
+            LIMITS.intermediate_size,
+        ),
         ("num_hidden_layers", num_layers, LIMITS.num_layers),
         ("num_attention_heads", num_heads, LIMITS.num_heads),
         ("num_key_value_heads", num_kv_heads, LIMITS.num_heads),
@@ -524,6 +528,7 @@ mod tests {
     #[test]
     fn eos_may_be_an_integer_or_a_list() {
         let mut v = base();
+        v["vocab_size"] = serde_json::json!(128256);
         v["eos_token_id"] = serde_json::json!([128001, 128008, 128009]);
         assert_eq!(
             resolve(v.clone()).unwrap().eos_token_ids,
@@ -620,12 +625,24 @@ mod tests {
     #[test]
     fn absurd_sizes_and_out_of_vocabulary_token_ids_are_refused_naming_the_field_and_limit() {
         for (patch, needle) in [
-            (serde_json::json!({"num_hidden_layers": 4294967295u32}), "num_hidden_layers"),
-            (serde_json::json!({"num_hidden_layers": 100000000}), "exceeds kiln's limit of 1024"),
-            (serde_json::json!({"vocab_size": 4294967295u32}), "vocab_size"),
+            (
+                serde_json::json!({"num_hidden_layers": 4294967295u32}),
+                "num_hidden_layers",
+            ),
+            (
+                serde_json::json!({"num_hidden_layers": 100000000}),
+                "exceeds kiln's limit of 1024",
+            ),
+            (
+                serde_json::json!({"vocab_size": 4294967295u32}),
+                "vocab_size",
+            ),
             (serde_json::json!({"hidden_size": 0}), "at least 1"),
             (serde_json::json!({"eos_token_id": 100}), "eos_token_id"),
-            (serde_json::json!({"eos_token_id": [1, 5000]}), "5000 is outside the vocabulary"),
+            (
+                serde_json::json!({"eos_token_id": [1, 5000]}),
+                "5000 is outside the vocabulary",
+            ),
             (serde_json::json!({"bos_token_id": 100}), "bos_token_id"),
         ] {
             let mut v = base();

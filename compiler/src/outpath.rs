@@ -17,7 +17,9 @@ use std::path::{Component, Path, PathBuf};
 /// An output that would overwrite or delete an input.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OutputPathError {
-    #[error("refusing to write {output}: it is the input {input}; choose another output path (-o)")]
+    #[error(
+        "refusing to write {output}: it is the input {input}; choose another output path (-o)"
+    )]
     IsInput { output: PathBuf, input: PathBuf },
     #[error("refusing to write {output}: it lies inside the input {input} and would replace part of it; write the output outside the input (-o)")]
     InsideInput { output: PathBuf, input: PathBuf },
@@ -56,7 +58,10 @@ pub fn resolve(path: &Path) -> PathBuf {
             }
             return out;
         }
-        match (existing.file_name().map(|n| n.to_os_string()), existing.parent()) {
+        match (
+            existing.file_name().map(|n| n.to_os_string()),
+            existing.parent(),
+        ) {
             (Some(name), Some(parent)) => {
                 tail.push(name);
                 existing = parent.to_path_buf();
