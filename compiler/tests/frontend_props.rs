@@ -22,7 +22,7 @@ prop_compose! {
         explicit_hd in any::<bool>(),
         extra_hidden in 0u32..=3,
         intermediate in 1u32..=24,
-        vocab in 2u32..=40,
+        vocab in 3u32..=40, // the tiny models' EOS id is 2; it must lie inside the vocabulary
         tie in any::<bool>(),
         shards in 1u32..=3,
         window in prop::option::of(1u32..=64),
