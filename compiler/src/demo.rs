@@ -24,7 +24,7 @@
 //! how the tests exercise it without network. Not here: sampling,
 //! multi-turn chat, choosing among several models, cache eviction.
 
-use crate::chat::{ChatError, ChatMessage, ChatTemplate};
+use kiln_runtime::chat::{ChatError, ChatMessage, ChatTemplate};
 use crate::compile::{compile_dir, CompileError, CompileOptions};
 use crate::fetch::{self, FetchError};
 use crate::import::{import_gguf, ImportError, ImportOptions};

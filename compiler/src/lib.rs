@@ -3,7 +3,6 @@
 
 pub mod bench;
 pub mod bench_spec;
-pub mod chat;
 pub mod compile;
 pub mod compile_bench;
 pub mod config;

@@ -4,7 +4,7 @@
 //! the second run reuses every stage, a changed GGUF redoes them, and a
 //! stale plan is never used.
 
-use kiln_compiler::chat::{ChatMessage, ChatTemplate};
+use kiln_runtime::chat::{ChatMessage, ChatTemplate};
 use kiln_compiler::compile::{compile_dir, CompileOptions};
 use kiln_compiler::demo::{
     self, demo_keys, plan_freshness, DemoOptions, Freshness, ModelSource, StageOutcome,
