@@ -24,12 +24,12 @@
 //! how the tests exercise it without network. Not here: sampling,
 //! multi-turn chat, choosing among several models, cache eviction.
 
-use kiln_runtime::chat::{ChatError, ChatMessage, ChatTemplate};
 use crate::compile::{compile_dir, CompileError, CompileOptions};
 use crate::fetch::{self, FetchError};
 use crate::import::{import_gguf, ImportError, ImportOptions};
 use kiln_ir::plan::{Plan, Target};
 use kiln_ir::Key;
+use kiln_runtime::chat::{ChatError, ChatMessage, ChatTemplate};
 use kiln_runtime::text::{generate_text, RunReport, TextTokenizer};
 use kiln_runtime::{open_backend, DeviceSpec, Engine, EngineError, EngineOptions};
 use serde::{Deserialize, Serialize};

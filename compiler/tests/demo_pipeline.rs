@@ -4,7 +4,6 @@
 //! the second run reuses every stage, a changed GGUF redoes them, and a
 //! stale plan is never used.
 
-use kiln_runtime::chat::{ChatMessage, ChatTemplate};
 use kiln_compiler::compile::{compile_dir, CompileOptions};
 use kiln_compiler::demo::{
     self, demo_keys, plan_freshness, DemoOptions, Freshness, ModelSource, StageOutcome,
@@ -13,6 +12,7 @@ use kiln_compiler::gguf::fixture::TinyLlama;
 use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
 use kiln_ir::plan::Target;
 use kiln_ir::Key;
+use kiln_runtime::chat::{ChatMessage, ChatTemplate};
 use kiln_runtime::text::TextTokenizer;
 use kiln_runtime::{CpuBackend, DeviceSpec, Engine, EngineOptions, GraphMode};
 use std::path::{Path, PathBuf};

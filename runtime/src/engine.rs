@@ -1125,7 +1125,9 @@ impl Engine {
                 return 0;
             }
             let upto = (s.computed + 1).max(s.prompt_len);
-            self.kv.blocks_for(upto).saturating_sub(s.blocks.len() as u32)
+            self.kv
+                .blocks_for(upto)
+                .saturating_sub(s.blocks.len() as u32)
         })
     }
 

@@ -185,7 +185,11 @@ fn a_looping_template_runs_out_of_fuel_with_a_clear_error() {
 
 #[test]
 fn a_rendered_prompt_over_the_cap_is_refused() {
-    let t = ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}", None, None);
+    let t = ChatTemplate::new(
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+        None,
+        None,
+    );
     let big = "x".repeat(MAX_RENDERED_BYTES / 4 + 1);
     let msgs: Vec<ChatMessage> = (0..4).map(|_| ChatMessage::user(&big)).collect();
     let e = t.render(&msgs, true).unwrap_err();

@@ -189,9 +189,9 @@ fn common(m: &Map<String, Value>, random_seed: u64) -> Result<GenRequest, ApiErr
             max_tokens.get_or_insert(x as u32);
         }
     }
-    if let Some(n) = integer(m, "n", 1, 1).map_err(|_| {
-        ApiError::invalid("n", "`n` must be 1: kiln serves one choice per request")
-    })? {
+    if let Some(n) = integer(m, "n", 1, 1)
+        .map_err(|_| ApiError::invalid("n", "`n` must be 1: kiln serves one choice per request"))?
+    {
         debug_assert_eq!(n, 1);
     }
     let temperature = number(m, "temperature", 0.0, 2.0)?.unwrap_or(0.0) as f32;
@@ -202,7 +202,9 @@ fn common(m: &Map<String, Value>, random_seed: u64) -> Result<GenRequest, ApiErr
             "`top_p` must be greater than 0 (and at most 1)",
         ));
     }
-    let top_k = integer(m, "top_k", -1, u32::MAX as i64)?.unwrap_or(0).max(0) as u32;
+    let top_k = integer(m, "top_k", -1, u32::MAX as i64)?
+        .unwrap_or(0)
+        .max(0) as u32;
     let min_p = number(m, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32;
     let presence_penalty = number(m, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
     let frequency_penalty = number(m, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
@@ -214,7 +216,10 @@ fn common(m: &Map<String, Value>, random_seed: u64) -> Result<GenRequest, ApiErr
             if a.len() > MAX_STOPS {
                 return Err(ApiError::invalid(
                     "stop",
-                    format!("`stop` has {} strings; at most {MAX_STOPS} are allowed", a.len()),
+                    format!(
+                        "`stop` has {} strings; at most {MAX_STOPS} are allowed",
+                        a.len()
+                    ),
                 ));
             }
             a.iter()
@@ -233,7 +238,10 @@ fn common(m: &Map<String, Value>, random_seed: u64) -> Result<GenRequest, ApiErr
         }
     };
     if stop.iter().any(String::is_empty) {
-        return Err(ApiError::invalid("stop", "`stop` strings must not be empty"));
+        return Err(ApiError::invalid(
+            "stop",
+            "`stop` strings must not be empty",
+        ));
     }
     let stream = boolean(m, "stream")?.unwrap_or(false);
     let include_usage = match present(m, "stream_options") {
@@ -292,23 +300,27 @@ pub fn chat_request(m: &Map<String, Value>, random_seed: u64) -> Result<GenReque
     for (i, msg) in list.iter().enumerate() {
         let field = format!("messages[{i}]");
         let Some(o) = msg.as_object() else {
-            return Err(ApiError::invalid(&field, format!("`{field}` must be an object")));
+            return Err(ApiError::invalid(
+                &field,
+                format!("`{field}` must be an object"),
+            ));
         };
-        let role = match o.get("role").and_then(Value::as_str) {
-            Some(r @ ("system" | "user" | "assistant" | "developer" | "tool")) => {
-                if r == "developer" {
-                    "system"
-                } else {
-                    r
+        let role =
+            match o.get("role").and_then(Value::as_str) {
+                Some(r @ ("system" | "user" | "assistant" | "developer" | "tool")) => {
+                    if r == "developer" {
+                        "system"
+                    } else {
+                        r
+                    }
                 }
-            }
-            _ => {
-                return Err(ApiError::invalid(
+                _ => return Err(ApiError::invalid(
                     &format!("{field}.role"),
-                    format!("`{field}.role` must be one of system, user, assistant, developer, tool"),
-                ))
-            }
-        };
+                    format!(
+                        "`{field}.role` must be one of system, user, assistant, developer, tool"
+                    ),
+                )),
+            };
         let content = match o.get("content") {
             None | Some(Value::Null) => String::new(),
             Some(Value::String(s)) => s.clone(),

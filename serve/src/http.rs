@@ -112,11 +112,7 @@ async fn models(State(s): State<Shared>) -> Response {
 async fn metrics(State(s): State<Shared>) -> Response {
     count(&s, "/metrics", 200);
     let text = s.metrics.lock().expect("metrics lock").render();
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        text,
-    )
-        .into_response()
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -173,7 +169,11 @@ async fn generate(s: Shared, kind: Kind, body: Bytes) -> Response {
     count(&s, kind.endpoint(), 200);
     let id = format!(
         "{}-{}",
-        if kind == Kind::Chat { "chatcmpl" } else { "cmpl" },
+        if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
         s.next_id.fetch_add(1, Ordering::Relaxed)
     );
     let shape = Shape {
@@ -498,9 +498,7 @@ async fn collect_response(
                 .into_response();
             }
             Some(Event::Error(message)) => return error_response(&ApiError::server(message)),
-            None => {
-                return error_response(&ApiError::server("the engine dropped the request"))
-            }
+            None => return error_response(&ApiError::server("the engine dropped the request")),
         }
     }
 }

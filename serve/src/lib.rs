@@ -105,13 +105,9 @@ impl Server {
             .spawn(move || {
                 let loaded = (|| -> anyhow::Result<Engine> {
                     let backend = kiln_runtime::open_backend(cfg.device)?;
-                    let engine = Engine::load(
-                        &cfg.plan,
-                        &cfg.weights,
-                        backend,
-                        EngineOptions::default(),
-                    )
-                    .with_context(|| format!("loading {}", cfg.plan.display()))?;
+                    let engine =
+                        Engine::load(&cfg.plan, &cfg.weights, backend, EngineOptions::default())
+                            .with_context(|| format!("loading {}", cfg.plan.display()))?;
                     Ok(engine)
                 })();
                 let engine = match loaded {

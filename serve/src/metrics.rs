@@ -113,7 +113,10 @@ impl Default for Metrics {
 }
 
 fn scalar(out: &mut String, name: &str, kind: &str, help: &str, v: impl std::fmt::Display) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+    );
 }
 
 impl Metrics {
@@ -139,22 +142,106 @@ impl Metrics {
         }
         let c = "counter";
         let g = "gauge";
-        scalar(&mut out, "kiln_prompt_tokens_total", c, "Prompt tokens admitted.", self.prompt_tokens);
-        scalar(&mut out, "kiln_generation_tokens_total", c, "Tokens generated.", self.generation_tokens);
-        scalar(&mut out, "kiln_queue_depth", g, "Requests waiting for admission.", self.queue_depth);
-        scalar(&mut out, "kiln_running_sequences", g, "Sequences in the engine.", self.running);
-        scalar(&mut out, "kiln_batch_rows", g, "Rows in the last engine step.", self.batch_rows);
-        scalar(&mut out, "kiln_batch_capacity", g, "Most rows a compiled decode key holds.", self.batch_capacity);
-        scalar(&mut out, "kiln_batch_rows_total", c, "Rows summed over engine steps.", self.batch_rows_total);
-        scalar(&mut out, "kiln_steps_total", c, "Engine steps run.", self.steps);
-        scalar(&mut out, "kiln_preemptions_total", c, "Sequences preempted for KV and recomputed later.", self.preemptions);
-        scalar(&mut out, "kiln_disconnects_total", c, "Requests whose client went away before the end.", self.disconnects);
-        scalar(&mut out, "kiln_kv_blocks_free", g, "KV cache blocks not owned by any sequence.", self.kv_blocks_free);
-        scalar(&mut out, "kiln_kv_blocks_total", g, "KV cache blocks sequences may own.", self.kv_blocks_total);
+        scalar(
+            &mut out,
+            "kiln_prompt_tokens_total",
+            c,
+            "Prompt tokens admitted.",
+            self.prompt_tokens,
+        );
+        scalar(
+            &mut out,
+            "kiln_generation_tokens_total",
+            c,
+            "Tokens generated.",
+            self.generation_tokens,
+        );
+        scalar(
+            &mut out,
+            "kiln_queue_depth",
+            g,
+            "Requests waiting for admission.",
+            self.queue_depth,
+        );
+        scalar(
+            &mut out,
+            "kiln_running_sequences",
+            g,
+            "Sequences in the engine.",
+            self.running,
+        );
+        scalar(
+            &mut out,
+            "kiln_batch_rows",
+            g,
+            "Rows in the last engine step.",
+            self.batch_rows,
+        );
+        scalar(
+            &mut out,
+            "kiln_batch_capacity",
+            g,
+            "Most rows a compiled decode key holds.",
+            self.batch_capacity,
+        );
+        scalar(
+            &mut out,
+            "kiln_batch_rows_total",
+            c,
+            "Rows summed over engine steps.",
+            self.batch_rows_total,
+        );
+        scalar(
+            &mut out,
+            "kiln_steps_total",
+            c,
+            "Engine steps run.",
+            self.steps,
+        );
+        scalar(
+            &mut out,
+            "kiln_preemptions_total",
+            c,
+            "Sequences preempted for KV and recomputed later.",
+            self.preemptions,
+        );
+        scalar(
+            &mut out,
+            "kiln_disconnects_total",
+            c,
+            "Requests whose client went away before the end.",
+            self.disconnects,
+        );
+        scalar(
+            &mut out,
+            "kiln_kv_blocks_free",
+            g,
+            "KV cache blocks not owned by any sequence.",
+            self.kv_blocks_free,
+        );
+        scalar(
+            &mut out,
+            "kiln_kv_blocks_total",
+            g,
+            "KV cache blocks sequences may own.",
+            self.kv_blocks_total,
+        );
         for (name, help, pick) in [
-            ("kiln_graph_captures_total", "Graph captures per compiled key.", 0),
-            ("kiln_graph_replays_total", "Graph replays per compiled key.", 1),
-            ("kiln_eager_steps_total", "Eager (not replayed) steps per compiled key.", 2),
+            (
+                "kiln_graph_captures_total",
+                "Graph captures per compiled key.",
+                0,
+            ),
+            (
+                "kiln_graph_replays_total",
+                "Graph replays per compiled key.",
+                1,
+            ),
+            (
+                "kiln_eager_steps_total",
+                "Eager (not replayed) steps per compiled key.",
+                2,
+            ),
         ] {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
             for (key, k) in &self.keys {
@@ -162,8 +249,11 @@ impl Metrics {
                 let _ = writeln!(out, "{name}{{key=\"{key}\"}} {v}");
             }
         }
-        self.ttft
-            .render(&mut out, "kiln_time_to_first_token_seconds", "Time from arrival to the first token.");
+        self.ttft.render(
+            &mut out,
+            "kiln_time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+        );
         self.tpot.render(
             &mut out,
             "kiln_time_per_output_token_seconds",

@@ -190,8 +190,8 @@ fn mix(mut z: u64) -> u64 {
 
 /// A uniform in `[0, 1)` that depends only on `(seed, counter)`.
 pub fn uniform(seed: u64, counter: u64) -> f64 {
-    let z = mix(seed.wrapping_add(0x9E37_79B9_7F4A_7C15))
-        ^ counter.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let z =
+        mix(seed.wrapping_add(0x9E37_79B9_7F4A_7C15)) ^ counter.wrapping_mul(0xD1B5_4A32_D192_ED03);
     let z = mix(z.wrapping_add(0x9E37_79B9_7F4A_7C15));
     (z >> 11) as f64 / (1u64 << 53) as f64
 }
@@ -261,11 +261,17 @@ mod tests {
     fn the_same_seed_and_step_draw_the_same_token_and_other_seeds_differ() {
         let l = logits(3, 500);
         let p = sampled(1.0);
-        let a: Vec<u32> = (0..64).map(|s| HostSampler.sample(&l, &p, &[], s)).collect();
-        let b: Vec<u32> = (0..64).map(|s| HostSampler.sample(&l, &p, &[], s)).collect();
+        let a: Vec<u32> = (0..64)
+            .map(|s| HostSampler.sample(&l, &p, &[], s))
+            .collect();
+        let b: Vec<u32> = (0..64)
+            .map(|s| HostSampler.sample(&l, &p, &[], s))
+            .collect();
         assert_eq!(a, b);
         let q = SamplingParams { seed: 8, ..p };
-        let c: Vec<u32> = (0..64).map(|s| HostSampler.sample(&l, &q, &[], s)).collect();
+        let c: Vec<u32> = (0..64)
+            .map(|s| HostSampler.sample(&l, &q, &[], s))
+            .collect();
         assert_ne!(a, c);
     }
 
@@ -279,7 +285,10 @@ mod tests {
             bins[(u * 10.0) as usize] += 1;
         }
         for b in bins {
-            assert!((b as f64 - n as f64 / 10.0).abs() < 0.03 * n as f64 / 10.0, "{bins:?}");
+            assert!(
+                (b as f64 - n as f64 / 10.0).abs() < 0.03 * n as f64 / 10.0,
+                "{bins:?}"
+            );
         }
     }
 
@@ -431,7 +440,10 @@ mod tests {
         // Greedy with a penalty moves off a repeated best token.
         let l = vec![1.0f32, 0.9, 0.0];
         assert_eq!(HostSampler.sample(&l, &p, &[0], 0), 1);
-        assert_eq!(HostSampler.sample(&l, &SamplingParams::greedy(), &[0], 0), 0);
+        assert_eq!(
+            HostSampler.sample(&l, &SamplingParams::greedy(), &[0], 0),
+            0
+        );
     }
 
     #[test]

@@ -220,11 +220,17 @@ impl Scheduler {
             self.tick();
         }
         for r in std::mem::take(&mut self.running) {
-            let _ = r.sub.events.send(Event::Error("the server is shutting down".into()));
+            let _ = r
+                .sub
+                .events
+                .send(Event::Error("the server is shutting down".into()));
             let _ = self.engine.remove_sequence(r.seq);
         }
         for w in std::mem::take(&mut self.waiting) {
-            let _ = w.sub.events.send(Event::Error("the server is shutting down".into()));
+            let _ = w
+                .sub
+                .events
+                .send(Event::Error("the server is shutting down".into()));
         }
         self.publish(0);
     }
@@ -258,8 +264,7 @@ impl Scheduler {
             .filter(|r| self.engine.prefill_remaining(r.seq) == Some(0))
             .map(|r| r.seq)
             .collect();
-        let mode = if !decoding.is_empty() && self.decode_wait >= self.cfg.max_decode_delay_steps
-        {
+        let mode = if !decoding.is_empty() && self.decode_wait >= self.cfg.max_decode_delay_steps {
             PrefillMode::TokenByToken
         } else {
             PrefillMode::Chunked
@@ -279,7 +284,10 @@ impl Scheduler {
             Err(e) => {
                 tracing::error!("engine step failed: {e}");
                 for r in std::mem::take(&mut self.running) {
-                    let _ = r.sub.events.send(Event::Error(format!("the engine failed: {e}")));
+                    let _ = r
+                        .sub
+                        .events
+                        .send(Event::Error(format!("the engine failed: {e}")));
                     let _ = self.engine.remove_sequence(r.seq);
                 }
             }
@@ -469,8 +477,13 @@ impl Scheduler {
             if let Some(i) = self.running.iter().position(|r| r.seq == seq) {
                 let r = self.running.swap_remove(i);
                 let _ = self.engine.remove_sequence(r.seq);
-                if let Some(reason) = reason {
-                    self.finish(r, reason);
+                match reason {
+                    Some(reason) => self.finish(r, reason),
+                    None if r.sub.events.is_closed() => {
+                        tracing::info!("a request was dropped: the client went away");
+                        self.metrics.lock().expect("metrics lock").disconnects += 1;
+                    }
+                    None => {}
                 }
             }
         }

@@ -160,10 +160,7 @@ mod tests {
 
     #[test]
     fn the_earliest_of_several_stops_wins_and_multibyte_text_is_safe() {
-        assert_eq!(
-            run(&["é!", "b"], &["aé", "!b"]),
-            ("a".to_string(), true)
-        );
+        assert_eq!(run(&["é!", "b"], &["aé", "!b"]), ("a".to_string(), true));
         assert_eq!(run(&["ü"], &["ééé"]), ("ééé".to_string(), false));
     }
 

@@ -84,7 +84,14 @@ fn start_server(plan: &Path, model: &Path) -> (ServerProc, String) {
         .arg(plan)
         .arg("--weights")
         .arg(model)
-        .args(["--host", "127.0.0.1", "--port", "0", "--model-name", "smollm2"])
+        .args([
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--model-name",
+            "smollm2",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
