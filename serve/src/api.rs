@@ -305,22 +305,23 @@ pub fn chat_request(m: &Map<String, Value>, random_seed: u64) -> Result<GenReque
                 format!("`{field}` must be an object"),
             ));
         };
-        let role =
-            match o.get("role").and_then(Value::as_str) {
-                Some(r @ ("system" | "user" | "assistant" | "developer" | "tool")) => {
-                    if r == "developer" {
-                        "system"
-                    } else {
-                        r
-                    }
+        let role = match o.get("role").and_then(Value::as_str) {
+            Some(r @ ("system" | "user" | "assistant" | "developer" | "tool")) => {
+                if r == "developer" {
+                    "system"
+                } else {
+                    r
                 }
-                _ => return Err(ApiError::invalid(
+            }
+            _ => {
+                return Err(ApiError::invalid(
                     &format!("{field}.role"),
                     format!(
                         "`{field}.role` must be one of system, user, assistant, developer, tool"
                     ),
-                )),
-            };
+                ))
+            }
+        };
         let content = match o.get("content") {
             None | Some(Value::Null) => String::new(),
             Some(Value::String(s)) => s.clone(),
