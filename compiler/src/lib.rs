@@ -7,7 +7,6 @@
 //! commands that execute plans (run, demo, bench, bench-spec) live in the
 //! `kiln-cli` crate.
 
-pub mod chat;
 pub mod compile;
 pub mod compile_bench;
 pub mod config;

@@ -1139,6 +1139,102 @@ impl Engine {
     }
 }
 
+// ---------------------------------------------------------------------------
+// Serving hooks: what a server's scheduler (kiln-serve) needs beyond
+// add/remove/step. Kept apart from loading and launch building on purpose.
+// ---------------------------------------------------------------------------
+impl Engine {
+    /// Replaces the last generated token of a sequence whose next step has
+    /// not run yet: host-side sampling picked another token than the
+    /// graph's argmax. The next step feeds the new token. The finish state is
+    /// not re-evaluated (EOS is the caller's to check: add such sequences
+    /// with `stop_on_eos: false`).
+    pub fn replace_last_token(&mut self, id: SeqId, token: u32) -> Result<(), EngineError> {
+        let vocab = self.plan.meta.info.vocab_size;
+        if token >= vocab {
+            return Err(EngineError::InvalidToken {
+                what: "replacement",
+                token,
+                vocab,
+            });
+        }
+        let s = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        if s.tokens.len() <= s.prompt_len as usize {
+            return Err(EngineError::TokenNotReplaceable {
+                id,
+                why: "it has generated no token yet",
+            });
+        }
+        if s.computed as usize >= s.tokens.len() {
+            return Err(EngineError::TokenNotReplaceable {
+                id,
+                why: "its K/V is already in the cache",
+            });
+        }
+        *s.tokens.last_mut().expect("checked above") = token;
+        Ok(())
+    }
+
+    /// Turns the download of the "logits" output on or off for the next
+    /// steps (a server turns it on only while a row needs logits).
+    pub fn set_keep_logits(&mut self, keep: bool) {
+        self.options.keep_logits = keep;
+    }
+
+    /// Whether the plan outputs logits (so host-side sampling can work).
+    pub fn has_logits_output(&self) -> bool {
+        self.keys.iter().all(|k| k.logits.is_some())
+    }
+
+    /// How the next steps prefill prompts. A server alternates: chunk steps
+    /// ([`PrefillMode::Chunked`]) while only prompts wait, a token-by-token
+    /// step (every live row advances one token, decode rows included) to
+    /// bound the decode delay a long prompt causes.
+    pub fn set_prefill_mode(&mut self, mode: PrefillMode) {
+        self.options.prefill = mode;
+    }
+
+    /// Prompt tokens of the sequence whose K/V is not computed yet.
+    pub fn prefill_remaining(&self, id: SeqId) -> Option<u32> {
+        self.seqs
+            .get(&id)
+            .map(|s| s.prompt_len.saturating_sub(s.computed))
+    }
+
+    /// KV blocks the sequence owns now.
+    pub fn sequence_kv_blocks(&self, id: SeqId) -> Option<u32> {
+        self.seqs.get(&id).map(|s| s.blocks.len() as u32)
+    }
+
+    /// KV blocks the sequence needs for its next decode step (its blocks
+    /// cover positions up to and including its last token's), 0 when it has
+    /// them or is finished.
+    pub fn kv_blocks_for_next_token(&self, id: SeqId) -> Option<u32> {
+        self.seqs.get(&id).map(|s| {
+            if s.finished.is_some() {
+                return 0;
+            }
+            let upto = (s.computed + 1).max(s.prompt_len);
+            self.kv
+                .blocks_for(upto)
+                .saturating_sub(s.blocks.len() as u32)
+        })
+    }
+
+    /// KV blocks needed to hold `tokens` positions.
+    pub fn kv_blocks_for(&self, tokens: u32) -> u32 {
+        self.kv.blocks_for(tokens)
+    }
+
+    /// KV blocks a sequence may own in total (all but the null block).
+    pub fn usable_kv_blocks(&self) -> u32 {
+        self.kv.usable_blocks()
+    }
+}
+
 impl Drop for Engine {
     fn drop(&mut self) {
         if let Err(e) = self.shutdown() {

@@ -84,6 +84,8 @@ pub enum EngineError {
     Timing { key: Key, message: String },
     #[error("{what} is not valid UTF-8 (first bad byte at offset {offset}); save it as UTF-8")]
     InvalidUtf8 { what: String, offset: usize },
+    #[error("cannot replace the last token of sequence {id:?}: {why}")]
+    TokenNotReplaceable { id: SeqId, why: &'static str },
 }
 
 impl EngineError {

@@ -12,12 +12,14 @@
 //! * [`loader`] and [`weights`]: everything checked before anything is
 //!   allocated, then weights bound to device memory;
 //! * [`kv`]: the paged KV cache's block allocator; [`policy`]: graphs or eager;
-//! * [`text`]: tokenizer in and streaming text out; [`device`]: backends by name;
+//! * [`text`]: tokenizer in and streaming text out; [`chat`]: the model's chat
+//!   template, rendered as Hugging Face does; [`device`]: backends by name;
 //! * [`draft`]: prompt-lookup drafts; [`spec`]: speculative decoding driven by
 //!   them over an engine.
 
 pub mod backend;
 pub mod capture;
+pub mod chat;
 pub mod cpu;
 pub mod device;
 pub mod draft;

@@ -1,21 +1,36 @@
 //! Chat templates: turning a list of messages into the prompt text an
 //! instruction-tuned model was trained on.
 //!
-//! Hugging Face models ship their template as Jinja source in
-//! `tokenizer_config.json` (`chat_template`), and `transformers` renders it
-//! with a sandboxed Jinja2 environment (`trim_blocks`, `lstrip_blocks`) given
-//! `messages`, `add_generation_prompt`, the special tokens as strings and a
-//! `raise_exception` function. This module does the same with a real Jinja
-//! engine (minijinja), so the model's own template decides the prompt,
-//! including its default system prompt; kiln hard-codes no format.
+//! Hugging Face models ship their template as Jinja source, either in
+//! `chat_template.jinja` or in `tokenizer_config.json` (`chat_template`), and
+//! `transformers` renders it with a sandboxed Jinja2 environment
+//! (`trim_blocks`, `lstrip_blocks`) given `messages`, `add_generation_prompt`,
+//! the special tokens as strings and a `raise_exception` function. This module
+//! does the same with a real Jinja engine (minijinja, with minijinja-contrib's
+//! Python string, list and dict methods such as `.strip()`, `.startswith()`
+//! and `.split()`, which Qwen3's and Gemma's templates call), so the model's
+//! own template decides the prompt, including its default system prompt; kiln
+//! hard-codes no format. It lives in the runtime so that a serving process
+//! renders templates without linking the compiler.
 //!
-//! Not here: tool/function-calling arguments (`tools`, `documents`), Python
-//! string methods beyond what Jinja itself has (a template that calls e.g.
-//! `.strip()` fails with an error naming the method), and tokenization (the
-//! rendered text goes through `tokenizer.json` as any prompt does).
+//! Rendering is bounded: a template runs on a fixed amount of minijinja fuel
+//! (instructions) and may write at most [`MAX_RENDERED_BYTES`], so a hostile
+//! or looping template, or a huge message list, fails with a clear error
+//! rather than hanging a server.
+//!
+//! Not here: tool/function-calling arguments (`tools`, `documents`),
+//! multimodal message content, and tokenization (the rendered text goes
+//! through `tokenizer.json` as any prompt does).
 
 use serde::Serialize;
 use std::path::{Path, PathBuf};
+
+/// Instructions one render may execute (minijinja fuel). Real templates
+/// use a few thousand per message; this leaves room for long conversations.
+pub const RENDER_FUEL: u64 = 5_000_000;
+
+/// The most bytes a rendered prompt may have.
+pub const MAX_RENDERED_BYTES: usize = 4 << 20;
 
 /// One chat message.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -69,6 +84,37 @@ pub enum ChatError {
          renderer lacks: prompt with plain text (`kiln run --prompt`) instead"
     )]
     Render(String),
+    #[error(
+        "rendering the chat template used more than its budget of {RENDER_FUEL} instructions; \
+         send fewer or shorter messages"
+    )]
+    OutOfFuel,
+    #[error(
+        "the rendered chat prompt is longer than {MAX_RENDERED_BYTES} bytes; send fewer or \
+         shorter messages"
+    )]
+    TooLong,
+}
+
+/// An `io::Write` into a string that refuses to grow past a cap.
+struct CappedWriter {
+    out: Vec<u8>,
+    cap: usize,
+    overflowed: bool,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.out.len() + buf.len() > self.cap {
+            self.overflowed = true;
+            return Err(std::io::Error::other("rendered prompt over its size cap"));
+        }
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A model's chat template and the special tokens it may refer to.
@@ -109,11 +155,29 @@ impl ChatTemplate {
         }
     }
 
-    /// The template of a model directory's `tokenizer_config.json`. A list of
-    /// named templates (`[{"name": ..., "template": ...}]`) yields the one
-    /// named `default`.
+    /// The template of a model directory: `chat_template.jinja` when it
+    /// exists (newer `transformers` write it there), else
+    /// `tokenizer_config.json`'s `chat_template`. A list of named templates
+    /// (`[{"name": ..., "template": ...}]`) yields the one named `default`.
+    /// The special tokens come from `tokenizer_config.json` either way.
     pub fn from_model_dir(dir: &Path) -> Result<ChatTemplate, ChatError> {
         let path = dir.join("tokenizer_config.json");
+        let jinja_path = dir.join("chat_template.jinja");
+        let jinja = match std::fs::read_to_string(&jinja_path) {
+            Ok(text) => Some(text),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(source) => {
+                return Err(ChatError::Io {
+                    path: jinja_path,
+                    source,
+                })
+            }
+        };
+        if let Some(source) = &jinja {
+            if !path.exists() {
+                return Ok(ChatTemplate::new(source, None, None));
+            }
+        }
         let text = std::fs::read_to_string(&path).map_err(|source| ChatError::Io {
             path: path.clone(),
             source,
@@ -123,6 +187,7 @@ impl ChatTemplate {
             message: e.to_string(),
         })?;
         let source = match cfg.get("chat_template") {
+            _ if jinja.is_some() => jinja.expect("checked"),
             None | Some(serde_json::Value::Null) => {
                 return Err(ChatError::NoTemplate { path });
             }
@@ -161,6 +226,8 @@ impl ChatTemplate {
         add_generation_prompt: bool,
     ) -> Result<String, ChatError> {
         let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_fuel(Some(RENDER_FUEL));
         env.set_syntax(
             minijinja::syntax::SyntaxConfig::builder()
                 .trim_blocks(true)
@@ -177,14 +244,30 @@ impl ChatTemplate {
         let template = env
             .template_from_str(&self.source)
             .map_err(|e| ChatError::Syntax(describe(&e)))?;
-        template
-            .render(minijinja::context! {
+        let mut out = CappedWriter {
+            out: Vec::new(),
+            cap: MAX_RENDERED_BYTES,
+            overflowed: false,
+        };
+        let rendered = template.render_captured_to(
+            minijinja::context! {
                 messages => minijinja::Value::from(minijinja::value::Serde(messages)),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token.clone().unwrap_or_default(),
                 eos_token => self.eos_token.clone().unwrap_or_default(),
-            })
-            .map_err(|e| ChatError::Render(describe(&e)))
+            },
+            &mut out,
+        );
+        let failed = rendered.err();
+        match failed {
+            None => {}
+            Some(_) if out.overflowed => return Err(ChatError::TooLong),
+            Some(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => {
+                return Err(ChatError::OutOfFuel)
+            }
+            Some(e) => return Err(ChatError::Render(describe(&e))),
+        }
+        String::from_utf8(out.out).map_err(|e| ChatError::Render(e.to_string()))
     }
 }
 

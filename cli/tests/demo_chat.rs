@@ -7,10 +7,10 @@
 //! transformers uses (`ImmutableSandboxedEnvironment(trim_blocks=True,
 //! lstrip_blocks=True)`, `raise_exception` as a global).
 
-use kiln_compiler::chat::{ChatError, ChatMessage, ChatTemplate};
 use kiln_compiler::gguf::GgufFile;
 use kiln_compiler::testing::smollm2_gguf_for_tests;
 use kiln_compiler::tokenizer_build::build_tokenizer;
+use kiln_runtime::chat::{ChatError, ChatMessage, ChatTemplate};
 use proptest::prelude::*;
 
 #[test]
