@@ -425,7 +425,9 @@ mod duplicate_key_tests {
     #[test]
     fn a_header_naming_a_tensor_twice_is_refused_naming_it() {
         let json = br#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#;
-        let e = parse_json(Path::new("m.safetensors"), json, 8).unwrap_err().to_string();
+        let e = parse_json(Path::new("m.safetensors"), json, 8)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("`a` is listed twice"), "{e}");
         assert_eq!(first_duplicate_key(br#"{"a":1,"b":2}"#), None);
     }

@@ -54,9 +54,9 @@ fn check(size: usize) {
     if size > LIMIT.load(Relaxed) {
         ARMED.store(false, Relaxed);
         let mut msg = StackMsg::new();
-        let _ = write!(
+        let _ = writeln!(
             msg,
-            "kiln-fuzz: FAIL allocation of {size} bytes (bound {}) in target {} at seed {} iteration {}; replay with `kiln-fuzz {} --seed {} --start {} --iters 1`\n",
+            "kiln-fuzz: FAIL allocation of {size} bytes (bound {}) in target {} at seed {} iteration {}; replay with `kiln-fuzz {} --seed {} --start {} --iters 1`",
             LIMIT.load(Relaxed),
             target_name(),
             SEED.load(Relaxed),
@@ -144,9 +144,9 @@ pub(crate) fn die(msg: &StackMsg) -> ! {
 /// allocating.
 pub(crate) fn hang_message(limit_ms: u64, ran_ms: u64) -> StackMsg {
     let mut msg = StackMsg::new();
-    let _ = write!(
+    let _ = writeln!(
         msg,
-        "kiln-fuzz: FAIL hang: target {} at seed {} iteration {} ran {ran_ms} ms (bound {limit_ms} ms); replay with `kiln-fuzz {} --seed {} --start {} --iters 1`\n",
+        "kiln-fuzz: FAIL hang: target {} at seed {} iteration {} ran {ran_ms} ms (bound {limit_ms} ms); replay with `kiln-fuzz {} --seed {} --start {} --iters 1`",
         target_name(),
         SEED.load(Relaxed),
         ITER.load(Relaxed),

@@ -129,7 +129,12 @@ fn main() -> anyhow::Result<()> {
         if let Some(dir) = &args.dump {
             let files = runner::dump(&cfg, &corpus, dir)
                 .with_context(|| format!("cannot write inputs to {}", dir.display()))?;
-            println!("wrote {} {} inputs to {}", files.len(), target.name(), dir.display());
+            println!(
+                "wrote {} {} inputs to {}",
+                files.len(),
+                target.name(),
+                dir.display()
+            );
             continue;
         }
         let r = runner::run(&cfg, &corpus);

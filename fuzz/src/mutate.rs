@@ -178,7 +178,7 @@ impl<'a> Mutator<'a> {
         // 1..=8 edits, mostly few.
         let n = 1 + (rng.next_u64().trailing_ones() as usize).min(7);
         for _ in 0..n {
-            if text && rng.next_u64() % 3 != 0 {
+            if text && !rng.next_u64().is_multiple_of(3) {
                 self.text_edit(rng, b);
             } else {
                 self.byte_edit(rng, b);
@@ -195,7 +195,7 @@ impl<'a> Mutator<'a> {
             .map(|p| u64::from_le_bytes(p.try_into().unwrap_or([0; 8])))
             .unwrap_or(0);
         let split = 8usize.saturating_add(declared.min(base.len() as u64) as usize);
-        if base.len() < 8 || split > base.len() || rng.next_u64() % 5 == 0 {
+        if base.len() < 8 || split > base.len() || rng.next_u64().is_multiple_of(5) {
             let mut b = base.to_vec();
             self.stack(rng, &mut b, false);
             return b;
@@ -203,10 +203,10 @@ impl<'a> Mutator<'a> {
         let mut json = base[8..split].to_vec();
         let mut data = base[split..].to_vec();
         self.stack(rng, &mut json, true);
-        if rng.next_u64() % 6 == 0 {
+        if rng.next_u64().is_multiple_of(6) {
             self.byte_edit(rng, &mut data);
         }
-        let prefix = if rng.next_u64() % 8 == 0 {
+        let prefix = if rng.next_u64().is_multiple_of(8) {
             declared
         } else {
             json.len() as u64
@@ -219,7 +219,7 @@ impl<'a> Mutator<'a> {
 
     fn plan(&self, rng: &mut SplitMix64, base: &[u8]) -> Vec<u8> {
         const H: usize = kiln_ir::artifact::HEADER_LEN;
-        if base.len() < H || rng.next_u64() % 8 == 0 {
+        if base.len() < H || rng.next_u64().is_multiple_of(8) {
             let mut b = base.to_vec();
             self.stack(rng, &mut b, false);
             return b;
@@ -227,14 +227,14 @@ impl<'a> Mutator<'a> {
         let mut body = base[H..].to_vec();
         let n = 1 + (rng.next_u64().trailing_ones() as usize).min(7);
         for _ in 0..n {
-            if rng.next_u64() % 3 == 0 {
+            if rng.next_u64().is_multiple_of(3) {
                 varint_edit(rng, &mut body);
             } else {
                 self.byte_edit(rng, &mut body);
             }
         }
         let mut out = base[..H].to_vec();
-        if rng.next_u64() % 10 != 0 {
+        if !rng.next_u64().is_multiple_of(10) {
             out[12..20].copy_from_slice(&(body.len() as u64).to_le_bytes());
             out[20..24].copy_from_slice(&crc32fast::hash(&body).to_le_bytes());
         }
@@ -259,7 +259,7 @@ impl<'a> Mutator<'a> {
             4 => {
                 let n = 1 + below(rng, 64);
                 let fill = rng.next_u64() as u8;
-                let random = rng.next_u64() % 2 == 0;
+                let random = rng.next_u64().is_multiple_of(2);
                 for _ in 0..n {
                     b.push(if random { rng.next_u64() as u8 } else { fill });
                 }
@@ -295,10 +295,10 @@ impl<'a> Mutator<'a> {
                 b.extend_from_slice(&other[cut_b..]);
             }
             9 | 10 if len >= 4 => {
-                let wide = rng.next_u64() % 2 == 0 && len >= 8;
+                let wide = rng.next_u64().is_multiple_of(2) && len >= 8;
                 let w = if wide { 8 } else { 4 };
                 let mut i = offset(rng, len - w + 1);
-                if rng.next_u64() % 2 == 0 {
+                if rng.next_u64().is_multiple_of(2) {
                     i -= i % w;
                 }
                 let v = boundary(rng);
@@ -418,7 +418,7 @@ fn varint_edit(rng: &mut SplitMix64, b: &mut Vec<u8>) {
     let mut ins = vec![marker];
     ins.extend(bytes);
     // Overwrite (keeps later fields aligned) or insert.
-    if rng.next_u64() % 2 == 0 {
+    if rng.next_u64().is_multiple_of(2) {
         b.splice(i..i + n, ins);
     } else {
         b.splice(i..i, ins);
@@ -443,7 +443,7 @@ fn below(rng: &mut SplitMix64, n: usize) -> usize {
 
 /// An offset in `0..len` (len > 0), favouring the first 512 bytes.
 fn offset(rng: &mut SplitMix64, len: usize) -> usize {
-    if rng.next_u64() % 2 == 0 {
+    if rng.next_u64().is_multiple_of(2) {
         below(rng, len.min(512))
     } else {
         below(rng, len)

@@ -80,7 +80,11 @@ fn tiny(family: Family) -> TinySpec {
 fn gguf() -> Result<Vec<(String, Vec<u8>)>, SeedError> {
     let mut out = Vec::new();
     for (name, matrix, embed) in [
-        ("01-tiny-llama-q4_1-q8_0.gguf", GgmlType::Q4_1, GgmlType::Q8_0),
+        (
+            "01-tiny-llama-q4_1-q8_0.gguf",
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+        ),
         ("02-tiny-llama-f16-q4_0.gguf", GgmlType::F16, GgmlType::Q4_0),
     ] {
         let f = TinyLlama {
@@ -103,9 +107,18 @@ fn gguf() -> Result<Vec<(String, Vec<u8>)>, SeedError> {
     let name = "03-every-value-type.gguf";
     let vocab = fixture::vocabulary();
     let types: Vec<i32> = (0..vocab.len())
-        .map(|i| if i < fixture::SPECIAL_TOKENS.len() { 3 } else { 1 })
+        .map(|i| {
+            if i < fixture::SPECIAL_TOKENS.len() {
+                3
+            } else {
+                1
+            }
+        })
         .collect();
-    let merges: Vec<String> = fixture::MERGES.iter().map(|(a, b)| format!("{a} {b}")).collect();
+    let merges: Vec<String> = fixture::MERGES
+        .iter()
+        .map(|(a, b)| format!("{a} {b}"))
+        .collect();
     let mut w = GgufWriter::new();
     w.add_str("general.architecture", "llama")
         .add_meta("general.alignment", MetaValue::U32(64))
@@ -161,7 +174,12 @@ fn gguf() -> Result<Vec<(String, Vec<u8>)>, SeedError> {
 fn safetensors() -> Vec<(String, Vec<u8>)> {
     let bf16 = |n: usize| (0..n * 2).map(|i| (i * 7) as u8).collect::<Vec<u8>>();
     let a = safetensors_bytes(&[
-        ("model.embed_tokens.weight".into(), DType::BF16, vec![8, 4], bf16(32)),
+        (
+            "model.embed_tokens.weight".into(),
+            DType::BF16,
+            vec![8, 4],
+            bf16(32),
+        ),
         ("model.norm.weight".into(), DType::F32, vec![4], vec![0; 16]),
         ("lm_head.weight".into(), DType::F16, vec![2, 4], bf16(8)),
     ]);
@@ -175,9 +193,15 @@ fn safetensors() -> Vec<(String, Vec<u8>)> {
     ]
 }
 
-fn write_model(root: &Path, name: &str, family: Family, spec: &TinySpec) -> Result<std::path::PathBuf, SeedError> {
+fn write_model(
+    root: &Path,
+    name: &str,
+    family: Family,
+    spec: &TinySpec,
+) -> Result<std::path::PathBuf, SeedError> {
     let dir = root.join(name);
-    write_tiny_model(&dir, family, spec).map_err(|e| err(format!("tiny model {name}"))(e.to_string()))?;
+    write_tiny_model(&dir, family, spec)
+        .map_err(|e| err(format!("tiny model {name}"))(e.to_string()))?;
     Ok(dir)
 }
 
@@ -196,7 +220,8 @@ fn config(root: &Path) -> Result<Vec<(String, Vec<u8>)>, SeedError> {
     for (i, (name, family, spec)) in models.iter().enumerate() {
         let dir = write_model(root, &format!("config-{name}"), *family, spec)?;
         let path = dir.join("config.json");
-        let bytes = std::fs::read(&path).map_err(|e| err(path.display().to_string())(e.to_string()))?;
+        let bytes =
+            std::fs::read(&path).map_err(|e| err(path.display().to_string())(e.to_string()))?;
         out.push((format!("{:02}-{name}.json", i + 1), bytes));
     }
     Ok(out)
@@ -207,7 +232,10 @@ fn plan(root: &Path) -> Result<Vec<(String, Vec<u8>)>, SeedError> {
     let mut out = Vec::new();
     for (name, keys) in [
         ("01-decode-b1.kiln", vec![Key::new(1, 1, 0)]),
-        ("02-decode-and-spec.kiln", vec![Key::new(1, 1, 0), Key::new(2, 2, 1)]),
+        (
+            "02-decode-and-spec.kiln",
+            vec![Key::new(1, 1, 0), Key::new(2, 2, 1)],
+        ),
     ] {
         let opts = CompileOptions {
             keys,
@@ -219,7 +247,8 @@ fn plan(root: &Path) -> Result<Vec<(String, Vec<u8>)>, SeedError> {
             },
             ..CompileOptions::default()
         };
-        let compiled = compile_dir(&dir, &opts, &mut |_, _| {}).map_err(|e| err(name)(e.to_string()))?;
+        let compiled =
+            compile_dir(&dir, &opts, &mut |_, _| {}).map_err(|e| err(name)(e.to_string()))?;
         out.push((name.to_string(), kiln_ir::artifact::encode(&compiled.plan)));
     }
     Ok(out)
@@ -230,10 +259,18 @@ fn plan(root: &Path) -> Result<Vec<(String, Vec<u8>)>, SeedError> {
 const GOLDEN_KIR: &str = include_str!("../../ir/golden/decode_step.kir");
 
 fn ir(root: &Path) -> Result<Vec<(String, Vec<u8>)>, SeedError> {
-    let mut out = vec![("01-golden-decode-step.kir".to_string(), GOLDEN_KIR.as_bytes().to_vec())];
+    let mut out = vec![(
+        "01-golden-decode-step.kir".to_string(),
+        GOLDEN_KIR.as_bytes().to_vec(),
+    )];
     for (i, &family) in Family::ALL.iter().enumerate() {
         let name = format!("{:02}-{}-trace.kir", i + 2, family.model_type());
-        let dir = write_model(root, &format!("ir-{}", family.model_type()), family, &tiny(family))?;
+        let dir = write_model(
+            root,
+            &format!("ir-{}", family.model_type()),
+            family,
+            &tiny(family),
+        )?;
         let model = frontend::open(&dir).map_err(|e| err(name.clone())(e.to_string()))?;
         let kv = model.kv_layout(16, 4);
         let key = if family == Family::Qwen3 {
@@ -242,7 +279,13 @@ fn ir(root: &Path) -> Result<Vec<(String, Vec<u8>)>, SeedError> {
             Key::new(1, 1, 0)
         };
         let g = model
-            .trace(key, &kv, &TraceOptions { logits: family == Family::Qwen2 })
+            .trace(
+                key,
+                &kv,
+                &TraceOptions {
+                    logits: family == Family::Qwen2,
+                },
+            )
             .map_err(|e| err(name.clone())(e.to_string()))?;
         out.push((name, kiln_ir::print(&g).into_bytes()));
     }

@@ -292,7 +292,11 @@ fn config(input: &[u8]) -> Outcome {
     // Every table the tracer sizes from the config is per layer or per
     // head: touch them so a resolved config that claims more than it holds
     // shows up here.
-    black_box((cfg.windows.len(), cfg.eos_token_ids.len(), format!("{cfg:?}").len()));
+    black_box((
+        cfg.windows.len(),
+        cfg.eos_token_ids.len(),
+        format!("{cfg:?}").len(),
+    ));
     Outcome::Accepted
 }
 

@@ -53,7 +53,12 @@ fn every_target_runs_its_short_campaign_with_no_panic_no_finding_and_bounded_all
         // The seeds are accepted and most mutations are refused: a target
         // that accepts nothing, or everything, is not exercising its parser.
         assert!(r.accepted >= 1, "{}: no input accepted", target.name());
-        assert!(r.rejected >= CI_INPUTS / 4, "{}: only {} inputs rejected", target.name(), r.rejected);
+        assert!(
+            r.rejected >= CI_INPUTS / 4,
+            "{}: only {} inputs rejected",
+            target.name(),
+            r.rejected
+        );
         assert!(r.peak_alloc_bytes > 0 && r.peak_alloc_bytes <= alloc::DEFAULT_LIMIT as u64);
     }
     println!("{}", lines.join("\n"));
@@ -105,5 +110,8 @@ fn a_replayed_iteration_is_the_same_input() {
     };
     let all = runner::dump(&cfg(0, 40), &c, &dir.path().join("all")).unwrap();
     let one = runner::dump(&cfg(37, 1), &c, &dir.path().join("one")).unwrap();
-    assert_eq!(std::fs::read(&all[37]).unwrap(), std::fs::read(&one[0]).unwrap());
+    assert_eq!(
+        std::fs::read(&all[37]).unwrap(),
+        std::fs::read(&one[0]).unwrap()
+    );
 }

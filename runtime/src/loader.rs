@@ -11,8 +11,8 @@
 use crate::backend::DeviceInfo;
 use crate::error::EngineError;
 use kiln_ir::graph::InputRole;
-use kiln_ir::plan::{BufRef, KeyPlan, Plan, Region, Target};
-use kiln_ir::DType;
+use kiln_ir::plan::{BufRef, KeyPlan, KvLayout, Plan, Region, Target};
+use kiln_ir::{DType, Shape};
 use std::collections::HashSet;
 
 /// Reads and decodes a plan file (magic, version, length and checksum are
@@ -73,11 +73,31 @@ fn region_size(plan: &Plan, kp: &KeyPlan, r: Region) -> Option<u64> {
             .manifest
             .entries
             .get(i as usize)
-            .map(|e| e.shape.numel() * e.dtype.size() as u64),
+            // `validate_plan` refused sizes that overflow before any key.
+            .map(|e| dense_bytes(&e.shape, e.dtype).unwrap_or(u64::MAX)),
         Region::KCache(l) | Region::VCache(l) => {
-            (l < plan.kv.layers).then(|| plan.kv.cache_bytes())
+            (l < plan.kv.layers).then(|| kv_cache_bytes(&plan.kv).unwrap_or(u64::MAX))
         }
     }
+}
+
+/// Bytes of a dense `dtype` tensor of `shape`, or `None` when the count
+/// does not fit in u64 (only a corrupt plan says so; the plain
+/// `Shape::numel` would overflow).
+fn dense_bytes(shape: &Shape, dtype: DType) -> Option<u64> {
+    shape
+        .dims()
+        .iter()
+        .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64))
+}
+
+/// `KvLayout::cache_bytes`, or `None` when it overflows u64.
+fn kv_cache_bytes(kv: &KvLayout) -> Option<u64> {
+    (kv.num_blocks as u64)
+        .checked_mul(kv.block_size as u64)?
+        .checked_mul(kv.kv_heads as u64)?
+        .checked_mul(kv.head_dim as u64)?
+        .checked_mul(kv.dtype.size() as u64)
 }
 
 fn check_buf(
@@ -149,6 +169,23 @@ pub fn validate_plan(plan: &Plan) -> Result<(), EngineError> {
             info.max_context, info.vocab_size
         ));
     }
+    if kv_cache_bytes(kv).is_none() {
+        return bad(format!(
+            "KV cache of {} blocks of {} tokens x {} kv heads x {} dims is larger than any device (the byte count overflows)",
+            kv.num_blocks, kv.block_size, kv.kv_heads, kv.head_dim
+        ));
+    }
+    if let Some(e) = plan
+        .manifest
+        .entries
+        .iter()
+        .find(|e| dense_bytes(&e.shape, e.dtype).is_none())
+    {
+        return bad(format!(
+            "weight `{}` has shape {} whose byte count overflows",
+            e.name, e.shape
+        ));
+    }
     if plan.keys.is_empty() {
         return bad("the plan has no keys".into());
     }
@@ -179,6 +216,13 @@ fn validate_key(plan: &Plan, kp: &KeyPlan) -> Result<(), EngineError> {
         let desc = || format!("op {i} (`{}`)", op.kernel);
         for (j, o) in op.args.iter().chain(&op.results).enumerate() {
             check_buf(plan, kp, &o.buf, &|| format!("{} operand {j}", desc()))?;
+            if dense_bytes(&o.ty.shape, o.ty.dtype).is_none() {
+                return bad(format!(
+                    "{} operand {j} has type {} whose byte count overflows",
+                    desc(),
+                    o.ty
+                ));
+            }
             if o.ty.size_bytes() > o.buf.bytes {
                 return bad(format!(
                     "{} operand {j} of type {} needs {} bytes but its buffer has {}",
@@ -261,6 +305,12 @@ fn validate_key(plan: &Plan, kp: &KeyPlan) -> Result<(), EngineError> {
     let mut has_next = false;
     for (name, o) in &kp.outputs {
         check_buf(plan, kp, &o.buf, &|| format!("output {name}"))?;
+        if dense_bytes(&o.ty.shape, o.ty.dtype).is_none() {
+            return bad(format!(
+                "output {name} has type {} whose byte count overflows",
+                o.ty
+            ));
+        }
         if o.buf.region != Region::Io {
             return bad(format!("output {name} is not in the key's Io region"));
         }
