@@ -209,6 +209,30 @@ pub fn read_header(path: &Path) -> Result<SafetensorsHeader, HeaderError> {
     }
     let mut prefix = [0u8; 8];
     f.read_exact(&mut prefix).map_err(io)?;
+    let header_len = header_len(path, prefix, file_size)?;
+    let mut json = vec![0u8; header_len as usize];
+    f.read_exact(&mut json).map_err(io)?;
+    from_parts(path, file_size, prefix, &json)
+}
+
+/// [`read_header`] over a whole file image held in memory (the fuzzer's
+/// entry point; the same checks in the same order).
+pub fn parse_bytes(path: &Path, bytes: &[u8]) -> Result<SafetensorsHeader, HeaderError> {
+    let file_size = bytes.len() as u64;
+    let Some((prefix, rest)) = bytes.split_first_chunk::<8>() else {
+        return Err(HeaderError::TooShort {
+            path: path.to_path_buf(),
+            size: file_size,
+        });
+    };
+    let header_len = header_len(path, *prefix, file_size)?;
+    from_parts(path, file_size, *prefix, &rest[..header_len as usize])
+}
+
+/// The JSON header length the 8-byte little-endian `prefix` declares,
+/// checked against the limit and against a file of `file_size` bytes
+/// (at least 8) before anything is allocated for it.
+pub fn header_len(path: &Path, prefix: [u8; 8], file_size: u64) -> Result<u64, HeaderError> {
     let header_len = u64::from_le_bytes(prefix);
     if header_len > MAX_HEADER_BYTES {
         return Err(HeaderError::HeaderTooLarge {
@@ -216,20 +240,30 @@ pub fn read_header(path: &Path) -> Result<SafetensorsHeader, HeaderError> {
             len: header_len,
         });
     }
-    if header_len > file_size - 8 {
+    let avail = file_size.saturating_sub(8);
+    if header_len > avail {
         return Err(HeaderError::HeaderBeyondFile {
             path: path.to_path_buf(),
             len: header_len,
-            avail: file_size - 8,
+            avail,
         });
     }
-    let mut json = vec![0u8; header_len as usize];
-    f.read_exact(&mut json).map_err(io)?;
+    Ok(header_len)
+}
+
+/// Hashes and parses a header whose length [`header_len`] has checked.
+fn from_parts(
+    path: &Path,
+    file_size: u64,
+    prefix: [u8; 8],
+    json: &[u8],
+) -> Result<SafetensorsHeader, HeaderError> {
+    let header_len = json.len() as u64;
     let mut hasher = Sha256::new();
     hasher.update(prefix);
-    hasher.update(&json);
+    hasher.update(json);
     let header_sha256 = hex(&hasher.finalize());
-    let (tensors, metadata) = parse_json(path, &json, file_size - 8 - header_len)?;
+    let (tensors, metadata) = parse_json(path, json, file_size - 8 - header_len)?;
     Ok(SafetensorsHeader {
         file_size,
         header_len,

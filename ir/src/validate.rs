@@ -103,11 +103,31 @@ pub fn region_size(plan: &Plan, kp: &KeyPlan, r: Region) -> Option<u64> {
             .manifest
             .entries
             .get(i as usize)
-            .map(|e| e.shape.numel() * e.dtype.size() as u64),
+            // `validate` refuses sizes that overflow before any key.
+            .map(|e| dense_bytes(&e.shape, e.dtype).unwrap_or(u64::MAX)),
         Region::KCache(l) | Region::VCache(l) => {
-            (l < plan.kv.layers).then(|| plan.kv.cache_bytes())
+            (l < plan.kv.layers).then(|| kv_cache_bytes(&plan.kv).unwrap_or(u64::MAX))
         }
     }
+}
+
+/// Bytes of a dense `dtype` tensor of `shape`, or `None` when the count
+/// does not fit in u64 (only a corrupt plan says so; `Shape::numel` would
+/// overflow).
+pub fn dense_bytes(shape: &crate::Shape, dtype: crate::DType) -> Option<u64> {
+    shape
+        .dims()
+        .iter()
+        .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64))
+}
+
+/// `KvLayout::cache_bytes`, or `None` when it overflows u64.
+pub fn kv_cache_bytes(kv: &crate::plan::KvLayout) -> Option<u64> {
+    (kv.num_blocks as u64)
+        .checked_mul(kv.block_size as u64)?
+        .checked_mul(kv.kv_heads as u64)?
+        .checked_mul(kv.head_dim as u64)?
+        .checked_mul(kv.dtype.size() as u64)
 }
 
 /// The kernel modules `plan`'s launch lists use, sorted: what a GPU compile
@@ -168,6 +188,27 @@ pub fn validate(plan: &Plan) -> Result<PlanInfo, PlanError> {
                 "block tables of {} blocks of {} tokens cannot hold the context of {}",
                 kv.max_blocks_per_seq, kv.block_size, info.max_context
             ),
+        );
+    }
+    if kv_cache_bytes(kv).is_none() {
+        return err(
+            "kv",
+            format!(
+                "KV cache of {} blocks of {} tokens x {} kv heads x {} dims is larger than any device (the byte count overflows)",
+                kv.num_blocks, kv.block_size, kv.kv_heads, kv.head_dim
+            ),
+        );
+    }
+    if let Some((i, e)) = plan
+        .manifest
+        .entries
+        .iter()
+        .enumerate()
+        .find(|(_, e)| dense_bytes(&e.shape, e.dtype).is_none())
+    {
+        return err(
+            format!("manifest.entries[{i}]"),
+            format!("weight `{}` has shape {} whose byte count overflows", e.name, e.shape),
         );
     }
     if plan.keys.is_empty() {
@@ -311,6 +352,14 @@ fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo
     }
     for (name, o) in &kp.outputs {
         check(&|| format!("{kf}.outputs[{name}]"), &o.buf)?;
+        // The engine sizes a host buffer from the type: it must fit the
+        // (already checked) staging buffer.
+        if dense_bytes(&o.ty.shape, o.ty.dtype).is_none_or(|n| n > o.buf.bytes) {
+            return err(
+                format!("{kf}.outputs[{name}]"),
+                format!("of type {} does not fit its {}-byte buffer", o.ty, o.buf.bytes),
+            );
+        }
     }
     for (j, b) in kp.buffers.iter().enumerate() {
         check(&|| format!("{kf}.buffers[{j}]"), &b.buf)?;
@@ -350,6 +399,9 @@ fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo
                 check(&f, &o.buf)?;
                 if g.values.get(v.index()).map(|d| &d.ty) != Some(&o.ty) {
                     return err(f(), format!("is typed {} but graph value {v} is not", o.ty));
+                }
+                if dense_bytes(&o.ty.shape, o.ty.dtype).is_none() {
+                    return err(f(), format!("has type {} whose byte count overflows", o.ty));
                 }
                 if o.ty.size_bytes() > o.buf.bytes {
                     return err(
