@@ -7,12 +7,12 @@
 use kiln_cli::demo::{
     self, demo_keys, plan_freshness, DemoOptions, Freshness, ModelSource, StageOutcome,
 };
-use kiln_runtime::chat::{ChatMessage, ChatTemplate};
 use kiln_compiler::compile::{compile_dir, CompileOptions};
 use kiln_compiler::gguf::fixture::TinyLlama;
 use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
 use kiln_ir::plan::Target;
 use kiln_ir::Key;
+use kiln_runtime::chat::{ChatMessage, ChatTemplate};
 use kiln_runtime::chat::{ChatMessage, ChatTemplate};
 use kiln_runtime::text::TextTokenizer;
 use kiln_runtime::{CpuBackend, DeviceSpec, Engine, EngineOptions, GraphMode};

@@ -208,7 +208,10 @@ pub fn validate(plan: &Plan) -> Result<PlanInfo, PlanError> {
     {
         return err(
             format!("manifest.entries[{i}]"),
-            format!("weight `{}` has shape {} whose byte count overflows", e.name, e.shape),
+            format!(
+                "weight `{}` has shape {} whose byte count overflows",
+                e.name, e.shape
+            ),
         );
     }
     if plan.keys.is_empty() {
@@ -357,7 +360,10 @@ fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo
         if dense_bytes(&o.ty.shape, o.ty.dtype).is_none_or(|n| n > o.buf.bytes) {
             return err(
                 format!("{kf}.outputs[{name}]"),
-                format!("of type {} does not fit its {}-byte buffer", o.ty, o.buf.bytes),
+                format!(
+                    "of type {} does not fit its {}-byte buffer",
+                    o.ty, o.buf.bytes
+                ),
             );
         }
     }

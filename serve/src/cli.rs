@@ -59,5 +59,5 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(kiln_serve::serve(config))
+        .block_on(crate::serve(config))
 }
