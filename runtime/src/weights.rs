@@ -435,7 +435,9 @@ mod confinement_tests {
     }
 
     fn refuse(root: &Path, dir: &Path, name: &str) -> String {
-        let e = confined_weight_path(root, dir, name).unwrap_err().to_string();
+        let e = confined_weight_path(root, dir, name)
+            .unwrap_err()
+            .to_string();
         assert!(!e.contains("12345"), "leaks the outside file's size: {e}");
         e
     }
