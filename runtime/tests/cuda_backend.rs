@@ -832,8 +832,8 @@ fn time_step(b: &mut CudaBackend, key: Key, launches: &[Launch], next: &DevOpera
     for _ in 0..200 {
         replay.push(time_ms(b, |b| b.replay(g)).unwrap());
     }
-    let back_to_back_ms = time_ms(b, |b| (0..100).try_for_each(|_| b.replay(g))).unwrap() as f64
-        / 100.0;
+    let back_to_back_ms =
+        time_ms(b, |b| (0..100).try_for_each(|_| b.replay(g))).unwrap() as f64 / 100.0;
     let replay_next = get(b, next).i;
     assert_eq!(
         replay_next, eager_next,

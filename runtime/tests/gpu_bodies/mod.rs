@@ -110,3 +110,38 @@ pub fn lower<B: Backend>(b: &mut B, launch: &mut Launch, pdl: bool) -> Vec<DevPt
     };
     owned
 }
+
+/// The catalog's lowering of `launch`'s op as its body, for ops that need
+/// neither scratch nor counters (panics naming the op otherwise).
+pub fn body(launch: &Launch, pdl: bool) -> LaunchBody {
+    let tys = |v: &[DevOperand]| v.iter().map(|o| o.ty.clone()).collect::<Vec<_>>();
+    let opts = LowerOptions {
+        pdl,
+        ..LowerOptions::default()
+    };
+    let needs = op_needs(&launch.op, &tys(&launch.args), &tys(&launch.results), &opts)
+        .unwrap_or_else(|e| panic!("{}: {e}", launch.kernel));
+    assert!(
+        needs.scratch_bytes == 0 && needs.counters == 0,
+        "{} needs scratch or counters: use gpu_bodies::lower",
+        launch.kernel
+    );
+    let lowering = lower_op(
+        &launch.op,
+        &operands(&launch.args),
+        &operands(&launch.results),
+        None,
+        None,
+        launch.const_args,
+        &opts,
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", launch.kernel));
+    match lowering {
+        Lowering::Reference => LaunchBody::Reference,
+        Lowering::Kernels(ks) => LaunchBody::Kernels(ks.iter().map(resolve).collect()),
+        Lowering::Gemm { shape, gemv } => LaunchBody::Gemm {
+            shape,
+            gemv: gemv.as_ref().map(resolve),
+        },
+    }
+}
