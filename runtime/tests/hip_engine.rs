@@ -31,7 +31,12 @@ fn run(graphs: GraphMode) {
     // the kernels as code objects (hipcc) or source (compiled at load).
     let dir = tempfile::tempdir().unwrap();
     let plan = model
-        .build_for(dir.path(), Target::Hip { gfx: be.info().arch })
+        .build_for(
+            dir.path(),
+            Target::Hip {
+                gfx: be.info().arch,
+            },
+        )
         .unwrap();
     let mut opts = options(graphs);
     opts.graphs_supported = graphs_supported;
