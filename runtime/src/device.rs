@@ -49,7 +49,7 @@ pub fn open_backend(spec: DeviceSpec) -> Result<Box<dyn Backend + Send>, EngineE
 
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: u32) -> Result<Box<dyn Backend + Send>, EngineError> {
-    Ok(Box::new(crate::cuda::CudaBackend::new(ordinal)?))
+    Ok(Box::new(crate::gpu::GpuBackend::cuda(ordinal)?))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -61,7 +61,7 @@ fn open_cuda(ordinal: u32) -> Result<Box<dyn Backend + Send>, EngineError> {
 
 #[cfg(feature = "rocm")]
 fn open_hip(ordinal: u32) -> Result<Box<dyn Backend + Send>, EngineError> {
-    Ok(Box::new(crate::hip::HipBackend::new(ordinal)?))
+    Ok(Box::new(crate::gpu::GpuBackend::hip(ordinal)?))
 }
 
 #[cfg(not(feature = "rocm"))]

@@ -6,10 +6,8 @@
 
 mod common;
 
-use common::{build, options, prompt, Rng, TinyModel};
+use common::{options, prompt, Rng, TinyModel};
 use kiln_ir::plan::Target;
-use kiln_runtime::hip::catalog::kernels_translation_unit;
-use kiln_runtime::hip::offline::kernel_images;
 use kiln_runtime::hip::policy::graphs_supported;
 use kiln_runtime::hip::HipBackend;
 use kiln_runtime::{Backend, Engine, GraphMode, SeqOptions};
@@ -28,12 +26,18 @@ fn run(graphs: GraphMode) {
         return;
     }
     let model = TinyModel::default();
-    let (dir, mut plan) = build(&model);
-    let be = HipBackend::with_policy_env(0, None).unwrap();
-    let arch = be.info().arch;
-    plan.meta.target = Target::Hip { gfx: arch.clone() };
-    plan.kernels = kernel_images(&arch, &kernels_translation_unit().unwrap(), None).unwrap();
-    plan.kernel_abi = kiln_kernels::gpu::kernel_abi();
+    let be = HipBackend::new(0).unwrap();
+    // Compiled for this device by the real compiler: lowered launches, and
+    // the kernels as code objects (hipcc) or source (compiled at load).
+    let dir = tempfile::tempdir().unwrap();
+    let plan = model
+        .build_for(
+            dir.path(),
+            Target::Hip {
+                gfx: be.info().arch,
+            },
+        )
+        .unwrap();
     let mut opts = options(graphs);
     opts.graphs_supported = graphs_supported;
     let mut e = Engine::new(plan, dir.path(), Box::new(be), opts).unwrap();

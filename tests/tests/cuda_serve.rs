@@ -68,7 +68,7 @@ fn compile(family: Family, target: Target) -> (TempDir, Plan) {
 /// engines run the same algorithms.
 fn cuda_engine(dir: &TempDir, plan: &Plan, graphs: GraphMode) -> Engine {
     let mut be = CudaBackend::new(0).unwrap();
-    be.set_gemm_policy(GemmPolicy::KilnWhereApplicable);
+    be.set_gemm_policy(GemmPolicy::GemvWhereAvailable);
     Engine::new(plan.clone(), dir.path(), Box::new(be), options(graphs)).unwrap()
 }
 
@@ -245,7 +245,7 @@ fn an_allocation_forced_inside_a_cuda_capture_fails_the_step_naming_the_key() {
     let mut opts = options(GraphMode::On);
     opts.faults.alloc_inside_capture = true;
     let mut be = CudaBackend::new(0).unwrap();
-    be.set_gemm_policy(GemmPolicy::KilnWhereApplicable);
+    be.set_gemm_policy(GemmPolicy::GemvWhereAvailable);
     let mut e = Engine::new(plan, dir.path(), Box::new(be), opts).unwrap();
     e.add_sequence(&[1, 2, 3]).unwrap();
     let err = e.step().unwrap_err();

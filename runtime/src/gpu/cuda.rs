@@ -18,13 +18,46 @@ use super::driver::{
     GpuDriver, Handle, Vendor,
 };
 use crate::backend::{BackendError, DevPtr};
-use crate::cuda::driver::{cublaslt_present, describe, driver_present};
 use cudarc::cublaslt::sys as lt;
 use cudarc::driver::sys as cu;
 use kiln_ir::plan::{GemmShape, KernelImage};
 use kiln_ir::DType;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
+
+/// The driver's name and description of `r`.
+pub fn describe(r: cu::CUresult) -> String {
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    let mut desc: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: both out-pointers are valid; the driver returns static strings.
+    unsafe {
+        cu::cuGetErrorName(r, &mut name);
+        cu::cuGetErrorString(r, &mut desc);
+    }
+    let s = |p: *const std::ffi::c_char| {
+        if p.is_null() {
+            format!("{r:?}")
+        } else {
+            // SAFETY: non-null pointers from the driver are NUL-terminated.
+            unsafe { std::ffi::CStr::from_ptr(p) }
+                .to_string_lossy()
+                .into_owned()
+        }
+    };
+    format!("{} ({})", s(name), s(desc))
+}
+
+/// True when the driver library (`libcuda.so.1`) can be loaded.
+pub fn driver_present() -> bool {
+    // SAFETY: probing opens and closes the library.
+    unsafe { cu::is_culib_present() }
+}
+
+/// True when cuBLASLt (`libcublasLt.so.13`) can be loaded.
+pub fn cublaslt_present() -> bool {
+    // SAFETY: as above.
+    unsafe { lt::is_culib_present() }
+}
 
 fn err(r: cu::CUresult) -> DriverError {
     let kind = match r {
@@ -708,6 +741,16 @@ impl super::GpuBackend<CudaDriver> {
     /// Opens CUDA device `ordinal`.
     pub fn cuda(ordinal: u32) -> Result<CudaGpuBackend, BackendError> {
         super::GpuBackend::with_driver(CudaDriver::default(), ordinal)
+    }
+
+    /// Opens CUDA device `ordinal` (the same as [`Self::cuda`]).
+    pub fn new(ordinal: u32) -> Result<CudaGpuBackend, BackendError> {
+        Self::cuda(ordinal)
+    }
+
+    /// True when a CUDA driver is installed and reports at least one device.
+    pub fn available() -> bool {
+        available()
     }
 
     /// The device's compute capability as `major * 10 + minor` (90 on H200).

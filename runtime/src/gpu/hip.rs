@@ -365,6 +365,21 @@ mod real {
         pub fn hip(ordinal: u32) -> Result<HipGpuBackend, BackendError> {
             crate::gpu::GpuBackend::with_driver(HipGpuDriver::new(RealHip::default()), ordinal)
         }
+
+        /// Opens HIP device `ordinal` (the same as [`Self::hip`]).
+        pub fn new(ordinal: u32) -> Result<HipGpuBackend, BackendError> {
+            Self::hip(ordinal)
+        }
+
+        /// HIP devices on this machine (0 without an AMD GPU or driver).
+        pub fn device_count() -> u32 {
+            RealHip::default().device_count()
+        }
+
+        /// Why there is no device (for test skip lines).
+        pub fn no_device_reason() -> String {
+            RealHip::default().no_device_reason()
+        }
     }
 }
 

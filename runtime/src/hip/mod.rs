@@ -3,8 +3,8 @@
 //!
 //! Split so that as much as possible is tested in CI without an AMD device:
 //! * always compiled (tested by `cargo test` everywhere):
-//!   [`HipBackendOn`], the backend's logic over the [`driver::HipDriver`]
-//!   seam (tests drive it with a simulated device), [`policy`] (graphs or
+//!   the [`driver::HipDriver`] seam (tests drive the one GPU backend over it
+//!   with a simulated device), [`policy`] (graphs or
 //!   eager, per device), [`device`] (the gfx name across ROCm ABIs),
 //!   [`source`] and [`catalog`] (the kernels as one translation unit, launch
 //!   parameters), [`cache`] (the code-object cache), [`offline`] (code
@@ -14,16 +14,12 @@
 //! * behind the `rocm` feature, which links `libamdhip64` through `hip-sys`
 //!   (hiprtc and hipBLASLt are loaded with dlopen at run time, so neither is
 //!   needed to build): `real::RealHip`, the driver on the real libraries, and
-//!   `HipBackend`, the backend on it.
-//!
-//! The same HIP drivers also run the one GPU backend (`crate::gpu`) through
-//! `crate::gpu::hip::HipGpuDriver`; `HipBackendOn` stays until the engine
-//! hands every backend lowered launch bodies.
+//!   `HipBackend`, the one GPU backend (`crate::gpu`) on it through
+//!   `crate::gpu::hip::HipGpuDriver`.
 //!
 //! Not here: the engine that drives the backend, and the kernels themselves
 //! (`kernels/gpu`, shared with CUDA).
 
-mod backend;
 pub mod cache;
 pub mod capture;
 pub mod catalog;
@@ -45,6 +41,6 @@ pub mod real;
 #[cfg(feature = "rocm")]
 pub mod rtc;
 
+/// kiln's HIP backend: the one GPU backend on this machine's HIP libraries.
 #[cfg(feature = "rocm")]
-pub use backend::HipBackend;
-pub use backend::HipBackendOn;
+pub type HipBackend = crate::gpu::hip::HipGpuBackend;

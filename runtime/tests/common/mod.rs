@@ -106,7 +106,12 @@ impl TinyModel {
     }
 
     fn compile(&self, dir: &Path, keys: &[Key]) -> Plan {
+        self.compile_for(dir, keys, kiln_ir::plan::Target::Cpu)
+    }
+
+    fn compile_for(&self, dir: &Path, keys: &[Key], target: kiln_ir::plan::Target) -> Plan {
         let opts = CompileOptions {
+            target,
             keys: keys.to_vec(),
             logits: true,
             kv: KvOptions {
@@ -126,6 +131,13 @@ impl TinyModel {
     pub fn build(&self, dir: &Path) -> std::io::Result<Plan> {
         self.write_weights(dir)?;
         Ok(self.compile(dir, &self.keys))
+    }
+
+    /// As [`Self::build`], compiled for `target` (a GPU target gets its
+    /// launches lowered and its kernel images, as `kiln compile` does).
+    pub fn build_for(&self, dir: &Path, target: kiln_ir::plan::Target) -> std::io::Result<Plan> {
+        self.write_weights(dir)?;
+        Ok(self.compile_for(dir, &self.keys, target))
     }
 
     /// The reference model: the same weights with a `b1q1s0` plan.

@@ -10,6 +10,9 @@ use kiln_runtime::cuda::CudaBackend;
 
 pub mod synth;
 
+#[path = "../gpu_bodies/mod.rs"]
+pub mod gpu_bodies;
+
 /// xorshift64*: deterministic, seeded per test.
 pub struct Rng(u64);
 impl Rng {
@@ -585,7 +588,7 @@ pub fn run_op(b: &mut CudaBackend, op: &Op, args: &[HT]) -> Vec<HT> {
             None => poisoned(b, ty),
         })
         .collect();
-    let launch = Launch {
+    let mut launch = Launch {
         // As the engine marks a matmul's weight operand: the GEMV kernel
         // then loads it before its dependency wait.
         const_args: if matches!(op, Op::MatMul { .. }) {
@@ -600,12 +603,17 @@ pub fn run_op(b: &mut CudaBackend, op: &Op, args: &[HT]) -> Vec<HT> {
         workspace: None,
         body: kiln_runtime::backend::LaunchBody::Reference,
     };
+    let pdl = b.pdl();
+    let owned = gpu_bodies::lower(b, &mut launch, pdl);
     b.prepare(&launch).unwrap();
     b.launch(&launch).unwrap();
     b.synchronize().unwrap();
     let out = results.iter().map(|r| get(b, r)).collect();
     for o in dargs.iter().chain(results.iter()) {
         let _ = b.free(o.ptr);
+    }
+    for p in owned {
+        let _ = b.free(p);
     }
     out
 }

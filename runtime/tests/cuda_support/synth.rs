@@ -7,6 +7,7 @@
 
 use super::*;
 use kiln_ir::{Rope, RopeScaling};
+use kiln_runtime::backend::DevPtr;
 
 #[derive(Clone, Copy, Debug)]
 pub struct Cfg {
@@ -366,6 +367,8 @@ pub fn host_run(step: &Step) -> (HT, HT) {
 pub struct DevStep {
     pub ptrs: Vec<DevOperand>,
     pub launches: Vec<Launch>,
+    /// Scratch and counters the lowering asked for.
+    pub scratch: Vec<DevPtr>,
 }
 
 /// Allocates and fills every buffer, builds and prepares the launches.
@@ -378,7 +381,7 @@ pub fn upload(b: &mut CudaBackend, step: &Step) -> DevStep {
             None => poisoned(b, &buf.ty),
         })
         .collect();
-    let launches: Vec<Launch> = step
+    let mut launches: Vec<Launch> = step
         .ops
         .iter()
         .map(|s| Launch {
@@ -396,14 +399,24 @@ pub fn upload(b: &mut CudaBackend, step: &Step) -> DevStep {
             body: kiln_runtime::backend::LaunchBody::Reference,
         })
         .collect();
-    for l in &launches {
+    let pdl = b.pdl();
+    let mut scratch = Vec::new();
+    for l in &mut launches {
+        scratch.extend(super::gpu_bodies::lower(b, l, pdl));
         b.prepare(l).unwrap();
     }
-    DevStep { ptrs, launches }
+    DevStep {
+        ptrs,
+        launches,
+        scratch,
+    }
 }
 
 pub fn free(b: &mut CudaBackend, d: DevStep) {
     for p in d.ptrs {
         b.free(p.ptr).unwrap();
+    }
+    for p in d.scratch {
+        b.free(p).unwrap();
     }
 }

@@ -1,0 +1,147 @@
+//! Launch bodies for GPU tests, built the way `kiln compile` lowers a plan:
+//! `kiln_kernels::gpu::lower_op` over the launch's operands, with the scratch
+//! and completion counters the lowering asks for allocated here and resolved
+//! to addresses the way the engine resolves a plan's buffers. The backend
+//! itself never lowers an op.
+
+#![allow(dead_code)]
+
+use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Lowering, Operand, Region};
+use kiln_kernels::gpu::{lower_op, op_needs, LowerOptions};
+use kiln_runtime::backend::{
+    Backend, DevOperand, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
+};
+
+/// BLAS workspace reserved for a GEMM lowered without one.
+pub const WORKSPACE_BYTES: u64 = 32 << 20;
+
+fn absolute(ptr: DevPtr, bytes: u64) -> BufRef {
+    // Every buffer is "arena" at its absolute address, so the lowering's
+    // overlap checks compare real addresses and resolving is the identity.
+    BufRef {
+        region: Region::Arena,
+        offset: ptr.0,
+        bytes,
+    }
+}
+
+fn operands(v: &[DevOperand]) -> Vec<Operand> {
+    v.iter()
+        .map(|o| Operand {
+            buf: absolute(o.ptr, o.ty.size_bytes()),
+            ty: o.ty.clone(),
+        })
+        .collect()
+}
+
+fn resolve(k: &KernelLaunch) -> ResolvedKernel {
+    ResolvedKernel {
+        module: k.module.clone(),
+        entry: k.entry.clone(),
+        grid: k.grid,
+        block: k.block,
+        shared_bytes: k.shared_bytes,
+        params: k
+            .params
+            .iter()
+            .map(|p| match p {
+                LaunchParam::Buf(b) => ResolvedParam::Ptr(DevPtr(b.offset)),
+                LaunchParam::Null => ResolvedParam::Ptr(DevPtr(0)),
+                LaunchParam::I32(v) => ResolvedParam::I32(*v),
+                LaunchParam::I64(v) => ResolvedParam::I64(*v),
+                LaunchParam::F32(v) => ResolvedParam::F32(*v),
+                LaunchParam::Blob(b) => ResolvedParam::Blob(b.clone()),
+            })
+            .collect(),
+        pdl: k.pdl,
+    }
+}
+
+/// Fills `launch.body` (and, for a GEMM without one, `launch.workspace`)
+/// with the catalog's lowering of its op. Returns the buffers allocated for
+/// it (scratch, zeroed counters), for the caller to free after the last use.
+pub fn lower<B: Backend>(b: &mut B, launch: &mut Launch, pdl: bool) -> Vec<DevPtr> {
+    let tys = |v: &[DevOperand]| v.iter().map(|o| o.ty.clone()).collect::<Vec<_>>();
+    let opts = LowerOptions {
+        pdl,
+        ..LowerOptions::default()
+    };
+    let needs = op_needs(&launch.op, &tys(&launch.args), &tys(&launch.results), &opts)
+        .unwrap_or_else(|e| panic!("{}: {e}", launch.kernel));
+    let mut owned = Vec::new();
+    let scratch = (needs.scratch_bytes > 0).then(|| {
+        let p = b.alloc(needs.scratch_bytes, "test scratch").unwrap();
+        owned.push(p);
+        absolute(p, needs.scratch_bytes)
+    });
+    let counters = (needs.counters > 0).then(|| {
+        let bytes = needs.counters as u64 * 4;
+        let p = b.alloc(bytes, "test counters").unwrap();
+        b.upload(p, &vec![0u8; bytes as usize]).unwrap();
+        owned.push(p);
+        BufRef {
+            region: Region::Counters,
+            offset: p.0,
+            bytes,
+        }
+    });
+    let lowering = lower_op(
+        &launch.op,
+        &operands(&launch.args),
+        &operands(&launch.results),
+        scratch,
+        counters,
+        launch.const_args,
+        &opts,
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", launch.kernel));
+    launch.body = match lowering {
+        Lowering::Reference => LaunchBody::Reference,
+        Lowering::Kernels(ks) => LaunchBody::Kernels(ks.iter().map(resolve).collect()),
+        Lowering::Gemm { shape, gemv } => {
+            if launch.workspace.is_none() {
+                launch.workspace = b.reserve_workspace(WORKSPACE_BYTES).unwrap();
+            }
+            LaunchBody::Gemm {
+                shape,
+                gemv: gemv.as_ref().map(resolve),
+            }
+        }
+    };
+    owned
+}
+
+/// The catalog's lowering of `launch`'s op as its body, for ops that need
+/// neither scratch nor counters (panics naming the op otherwise).
+pub fn body(launch: &Launch, pdl: bool) -> LaunchBody {
+    let tys = |v: &[DevOperand]| v.iter().map(|o| o.ty.clone()).collect::<Vec<_>>();
+    let opts = LowerOptions {
+        pdl,
+        ..LowerOptions::default()
+    };
+    let needs = op_needs(&launch.op, &tys(&launch.args), &tys(&launch.results), &opts)
+        .unwrap_or_else(|e| panic!("{}: {e}", launch.kernel));
+    assert!(
+        needs.scratch_bytes == 0 && needs.counters == 0,
+        "{} needs scratch or counters: use gpu_bodies::lower",
+        launch.kernel
+    );
+    let lowering = lower_op(
+        &launch.op,
+        &operands(&launch.args),
+        &operands(&launch.results),
+        None,
+        None,
+        launch.const_args,
+        &opts,
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", launch.kernel));
+    match lowering {
+        Lowering::Reference => LaunchBody::Reference,
+        Lowering::Kernels(ks) => LaunchBody::Kernels(ks.iter().map(resolve).collect()),
+        Lowering::Gemm { shape, gemv } => LaunchBody::Gemm {
+            shape,
+            gemv: gemv.as_ref().map(resolve),
+        },
+    }
+}
