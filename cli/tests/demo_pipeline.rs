@@ -13,7 +13,6 @@ use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
 use kiln_ir::plan::Target;
 use kiln_ir::Key;
 use kiln_runtime::chat::{ChatMessage, ChatTemplate};
-use kiln_runtime::chat::{ChatMessage, ChatTemplate};
 use kiln_runtime::text::TextTokenizer;
 use kiln_runtime::{CpuBackend, DeviceSpec, Engine, EngineOptions, GraphMode};
 use std::path::{Path, PathBuf};
