@@ -248,29 +248,15 @@ pub fn kernel_images(
                 .iter()
                 .filter(|m| modules.contains(m.name))
                 .collect();
-            std::thread::scope(|s| {
-                let jobs: Vec<_> = used
-                    .iter()
-                    .map(|m| s.spawn(|| kiln_kernels::nvrtc::compile_module(m, *sm)))
-                    .collect();
-                used.iter()
-                    .zip(jobs)
-                    .map(|(m, j)| {
-                        let code = j
-                            .join()
-                            .map_err(|_| "NVRTC compile thread panicked".to_string())
-                            .and_then(|r| r.map_err(|e| e.to_string()));
-                        Ok(KernelImage {
-                            name: m.name.to_string(),
-                            kind: kiln_ir::plan::ImageKind::Cubin,
-                            code: code.map_err(|message| CompileError::Kernels {
-                                target: target.clone(),
-                                message,
-                            })?,
-                        })
-                    })
-                    .collect()
-            })
+            // Through the on-disk image cache (keyed by source, options,
+            // NVRTC version and SM): a second compile runs no NVRTC.
+            let cache = kiln_kernels::image_cache::ImageCache::open_default().ok();
+            kiln_kernels::nvrtc::compile_modules(*sm, &used, cache.as_ref(), &|_| {}).map_err(
+                |e| CompileError::Kernels {
+                    target: target.clone(),
+                    message: e.to_string(),
+                },
+            )
         }
         Target::Hip { gfx } => {
             use kiln_kernels::hip::{self as catalog, offline};

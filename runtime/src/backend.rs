@@ -91,8 +91,9 @@ pub enum ResolvedParam {
 
 impl ResolvedKernel {
     /// The parameters packed as the kernel ABI lays them out (each value at
-    /// its natural alignment, blobs 8-aligned), with each parameter's byte
-    /// offset: the one packing both GPU drivers use.
+    /// its natural alignment), with each parameter's byte
+    /// offset: the one packing both GPU drivers use. By-value structs
+    /// (blobs) are 4-aligned: the kernels' structs hold 32-bit fields only.
     pub fn pack(&self) -> (Vec<u8>, Vec<usize>) {
         let mut buf = Vec::new();
         let mut offsets = Vec::with_capacity(self.params.len());
@@ -102,7 +103,7 @@ impl ResolvedKernel {
                 ResolvedParam::I64(v) => (8, v.to_ne_bytes().to_vec()),
                 ResolvedParam::I32(v) => (4, v.to_ne_bytes().to_vec()),
                 ResolvedParam::F32(v) => (4, v.to_ne_bytes().to_vec()),
-                ResolvedParam::Blob(b) => (8, b.clone()),
+                ResolvedParam::Blob(b) => (4, b.clone()),
             };
             let at = buf.len().div_ceil(align) * align;
             buf.resize(at, 0);
