@@ -295,9 +295,13 @@ fn planner_efficiency_is_at_least_95_percent_on_a_qwen3_0_6b_shaped_model() {
         let e = efficiency(kp.arena_lower_bound, kp.arena_peak);
         assert!(e >= 0.95, "{}: efficiency {e:.4}", kp.key);
         assert_eq!(
-            kp.launches,
+            kp.ops.len() as u32,
             28 * 9 + 4 + (kp.key.spec > 0) as u32 + (kp.key.query > 1 && kp.key.spec == 0) as u32
         );
+        // `launches` counts kernels: argmax is two (chunks, then final).
+        let kernels: u32 = kp.ops.iter().map(|o| o.lowering.launches()).sum();
+        assert_eq!(kp.launches, kernels);
+        assert_eq!(kernels, kp.ops.len() as u32 + 1);
     }
     check_plan(&c.plan).unwrap();
 }
