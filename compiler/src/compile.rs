@@ -251,12 +251,12 @@ pub fn kernel_images(
             // Through the on-disk image cache (keyed by source, options,
             // NVRTC version and SM): a second compile runs no NVRTC.
             let cache = kiln_kernels::image_cache::ImageCache::open_default().ok();
-            kiln_kernels::nvrtc::compile_modules(*sm, &used, cache.as_ref(), &|_| {}).map_err(
-                |e| CompileError::Kernels {
+            kiln_kernels::nvrtc::compile_modules(*sm, &used, cache.as_ref(), &|_| {}).map_err(|e| {
+                CompileError::Kernels {
                     target: target.clone(),
                     message: e.to_string(),
-                },
-            )
+                }
+            })
         }
         Target::Hip { gfx } => {
             use kiln_kernels::hip::{self as catalog, offline};

@@ -1,11 +1,11 @@
 //! The engine's serving hooks (what kiln-serve's scheduler uses beyond
-//! add/remove/step), against the tiny hand-planned model and its cache-free
+//! add/remove/step), against a tiny compiled model and its
 //! greedy reference.
 
 mod common;
 
 use common::*;
-use kiln_runtime::testing::{Rng, TinyModel};
+
 use kiln_runtime::{EngineError, GraphMode, PrefillMode, SeqOptions};
 
 fn opts(n: u32) -> SeqOptions {
