@@ -380,11 +380,11 @@ impl<D: GpuDriver> GpuBackend<D> {
         Ok(())
     }
 
+    /// The workspace the plan grants this GEMM: exactly `Launch.workspace`
+    /// (none: 0). The backend's reserved workspace is never a fallback
+    /// grant, so an algorithm is chosen under the plan's figure only.
     fn granted(&self, launch: &Launch) -> u64 {
-        launch
-            .workspace
-            .or(self.workspace)
-            .map_or(0, |(_, bytes)| bytes)
+        launch.workspace.map_or(0, |(_, bytes)| bytes)
     }
 
     fn gemm_operands(launch: &Launch, shape: &GemmShape) -> Result<GemmOperands> {
@@ -453,7 +453,7 @@ impl<D: GpuDriver> GpuBackend<D> {
             }
             (GemmChoice::Blas(algo), _) => {
                 let ops = Self::gemm_operands(launch, shape)?;
-                let ws = launch.workspace.or(self.workspace);
+                let ws = launch.workspace;
                 let h = self.blas_handle()?;
                 self.driver
                     .blas_matmul(h, shape, algo, &ops, ws, self.stream)
