@@ -2,7 +2,7 @@
 //!
 //! The engine drives a backend through allocate (before capture only),
 //! upload, launch, copies, synchronize, begin/end capture, replay and
-//! destroy. The capture contract (DESIGN.md) is enforced by each backend:
+//! destroy. The capture contract (ARCHITECTURE.md) is enforced by each backend:
 //! inside a capture region, `alloc`, `free`, `synchronize` and `download` are
 //! errors naming the key being captured and the offending call.
 //!

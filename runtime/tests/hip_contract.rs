@@ -1,4 +1,4 @@
-//! The backend contract (DESIGN.md, "The capture contract"), as test bodies
+//! The backend contract (ARCHITECTURE.md, "The capture contract"), as test bodies
 //! generic over [`Backend`], run on:
 //! * the HIP backend's logic over a simulated device ([`sim::SimHip`], in
 //!   every CI run): the same code as on a GPU down to the driver seam, with a

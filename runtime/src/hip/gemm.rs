@@ -2,7 +2,7 @@
 //! a kiln `matmul` becomes, the workspace the BLAS library may use, and the
 //! choice among the algorithms its heuristic proposes.
 //!
-//! Why this is separate: the lazy-workspace hazard (DESIGN.md, capture
+//! Why this is separate: the lazy-workspace hazard (ARCHITECTURE.md, capture
 //! contract rule 3) is decided by these functions, so CI tests them without an
 //! AMD device. The backend asks hipBLASLt for algorithms with a max-workspace
 //! preference equal to the planned figure and then *checks* each answer here
