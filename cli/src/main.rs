@@ -87,6 +87,8 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::BenchCompile(a) => print!("{}", kiln_compiler::compile_bench::run(&a)?),
         Cmd::Import { gguf, out, force } => {
+            // `--force` replaces the output: it may never be, hold or lie in the input.
+            kiln_compiler::outpath::check_output(&out, &[&gguf])?;
             let report = import::import_gguf(&gguf, &out, &import::ImportOptions { force })
                 .with_context(|| format!("importing {}", gguf.display()))?;
             let types: Vec<String> = report

@@ -499,6 +499,9 @@ pub fn summary_table(plan: &Plan) -> String {
 /// Runs `kiln compile`: compiles, writes the plan atomically, and returns
 /// the report to print.
 pub fn run(args: &CompileArgs) -> Result<String, CompileError> {
+    // Before any work: the plan may not replace (or land inside) the model.
+    crate::outpath::check_output(&args.output, &[&args.model_dir])
+        .map_err(|e| CompileError::Options(e.to_string()))?;
     let start = std::time::Instant::now();
     let opts = args.options();
     let n = normalize_keys(&opts.keys)?.len() as u64;

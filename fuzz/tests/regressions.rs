@@ -45,3 +45,23 @@ fn a_plan_whose_weight_bytes_overflow_is_refused_naming_the_weight() {
         .to_string();
     assert!(e.contains("byte count overflows"), "{e}");
 }
+
+/// Rewrites `regressions/plan/weight-shape-overflows-u64.kiln` for the
+/// current plan format (run after a format change:
+/// `cargo test -p kiln-fuzz --test regressions -- --ignored`): the first
+/// committed plan seed with its first weight's shape made to overflow u64.
+#[test]
+#[ignore]
+fn regenerate_the_plan_regression_input() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut seeds: Vec<_> = std::fs::read_dir(root.join("corpus/plan"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    seeds.sort();
+    let mut plan = kiln_ir::artifact::decode(&std::fs::read(&seeds[0]).unwrap()).unwrap();
+    plan.manifest.entries[0].shape = kiln_ir::Shape::new(vec![u32::MAX; 4]);
+    let out = root.join("regressions/plan/weight-shape-overflows-u64.kiln");
+    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+    std::fs::write(out, kiln_ir::artifact::encode(&plan)).unwrap();
+}
