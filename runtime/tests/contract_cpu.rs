@@ -5,7 +5,7 @@
 mod contract;
 
 use contract::{f32_operand, Gemm, Target};
-use kiln_ir::{DType, Op};
+use kiln_ir::Op;
 use kiln_runtime::backend::{DevPtr, Launch, LaunchBody};
 use kiln_runtime::cpu::CpuStats;
 use kiln_runtime::CpuBackend;
@@ -29,21 +29,7 @@ impl Target for Cpu {
         }
     }
     fn gemm(&self, g: Gemm, ws: Option<(DevPtr, u64)>) -> Launch {
-        Launch {
-            kernel: "matmul_f32".into(),
-            op: Op::MatMul {
-                bias: false,
-                out: DType::F32,
-            },
-            args: vec![
-                f32_operand(g.x, vec![g.t, g.k]),
-                f32_operand(g.w, vec![g.n, g.k]),
-            ],
-            results: vec![f32_operand(g.out, vec![g.t, g.n])],
-            workspace: ws,
-            const_args: 0b10,
-            body: LaunchBody::Reference,
-        }
+        g.launch(ws, LaunchBody::Reference)
     }
     fn replays(&self, b: &CpuBackend) -> u64 {
         CpuStats::get(&b.stats().replays)

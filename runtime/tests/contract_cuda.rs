@@ -13,8 +13,8 @@
 mod contract;
 
 use contract::{f32_operand, Gemm, Target};
-use kiln_ir::plan::{GemmShape, ImageKind, KernelImage};
-use kiln_ir::{DType, Op};
+use kiln_ir::plan::{ImageKind, KernelImage};
+use kiln_ir::Op;
 use kiln_kernels::gpu::{self, Lowered, Param, Placement};
 use kiln_runtime::backend::{
     Backend, DevOperand, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
@@ -113,31 +113,13 @@ impl Target for Cuda {
         }
     }
     fn gemm(&self, g: Gemm, ws: Option<(DevPtr, u64)>) -> Launch {
-        Launch {
-            kernel: "matmul_f32".into(),
-            op: Op::MatMul {
-                bias: false,
-                out: DType::F32,
-            },
-            args: vec![
-                f32_operand(g.x, vec![g.t, g.k]),
-                f32_operand(g.w, vec![g.n, g.k]),
-            ],
-            results: vec![f32_operand(g.out, vec![g.t, g.n])],
-            workspace: ws,
-            const_args: 0b10,
-            body: LaunchBody::Gemm {
-                shape: GemmShape {
-                    t: g.t,
-                    n: g.n,
-                    k: g.k,
-                    dtype: DType::F32,
-                    out: DType::F32,
-                    bias: false,
-                },
+        g.launch(
+            ws,
+            LaunchBody::Gemm {
+                shape: g.shape(),
                 gemv: None,
             },
-        }
+        )
     }
     fn replays(&self, b: &CudaGpuBackend) -> u64 {
         b.counters().graphs.replays()

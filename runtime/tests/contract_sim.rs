@@ -8,8 +8,7 @@
 mod contract;
 
 use contract::{f32_operand, Gemm, Target};
-use kiln_ir::plan::GemmShape;
-use kiln_ir::{DType, Key, Op};
+use kiln_ir::{Key, Op};
 use kiln_runtime::backend::{
     Backend, BackendError, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
 };
@@ -34,14 +33,7 @@ fn kernel(entry: &str, params: Vec<ResolvedParam>) -> ResolvedKernel {
 }
 
 fn gemm_launch(g: Gemm, ws: Option<(DevPtr, u64)>, gemv: bool) -> Launch {
-    let shape = GemmShape {
-        t: g.t,
-        n: g.n,
-        k: g.k,
-        dtype: DType::F32,
-        out: DType::F32,
-        bias: false,
-    };
+    let shape = g.shape();
     let gemv = gemv.then(|| {
         kernel(
             "gemv_f32",
@@ -56,21 +48,7 @@ fn gemm_launch(g: Gemm, ws: Option<(DevPtr, u64)>, gemv: bool) -> Launch {
             ],
         )
     });
-    Launch {
-        kernel: "matmul_f32".into(),
-        op: Op::MatMul {
-            bias: false,
-            out: DType::F32,
-        },
-        args: vec![
-            f32_operand(g.x, vec![g.t, g.k]),
-            f32_operand(g.w, vec![g.n, g.k]),
-        ],
-        results: vec![f32_operand(g.out, vec![g.t, g.n])],
-        workspace: ws,
-        const_args: 0b10,
-        body: LaunchBody::Gemm { shape, gemv },
-    }
+    g.launch(ws, LaunchBody::Gemm { shape, gemv })
 }
 
 impl Target for Sim {

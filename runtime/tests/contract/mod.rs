@@ -40,6 +40,44 @@ pub struct Gemm {
     pub k: u32,
 }
 
+impl Gemm {
+    /// The BLAS-Lt shape of these operands.
+    pub fn shape(self) -> kiln_ir::plan::GemmShape {
+        kiln_ir::plan::GemmShape {
+            t: self.t,
+            n: self.n,
+            k: self.k,
+            dtype: DType::F32,
+            out: DType::F32,
+            bias: false,
+        }
+    }
+
+    /// The f32 matmul launch over these operands; `body` is what each
+    /// target varies (reference kernel, BLAS call, skinny-GEMM alternative).
+    pub fn launch(
+        self,
+        ws: Option<(DevPtr, u64)>,
+        body: kiln_runtime::backend::LaunchBody,
+    ) -> Launch {
+        Launch {
+            kernel: "matmul_f32".into(),
+            op: kiln_ir::Op::MatMul {
+                bias: false,
+                out: DType::F32,
+            },
+            args: vec![
+                f32_operand(self.x, vec![self.t, self.k]),
+                f32_operand(self.w, vec![self.n, self.k]),
+            ],
+            results: vec![f32_operand(self.out, vec![self.t, self.n])],
+            workspace: ws,
+            const_args: 0b10,
+            body,
+        }
+    }
+}
+
 pub fn f32_operand(ptr: DevPtr, shape: Vec<u32>) -> DevOperand {
     DevOperand {
         ptr,
