@@ -1,30 +1,26 @@
 #!/usr/bin/env bash
-# One GPU call for the numbers the README and the closing note quote.
+# One GPU call for the numbers the README and the closing notes quote.
 #
-# Built on a machine without a GPU (`scripts/gpu-final.sh prepare`), carried in
-# .device-carry/, run there with `bash scripts/gpu-final.sh`:
-#   1. device facts;
-#   2. the GPU test binaries on the one GpuBackend (CUDA driver): the shared
-#      contract bodies on the real driver (contract_cuda, KILN_REQUIRE_CUDA=1),
-#      kernels vs the CPU reference (cuda_backend), the engine on CUDA vs the
-#      CPU engine (cuda_serve) -- each bounded in time;
-#   3. `kiln bench` before/after on random-weight plans of five real model
-#      shapes (b1, b8, b32 at context 512), the baseline binary and its plans
-#      (.device-carry/base/) interleaved with the current ones per model, so
-#      both see the same machine state.
-# Everything lands in $OUT: summary.txt plus one tarball with every log/JSON.
-#
-# KILN_FINAL_STAGES selects stages (default "tests bench").
+# Everything is built on a machine without a GPU and carried in .device-carry/
+# (the device tool's carry limit is 64 MiB a call, so binaries travel
+# xz-compressed):
+#   .device-carry/bin/*.xz          test binaries and tools (kiln, oracle_run, ...)
+#   .device-carry/tests.txt         test binaries to run, one per line
+#   .device-carry/cubins/           prebuilt kernel images (sm_80 and sm_90)
+#   .device-carry/bench/<variant>/  kiln.xz + plans.tgz per variant to compare
+#                                   (e.g. old = a baseline commit, new = HEAD)
+# Stages (KILN_FINAL_STAGES, default "tests bench"):
+#   tests   every binary in tests.txt with KILN_REQUIRE_CUDA=1, bounded in time
+#   bench   `kiln bench` of every variant's plans, variants interleaved per
+#           model so all see the same machine state; a comparison table
+#   oracle  tests/oracle/run_oracle.sh on CUDA with the carried kiln/oracle_run
+#   serve   `kiln serve --device cuda` on the new Qwen3-0.6B plan driven by
+#           scripts/bench-serve.py at concurrency 1, 8, 32
+#   ncu     Nsight Compute summary of one b1 step of the new Qwen3-0.6B plan
+# Results land in $OUT: summary.txt and one tarball with every log and JSON.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 C="$root/.device-carry"
-
-if [[ "${1:-}" == "prepare" ]]; then
-  set -e
-  echo "see the closing note of the session for the prepare commands (release build, strip, plans)"
-  exit 0
-fi
-
 OUT="${OUT:-/tmp/kiln-gpu-out}"
 mkdir -p "$OUT/logs"
 S="$OUT/summary.txt"
@@ -37,56 +33,146 @@ done
 export LD_LIBRARY_PATH="${libdirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export KILN_CACHE=/tmp/kiln-cache
 stages="${KILN_FINAL_STAGES:-tests bench}"
+models="${KILN_BENCH_MODELS:-smollm2-135m qwen3-0.6b llama-3.2-1b qwen3-1.7b qwen3-4b llama-3-8b}"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; } >> "$S" 2>&1
 
+B=/tmp/kbin
+mkdir -p "$B"
+for f in "$C"/bin/*.xz; do
+  [[ -e "$f" ]] || continue
+  n=$(basename "$f" .xz)
+  xz -dc "$f" > "$B/$n" && chmod +x "$B/$n"
+done
+
 if [[ " $stages " == *" tests "* ]]; then
-  for t in contract_cuda cuda_backend cuda_serve; do
-    [[ -x "$C/bin/$t" ]] || { echo "test $t: binary missing" >> "$S"; continue; }
+  while read -r t; do
+    [[ -z "$t" ]] && continue
+    [[ -x "$B/$t" ]] || { echo "test $t: binary missing" >> "$S"; continue; }
     start=$(date +%s)
-    KILN_REQUIRE_CUDA=1 KILN_CUBIN_DIR="$C/cubins" timeout 240 "$C/bin/$t" --test-threads=1 \
-      > "$OUT/logs/test-$t.txt" 2>&1
+    KILN_REQUIRE_CUDA=1 KILN_CUBIN_DIR="$C/cubins" timeout "${KILN_TEST_TIMEOUT:-200}" "$B/$t" \
+      --test-threads=1 > "$OUT/logs/test-$t.txt" 2>&1
     rc=$?
     echo "test $t: rc=$rc $(grep -E '^test result' "$OUT/logs/test-$t.txt" | tail -1) ($(( $(date +%s) - start )) s)" >> "$S"
     grep -E "FAILED|panicked" "$OUT/logs/test-$t.txt" | head -20 >> "$S"
-  done
+  done < "$C/tests.txt"
 fi
 
+variants=""
+for v in "$C"/bench/*/; do
+  [[ -d "$v" ]] || continue
+  n=$(basename "$v")
+  variants="$variants $n"
+  mkdir -p "/tmp/plans-$n"
+  tar xzf "$v/plans.tgz" -C "/tmp/plans-$n"
+  xz -dc "$v/kiln.xz" > "$B/kiln-$n" && chmod +x "$B/kiln-$n"
+done
+
 if [[ " $stages " == *" bench "* ]]; then
-  mkdir -p /tmp/plans-new /tmp/plans-old
-  tar xzf "$C/plans-new.tgz" -C /tmp/plans-new
-  tar xzf "$C/base/plans-old.tgz" -C /tmp/plans-old
-  for m in smollm2-135m qwen3-0.6b qwen3-1.7b qwen3-4b llama-3-8b; do
-    for which in old new; do
-      if [[ $which == old ]]; then bin="$C/base/kiln"; plan=/tmp/plans-old/$m.kiln
-      else bin="$C/bin/kiln"; plan=/tmp/plans-new/$m.kiln; fi
-      timeout 150 "$bin" bench "$plan" --device cuda --steps 200 --context 512 \
-        --json "$OUT/logs/bench-$which-$m.json" > "$OUT/logs/bench-$which-$m.txt" 2>&1
-      echo "bench $which $m: rc=$?" >> "$S"
+  for m in $models; do
+    for v in $variants; do
+      plan=/tmp/plans-$v/$m.kiln
+      [[ -f "$plan" ]] || { echo "bench $v $m: no plan" >> "$S"; continue; }
+      timeout 150 "$B/kiln-$v" bench "$plan" --device cuda --steps 200 --context 512 \
+        --json "$OUT/logs/bench-$v-$m.json" > "$OUT/logs/bench-$v-$m.txt" 2>&1
+      echo "bench $v $m: rc=$?" >> "$S"
     done
   done
-  python3 - "$OUT/logs" >> "$S" 2>&1 <<'PY'
+  python3 - "$OUT/logs" "$models" $variants >> "$S" 2>&1 <<'PY'
 import json, sys, os
-d = sys.argv[1]
+d, models, variants = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
 def rows(p):
     try:
         j = json.load(open(p))
-    except Exception as e:
+    except Exception:
         return {}
     ks = j["keys"] if isinstance(j, dict) and "keys" in j else j
-    out = {}
-    for k in ks:
-        out[k["key"]] = k
-    return out
-print(f"{'model':14} {'key':8} {'old replay':>10} {'new replay':>10} {'new/old':>8} {'old eager':>9} {'new eager':>9} {'launch old':>10} {'launch new':>10}")
-for m in ["smollm2-135m", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "llama-3-8b"]:
-    o = rows(os.path.join(d, f"bench-old-{m}.json")); n = rows(os.path.join(d, f"bench-new-{m}.json"))
-    for key in sorted(set(o) | set(n)):
-        a, b = o.get(key, {}), n.get(key, {})
-        ra, rb = a.get("replay_ms"), b.get("replay_ms")
-        ratio = f"{rb / ra:.3f}" if ra and rb else "-"
-        f = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-"
-        print(f"{m:14} {key:8} {f(ra):>10} {f(rb):>10} {ratio:>8} {f(a.get('eager_ms')):>9} {f(b.get('eager_ms')):>9} {str(a.get('launches','-')):>10} {str(b.get('launches','-')):>10}")
+    return {k["key"]: k for k in ks}
+f = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-"
+head = f"{'model':14} {'key':8}" + "".join(f" {v + ' ms':>11} {v + ' L':>7}" for v in variants)
+if len(variants) > 1:
+    head += "".join(f" {v + '/' + variants[0]:>12}" for v in variants[1:])
+head += f" {'floor ms':>9} {'last/floor':>10}"
+print(head)
+for m in models:
+    r = {v: rows(os.path.join(d, f"bench-{v}-{m}.json")) for v in variants}
+    keys = sorted(set().union(*[set(x) for x in r.values()]))
+    for key in keys:
+        line = f"{m:14} {key:8}"
+        for v in variants:
+            k = r[v].get(key, {})
+            line += f" {f(k.get('replay_ms')):>11} {str(k.get('launches', '-')):>7}"
+        base = r[variants[0]].get(key, {}).get("replay_ms")
+        for v in variants[1:]:
+            x = r[v].get(key, {}).get("replay_ms")
+            line += f" {(f'{x / base:.3f}' if x and base else '-'):>12}"
+        last = r[variants[-1]].get(key, {})
+        line += f" {f(last.get('hbm_floor_ms')):>9} {f(last.get('replay_over_floor')):>10}"
+        print(line)
 PY
 fi
+
+last=""
+for v in $variants; do last=$v; done
+
+if [[ " $stages " == *" oracle "* ]]; then
+  mkdir -p "$B/oracle"
+  cp "$B/kiln" "$B/oracle_run" "$B/oracle/" 2>/dev/null
+  start=$(date +%s)
+  OUT="$OUT/logs/oracle" KILN_BIN_DIR="$B/oracle" ORACLE_DEVICES=cuda SMOLLM2_GGUF=/nonexistent \
+    timeout "${KILN_ORACLE_TIMEOUT:-300}" bash "$root/tests/oracle/run_oracle.sh" ${KILN_ORACLE_ARGS:-} \
+    > "$OUT/logs/oracle-stdout.txt" 2>&1
+  echo "oracle: rc=$? ($(( $(date +%s) - start )) s)" >> "$S"
+  grep -E "PASS|FAIL" "$OUT/logs/oracle/oracle-report.md" 2>/dev/null | head -30 >> "$S"
+fi
+
+if [[ " $stages " == *" serve "* && -n "$last" ]]; then
+  plan=/tmp/plans-$last/qwen3-0.6b.kiln
+  "$B/kiln" serve "$plan" --weights random --device cuda --port 18123 --model-name qwen3-shape \
+    > "$OUT/logs/serve.txt" 2>&1 &
+  spid=$!
+  for _ in $(seq 1 120); do
+    curl -sf http://127.0.0.1:18123/health >/dev/null 2>&1 && break
+    sleep 1
+  done
+  for c in 1 8 32; do
+    timeout 120 python3 "$root/scripts/bench-serve.py" --url http://127.0.0.1:18123 --concurrency "$c" \
+      ${KILN_SERVE_BENCH_ARGS:-} --json "$OUT/logs/bench-serve-c$c.json" \
+      > "$OUT/logs/bench-serve-c$c.txt" 2>&1
+    echo "bench-serve c=$c: rc=$?" >> "$S"
+    tail -12 "$OUT/logs/bench-serve-c$c.txt" >> "$S"
+  done
+  curl -s http://127.0.0.1:18123/metrics > "$OUT/logs/serve-metrics.txt" 2>&1
+  kill "$spid" 2>/dev/null
+  wait "$spid" 2>/dev/null
+fi
+
+if [[ " $stages " == *" ncu "* && -n "$last" ]]; then
+  plan=/tmp/plans-$last/qwen3-0.6b.kiln
+  timeout 300 ncu --csv --launch-count "${KILN_NCU_KERNELS:-600}" --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+    "$B/kiln-$last" bench "$plan" --device cuda --keys b1q1s0 --steps 1 --context 512 \
+    > "$OUT/logs/ncu.csv" 2> "$OUT/logs/ncu-stderr.txt"
+  echo "ncu: rc=$?" >> "$S"
+  python3 - "$OUT/logs/ncu.csv" >> "$S" 2>&1 <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+if not rows:
+    print("ncu: no rows"); sys.exit()
+h = rows[0]
+ki, mi, vi = h.index("Kernel Name"), h.index("Metric Name"), h.index("Metric Value")
+t = collections.defaultdict(float); n = collections.Counter(); bw = collections.defaultdict(list)
+for r in rows[1:]:
+    name = r[ki].split("(")[0].split("<")[0]
+    v = float(r[vi].replace(",", "") or 0)
+    if r[mi] == "gpu__time_duration.sum":
+        t[name] += v; n[name] += 1
+    else:
+        bw[name].append(v)
+tot = sum(t.values())
+print(f"{'kernel':40} {'count':>6} {'us total':>9} {'share':>6} {'dram %':>7}")
+for k, v in sorted(t.items(), key=lambda x: -x[1])[:20]:
+    print(f"{k[:40]:40} {n[k]:>6} {v / 1e3:>9.1f} {v / tot:>6.1%} {sum(bw[k]) / max(1, len(bw[k])):>7.1f}")
+PY
+fi
+
 tar czf "$OUT/00-all.tgz" -C "$OUT" logs
 cat "$S"

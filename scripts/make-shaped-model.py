@@ -16,6 +16,8 @@ SHAPES = {
     "qwen3-1.7b": dict(arch="Qwen3ForCausalLM", model_type="qwen3", hidden=2048, layers=28, heads=16, kv=8, head_dim=128, inter=6144, vocab=151936, tied=True, theta=1e6, max_pos=40960, eps=1e-6),
     "qwen3-4b": dict(arch="Qwen3ForCausalLM", model_type="qwen3", hidden=2560, layers=36, heads=32, kv=8, head_dim=128, inter=9728, vocab=151936, tied=True, theta=1e6, max_pos=40960, eps=1e-6),
     "llama-3-8b": dict(arch="LlamaForCausalLM", model_type="llama", hidden=4096, layers=32, heads=32, kv=8, head_dim=128, inter=14336, vocab=128256, tied=False, theta=5e5, max_pos=8192, eps=1e-5),
+    "llama-3.2-1b": dict(arch="LlamaForCausalLM", model_type="llama", hidden=2048, layers=16, heads=32, kv=8, head_dim=64, inter=8192, vocab=128256, tied=True, theta=5e5, max_pos=131072, eps=1e-5,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "smollm2-135m": dict(arch="LlamaForCausalLM", model_type="llama", hidden=576, layers=30, heads=9, kv=3, head_dim=64, inter=1536, vocab=49152, tied=True, theta=1e5, max_pos=8192, eps=1e-5),
 }
 
@@ -34,6 +36,8 @@ def main():
         "rms_norm_eps": s["eps"], "hidden_act": "silu", "torch_dtype": "bfloat16",
         "bos_token_id": 1, "eos_token_id": 2,
     }
+    if "rope_scaling" in s:
+        cfg["rope_scaling"] = s["rope_scaling"]
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     h, hd, kv, heads = s["hidden"], s["head_dim"], s["kv"], s["heads"]
