@@ -4,7 +4,10 @@ header but no weight data (a sparse file), for compiling plans of real model
 shapes without downloading weights. `kiln compile` reads headers only;
 `kiln bench` without --weights fills random weights on the device.
 
-    scripts/make-shaped-model.py qwen3-0.6b /tmp/shapes/qwen3-0.6b
+    scripts/make-shaped-model.py qwen3-0.6b /tmp/shapes/qwen3-0.6b [--tokenizer]
+
+--tokenizer also writes a synthetic word-level tokenizer.json of the shape's
+vocabulary size (for `kiln serve` on a shaped model).
 """
 import json
 import os
@@ -20,6 +23,22 @@ SHAPES = {
                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "smollm2-135m": dict(arch="LlamaForCausalLM", model_type="llama", hidden=576, layers=30, heads=9, kv=3, head_dim=64, inter=1536, vocab=49152, tied=True, theta=1e5, max_pos=8192, eps=1e-5),
 }
+
+
+def write_tokenizer(out, vocab):
+    """A synthetic word-level tokenizer.json with one word per id (`t0` ..), so
+    a server can detokenize whatever a random-weight model emits: the serving
+    benchmark needs the vocabulary's size, not its words."""
+    tok = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+        "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab)}, "unk_token": "t0"},
+    }
+    path = os.path.join(out, "tokenizer.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(tok, f)
+    os.replace(path + ".tmp", path)
 
 
 def main():
@@ -76,6 +95,8 @@ def main():
         f.write(blob)
         f.truncate(8 + len(blob) + off)
     os.replace(tmp, path)
+    if "--tokenizer" in sys.argv[3:]:
+        write_tokenizer(out, s["vocab"])
     print(f"{name}: {len(tensors)} tensors, {off / 1e9:.2f} GB of (absent) bf16 weights -> {out}")
 
 
