@@ -286,7 +286,10 @@ fn prefill_keys_gather_the_last_row_before_the_lm_head_and_spec_keys_score_every
     let dir = tiny(Family::Llama, &TinySpec::default());
     let m = open(dir.path()).unwrap();
     let kv = kv_for(&m);
-    let opts = TraceOptions { logits: true };
+    let opts = TraceOptions {
+        logits: true,
+        ..TraceOptions::default()
+    };
     let g = m.trace(Key::new(4, 2, 0), &kv, &opts).unwrap();
     kiln_ir::verify(&g, Some(m.manifest())).unwrap_or_else(|e| panic!("{}", e.render(&g)));
     let gather = g
