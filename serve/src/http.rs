@@ -202,7 +202,7 @@ fn prepare(s: &AppState, kind: Kind, body: &[u8]) -> Result<(GenRequest, Vec<u32
     } else {
         "prompt"
     };
-    if req.needs_logits() && !s.info.has_logits {
+    if req.needs_logits_on(s.info.in_graph_sampling) && !s.info.has_logits {
         let param = if req.logprobs.is_some() {
             "logprobs"
         } else if req.sampling.is_greedy() {
