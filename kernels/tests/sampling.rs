@@ -35,7 +35,11 @@ fn philox_matches_the_random123_known_answer_vectors() {
 fn uniforms_depend_on_seed_and_counter_and_are_uniform() {
     assert_ne!(uniform24(1, 0), uniform24(2, 0));
     assert_ne!(uniform24(1, 0), uniform24(1, 1));
-    assert_ne!(uniform24(1 << 32, 0), uniform24(0, 0), "the seed's high half counts");
+    assert_ne!(
+        uniform24(1 << 32, 0),
+        uniform24(0, 0),
+        "the seed's high half counts"
+    );
     let n = 100_000u32;
     let mut bins = [0u32; 16];
     for c in 0..n {
@@ -272,7 +276,10 @@ fn the_chi_square_check_rejects_draws_at_the_wrong_temperature() {
         ..RowSampling::GREEDY
     };
     let (chi, crit) = chi_square(&draws(&x, rs, n), &expected(&x, 0.6, 0, 1.0, 0.0), n as u64);
-    assert!(chi > crit, "{chi} <= {crit}: the check cannot tell T=1 from T=0.6");
+    assert!(
+        chi > crit,
+        "{chi} <= {crit}: the check cannot tell T=1 from T=0.6"
+    );
 }
 
 #[test]
@@ -306,7 +313,13 @@ fn the_draw_walks_the_kept_tokens_in_index_order() {
     // Two equal tokens: the lower half of the uniforms picks the first.
     let x = vec![0.0, 0.0];
     assert_eq!(sample_row_with(&x, [1.0, 1.0, 0.0, 0.0], 0, 0), 0);
-    assert_eq!(sample_row_with(&x, [1.0, 1.0, 0.0, 0.0], 0, (1 << 23) - 1), 0);
+    assert_eq!(
+        sample_row_with(&x, [1.0, 1.0, 0.0, 0.0], 0, (1 << 23) - 1),
+        0
+    );
     assert_eq!(sample_row_with(&x, [1.0, 1.0, 0.0, 0.0], 0, 1 << 23), 1);
-    assert_eq!(sample_row_with(&x, [1.0, 1.0, 0.0, 0.0], 0, (1 << 24) - 1), 1);
+    assert_eq!(
+        sample_row_with(&x, [1.0, 1.0, 0.0, 0.0], 0, (1 << 24) - 1),
+        1
+    );
 }

@@ -83,7 +83,10 @@ fn cuda_sample_picks_the_cpu_references_token_for_the_same_uniforms() {
             assert_eq!(got[0].i, want, "V {v} step {step}");
             let argmax = run_op(&mut b, &Op::Argmax, &args[..1]);
             for i in [0, 4] {
-                assert_eq!(got[0].i[i], argmax[0].i[i], "greedy row {i} is argmax, V {v}");
+                assert_eq!(
+                    got[0].i[i], argmax[0].i[i],
+                    "greedy row {i} is argmax, V {v}"
+                );
             }
         }
     }
@@ -98,7 +101,11 @@ fn expected(x: &[f32], s: &RowSampling) -> Vec<f64> {
         .collect();
     let mut order: Vec<usize> = (0..x.len()).collect();
     order.sort_by(|&a, &b| e[b].total_cmp(&e[a]));
-    let k = if s.top_k == 0 { x.len() } else { s.top_k as usize };
+    let k = if s.top_k == 0 {
+        x.len()
+    } else {
+        s.top_k as usize
+    };
     order.truncate(k);
     let zk: f64 = order.iter().map(|&i| e[i]).sum();
     let mut keep = vec![false; x.len()];
@@ -179,7 +186,10 @@ fn a_captured_sample_replays_with_parameters_that_change_every_step() {
     let mut r = Rng::new(302);
     let (rows, v) = (4u32, 32_000usize);
     let x: Vec<Vec<f32>> = (0..rows).map(|_| logits(&mut r, v, 8.0)).collect();
-    let lg = put(&mut b, &HT::floats(DType::F32, &[rows, v as u32], x.concat()));
+    let lg = put(
+        &mut b,
+        &HT::floats(DType::F32, &[rows, v as u32], x.concat()),
+    );
     let params = poisoned(&mut b, &TensorType::new(DType::F32, vec![rows, 4]));
     let seeds = poisoned(&mut b, &TensorType::new(DType::I32, vec![rows, 4]));
     let out = poisoned(&mut b, &TensorType::new(DType::I32, vec![rows]));

@@ -55,7 +55,11 @@ fn each_sampled_token_is_the_reference_samplers_draw_from_that_steps_logits() {
         .map(|i| {
             let p = prompt(&mut rng, model.vocab, 5 + i);
             let id = e.add_sequence_with(&p, opts(12)).unwrap();
-            let s = if i == 1 { RowSampling::GREEDY } else { hot(77 + i as u64) };
+            let s = if i == 1 {
+                RowSampling::GREEDY
+            } else {
+                hot(77 + i as u64)
+            };
             e.set_sampling(id, s).unwrap();
             (id, s, p.len())
         })
@@ -79,9 +83,15 @@ fn each_sampled_token_is_the_reference_samplers_draw_from_that_steps_logits() {
         }
     }
     assert_eq!(checked, 36);
-    assert!(e.total_counters().replays > 0, "the graphs must have replayed");
+    assert!(
+        e.total_counters().replays > 0,
+        "the graphs must have replayed"
+    );
     // The sampled rows do sample: not every token is the argmax.
-    assert!(off_argmax > 2, "{off_argmax} of 24 sampled tokens left the argmax");
+    assert!(
+        off_argmax > 2,
+        "{off_argmax} of 24 sampled tokens left the argmax"
+    );
 }
 
 #[test]

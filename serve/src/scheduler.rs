@@ -534,7 +534,9 @@ impl Scheduler {
         };
         let mut token = graph_token;
         if params.needs_host(in_graph) {
-            let l = logits.as_deref().expect("needs_logits_on covers host sampling");
+            let l = logits
+                .as_deref()
+                .expect("needs_logits_on covers host sampling");
             token = self.sampler.sample(l, params, &r.gen.generated, step);
             if token != graph_token {
                 if let Err(e) = self.engine.replace_last_token(r.seq, token) {

@@ -148,7 +148,7 @@ pub fn uniform24(seed: u64, counter: u32) -> u32 {
 /// with explicit fma (relative error under 1e-7).
 const EXP2_POLY: [f32; 9] = [
     1.0,
-    0.693_147_2,
+    std::f32::consts::LN_2,
     0.240_226_5,
     0.055_504_11,
     0.009_618_129,
@@ -212,7 +212,7 @@ pub struct Kept {
 /// finite maximum); `None` when the row is greedy.
 pub fn kept(x: &[f32], params: [f32; 4], top_k: i32) -> Option<Kept> {
     let [t, top_p, min_p, _] = params;
-    if !(t > 0.0) || x.is_empty() {
+    if t.is_nan() || t <= 0.0 || x.is_empty() {
         return None;
     }
     let m = x
@@ -297,13 +297,7 @@ pub fn sample_row(x: &[f32], params: [f32; 4], seeds: [i32; 4]) -> usize {
 }
 
 /// `sample(logits: F[R, V], params: f32[R, 4], seeds: i32[R, 4]) -> i32[R]`.
-pub(crate) unsafe fn sample(
-    x: Buf,
-    params: Buf,
-    seeds: Buf,
-    (rows, v): (usize, usize),
-    out: Buf,
-) {
+pub(crate) unsafe fn sample(x: Buf, params: Buf, seeds: Buf, (rows, v): (usize, usize), out: Buf) {
     let mut row = vec![0f32; v];
     let mut prm = [0f32; 4];
     let seeds = seeds.ints();

@@ -115,7 +115,11 @@ impl TinyModel {
 
     /// Writes the model into `dir` and compiles a plan for [`Self::keys`]
     /// whose non-speculative keys sample in the graph (`--sampling`).
-    pub fn build_sampling(&self, dir: &Path, target: kiln_ir::plan::Target) -> std::io::Result<Plan> {
+    pub fn build_sampling(
+        &self,
+        dir: &Path,
+        target: kiln_ir::plan::Target,
+    ) -> std::io::Result<Plan> {
         self.write_weights(dir)?;
         Ok(self.compile_with(dir, &self.keys, target, true))
     }
