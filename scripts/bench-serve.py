@@ -4,7 +4,7 @@ concurrent streaming clients and report requests/s, output tokens/s, time to
 first token and time per output token (p50, p99), as a table and JSON.
 
     scripts/bench-serve.py --url http://127.0.0.1:8000 --concurrency 1 8 32 \
-        --requests 64 --max-tokens 128 [--chat] [--json out.json]
+        --requests 64 --max-tokens 128 [--chat] [--temperature 0.8] [--json out.json]
 
 Standard library only. Each client sends its requests one after another;
 prompts cycle through --prompts FILE (one per line) or a built-in set. Output
@@ -34,7 +34,7 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def one_request(url, model, prompt, max_tokens, chat):
+def one_request(url, model, prompt, max_tokens, chat, temperature=0.0, seed=None):
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=600)
     if chat:
@@ -43,8 +43,10 @@ def one_request(url, model, prompt, max_tokens, chat):
     else:
         path = "/v1/completions"
         body = {"model": model, "prompt": prompt}
-    body.update({"max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body.update({"max_tokens": max_tokens, "temperature": temperature, "stream": True,
                  "stream_options": {"include_usage": True}})
+    if seed is not None:
+        body["seed"] = seed
     t0 = time.perf_counter()
     conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -100,7 +102,8 @@ def run_level(args, prompts, concurrency):
                 return
             try:
                 r = one_request(args.url, args.model, prompts[i % len(prompts)],
-                                args.max_tokens, args.chat)
+                                args.max_tokens, args.chat, args.temperature,
+                                None if args.seed is None else args.seed + i)
                 with lock:
                     results.append(r)
             except Exception as e:  # reported, not fatal
@@ -147,6 +150,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", help="a file with one prompt per line")
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (0: greedy)")
+    ap.add_argument("--seed", type=int, help="seed of request i is SEED + i (default: unseeded)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     prompts = DEFAULT_PROMPTS
@@ -163,7 +169,8 @@ def main():
             v = lv[c]
             cells.append(f"{v:>19.2f}" if isinstance(v, float) else f"{str(v):>19}")
         print(" ".join(cells))
-    doc = {"url": args.url, "max_tokens": args.max_tokens, "chat": args.chat, "levels": levels}
+    doc = {"url": args.url, "max_tokens": args.max_tokens, "chat": args.chat,
+           "temperature": args.temperature, "levels": levels}
     print(json.dumps(doc, indent=2))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -66,6 +66,10 @@ pub struct CompileOptions {
     pub kv: KvOptions,
     /// Also output the f32 logits of every scored row.
     pub logits: bool,
+    /// Draw next tokens with the in-graph sampler (`sample`, per-row
+    /// parameters staged each step) instead of `argmax` in non-speculative
+    /// keys; greedy rows stay bit-identical to argmax.
+    pub sampling: bool,
     /// Verify every graph before and after each pass, and check every plan.
     pub verify: bool,
     pub passes: Vec<Pass>,
@@ -81,6 +85,7 @@ impl Default for CompileOptions {
             target: Target::Cpu,
             kv: KvOptions::default(),
             logits: false,
+            sampling: false,
             verify: true,
             passes: DEFAULT_PIPELINE.to_vec(),
             attn_target_blocks: kiln_kernels::gpu::ATTN_TARGET_BLOCKS,
@@ -375,6 +380,7 @@ pub fn compile_model(
     };
     let trace_opts = TraceOptions {
         logits: opts.logits,
+        sampling: opts.sampling,
     };
     compile_traced(
         meta,
@@ -430,6 +436,12 @@ pub struct CompileArgs {
     /// Also output the f32 logits of every scored row.
     #[arg(long)]
     pub logits: bool,
+    /// Sample next tokens inside the graph (temperature, top-k, top-p,
+    /// min-p and a seed per row, staged each step) instead of argmax; what
+    /// `kiln serve` wants for requests with a temperature. Argmax-only plans
+    /// stay the default.
+    #[arg(long)]
+    pub sampling: bool,
     /// Skip graph verification between passes (the final graph is still
     /// verified before planning) and the independent plan checker.
     #[arg(long)]
@@ -467,6 +479,7 @@ impl CompileArgs {
                 max_context: Some(self.max_context),
             },
             logits: self.logits,
+            sampling: self.sampling,
             verify: !self.no_verify,
             passes: DEFAULT_PIPELINE.to_vec(),
             attn_target_blocks: self.attn_target_blocks,

@@ -286,7 +286,10 @@ fn prefill_keys_gather_the_last_row_before_the_lm_head_and_spec_keys_score_every
     let dir = tiny(Family::Llama, &TinySpec::default());
     let m = open(dir.path()).unwrap();
     let kv = kv_for(&m);
-    let opts = TraceOptions { logits: true };
+    let opts = TraceOptions {
+        logits: true,
+        ..TraceOptions::default()
+    };
     let g = m.trace(Key::new(4, 2, 0), &kv, &opts).unwrap();
     kiln_ir::verify(&g, Some(m.manifest())).unwrap_or_else(|e| panic!("{}", e.render(&g)));
     let gather = g
@@ -319,6 +322,40 @@ fn prefill_keys_gather_the_last_row_before_the_lm_head_and_spec_keys_score_every
     assert_eq!(acc.args, [next, g.input(InputRole::DraftTokens).unwrap()]);
     let names: Vec<&str> = g.outputs.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["next_tokens", "accepted", "logits"]);
+}
+
+#[test]
+fn sampling_traces_draw_next_tokens_with_sample_and_spec_keys_stay_greedy() {
+    let dir = tiny(Family::Llama, &TinySpec::default());
+    let m = open(dir.path()).unwrap();
+    let kv = kv_for(&m);
+    let opts = TraceOptions {
+        sampling: true,
+        ..TraceOptions::default()
+    };
+    for key in [Key::new(3, 1, 0), Key::new(2, 4, 0)] {
+        let g = m.trace(key, &kv, &opts).unwrap();
+        kiln_ir::verify(&g, Some(m.manifest())).unwrap_or_else(|e| panic!("{}", e.render(&g)));
+        let counts = op_counts(&g);
+        assert_eq!(counts.get("sample"), Some(&1), "{key}");
+        assert_eq!(counts.get("argmax"), None, "{key}");
+        let sample = g.nodes.iter().find(|n| n.op == Op::Sample).unwrap();
+        let params = g.input(InputRole::SampleParams).unwrap();
+        let seeds = g.input(InputRole::SampleSeeds).unwrap();
+        assert_eq!(sample.args[1..], [params, seeds]);
+        assert_eq!(g.ty(params), &TensorType::new(DType::F32, [key.batch, 4]));
+        assert_eq!(g.ty(seeds), &TensorType::new(DType::I32, [key.batch, 4]));
+        assert_eq!(g.outputs[0].1, sample.results[0]);
+    }
+    let g = m.trace(Key::new(2, 3, 2), &kv, &opts).unwrap();
+    assert_eq!(op_counts(&g).get("sample"), None);
+    assert!(g.input(InputRole::SampleParams).is_none());
+    // Without the option nothing changes.
+    let g = m
+        .trace(Key::new(3, 1, 0), &kv, &TraceOptions::default())
+        .unwrap();
+    assert_eq!(op_counts(&g).get("argmax"), Some(&1));
+    assert!(g.input(InputRole::SampleSeeds).is_none());
 }
 
 #[test]

@@ -76,7 +76,14 @@ proptest! {
         let s = spec_frac % query;
         let key = Key::new(batch, query, s);
         let kv = m.kv_layout(4, 5);
-        let r = m.trace(key, &kv, &TraceOptions { logits });
+        let r = m.trace(
+            key,
+            &kv,
+            &TraceOptions {
+                logits,
+                ..TraceOptions::default()
+            },
+        );
         if s > 0 && query != s + 1 {
             let is_unsupported = matches!(r, Err(FrontendError::UnsupportedKey { .. }));
             prop_assert!(is_unsupported);

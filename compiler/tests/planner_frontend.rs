@@ -77,7 +77,14 @@ fn planned_execution_of_a_compiled_model_matches_its_traced_graph() {
                 let ck = random_checkpoint(m.manifest(), &mut rng);
                 for kp in &c.plan.keys {
                     let traced = m
-                        .trace(kp.key, &c.plan.kv, &TraceOptions { logits })
+                        .trace(
+                            kp.key,
+                            &c.plan.kv,
+                            &TraceOptions {
+                                logits,
+                                ..TraceOptions::default()
+                            },
+                        )
                         .unwrap();
                     let inp = random_inputs(kp.key, &c.plan.kv, spec.vocab, 64, &mut rng);
                     let want = eval_graph(&traced, m.manifest(), &ck, &inp);

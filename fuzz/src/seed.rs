@@ -284,6 +284,7 @@ fn ir(root: &Path) -> Result<Vec<(String, Vec<u8>)>, SeedError> {
                 &kv,
                 &TraceOptions {
                     logits: family == Family::Qwen2,
+                    ..TraceOptions::default()
                 },
             )
             .map_err(|e| err(name.clone())(e.to_string()))?;

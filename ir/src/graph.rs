@@ -57,6 +57,10 @@ pub enum InputRole {
     ContextLens,
     /// `i32[B*spec]`: draft tokens to verify (only when spec > 0).
     DraftTokens,
+    /// `f32[B, 4]`: each row's `[temperature, top_p, min_p, 0]` for `sample`.
+    SampleParams,
+    /// `i32[B, 4]`: each row's `[top_k, seed_lo, seed_hi, counter]` for `sample`.
+    SampleSeeds,
     /// `D[S, kvh*hd]`: layer `l`'s key cache (state, not staging).
     KCache(u32),
     /// `D[S, kvh*hd]`: layer `l`'s value cache.
@@ -77,6 +81,8 @@ impl InputRole {
             InputRole::BlockTables => "block_tables".into(),
             InputRole::ContextLens => "context_lens".into(),
             InputRole::DraftTokens => "draft_tokens".into(),
+            InputRole::SampleParams => "sample_params".into(),
+            InputRole::SampleSeeds => "sample_seeds".into(),
             InputRole::KCache(l) => format!("k_cache.{l}"),
             InputRole::VCache(l) => format!("v_cache.{l}"),
         }
@@ -89,6 +95,8 @@ impl InputRole {
             "block_tables" => InputRole::BlockTables,
             "context_lens" => InputRole::ContextLens,
             "draft_tokens" => InputRole::DraftTokens,
+            "sample_params" => InputRole::SampleParams,
+            "sample_seeds" => InputRole::SampleSeeds,
             _ => {
                 let (kind, l) = s.split_once('.')?;
                 if l.is_empty() || !l.bytes().all(|c| c.is_ascii_digit()) {

@@ -169,6 +169,14 @@ pub enum Op {
     /// greedy prediction at the previous position (`drafts[b,j] == pred[b,j]`).
     /// The host then takes `accepted + 1` tokens from `pred` (the bonus token).
     AcceptGreedy { spec: u32 },
+    /// `sample(logits: F[R, V], params: f32[R, 4], seeds: i32[R, 4]) -> i32[R]`:
+    /// each row's next token drawn from `softmax(logits / temperature)` after
+    /// top-k, top-p and min-p, with a Philox4x32-10 uniform keyed by the row's
+    /// seed and counter; `params` row `[temperature, top_p, min_p, 0]`, `seeds`
+    /// row `[top_k, seed_lo, seed_hi, counter]`. A row with `temperature <= 0`
+    /// is exactly `argmax`. The normative algorithm is in kiln-kernels
+    /// (`cpu::sample`).
+    Sample,
 }
 
 /// Why an op's operands do not type-check. The verifier adds the location.
@@ -193,11 +201,12 @@ impl Op {
             Op::GatherLast { .. } => "gather_last",
             Op::Argmax => "argmax",
             Op::AcceptGreedy { .. } => "accept_greedy",
+            Op::Sample => "sample",
         }
     }
 
     /// All mnemonics, for error messages ("expected one of ...").
-    pub const MNEMONICS: [&'static str; 15] = [
+    pub const MNEMONICS: [&'static str; 16] = [
         "embedding",
         "rms_norm",
         "add_rms_norm",
@@ -213,6 +222,7 @@ impl Op {
         "gather_last",
         "argmax",
         "accept_greedy",
+        "sample",
     ];
 
     /// Accepted argument counts.
@@ -236,6 +246,7 @@ impl Op {
             Op::GatherLast { .. } => &[1],
             Op::Argmax => &[1],
             Op::AcceptGreedy { .. } => &[2],
+            Op::Sample => &[3],
         }
     }
 
@@ -647,6 +658,22 @@ impl Op {
                     format!("drafts length {} must be batch*spec = {}*{}", d[0], b, spec),
                 )?;
                 Ok(vec![tt(DType::I32, vec![b])])
+            }
+            Op::Sample => {
+                float(0, "logits")?;
+                let x = rank(0, 2, "logits")?;
+                want(x[1] > 0, "rows must not be empty".into())?;
+                for (i, what, dtype) in [(1, "params", DType::F32), (2, "seeds", DType::I32)] {
+                    let d = rank(i, 2, what)?;
+                    want(
+                        args[i].dtype == dtype && d == [x[0], 4],
+                        format!(
+                            "{what} (argument {i}) must be {dtype}[{}, 4] (one row per logits row), got {}",
+                            x[0], args[i]
+                        ),
+                    )?;
+                }
+                Ok(vec![tt(DType::I32, vec![x[0]])])
             }
         }
     }

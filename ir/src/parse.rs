@@ -1038,6 +1038,7 @@ impl<'a> Parser<'a> {
                 group: a.u32("group")?,
             },
             "argmax" => Op::Argmax,
+            "sample" => Op::Sample,
             "accept_greedy" => Op::AcceptGreedy {
                 spec: a.u32("spec")?,
             },

@@ -263,7 +263,13 @@ fn fmt_scaling(s: &RopeScaling) -> String {
 /// attributes.
 pub(crate) fn attrs(op: &Op) -> String {
     let pairs: Vec<(&str, String)> = match op {
-        Op::Embedding | Op::KvWrite | Op::SiluMul | Op::GeluTanhMul | Op::Add | Op::Argmax => {
+        Op::Embedding
+        | Op::KvWrite
+        | Op::SiluMul
+        | Op::GeluTanhMul
+        | Op::Add
+        | Op::Argmax
+        | Op::Sample => {
             vec![]
         }
         Op::RmsNorm { eps, unit_offset } | Op::AddRmsNorm { eps, unit_offset } => vec![

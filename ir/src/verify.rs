@@ -524,6 +524,14 @@ pub fn verify(g: &Graph, manifest: Option<&WeightManifest>) -> Result<GraphInfo,
                 data.ty.dtype.is_float() && data.ty.shape.rank() == 2,
                 "a float tensor of rank 2",
             ),
+            InputRole::SampleParams => (
+                data.ty.dtype == DType::F32 && data.ty.shape.rank() == 2,
+                "f32 of rank 2",
+            ),
+            InputRole::SampleSeeds => (
+                data.ty.dtype == DType::I32 && data.ty.shape.rank() == 2,
+                "i32 of rank 2",
+            ),
             _ => (
                 data.ty.dtype == DType::I32 && data.ty.shape.rank() == 1,
                 "i32 of rank 1",

@@ -98,3 +98,221 @@ KILN_GLOBAL void accept_greedy(const int* __restrict__ pred, const int* __restri
   while (n < spec && drafts[(i64)b * spec + n] == pred[(i64)b * (spec + 1) + n]) ++n;
   accepted[b] = n;
 }
+
+// ---------------------------------------------------------------------------
+// sample: the in-graph sampler. One block per row. The normative algorithm is
+// kiln-kernels' cpu::sample module docs; this is that algorithm step by step:
+// (1) max and argmax (greedy rows stop here, bit-identical to argmax);
+// (2) p = prob((x - m) / T) and integer weights w = trunc(p * 2^40);
+// (3) top-k and top-p thresholds by a 4-pass radix select over the bits of
+//     p (8 bits per pass, counts or u64 masses per bin; integer sums, so the
+//     result does not depend on the order of the atomics), min-p directly;
+// (4) the draw: a Philox4x32-10 uniform, target = floor(Z * r / 2^24), and a
+//     prefix walk in index order (per-thread contiguous segments, a block
+//     scan of their sums, then one thread walks its segment).
+// Every float step uses _rn intrinsics and explicit fma, so the bits of p
+// match the CPU reference.
+
+#define KILN_SAMPLE_THREADS 1024
+
+typedef unsigned long long u64;
+
+KILN_DEV float sample_exp(float z) {
+  if (!(z >= -87.0f)) return 0.0f;
+  const float y = __fmul_rn(z, 1.44269504088896340736f);
+  const float n = floorf(y);
+  const float f = __fsub_rn(y, n);
+  float p = 1.3215487e-6f;
+  p = fmaf(p, f, 1.5252734e-5f);
+  p = fmaf(p, f, 0.0001540353f);
+  p = fmaf(p, f, 0.0013333558f);
+  p = fmaf(p, f, 0.009618129f);
+  p = fmaf(p, f, 0.05550411f);
+  p = fmaf(p, f, 0.2402265f);
+  p = fmaf(p, f, 0.6931472f);
+  p = fmaf(p, f, 1.0f);
+  const float scale = __uint_as_float((unsigned)((int)n + 127) << 23);
+  return fminf(__fmul_rn(p, scale), 1.0f);
+}
+
+KILN_DEV float sample_prob(float x, float m, float t) {
+  if (isnan(x)) return 0.0f;
+  return sample_exp(__fdiv_rn(__fsub_rn(x, m), t));
+}
+
+KILN_DEV u64 sample_weight(float p) { return (u64)__fmul_rn(p, 1099511627776.0f); }
+
+KILN_DEV void philox4x32_10(unsigned c[4], unsigned k0, unsigned k1) {
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const unsigned hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+    const unsigned hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+    const unsigned n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+    c[0] = n0;
+    c[1] = lo1;
+    c[2] = n2;
+    c[3] = lo0;
+  }
+}
+
+KILN_DEV u64 warp_sum_u64(u64 v) {
+#pragma unroll
+  for (int m = KILN_WARP / 2; m > 0; m >>= 1) {
+    const unsigned lo = (unsigned)shfl_xor_int((int)(unsigned)v, m);
+    const unsigned hi = (unsigned)shfl_xor_int((int)(unsigned)(v >> 32), m);
+    v += ((u64)hi << 32) | lo;
+  }
+  return v;
+}
+
+// Sum over the block; every thread gets it. Two barriers.
+KILN_DEV u64 block_sum_u64(u64 v, u64* cell) {
+  if (threadIdx.x == 0) *cell = 0;
+  __syncthreads();
+  v = warp_sum_u64(v);
+  if (threadIdx.x % KILN_WARP == 0) atomicAdd(cell, v);
+  __syncthreads();
+  const u64 t = *cell;
+  __syncthreads();
+  return t;
+}
+
+// The largest bit pattern b of p among tokens with bits >= lo such that the
+// tokens with bits >= b weigh at least `target` (weights: 1 each, or w).
+template <typename T>
+KILN_DEV unsigned sample_select(const T* __restrict__ r, int vocab, float m, float t, unsigned lo,
+                                bool by_mass, u64 target, u64* hist, unsigned* sh_prefix,
+                                u64* sh_above) {
+  unsigned prefix = 0;
+  u64 above = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+    __syncthreads();
+    const unsigned hi_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+      const float p = sample_prob(ld(r[i]), m, t);
+      const unsigned bits = __float_as_uint(p);
+      if (bits >= lo && (bits & hi_mask) == prefix)
+        atomicAdd(&hist[(bits >> shift) & 255u], by_mass ? sample_weight(p) : (u64)1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int b = 255;
+      u64 cum = above;
+      for (; b > 0; --b) {
+        if (cum + hist[b] >= target) break;
+        cum += hist[b];
+      }
+      *sh_prefix = prefix | ((unsigned)b << shift);
+      *sh_above = cum;
+    }
+    __syncthreads();
+    prefix = *sh_prefix;
+    above = *sh_above;
+    __syncthreads();
+  }
+  return prefix;
+}
+
+template <typename T>
+KILN_DEV void sample_rows(const T* __restrict__ x, const float* __restrict__ params,
+                          const int* __restrict__ seeds, int* __restrict__ out, int vocab) {
+  KILN_PROLOGUE();
+  __shared__ u64 hist[256];
+  __shared__ u64 scan[KILN_SAMPLE_THREADS];
+  __shared__ u64 cell;
+  __shared__ unsigned sh_prefix;
+  __shared__ u64 sh_above;
+  __shared__ float sh_max;
+  __shared__ int sh_arg;
+  const int row = blockIdx.x;
+  const T* r = x + (i64)row * vocab;
+  const float t = params[row * 4], top_p = params[row * 4 + 1], min_p = params[row * 4 + 2];
+  const int top_k = seeds[row * 4];
+
+  // (1) max and argmax under argmax's NaN rule.
+  float best = -KILN_INF;
+  int bi = 0x7fffffff;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const float v = ld(r[i]);
+    if (v > best || (bi == 0x7fffffff && v == best)) {
+      best = v;
+      bi = i;
+    }
+  }
+  argmax_block(best, bi);
+  if (threadIdx.x == 0) {
+    sh_max = best;
+    sh_arg = bi == 0x7fffffff ? 0 : bi;
+  }
+  __syncthreads();
+  const float m = sh_max;
+  if (!(t > 0.0f) || isinf(m) || isnan(m)) {
+    if (threadIdx.x == 0) out[row] = sh_arg;
+    return;
+  }
+
+  // (3) thresholds on the bits of p.
+  unsigned tk = 0;
+  if (top_k > 0 && top_k < vocab)
+    tk = sample_select(r, vocab, m, t, 0u, false, (u64)top_k, hist, &sh_prefix, &sh_above);
+  unsigned tp = 0;
+  if (top_p < 1.0f) {
+    u64 local = 0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+      const float p = sample_prob(ld(r[i]), m, t);
+      if (__float_as_uint(p) >= tk) local += sample_weight(p);
+    }
+    const u64 zk = block_sum_u64(local, &cell);
+    u64 target = (u64)__dmul_rn((double)fmaxf(top_p, 0.0f), __ull2double_rn(zk));
+    if (target < 1) target = 1;
+    tp = sample_select(r, vocab, m, t, tk, true, target, hist, &sh_prefix, &sh_above);
+  }
+  const unsigned tm = min_p > 0.0f ? __float_as_uint(fminf(min_p, 1.0f)) : 0u;
+  const unsigned thr = max(tk, max(tp, tm));
+
+  // (4) the draw: contiguous segments, a block scan, one thread walks.
+  const int per = (vocab + blockDim.x - 1) / blockDim.x;
+  const int begin = min(vocab, (int)threadIdx.x * per), end = min(vocab, begin + per);
+  u64 seg = 0;
+  for (int i = begin; i < end; ++i) {
+    const float p = sample_prob(ld(r[i]), m, t);
+    if (__float_as_uint(p) >= thr) seg += sample_weight(p);
+  }
+  scan[threadIdx.x] = seg;
+  __syncthreads();
+  for (int off = 1; off < (int)blockDim.x; off <<= 1) {
+    const u64 add = threadIdx.x >= (unsigned)off ? scan[threadIdx.x - off] : 0;
+    __syncthreads();
+    scan[threadIdx.x] += add;
+    __syncthreads();
+  }
+  const u64 z = scan[blockDim.x - 1];
+  unsigned c[4] = {(unsigned)seeds[row * 4 + 3], 0u, 0x6b696c6eu, 0u};
+  philox4x32_10(c, (unsigned)seeds[row * 4 + 1], (unsigned)seeds[row * 4 + 2]);
+  const u64 r24 = c[0] >> 8;
+  const u64 target = (z >> 24) * r24 + (((z & 0xFFFFFFull) * r24) >> 24);
+  const u64 incl = scan[threadIdx.x], excl = incl - seg;
+  if (excl <= target && target < incl) {
+    u64 cum = excl;
+    for (int i = begin; i < end; ++i) {
+      const float p = sample_prob(ld(r[i]), m, t);
+      if (__float_as_uint(p) >= thr) cum += sample_weight(p);
+      if (cum > target) {
+        out[row] = i;
+        break;
+      }
+    }
+  }
+}
+
+#define KILN_SAMPLE_ENTRIES(T, S)                                                              \
+  KILN_GLOBAL void __launch_bounds__(KILN_SAMPLE_THREADS)                                      \
+      sample_##S(const T* x, const float* params, const int* seeds, int* out, int vocab) {      \
+    sample_rows<T>(x, params, seeds, out, vocab);                                              \
+  }
+KILN_FOR_FLOATS(KILN_SAMPLE_ENTRIES)

@@ -236,6 +236,7 @@ pub fn entry_points(module: &str) -> Vec<String> {
             per_float(&mut v, &["argmax_chunk"]);
             v.push("argmax_final".into());
             v.push("accept_greedy".into());
+            per_float(&mut v, &["sample"]);
         }
         _ => {}
     }
@@ -357,6 +358,9 @@ pub const ATTN_THREADS: u32 = 128;
 const KILN_WARP: u32 = 32;
 /// Upper bound on attention partitions per sequence.
 pub const ATTN_MAX_PARTS: u32 = 256;
+/// Threads of the `sample` kernel's one block per row.
+pub const SAMPLE_THREADS: u32 = 1024;
+
 /// Elements of a row one block of the argmax's first stage scans.
 pub const ARGMAX_CHUNK: u32 = 4096;
 /// Attention blocks the partition size aims for by default (about two per
@@ -1010,6 +1014,23 @@ pub fn lower_symbolic(
                     Param::Result(0),
                     Param::I32(to_i32(m, "batch", b)?),
                     Param::I32(*spec as i32),
+                ],
+            )])
+        }
+        Op::Sample => {
+            let s = float_suffix(m, args[0].dtype)?;
+            let (rows, vocab) = two(&x)?;
+            calls(vec![call(
+                "sampling",
+                format!("sample_{s}"),
+                [rows.max(1), 1, 1],
+                SAMPLE_THREADS,
+                vec![
+                    Param::Arg(0),
+                    Param::Arg(1),
+                    Param::Arg(2),
+                    Param::Result(0),
+                    Param::I32(to_i32(m, "vocab", vocab as u64)?),
                 ],
             )])
         }

@@ -24,8 +24,15 @@
 //! [`timing`] times one key's step (replayed or eager) for `kiln bench`
 //! through the same loading path.
 //!
-//! Not here: sampling other than greedy, preemption, prefix caching, and a
-//! request queue (callers add and remove sequences between steps).
+//! Sampling: a plan compiled with `--sampling` draws next tokens with the
+//! in-graph `sample` op; each row's parameters ([`RowSampling`], set with
+//! [`Engine::set_sampling`], greedy by default) are staged every step with
+//! the counter set to the index of the token being drawn, so a seeded
+//! sequence draws the same tokens whatever its batch and after a recompute.
+//! Speculative keys stay greedy (`accept_greedy`).
+//!
+//! Not here: preemption, prefix caching, penalties, and a request queue
+//! (callers add and remove sequences between steps).
 
 use crate::backend::{
     Backend, BackendError, DevOperand, DevPtr, GraphHandle, Launch, LaunchBody, ResolvedKernel,
@@ -39,6 +46,7 @@ use crate::weights::{WeightSet, Weights};
 use kiln_ir::graph::InputRole;
 use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Lowering, Plan, Region};
 use kiln_ir::{DType, Key};
+use kiln_kernels::cpu::sample::RowSampling;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -176,6 +184,7 @@ struct Seq {
     drafts: Vec<u32>,
     finished: Option<FinishReason>,
     logits: Vec<f32>,
+    sampling: RowSampling,
 }
 
 /// A read-only view of a sequence.
@@ -243,6 +252,8 @@ struct KeyRt {
     block_tables: Option<Staged>,
     context_lens: Option<Staged>,
     drafts: Option<Staged>,
+    sample_params: Option<Staged>,
+    sample_seeds: Option<Staged>,
     next_tokens: Output,
     accepted: Option<Output>,
     logits: Option<Output>,
@@ -470,6 +481,8 @@ impl Engine {
                 block_tables: staged(InputRole::BlockTables),
                 context_lens: staged(InputRole::ContextLens),
                 drafts: staged(InputRole::DraftTokens),
+                sample_params: staged(InputRole::SampleParams),
+                sample_seeds: staged(InputRole::SampleSeeds),
                 next_tokens: output("next_tokens").expect("validated"),
                 accepted: output("accepted"),
                 logits: output("logits"),
@@ -614,6 +627,7 @@ impl Engine {
                     None
                 },
                 logits: Vec::new(),
+                sampling: RowSampling::GREEDY,
             },
         );
         if opts.max_new_tokens == 0 {
@@ -691,6 +705,32 @@ impl Engine {
             .ok_or(EngineError::UnknownSequence(id))?;
         s.drafts.clear();
         s.drafts.extend_from_slice(drafts);
+        Ok(())
+    }
+
+    /// Whether every non-speculative key samples in the graph (the plan was
+    /// compiled with `--sampling`).
+    pub fn has_in_graph_sampling(&self) -> bool {
+        self.keys
+            .iter()
+            .filter(|k| k.key.spec == 0)
+            .all(|k| k.sample_params.is_some() && k.sample_seeds.is_some())
+    }
+
+    /// Sets how sequence `id` draws its next tokens from the next step on
+    /// (greedy until set). A plan without in-graph sampling accepts only
+    /// greedy parameters.
+    pub fn set_sampling(&mut self, id: SeqId, sampling: RowSampling) -> Result<(), EngineError> {
+        if sampling.temperature > 0.0 && !self.has_in_graph_sampling() {
+            return Err(EngineError::SamplingUnavailable {
+                temperature: sampling.temperature,
+            });
+        }
+        let s = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        s.sampling = sampling;
         Ok(())
     }
 
@@ -918,6 +958,19 @@ impl Engine {
                 for j in 0..spec {
                     k.io_host[d.at + r * spec + j] = seq.map_or(0, |s| s.drafts[j] as i32);
                 }
+            }
+            // The counter is the index in the sequence of the token this
+            // row draws (context length after the step).
+            let (sampling, counter) = seq.map_or((RowSampling::GREEDY, 0), |s| {
+                (s.sampling, s.computed + q as u32)
+            });
+            if let Some(p) = k.sample_params {
+                for (j, v) in sampling.params().into_iter().enumerate() {
+                    k.io_host[p.at + r * 4 + j] = v.to_bits() as i32;
+                }
+            }
+            if let Some(p) = k.sample_seeds {
+                k.io_host[p.at + r * 4..p.at + r * 4 + 4].copy_from_slice(&sampling.seeds(counter));
             }
         }
     }

@@ -65,6 +65,8 @@ pub enum EngineError {
     },
     #[error("no sequence {0:?} in this engine")]
     UnknownSequence(SeqId),
+    #[error("the plan draws next tokens with argmax only, so a row cannot sample (temperature {temperature}); recompile it with `kiln compile --sampling`")]
+    SamplingUnavailable { temperature: f32 },
     #[error("no compiled key fits a step of {rows} row(s) with query {query}, spec {spec} (largest compiled batch for that shape: {largest}) and the policy forbids eager steps; compile a larger key (kiln compile --keys b{rows}q{query}s{spec}) or allow eager fallback")]
     NoKeyFits {
         rows: u32,

@@ -43,6 +43,7 @@ pub use engine::{
     SeqId, SeqOptions, SeqView, StepMode, StepTimes,
 };
 pub use error::EngineError;
+pub use kiln_kernels::cpu::sample::RowSampling;
 pub use policy::{EagerFallback, GraphDecision, GraphMode};
 pub use spec::{RowOutcome, SpecError, SpecOptions, SpecStats, Speculator};
 pub use weights::Weights;

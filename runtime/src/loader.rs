@@ -142,6 +142,7 @@ fn validate_key(plan: &Plan, kp: &KeyPlan) -> Result<(), EngineError> {
             InputRole::BlockTables => b * m,
             InputRole::ContextLens => b,
             InputRole::DraftTokens => b * s,
+            InputRole::SampleParams | InputRole::SampleSeeds => b * 4,
             InputRole::KCache(_) | InputRole::VCache(_) => unreachable!(),
         };
         if buf.bytes != elems * 4 {

@@ -104,9 +104,15 @@ pub struct GenRequest {
 }
 
 impl GenRequest {
-    /// The row needs the plan's logits (sampling, penalties or logprobs).
+    /// The row needs the plan's logits on a plan without in-graph sampling
+    /// (sampling, penalties or logprobs).
     pub fn needs_logits(&self) -> bool {
-        !self.sampling.argmax_suffices() || self.logprobs.is_some()
+        self.needs_logits_on(false)
+    }
+    /// The row needs the plan's logits on a plan that does (`in_graph`) or
+    /// does not sample in the graph: logprobs, or host-side sampling.
+    pub fn needs_logits_on(&self, in_graph: bool) -> bool {
+        self.sampling.needs_host(in_graph) || self.logprobs.is_some()
     }
 }
 
@@ -457,6 +463,7 @@ mod tests {
         let r = chat(&format!(r#"{{{MSG}, "frobnicate": 1, "user": "u"}}"#)).unwrap();
         assert!(r.sampling.is_greedy());
         assert!(!r.needs_logits());
+        assert!(!r.needs_logits_on(true));
         assert_eq!(r.max_tokens, None);
         assert_eq!(r.prompt, Prompt::Chat(vec![ChatMessage::user("hi")]));
     }

@@ -202,20 +202,29 @@ fn prepare(s: &AppState, kind: Kind, body: &[u8]) -> Result<(GenRequest, Vec<u32
     } else {
         "prompt"
     };
-    if req.needs_logits() && !s.info.has_logits {
+    if req.needs_logits_on(s.info.in_graph_sampling) && !s.info.has_logits {
         let param = if req.logprobs.is_some() {
             "logprobs"
-        } else if req.sampling.is_greedy() {
-            "presence_penalty"
+        } else if req.sampling.has_penalties() {
+            if req.sampling.presence_penalty != 0.0 {
+                "presence_penalty"
+            } else {
+                "frequency_penalty"
+            }
         } else {
             "temperature"
+        };
+        let serves = if s.info.in_graph_sampling {
+            "it samples in the graph but has no logits for logprobs or penalties"
+        } else {
+            "it serves greedy requests only (temperature 0, no penalties, no logprobs)"
         };
         return Err(ApiError::invalid(
             param,
             format!(
-                "`{param}` needs the model's logits, but this plan does not output them, so it \
-                 serves greedy requests only (temperature 0, no penalties, no logprobs); \
-                 recompile the plan with `kiln compile --logits` to sample"
+                "`{param}` needs the model's logits, but this plan does not output them, so \
+                 {serves}; recompile the plan with `kiln compile --logits` (and `--sampling` \
+                 to sample in the graph)"
             ),
         ));
     }

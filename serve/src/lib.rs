@@ -167,11 +167,12 @@ impl Server {
                 .await
         });
         tracing::info!(
-            "serving {} on http://{addr} (context {}, {} sequences at once, logits: {})",
+            "serving {} on http://{addr} (context {}, {} sequences at once, logits: {}, sampling in the graph: {})",
             info.name,
             info.max_context,
             info.max_running,
-            info.has_logits
+            info.has_logits,
+            info.in_graph_sampling
         );
         Ok(Server {
             addr,

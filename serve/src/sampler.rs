@@ -1,14 +1,16 @@
 //! Choosing the next token from a row's logits: the [`Sampler`] seam and
 //! [`HostSampler`], its host-side implementation.
 //!
-//! Why on the host: the plan's graphs compute greedy argmax on the device and
-//! can output each row's f32 logits; sampling inside the graph (per-row
-//! parameters in staging buffers, a counter-based RNG on device) needs IR,
-//! kernel and compiler work. Until it lands, the server reads the logits of
-//! rows that need them and samples here, behind a trait, so the in-graph
-//! sampler can replace this one without touching the scheduler. Greedy rows
-//! without penalties never come here: they keep the graph's argmax token, bit
-//! for bit.
+//! Where sampling runs: a plan compiled with `kiln compile --sampling`
+//! draws each row's token inside the graph (the `sample` op: temperature,
+//! top-k, top-p, min-p and a Philox stream keyed by the request's seed, the
+//! counter being the token's index in the sequence); the scheduler hands
+//! those rows their [`SamplingParams::in_graph`] parameters and takes the
+//! graph's token as is. This host sampler remains for what the graph does
+//! not do: rows with presence/frequency penalties, and any sampled row on
+//! an argmax-only plan (both read the row's logits). Greedy rows without
+//! penalties never come here: they keep the graph's argmax token, bit for
+//! bit.
 //!
 //! The random numbers are counter-based: the uniform for a row's `step`-th
 //! token is a pure function of `(seed, step)` (a splitmix64 finalizer over
@@ -59,6 +61,21 @@ impl SamplingParams {
     /// The graph's argmax token is the answer: no logits needed.
     pub fn argmax_suffices(&self) -> bool {
         self.is_greedy() && !self.has_penalties()
+    }
+    /// The row must be sampled here, from its logits, on a plan that does
+    /// (`in_graph`) or does not sample in the graph.
+    pub fn needs_host(&self, in_graph: bool) -> bool {
+        !self.argmax_suffices() && (!in_graph || self.has_penalties())
+    }
+    /// The parameters of the graph's `sample` op for this row.
+    pub fn in_graph(&self) -> kiln_runtime::RowSampling {
+        kiln_runtime::RowSampling {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            seed: self.seed,
+        }
     }
 }
 

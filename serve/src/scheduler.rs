@@ -19,7 +19,8 @@
 //!    sequences got no token, one token-by-token step in which every row
 //!    advances (so a long prompt never stalls running sequences for its
 //!    whole prefill);
-//! 5. steps, samples rows that need it ([`crate::sampler`]), checks EOS,
+//! 5. steps, samples on the host the rows the graph cannot sample
+//!    ([`crate::sampler`]: penalties, or an argmax-only plan), checks EOS,
 //!    stop strings and lengths, and sends text.
 //!
 //! Not here: prefix caching, priorities, fairness beyond arrival order,
@@ -44,6 +45,9 @@ pub struct ModelInfo {
     pub max_context: u32,
     pub vocab_size: u32,
     pub has_logits: bool,
+    /// The plan samples in the graph (`kiln compile --sampling`): sampled
+    /// rows without penalties need no logits.
+    pub in_graph_sampling: bool,
     pub usable_kv_blocks: u32,
     pub kv_block_size: u32,
     /// Sequences admitted at once: the largest compiled decode batch.
@@ -65,6 +69,7 @@ impl ModelInfo {
             max_context: plan.meta.info.max_context,
             vocab_size: plan.meta.info.vocab_size,
             has_logits: engine.has_logits_output(),
+            in_graph_sampling: engine.has_in_graph_sampling(),
             usable_kv_blocks: engine.usable_kv_blocks(),
             kv_block_size: plan.kv.block_size,
             max_running,
@@ -270,7 +275,11 @@ impl Scheduler {
             PrefillMode::Chunked
         };
         self.engine.set_prefill_mode(mode);
-        let logits = self.running.iter().any(|r| r.sub.req.needs_logits());
+        let in_graph = self.info.in_graph_sampling;
+        let logits = self
+            .running
+            .iter()
+            .any(|r| r.sub.req.needs_logits_on(in_graph));
         self.engine.set_keep_logits(logits && self.info.has_logits);
         let rows = self.running.len() as u64;
         match self.engine.step() {
@@ -349,6 +358,17 @@ impl Scheduler {
             };
             match self.engine.add_sequence_with(&prompt, opts) {
                 Ok(seq) => {
+                    let params = &w.sub.req.sampling;
+                    if self.info.in_graph_sampling && !params.needs_host(true) {
+                        // Greedy rows stay greedy (the default); the counter
+                        // is the token index, so a recomputed sequence
+                        // draws what it would have drawn.
+                        if let Err(e) = self.engine.set_sampling(seq, params.in_graph()) {
+                            let _ = self.engine.remove_sequence(seq);
+                            let _ = w.sub.events.send(Event::Error(e.to_string()));
+                            continue;
+                        }
+                    }
                     if w.gen.generated.is_empty() {
                         self.metrics.lock().expect("metrics lock").prompt_tokens +=
                             prompt.len() as u64;
@@ -496,7 +516,8 @@ impl Scheduler {
         let r = &mut self.running[i];
         let params = &r.sub.req.sampling;
         let step = r.gen.generated.len() as u64;
-        let logits = if r.sub.req.needs_logits() {
+        let in_graph = self.info.in_graph_sampling;
+        let logits = if r.sub.req.needs_logits_on(in_graph) {
             match self.engine.last_logits(r.seq) {
                 Some(l) => Some(l.to_vec()),
                 None => {
@@ -512,8 +533,10 @@ impl Scheduler {
             None
         };
         let mut token = graph_token;
-        if !params.argmax_suffices() {
-            let l = logits.as_deref().expect("needs_logits covers sampling");
+        if params.needs_host(in_graph) {
+            let l = logits
+                .as_deref()
+                .expect("needs_logits_on covers host sampling");
             token = self.sampler.sample(l, params, &r.gen.generated, step);
             if token != graph_token {
                 if let Err(e) = self.engine.replace_last_token(r.seq, token) {

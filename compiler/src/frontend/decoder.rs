@@ -179,6 +179,15 @@ pub fn trace(
     let block_tables = g.add_input(InputRole::BlockTables, i32t(vec![b, kv.max_blocks_per_seq]));
     let context_lens = g.add_input(InputRole::ContextLens, i32t(vec![b]));
     let drafts = (spec > 0).then(|| g.add_input(InputRole::DraftTokens, i32t(vec![b * spec])));
+    let sampling = (opts.sampling && spec == 0).then(|| {
+        (
+            g.add_input(
+                InputRole::SampleParams,
+                TensorType::new(DType::F32, vec![b, 4]),
+            ),
+            g.add_input(InputRole::SampleSeeds, i32t(vec![b, 4])),
+        )
+    });
     let cache_ty = TensorType::new(
         kv.dtype,
         vec![kv.slots() as u32, c.num_kv_heads * c.head_dim],
@@ -268,7 +277,10 @@ pub fn trace(
         },
         &[x, lm_head],
     );
-    let next = g.push1(Op::Argmax, &[logits]);
+    let next = match sampling {
+        Some((params, seeds)) => g.push1(Op::Sample, &[logits, params, seeds]),
+        None => g.push1(Op::Argmax, &[logits]),
+    };
     g.add_output("next_tokens", next);
     if let Some(drafts) = drafts {
         let accepted = g.push1(Op::AcceptGreedy { spec }, &[next, drafts]);

@@ -42,6 +42,9 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 pub struct TraceOptions {
     /// Also output the f32 logits (`logits`).
     pub logits: bool,
+    /// Non-speculative keys draw `next_tokens` with `sample` over the
+    /// `sample_params` / `sample_seeds` inputs instead of `argmax`.
+    pub sampling: bool,
 }
 
 /// Why a model directory cannot be compiled, or a key traced. Each message

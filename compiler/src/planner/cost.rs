@@ -9,7 +9,8 @@
 //!   per query token and head (QK^T and PV), with `ctx = max_context`, the
 //!   longest context any sequence may reach, since the plan cannot know the
 //!   live lengths; elementwise ops a small per-element count (add 1, RMSNorm
-//!   4, add+RMSNorm 5, RoPE 3, SiLU*mul 5, GELU*mul 10, argmax 1).
+//!   4, add+RMSNorm 5, RoPE 3, SiLU*mul 5, GELU*mul 10, argmax 1, sample 10: its exp over a few
+//!   passes).
 //! * bytes moved: every weight once at full size (a weight read only by an
 //!   `embedding` gather counts only the gathered rows); each attention reads
 //!   every sequence's K and V at `max_context`; each KV write writes its
@@ -61,6 +62,7 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
         Op::Add => numel(0),
         Op::Argmax => numel(0),
         Op::AcceptGreedy { .. } => numel(1),
+        Op::Sample => 10 * numel(0),
     }
 }
 

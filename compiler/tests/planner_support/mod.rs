@@ -479,6 +479,24 @@ pub fn apply(
                 })
                 .collect()]
         }
+        Op::Sample => {
+            // Integer operands travel as f32 here: exact for the small
+            // seeds and counters these graphs stage.
+            let w = dims(&tys[0])[1];
+            vec![args[0]
+                .chunks(w)
+                .enumerate()
+                .map(|(r, row)| {
+                    let p = &args[1][r * 4..r * 4 + 4];
+                    let s = &args[2][r * 4..r * 4 + 4];
+                    kiln_kernels::cpu::sample::sample_row(
+                        row,
+                        [p[0], p[1], p[2], p[3]],
+                        [s[0] as i32, s[1] as i32, s[2] as i32, s[3] as i32],
+                    ) as f32
+                })
+                .collect()]
+        }
         Op::AcceptGreedy { spec } => {
             let s = *spec as usize;
             let b = args[1].len() / s;

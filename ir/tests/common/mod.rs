@@ -447,7 +447,14 @@ impl<'a> Gen<'a> {
                 let mut pool = self.acts.clone();
                 pool.extend(self.others.iter().copied());
                 let x = self.rng.pick(&pool);
-                self.g.push1(Op::Argmax, &[x]);
+                let rows = self.g.value(x).ty.shape.dims()[0];
+                if self.spec == 0 && rows == self.b && self.rng.coin() {
+                    let params = self.input(InputRole::SampleParams);
+                    let seeds = self.input(InputRole::SampleSeeds);
+                    self.g.push1(Op::Sample, &[x, params, seeds]);
+                } else {
+                    self.g.push1(Op::Argmax, &[x]);
+                }
             }
             _ => {
                 if self.spec == 0 || self.q != self.spec + 1 {
@@ -518,6 +525,9 @@ pub fn random_graph(seed: u64, floats: &[f32], names: &[String]) -> Graph {
     ];
     if spec > 0 {
         staging.push((InputRole::DraftTokens, t(DType::I32, &[b * spec])));
+    } else {
+        staging.push((InputRole::SampleParams, t(DType::F32, &[b, 4])));
+        staging.push((InputRole::SampleSeeds, t(DType::I32, &[b, 4])));
     }
     // Declare the staging inputs in a random order.
     while !staging.is_empty() {

@@ -40,7 +40,8 @@
 //! dispatch, [`dot`] the dot-product kernels (and their summation order),
 //! `par` the parallel loop, [`math`] vectorizable f32 math, and one module
 //! per op family: [`matmul`], [`norm`], [`rope`], [`attention`], [`kv`],
-//! [`elementwise`], [`gather`], [`reduce`].
+//! [`elementwise`], [`gather`], [`reduce`], [`sample`] (the in-graph sampler
+//! and its RNG).
 //!
 //! Not here: the backend (memory, capture, replay) lives in the runtime; the
 //! GPU kernels live next to this module. Only little-endian hosts are
@@ -62,6 +63,7 @@ pub mod norm;
 mod par;
 pub mod reduce;
 pub mod rope;
+pub mod sample;
 mod simd;
 
 use buf::Buf;
@@ -215,6 +217,10 @@ pub unsafe fn execute(
         }
         Op::AcceptGreedy { spec } => {
             reduce::accept_greedy(a[0], a[1], *spec as usize, r[0]);
+            Ok(())
+        }
+        Op::Sample => {
+            sample::sample(a[0], a[1], a[2], d2(0), r[0]);
             Ok(())
         }
     }

@@ -110,10 +110,32 @@ impl TinyModel {
     }
 
     fn compile_for(&self, dir: &Path, keys: &[Key], target: kiln_ir::plan::Target) -> Plan {
+        self.compile_with(dir, keys, target, false)
+    }
+
+    /// Writes the model into `dir` and compiles a plan for [`Self::keys`]
+    /// whose non-speculative keys sample in the graph (`--sampling`).
+    pub fn build_sampling(
+        &self,
+        dir: &Path,
+        target: kiln_ir::plan::Target,
+    ) -> std::io::Result<Plan> {
+        self.write_weights(dir)?;
+        Ok(self.compile_with(dir, &self.keys, target, true))
+    }
+
+    fn compile_with(
+        &self,
+        dir: &Path,
+        keys: &[Key],
+        target: kiln_ir::plan::Target,
+        sampling: bool,
+    ) -> Plan {
         let opts = CompileOptions {
             target,
             keys: keys.to_vec(),
             logits: true,
+            sampling,
             kv: KvOptions {
                 block_size: self.block_size,
                 kv_blocks: Some(self.num_blocks - 1),

@@ -480,6 +480,27 @@ pub fn reference(op: &Op, args: &[HT], result_tys: &[TensorType]) -> Vec<HT> {
                 .collect::<Vec<_>>();
             vec![HT::ints(&[out.len() as u32], out)]
         }
+        Op::Sample => {
+            // The normative algorithm is the CPU reference's (documented
+            // there); the GPU must pick the same token.
+            let v = dims(&args[0])[1] as usize;
+            let out = args[0]
+                .f
+                .chunks(v)
+                .enumerate()
+                .map(|(r, row)| {
+                    let p = &args[1].f[r * 4..r * 4 + 4];
+                    let s = &args[2].i[r * 4..r * 4 + 4];
+                    kiln_kernels::cpu::sample::sample_row(
+                        row,
+                        [p[0], p[1], p[2], p[3]],
+                        [s[0], s[1], s[2], s[3]],
+                    ) as i32
+                })
+                .collect::<Vec<_>>();
+            let rows = out.len() as u32;
+            vec![HT::ints(&[rows], out)]
+        }
         Op::AcceptGreedy { spec } => {
             let s = *spec as usize;
             let b_n = args[1].i.len() / s;
