@@ -91,6 +91,12 @@ fn main() -> anyhow::Result<()> {
             kiln_compiler::outpath::check_output(&out, &[&gguf])?;
             let report = import::import_gguf(&gguf, &out, &import::ImportOptions { force })
                 .with_context(|| format!("importing {}", gguf.display()))?;
+            for p in &report.stale.cleaned {
+                eprintln!("removed {} (left by a killed import)", p.display());
+            }
+            for (p, why) in &report.stale.left {
+                eprintln!("warning: {} {why}", p.display());
+            }
             let types: Vec<String> = report
                 .source_types
                 .iter()

@@ -62,6 +62,7 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<RunOutcome, RunError> 
         (None, Some(f)) => read_prompt_file(f)?,
         (None, None) => unreachable!("clap requires --prompt or --prompt-file"),
     };
+    kiln_runtime::text::check_prompt_size(&prompt)?;
     let device: DeviceSpec = args.device.parse()?;
     // The tokenizer and the prompt are checked before the (slower) load.
     let tokenizer = TextTokenizer::from_dir(&args.weights)?;

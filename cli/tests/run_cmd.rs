@@ -124,10 +124,32 @@ fn kiln_run_refuses_bad_input_with_a_clear_error() {
     let bad_utf8 = dir.path().join("latin1.txt");
     std::fs::write(&bad_utf8, b"caf\xe9").unwrap();
     let long = "x".repeat(64);
+    let huge = dir.path().join("huge.txt");
+    std::fs::write(&huge, vec![b'a'; (8 << 20) + 1]).unwrap();
+    let fifo = dir.path().join("prompt.fifo");
+    let made_fifo = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success());
     let other = tempfile::tempdir().unwrap();
     write_tiny_model(other.path(), Family::Llama, &TinySpec::default()).unwrap();
     write_byte_tokenizer(other.path()).unwrap();
-    let cases: Vec<(Vec<&str>, &str)> = vec![
+    let mut cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec![
+                "run",
+                p,
+                "--weights",
+                d,
+                "--prompt-file",
+                huge.to_str().unwrap(),
+            ],
+            "is 8388609 bytes; a prompt may be at most 8388608 bytes",
+        ),
+        (
+            vec!["run", p, "--weights", d, "--prompt-file", d],
+            "it is a directory, not a regular file",
+        ),
         (
             vec![
                 "run",
@@ -176,6 +198,20 @@ fn kiln_run_refuses_bad_input_with_a_clear_error() {
             "cannot read",
         ),
     ];
+    if made_fifo {
+        // Nothing ever writes to it: opening it would block forever.
+        cases.push((
+            vec![
+                "run",
+                p,
+                "--weights",
+                d,
+                "--prompt-file",
+                fifo.to_str().unwrap(),
+            ],
+            "it is a FIFO, not a regular file",
+        ));
+    }
     for (args, want) in cases {
         let out = kiln(&args, &[]);
         let err = text(&out.stderr);

@@ -33,6 +33,43 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 /// Context cap when none is given (the model's own limit applies too).
 pub const DEFAULT_MAX_CONTEXT: u32 = 4096;
 
+/// The largest shapes `kiln compile` accepts, checked before anything is
+/// traced or sized from them. Each is far above what a decode step of a
+/// released model uses, and small enough that no size computed from them
+/// overflows or asks for absurd memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CompileLimits {
+    /// Shape keys per plan (each is a traced, planned and captured graph).
+    pub keys: usize,
+    /// Rows of one step.
+    pub batch: u32,
+    /// Tokens per row of one step (also at most the context).
+    pub query: u32,
+    /// Draft tokens verified per row.
+    pub spec: u32,
+    /// `batch * query`: tokens one step scores.
+    pub step_tokens: u32,
+    /// `--max-context`.
+    pub max_context: u32,
+    /// `--block-size`.
+    pub block_size: u32,
+    /// KV cache, arena, workspace and counters together: more than any
+    /// single device holds (1 TiB).
+    pub plan_bytes: u64,
+}
+
+/// The limits in force.
+pub const COMPILE_LIMITS: CompileLimits = CompileLimits {
+    keys: 256,
+    batch: 4096,
+    query: 8192,
+    spec: 64,
+    step_tokens: 65_536,
+    max_context: 1 << 21,
+    block_size: 1024,
+    plan_bytes: 1 << 40,
+};
+
 /// How the paged KV cache is sized.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvOptions {
@@ -160,15 +197,52 @@ pub fn normalize_keys(keys: &[Key]) -> Result<Vec<Key>, CompileError> {
             "no shape keys: pass --batches 1,2,4,8 or --keys b1q1s0,...".into(),
         ));
     }
+    let l = COMPILE_LIMITS;
+    let bad = |m: String| Err(CompileError::Options(m));
     let mut out = Vec::with_capacity(keys.len());
     for &k in keys {
-        out.push(
-            k.validate()
-                .map_err(|e| CompileError::Options(e.to_string()))?,
-        );
+        let k = k
+            .validate()
+            .map_err(|e| CompileError::Options(e.to_string()))?;
+        if k.batch > l.batch {
+            return bad(format!(
+                "key {k}: batch {} is above the limit of {}; pass smaller --batches/--keys",
+                k.batch, l.batch
+            ));
+        }
+        if k.query > l.query {
+            return bad(format!(
+                "key {k}: query {} is above the limit of {}; pass a smaller --query/--keys \
+                 (long prompts are prefilled in chunks of query tokens)",
+                k.query, l.query
+            ));
+        }
+        if k.spec > l.spec {
+            return bad(format!(
+                "key {k}: spec {} is above the limit of {} draft tokens; pass a smaller \
+                 --spec/--keys",
+                k.spec, l.spec
+            ));
+        }
+        let tokens = k.batch as u64 * k.query as u64;
+        if tokens > l.step_tokens as u64 {
+            return bad(format!(
+                "key {k}: batch x query is {tokens} tokens per step, above the limit of {}; \
+                 lower the batch or the query in --batches/--query/--keys",
+                l.step_tokens
+            ));
+        }
+        out.push(k);
     }
     out.sort();
     out.dedup();
+    if out.len() > l.keys {
+        return bad(format!(
+            "{} shape keys is above the limit of {}; pass fewer --batches/--keys",
+            out.len(),
+            l.keys
+        ));
+    }
     Ok(out)
 }
 
@@ -193,11 +267,31 @@ pub fn kv_layout(
     if opts.kv_blocks.is_some() && opts.max_tokens.is_some() {
         return bad("give --kv-blocks or --max-tokens, not both".into());
     }
+    let l = COMPILE_LIMITS;
+    if opts.block_size > l.block_size {
+        return bad(format!(
+            "--block-size {} is above the limit of {} tokens per block",
+            opts.block_size, l.block_size
+        ));
+    }
     let cap = opts.max_context.unwrap_or(DEFAULT_MAX_CONTEXT);
     if cap == 0 {
         return bad("--max-context must be at least 1".into());
     }
+    if cap > l.max_context {
+        return bad(format!(
+            "--max-context {cap} is above the limit of {} tokens",
+            l.max_context
+        ));
+    }
     let max_context = info.max_context.min(cap).max(1);
+    if let Some(k) = keys.iter().find(|k| k.query > max_context) {
+        return bad(format!(
+            "key {k}: query {} is longer than the context of {max_context} tokens (the \
+             smaller of --max-context and the model's limit); pass a smaller --query/--keys",
+            k.query
+        ));
+    }
     let per_seq = max_context.div_ceil(opts.block_size);
     let max_batch = keys.iter().map(|k| k.batch).max().unwrap_or(1) as u64;
     let usable: u64 = match (opts.kv_blocks, opts.max_tokens) {
@@ -215,19 +309,32 @@ pub fn kv_layout(
             opts.block_size
         ));
     }
-    Ok((
-        KvLayout {
-            layers: info.num_layers,
-            kv_heads: info.num_kv_heads,
-            head_dim: info.head_dim,
-            dtype: info.dtype,
-            block_size: opts.block_size,
-            num_blocks: num_blocks as u32,
-            null_block: 0,
-            max_blocks_per_seq: per_seq,
-        },
-        max_context,
-    ))
+    let kv = KvLayout {
+        layers: info.num_layers,
+        kv_heads: info.num_kv_heads,
+        head_dim: info.head_dim,
+        dtype: info.dtype,
+        block_size: opts.block_size,
+        num_blocks: num_blocks as u32,
+        null_block: 0,
+        max_blocks_per_seq: per_seq,
+    };
+    let kv_bytes = kiln_ir::validate::kv_cache_bytes(&kv)
+        .and_then(|b| b.checked_mul(2 * info.num_layers as u64))
+        .filter(|&b| b <= l.plan_bytes);
+    if kv_bytes.is_none() {
+        return bad(format!(
+            "a KV cache of {num_blocks} blocks of {} tokens x {} layers x {} kv heads x {} dims \
+             (K and V) is more than {} GiB, above any single device; use fewer blocks \
+             (--kv-blocks/--max-tokens), a smaller --max-context or smaller --batches",
+            opts.block_size,
+            info.num_layers,
+            info.num_kv_heads,
+            info.head_dim,
+            l.plan_bytes >> 30
+        ));
+    }
+    Ok((kv, max_context))
 }
 
 /// Kernel images for `target`, embedded in the plan.
@@ -354,6 +461,7 @@ pub fn compile_traced<E: Display>(
         kernel_abi: 0,
         kernels: Vec::new(),
     };
+    check_plan_bytes(&plan)?;
     // Only the modules the launch lists use are compiled.
     plan.kernels = kernel_images(&opts.target, &kiln_ir::validate::modules_used(&plan))?;
     if !plan.kernels.is_empty() {
@@ -363,6 +471,29 @@ pub fn compile_traced<E: Display>(
         planner::check::check_plan(&plan).map_err(CompileError::Check)?;
     }
     Ok(Compiled { plan, reports })
+}
+
+/// Refuses a plan whose device memory (KV cache, arena, BLAS workspace,
+/// counters) adds up to more than [`CompileLimits::plan_bytes`].
+fn check_plan_bytes(plan: &Plan) -> Result<(), CompileError> {
+    let kv = kiln_ir::validate::kv_cache_bytes(&plan.kv)
+        .and_then(|b| b.checked_mul(2 * plan.kv.layers as u64));
+    let total = [plan.arena_bytes, plan.workspace_bytes, plan.counter_bytes]
+        .into_iter()
+        .try_fold(kv.unwrap_or(u64::MAX), u64::checked_add);
+    match total {
+        Some(t) if t <= COMPILE_LIMITS.plan_bytes => Ok(()),
+        _ => Err(CompileError::Options(format!(
+            "the plan needs {} bytes of device memory (arena {}, workspace {}, KV cache {}), \
+             more than {} GiB, above any single device; use smaller --batches/--query/--keys \
+             or fewer KV blocks",
+            total.map_or("over 2^64".into(), |t| t.to_string()),
+            plan.arena_bytes,
+            plan.workspace_bytes,
+            kv.map_or("over 2^64".into(), |t| t.to_string()),
+            COMPILE_LIMITS.plan_bytes >> 30
+        ))),
+    }
 }
 
 /// Compiles an opened model.

@@ -25,7 +25,8 @@
 //!
 //! The directory is assembled under a temporary name beside the destination
 //! and renamed into place, so a failed import never leaves a half-written
-//! model behind.
+//! model behind; what a killed import left there is cleaned by the next
+//! import into the same place (see [`crate::staging`]).
 //!
 //! Deliberately not supported, each a clear error: other architectures,
 //! RoPE scaling other than llama3 (`rope_freqs`) and linear, partial
@@ -34,6 +35,7 @@
 use crate::gguf::dequant;
 use crate::gguf::permute::{self, PermuteError};
 use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
+use crate::staging::{self, Staging, StagingError, Sweep};
 use crate::tokenizer_build::{self, TokenizerBuildError};
 use half::bf16;
 use serde::Serialize;
@@ -192,6 +194,16 @@ pub enum ImportError {
     OutputExists { path: PathBuf },
 }
 
+impl From<StagingError> for ImportError {
+    fn from(e: StagingError) -> ImportError {
+        ImportError::Io {
+            action: e.action,
+            path: e.path,
+            source: e.source,
+        }
+    }
+}
+
 fn io_err(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ImportError {
     let path = path.to_path_buf();
     move |source| ImportError::Io {
@@ -262,6 +274,9 @@ pub struct ImportReport {
     pub tokenizer_vocab: usize,
     pub special_token_ids: Vec<u32>,
     pub has_chat_template: bool,
+    /// What killed imports had left beside the output: cleaned, or left
+    /// alone with why (see [`crate::staging`]).
+    pub stale: Sweep,
 }
 
 /// The Hugging Face name of a llama-family GGUF tensor, or `None` for a name
@@ -902,6 +917,13 @@ pub fn import_gguf(
     out_dir: &Path,
     opts: &ImportOptions,
 ) -> Result<ImportReport, ImportError> {
+    let parent = match out_dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    // What killed imports left here is cleaned first: a model one of them
+    // had moved aside is back in place before the existence check below.
+    let stale = staging::sweep(&parent);
     if out_dir.exists() && !opts.force {
         return Err(ImportError::OutputExists {
             path: out_dir.to_path_buf(),
@@ -932,29 +954,27 @@ pub fn import_gguf(
         generation.insert("pad_token_id".into(), json!(p));
     }
 
-    let parent = match out_dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
     std::fs::create_dir_all(&parent).map_err(io_err("cannot create", &parent))?;
-    let tmp = tempfile::Builder::new()
-        .prefix(".kiln-import-")
-        .tempdir_in(&parent)
-        .map_err(io_err("cannot create a temporary directory in", &parent))?;
+    let target = out_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let stage = Staging::create(&parent, &target)?;
+    let tmp = stage.dir();
     let source_name = gguf_path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
 
-    write_json(tmp.path(), "config.json", &config)?;
-    write_json(tmp.path(), "generation_config.json", &generation)?;
-    let tok_path = tmp.path().join("tokenizer.json");
+    write_json(tmp, "config.json", &config)?;
+    write_json(tmp, "generation_config.json", &generation)?;
+    let tok_path = tmp.join("tokenizer.json");
     std::fs::write(&tok_path, &tok.tokenizer_json).map_err(io_err("cannot write", &tok_path))?;
-    write_json(tmp.path(), "tokenizer_config.json", &tok.tokenizer_config)?;
+    write_json(tmp, "tokenizer_config.json", &tok.tokenizer_config)?;
     let plans = &layout.plans;
-    write_safetensors(&g, plans, &tmp.path().join(WEIGHTS_FILE), &source_name)?;
+    write_safetensors(&g, plans, &tmp.join(WEIGHTS_FILE), &source_name)?;
 
-    install_dir(tmp, out_dir)?;
+    stage.install(out_dir)?;
 
     let mut source_types = BTreeMap::new();
     for t in g.tensors() {
@@ -970,42 +990,6 @@ pub fn import_gguf(
         special_token_ids: tok.special_token_ids,
         has_chat_template: tok.tokenizer_config.get("chat_template").is_some(),
         config,
+        stale,
     })
-}
-
-/// Renames the finished temporary directory to `out_dir`, moving an
-/// existing `out_dir` aside first and deleting it only once the new one is
-/// in place.
-fn install_dir(tmp: tempfile::TempDir, out_dir: &Path) -> Result<(), ImportError> {
-    let parent = tmp.path().parent().unwrap_or(Path::new(".")).to_path_buf();
-    let staged = tmp.keep();
-    let old = if out_dir.exists() {
-        let aside = tempfile::Builder::new()
-            .prefix(".kiln-import-old-")
-            .tempdir_in(&parent)
-            .map_err(io_err("cannot create a temporary directory in", &parent))?
-            .keep();
-        // `aside` exists (empty); renaming a directory onto an empty
-        // directory replaces it on Unix, so remove it first for portability.
-        std::fs::remove_dir(&aside).map_err(io_err("cannot remove", &aside))?;
-        std::fs::rename(out_dir, &aside).map_err(io_err("cannot move aside", out_dir))?;
-        Some(aside)
-    } else {
-        None
-    };
-    if let Err(e) = std::fs::rename(&staged, out_dir) {
-        if let Some(aside) = &old {
-            let _ = std::fs::rename(aside, out_dir);
-        }
-        let _ = std::fs::remove_dir_all(&staged);
-        return Err(io_err("cannot rename the imported model to", out_dir)(e));
-    }
-    if let Some(aside) = old {
-        if aside.is_dir() {
-            std::fs::remove_dir_all(&aside).map_err(io_err("cannot remove", &aside))?;
-        } else {
-            std::fs::remove_file(&aside).map_err(io_err("cannot remove", &aside))?;
-        }
-    }
-    Ok(())
 }

@@ -19,6 +19,7 @@ pub mod outpath;
 pub mod passes;
 pub mod planner;
 pub mod safetensors_header;
+pub mod staging;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod tokenizer_build;

@@ -842,3 +842,108 @@ fn unsupported_rope_settings_are_refused_naming_what_is_supported() {
         "gemma3.attention.sliding_window",
     );
 }
+
+/// Leaves in `parent` what an import killed mid-way leaves: a lock file no
+/// process holds, naming `target`, and its half-written staging directory.
+fn killed_import_leftovers(parent: &Path, id: &str, target: &str) -> (PathBuf, PathBuf) {
+    use kiln_compiler::staging::{LOCK_SUFFIX, STAGING_PREFIX};
+    std::fs::create_dir_all(parent).unwrap();
+    let lock = parent.join(format!("{STAGING_PREFIX}{id}{LOCK_SUFFIX}"));
+    std::fs::write(&lock, format!("target={target}\npid=4000000\n")).unwrap();
+    let dir = parent.join(format!("{STAGING_PREFIX}{id}"));
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("model.safetensors"), vec![7u8; 1000]).unwrap();
+    (lock, dir)
+}
+
+#[test]
+fn a_killed_imports_staging_directory_is_removed_by_the_next_import_there() {
+    let case = case_from_writer(&TinyLlama::default().build().unwrap().writer);
+    let parent = case.out.parent().unwrap();
+    let (lock, dir) = killed_import_leftovers(parent, "dead01", "tiny");
+    let report = import(&case).unwrap();
+    assert_eq!(report.stale.cleaned, vec![dir.clone()]);
+    assert!(report.stale.left.is_empty(), "{:?}", report.stale.left);
+    assert!(!dir.exists() && !lock.exists());
+    assert!(case.out.join("model.safetensors").exists());
+    assert_no_temp_dirs(&case.out);
+}
+
+#[test]
+fn a_model_moved_aside_by_a_killed_import_is_moved_back_byte_for_byte() {
+    use kiln_compiler::staging::OLD_SUFFIX;
+    let case = case_from_writer(&TinyLlama::default().build().unwrap().writer);
+    let parent = case.out.parent().unwrap();
+    let (_, dir) = killed_import_leftovers(parent, "dead02", "tiny");
+    // The import was killed between moving the old model aside and
+    // renaming the new one into place: the destination is missing.
+    let old = parent.join(format!(".kiln-import-dead02{OLD_SUFFIX}"));
+    std::fs::create_dir(&old).unwrap();
+    let weights: Vec<u8> = (0..4096u32).map(|i| (i * 31 % 251) as u8).collect();
+    std::fs::write(old.join("model.safetensors"), &weights).unwrap();
+    // Without --force the restored model is kept, and the error says so.
+    let err = import(&case).unwrap_err();
+    assert!(matches!(err, ImportError::OutputExists { .. }), "{err}");
+    assert_eq!(
+        std::fs::read(case.out.join("model.safetensors")).unwrap(),
+        weights
+    );
+    assert!(!dir.exists() && !old.exists());
+    assert_no_temp_dirs(&case.out);
+}
+
+#[test]
+fn the_replaced_model_a_killed_import_left_after_installing_is_removed() {
+    use kiln_compiler::staging::OLD_SUFFIX;
+    let case = case_from_writer(&TinyLlama::default().build().unwrap().writer);
+    import(&case).unwrap();
+    let installed = std::fs::read(case.out.join("model.safetensors")).unwrap();
+    let parent = case.out.parent().unwrap();
+    let (_, dir) = killed_import_leftovers(parent, "dead03", "tiny");
+    std::fs::remove_dir_all(&dir).unwrap();
+    let old = parent.join(format!(".kiln-import-dead03{OLD_SUFFIX}"));
+    std::fs::create_dir(&old).unwrap();
+    std::fs::write(old.join("model.safetensors"), b"replaced").unwrap();
+    let err = import(&case).unwrap_err();
+    assert!(matches!(err, ImportError::OutputExists { .. }), "{err}");
+    assert!(!old.exists());
+    assert_eq!(
+        std::fs::read(case.out.join("model.safetensors")).unwrap(),
+        installed
+    );
+    assert_no_temp_dirs(&case.out);
+}
+
+#[test]
+fn a_running_imports_staging_is_left_alone() {
+    let case = case_from_writer(&TinyLlama::default().build().unwrap().writer);
+    let parent = case.out.parent().unwrap();
+    let (lock, dir) = killed_import_leftovers(parent, "live01", "other");
+    // Another import holds its lock for as long as it runs.
+    let held = std::fs::File::open(&lock).unwrap();
+    held.lock().unwrap();
+    let report = import(&case).unwrap();
+    assert!(report.stale.cleaned.is_empty(), "{:?}", report.stale);
+    assert!(dir.join("model.safetensors").exists() && lock.exists());
+    drop(held);
+    // Once that import is gone, the next import cleans up.
+    let report =
+        import::import_gguf(&case.gguf, &case.out, &ImportOptions { force: true }).unwrap();
+    assert_eq!(report.stale.cleaned, vec![dir]);
+    assert_no_temp_dirs(&case.out);
+}
+
+#[test]
+fn a_temp_directory_without_a_lock_file_is_reported_not_deleted() {
+    let case = case_from_writer(&TinyLlama::default().build().unwrap().writer);
+    let parent = case.out.parent().unwrap();
+    std::fs::create_dir_all(parent).unwrap();
+    let orphan = parent.join(".kiln-import-Ab12Cd");
+    std::fs::create_dir(&orphan).unwrap();
+    std::fs::write(orphan.join("config.json"), b"{}").unwrap();
+    let report = import(&case).unwrap();
+    assert_eq!(report.stale.left.len(), 1, "{:?}", report.stale);
+    assert_eq!(report.stale.left[0].0, orphan);
+    assert!(report.stale.left[0].1.contains("no lock file"));
+    assert_eq!(std::fs::read(orphan.join("config.json")).unwrap(), b"{}");
+}

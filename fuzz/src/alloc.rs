@@ -39,7 +39,7 @@ static SEED: AtomicU64 = AtomicU64::new(0);
 static ITER: AtomicU64 = AtomicU64::new(0);
 
 /// Target names by index, for the non-allocating abort message.
-pub const TARGET_NAMES: [&str; 5] = ["gguf", "safetensors", "config", "plan", "ir"];
+pub const TARGET_NAMES: [&str; 6] = ["gguf", "safetensors", "config", "plan", "ir", "http"];
 
 /// The system allocator with the per-allocation bound. Install it with
 /// `#[global_allocator] static A: CountingAlloc = CountingAlloc;`.

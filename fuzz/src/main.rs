@@ -20,7 +20,7 @@ than --timeout-ms (default 2000) aborts likewise. Replay one input with \
 #[derive(Parser, Debug)]
 #[command(
     name = "kiln-fuzz",
-    about = "Fuzz kiln's parsers of untrusted input: gguf, safetensors, config, plan, ir",
+    about = "Fuzz kiln's parsers of untrusted input: gguf, safetensors, config, plan, ir, http",
     after_help = ORACLES
 )]
 struct Cli {
@@ -77,6 +77,8 @@ enum Command {
     Plan(RunArgs),
     /// IR text parser, verifier, printer round trip.
     Ir(RunArgs),
+    /// `kiln serve` request bodies through its parsing and validation.
+    Http(RunArgs),
     /// Every target in turn with the same arguments.
     All(RunArgs),
 }
@@ -96,6 +98,7 @@ fn main() -> anyhow::Result<()> {
         Command::Config(a) => (vec![Target::Config], a),
         Command::Plan(a) => (vec![Target::Plan], a),
         Command::Ir(a) => (vec![Target::Ir], a),
+        Command::Http(a) => (vec![Target::Http], a),
         Command::All(a) => (Target::ALL.to_vec(), a),
     };
     let limit = usize::try_from(args.alloc_limit_mib)

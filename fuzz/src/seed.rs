@@ -57,7 +57,37 @@ pub fn generate() -> Result<Corpus, SeedError> {
     c.insert(Target::Config, config(models.path())?);
     c.insert(Target::Plan, plan(models.path())?);
     c.insert(Target::Ir, ir(models.path())?);
+    c.insert(Target::Http, http());
     Ok(c)
+}
+
+/// Request bodies for both endpoints, minimal and with every field set
+/// (every seed is accepted; mutation finds the refusals).
+fn http() -> Vec<(String, Vec<u8>)> {
+    let bodies = [
+        ("completion-minimal", r#"{"prompt": "hello"}"#),
+        (
+            "completion-tokens",
+            r#"{"prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 2}"#,
+        ),
+        (
+            "completion-all",
+            r#"{"model": "m", "prompt": ["hi"], "max_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 42, "stop": ["\n", "END"], "presence_penalty": 0.5, "frequency_penalty": -0.5, "stream": true, "stream_options": {"include_usage": true}, "n": 1}"#,
+        ),
+        (
+            "chat-minimal",
+            r#"{"messages": [{"role": "user", "content": "hi"}]}"#,
+        ),
+        (
+            "chat-all",
+            r#"{"messages": [{"role": "system", "content": "be brief"}, {"role": "developer", "content": null}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, {"role": "assistant", "content": "ok"}], "max_completion_tokens": 8, "logprobs": true, "top_logprobs": 3, "stop": "x", "stream": false}"#,
+        ),
+    ];
+    bodies
+        .iter()
+        .enumerate()
+        .map(|(i, (name, b))| (format!("{:02}-{name}.json", i + 1), b.as_bytes().to_vec()))
+        .collect()
 }
 
 /// The tiny model every model-directory seed starts from: one layer, so a

@@ -14,9 +14,10 @@
 //! unbounded `Display` is found as well.
 //!
 //! Not here: parsers that need a file system (`GgufFile::open` maps a file;
-//! the fuzzer uses `from_bytes`, the same parser) and the HTTP request
-//! parser, which lands with `kiln serve` (see [`Target::Http`]'s place in
-//! [`Target::ALL`]).
+//! the fuzzer uses `from_bytes`, the same parser), and the HTTP framing
+//! itself (hyper's; kiln's code starts at the request body), and the
+//! tokenizer and chat template a served request then goes through (they
+//! need a model directory).
 
 use kiln_compiler::config::HfConfig;
 use kiln_compiler::frontend::Family;
@@ -59,20 +60,20 @@ pub enum Target {
     /// `kiln_ir::parse_and_verify`; on success print, parse again, and
     /// require the same text and a graph that still verifies.
     Ir,
-    // HTTP: the `kiln serve` request parser gets a target here when the
-    // server crate lands: add `Http` to this enum, to `ALL`, to
-    // `alloc::TARGET_NAMES`, a `run` arm feeding the raw request bytes to
-    // the server's request parser, and seeds in `seed.rs`.
+    /// `kiln serve`'s request bodies: `api::parse_body`, then both
+    /// endpoints' validation (`completion_request`, `chat_request`); an
+    /// accepted request's fields are read back.
+    Http,
 }
 
 impl Target {
-    pub const ALL: [Target; 5] = [
+    pub const ALL: [Target; 6] = [
         Target::Gguf,
         Target::Safetensors,
         Target::Config,
         Target::Plan,
         Target::Ir,
-        // Target::Http, once `kiln serve` exists.
+        Target::Http,
     ];
 
     pub fn name(self) -> &'static str {
@@ -86,6 +87,7 @@ impl Target {
             Target::Config => 2,
             Target::Plan => 3,
             Target::Ir => 4,
+            Target::Http => 5,
         }
     }
 
@@ -97,7 +99,7 @@ impl Target {
         match self {
             Target::Gguf => Shape::Binary,
             Target::Safetensors => Shape::Safetensors,
-            Target::Config | Target::Ir => Shape::Text,
+            Target::Config | Target::Ir | Target::Http => Shape::Text,
             Target::Plan => Shape::Plan,
         }
     }
@@ -110,6 +112,7 @@ impl Target {
             Target::Config => config(input),
             Target::Plan => plan(input),
             Target::Ir => ir(input),
+            Target::Http => http(input),
         }
     }
 }
@@ -349,4 +352,36 @@ fn ir(input: &[u8]) -> Outcome {
         );
     }
     Outcome::Accepted
+}
+
+fn http(input: &[u8]) -> Outcome {
+    use kiln_serve::api;
+    let m = match api::parse_body(input) {
+        Ok(m) => m,
+        Err(e) => return reject(e.body()),
+    };
+    let mut accepted = false;
+    for r in [api::completion_request(&m, 7), api::chat_request(&m, 7)] {
+        match r {
+            Ok(r) => {
+                accepted = true;
+                black_box(format!("{r:?}"));
+                black_box((r.needs_logits(), r.max_tokens, r.stop.len()));
+            }
+            Err(e) => {
+                if e.status != 400 {
+                    return Outcome::Finding(format!(
+                        "a request body was refused with status {} (validation answers 400): {}",
+                        e.status, e.message
+                    ));
+                }
+                black_box(e.body().to_string());
+            }
+        }
+    }
+    if accepted {
+        Outcome::Accepted
+    } else {
+        Outcome::Rejected
+    }
 }

@@ -50,6 +50,12 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("the prompt has {len} tokens but the plan's context holds {max_context}, and at least one position must remain for generation; shorten the prompt to at most {} tokens or compile with a longer context", .max_context - 1)]
     PromptTooLong { len: usize, max_context: u32 },
+    #[error("{what} is {size}; a prompt may be at most {limit} bytes (kiln reads no more), so shorten it")]
+    PromptTooLarge {
+        what: String,
+        size: String,
+        limit: u64,
+    },
     #[error("{what} token id {token} is outside the vocabulary (size {vocab}); the tokenizer does not match the model")]
     InvalidToken {
         what: &'static str,

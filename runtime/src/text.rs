@@ -116,9 +116,53 @@ impl TextStream<'_> {
     }
 }
 
-/// Reads a prompt file, which must be UTF-8.
+/// The largest prompt read from a file or given on the command line, in
+/// bytes: far more text than any compiled context holds (a token is rarely
+/// under two bytes), and small enough to tokenize in bounded memory.
+pub const MAX_PROMPT_BYTES: u64 = 8 << 20;
+
+/// Refuses a prompt of more than [`MAX_PROMPT_BYTES`] bytes.
+pub fn check_prompt_size(prompt: &str) -> Result<(), EngineError> {
+    if prompt.len() as u64 > MAX_PROMPT_BYTES {
+        return Err(EngineError::PromptTooLarge {
+            what: "the prompt".into(),
+            size: format!("{} bytes", prompt.len()),
+            limit: MAX_PROMPT_BYTES,
+        });
+    }
+    Ok(())
+}
+
+/// Reads a prompt file, which must be a regular UTF-8 file of at most
+/// [`MAX_PROMPT_BYTES`]; a FIFO or device is refused before it is opened
+/// (it could block or never end), and no more than the limit is read.
 pub fn read_prompt_file(path: &Path) -> Result<String, EngineError> {
-    let bytes = std::fs::read(path).map_err(|e| EngineError::io(path, e))?;
+    use std::io::Read;
+    let meta = std::fs::metadata(path).map_err(|e| EngineError::io(path, e))?;
+    if !meta.is_file() {
+        return Err(EngineError::io(
+            path,
+            std::io::Error::other(format!(
+                "it is {}, not a regular file; give the prompt as a file",
+                crate::weights::describe_file_type(&meta.file_type())
+            )),
+        ));
+    }
+    let too_large = |size: String| EngineError::PromptTooLarge {
+        what: format!("prompt file {}", path.display()),
+        size,
+        limit: MAX_PROMPT_BYTES,
+    };
+    if meta.len() > MAX_PROMPT_BYTES {
+        return Err(too_large(format!("{} bytes", meta.len())));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_PROMPT_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(|e| EngineError::io(path, e))?;
+    if bytes.len() as u64 > MAX_PROMPT_BYTES {
+        return Err(too_large("growing past the limit while read".into()));
+    }
     String::from_utf8(bytes).map_err(|e| EngineError::InvalidUtf8 {
         what: format!("prompt file {}", path.display()),
         offset: e.utf8_error().valid_up_to(),

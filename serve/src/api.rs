@@ -21,6 +21,10 @@ use serde_json::{json, Map, Value};
 pub const MAX_TOP_LOGPROBS: u32 = 5;
 /// Most stop strings per request (OpenAI's limit).
 pub const MAX_STOPS: usize = 4;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+/// Most chat messages per request.
+pub const MAX_MESSAGES: usize = 4096;
 
 /// A 400 (or other status) with an OpenAI-style body.
 #[derive(Clone, Debug, PartialEq)]
@@ -243,6 +247,15 @@ fn common(m: &Map<String, Value>, random_seed: u64) -> Result<GenRequest, ApiErr
             ))
         }
     };
+    if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "a `stop` string has {} bytes; at most {MAX_STOP_BYTES} are allowed",
+                long.len()
+            ),
+        ));
+    }
     if stop.iter().any(String::is_empty) {
         return Err(ApiError::invalid(
             "stop",
@@ -302,6 +315,15 @@ pub fn chat_request(m: &Map<String, Value>, random_seed: u64) -> Result<GenReque
             "`messages` must be a non-empty list of {\"role\", \"content\"} objects",
         ));
     };
+    if list.len() > MAX_MESSAGES {
+        return Err(ApiError::invalid(
+            "messages",
+            format!(
+                "`messages` has {} entries; at most {MAX_MESSAGES} are allowed",
+                list.len()
+            ),
+        ));
+    }
     let mut out = Vec::with_capacity(list.len());
     for (i, msg) in list.iter().enumerate() {
         let field = format!("messages[{i}]");
@@ -532,6 +554,26 @@ mod tests {
             p(r#"{"prompt": "a", "logprobs": 2}"#).unwrap().logprobs,
             Some(LogprobsRequest { top: 2 })
         );
+    }
+
+    #[test]
+    fn too_many_messages_and_overlong_stop_strings_are_refused_by_name() {
+        let msgs = vec![json!({"role": "user", "content": "x"}); MAX_MESSAGES + 1];
+        let body = json!({"messages": msgs}).to_string();
+        let e = chat(&body).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        assert!(
+            e.message.contains(&format!("{}", MAX_MESSAGES + 1)),
+            "{}",
+            e.message
+        );
+        let ok = json!({"messages": &msgs[..MAX_MESSAGES]}).to_string();
+        assert!(chat(&ok).is_ok());
+        let stop = "s".repeat(MAX_STOP_BYTES + 1);
+        let e = chat(&format!(r#"{{{MSG}, "stop": "{stop}"}}"#)).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("stop"));
+        let stop = "s".repeat(MAX_STOP_BYTES);
+        assert!(chat(&format!(r#"{{{MSG}, "stop": ["{stop}"]}}"#)).is_ok());
     }
 
     #[test]

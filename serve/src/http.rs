@@ -6,13 +6,21 @@
 //! thread and read [`Event`]s back. A streaming response is fed by a small
 //! task that forwards events; when the client goes away the response body is
 //! dropped, the task's send fails, it drops the event receiver, and the
-//! engine thread removes the sequence before its next step. Not here: auth,
-//! TLS, CORS, rate limits (put a proxy in front).
+//! engine thread removes the sequence before its next step.
+//!
+//! Every error, including an unknown route (404), a wrong method (405) and a
+//! body over the limit (413), is an OpenAI-style JSON error body. Requests
+//! beyond the sequences the plan runs at once are queued, not refused: the
+//! queue holds validated requests only, each bounded by the body limit, a
+//! prompt shorter than the context and `max_tokens` capped by the context.
+//! Not here: auth, TLS, CORS, rate limits and connection limits (put a proxy
+//! in front).
 
 use crate::api::{self, ApiError, GenRequest, Prompt};
 use crate::metrics::Metrics;
 use crate::scheduler::{Command, Event, ModelInfo, Submission, TokenLogprob};
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -52,6 +60,13 @@ pub fn router(state: Shared, max_body_bytes: usize) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .fallback(unknown_route)
+        .method_not_allowed_fallback(wrong_method)
+        .layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                refuse_declared_oversize(req, next, max_body_bytes)
+            },
+        ))
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
 }
@@ -130,12 +145,101 @@ impl Kind {
     }
 }
 
-async fn chat_completions(State(s): State<Shared>, body: Bytes) -> Response {
-    generate(s, Kind::Chat, body).await
+/// A request whose `Content-Length` is over the limit is answered 413 from
+/// the header alone: no body is read or waited for.
+async fn refuse_declared_oversize(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+    max_body_bytes: usize,
+) -> Response {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match declared {
+        Some(n) if n > max_body_bytes as u64 => error_response(&ApiError {
+            status: 413,
+            message: format!(
+                "the request body is {n} bytes, more than this server accepts \
+                 ({max_body_bytes}); send a smaller one or restart kiln serve with a larger \
+                 --max-body-bytes"
+            ),
+            param: None,
+            kind: "invalid_request_error",
+        }),
+        _ => next.run(req).await,
+    }
 }
 
-async fn completions(State(s): State<Shared>, body: Bytes) -> Response {
-    generate(s, Kind::Completion, body).await
+async fn unknown_route(uri: axum::http::Uri) -> Response {
+    error_response(&ApiError {
+        status: 404,
+        message: format!(
+            "no route {}: kiln serves POST /v1/completions, POST /v1/chat/completions, \
+             GET /v1/models, GET /health and GET /metrics",
+            uri.path()
+        ),
+        param: None,
+        kind: "invalid_request_error",
+    })
+}
+
+async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let allowed = if uri.path().starts_with("/v1/") && uri.path().ends_with("completions") {
+        "POST"
+    } else {
+        "GET"
+    };
+    let mut r = error_response(&ApiError {
+        status: 405,
+        message: format!("{method} is not allowed on {}; use {allowed}", uri.path()),
+        param: None,
+        kind: "invalid_request_error",
+    });
+    r.headers_mut()
+        .insert(header::ALLOW, header::HeaderValue::from_static(allowed));
+    r
+}
+
+/// A body that could not be read (over `--max-body-bytes`, or the client
+/// stopped sending) as an OpenAI-style error with the rejection's status.
+fn body_error(s: &AppState, kind: Kind, e: BytesRejection) -> Response {
+    let status = e.status().as_u16();
+    let message = if status == 413 {
+        format!(
+            "the request body is larger than this server accepts ({}); send a smaller one or \
+             restart kiln serve with a larger --max-body-bytes",
+            e.body_text()
+        )
+    } else {
+        format!("the request body could not be read: {}", e.body_text())
+    };
+    let e = ApiError {
+        status,
+        message,
+        param: None,
+        kind: "invalid_request_error",
+    };
+    count(s, kind.endpoint(), e.status);
+    error_response(&e)
+}
+
+async fn chat_completions(
+    State(s): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match body {
+        Ok(body) => generate(s, Kind::Chat, body).await,
+        Err(e) => body_error(&s, Kind::Chat, e),
+    }
+}
+
+async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+    match body {
+        Ok(body) => generate(s, Kind::Completion, body).await,
+        Err(e) => body_error(&s, Kind::Completion, e),
+    }
 }
 
 async fn generate(s: Shared, kind: Kind, body: Bytes) -> Response {
