@@ -1045,7 +1045,11 @@ impl<'a> Parser<'a> {
                 let bias = a.bool("bias")?;
                 let out = a.dtype("out")?;
                 let eps = a.opt_f32("norm")?;
-                let unit_offset = a.bool_only_with("unit_offset", eps.is_some(), "false (true needs `norm` set)")?;
+                let unit_offset = a.bool_only_with(
+                    "unit_offset",
+                    eps.is_some(),
+                    "false (true needs `norm` set)",
+                )?;
                 Op::FusedMatMul {
                     bias,
                     out,

@@ -214,7 +214,10 @@ pub fn fused_matmul_call(
         post,
     } = op
     else {
-        return Err(unsupported(format!("not a fused matmul: `{}`", op.mnemonic())));
+        return Err(unsupported(format!(
+            "not a fused matmul: `{}`",
+            op.mnemonic()
+        )));
     };
     if !op.arity().contains(&args.len()) {
         return Err(unsupported(format!("got {} argument(s)", args.len())));
@@ -1764,7 +1767,10 @@ mod tests {
         // An activation epilogue: one output per warp, 8 per block.
         let op = fused(false, d, false, Epilogue::GeluTanhMul);
         let c = fused_matmul_call(&op, &[tt(d, &[1, 96]), tt(d, &[200, 96])], true).unwrap();
-        assert_eq!((c.entry.as_str(), c.grid[0]), ("gemv_fused_t1_bf16_bf16", 13));
+        assert_eq!(
+            (c.entry.as_str(), c.grid[0]),
+            ("gemv_fused_t1_bf16_bf16", 13)
+        );
         assert_eq!(c.params.last(), Some(&Param::I32(2)));
     }
 

@@ -90,10 +90,7 @@ fn unfused(c: &Case, i: &Inputs) -> Vec<u8> {
         bias: c.bias,
         out: d,
     };
-    let y = (
-        TensorType::new(d, vec![t, n]),
-        run(&mm, &margs).remove(0),
-    );
+    let y = (TensorType::new(d, vec![t, n]), run(&mm, &margs).remove(0));
     match c.post {
         Epilogue::None => y.1,
         Epilogue::SiluMul => run(&Op::SiluMul, &[y]).remove(0),
@@ -109,7 +106,13 @@ fn cases(rng: &mut Rng) -> Vec<Case> {
     let mut v = Vec::new();
     // Awkward sizes: K not a multiple of 8 or 16, N odd or just past a
     // block, T from 1 to past the GPU's fused limit.
-    let shapes = [(1, 72, 10), (3, 136, 34), (5, 1000, 6), (8, 40, 130), (11, 24, 2)];
+    let shapes = [
+        (1, 72, 10),
+        (3, 136, 34),
+        (5, 1000, 6),
+        (8, 40, 130),
+        (11, 24, 2),
+    ];
     for dtype in [DType::BF16, DType::F16, DType::F32] {
         for (si, &(t, k, n)) in shapes.iter().enumerate() {
             for post in Epilogue::ALL {
@@ -196,7 +199,11 @@ fn fused_matmul_agrees_with_an_f64_reference_of_its_typing_rule() {
             Epilogue::Residual => {
                 let r = stored(i.residual.as_ref().unwrap());
                 let want: Vec<f64> = y.iter().zip(&r).map(|(a, b)| a + b).collect();
-                let tol: Vec<f64> = ytol.iter().zip(&want).map(|(e, w)| e + ulp(d, *w)).collect();
+                let tol: Vec<f64> = ytol
+                    .iter()
+                    .zip(&want)
+                    .map(|(e, w)| e + ulp(d, *w))
+                    .collect();
                 assert_close_each(&what, d, &got, &want, 1.0, &tol);
             }
             Epilogue::SiluMul | Epilogue::GeluTanhMul => {
@@ -243,10 +250,7 @@ fn fused_matmul_refuses_operands_outside_its_typing_rule() {
     );
     assert!(e.to_string().contains("residual"), "{e}");
     // An epilogue with a result dtype other than the activations'.
-    let e = run_err(
-        &op(DType::F32, Epilogue::SiluMul),
-        &[x.clone(), w.clone()],
-    );
+    let e = run_err(&op(DType::F32, Epilogue::SiluMul), &[x.clone(), w.clone()]);
     assert!(e.to_string().contains("epilogue"), "{e}");
     // A packed gate/up weight with an odd row count.
     let w5 = float(d, &[5, 16], &[0.25; 80]);

@@ -96,7 +96,10 @@ pub(crate) unsafe fn fused_matmul(
             elementwise::add(yb, r, out)
         }
         (Epilogue::Residual, None) => {
-            return Err(operands(op, "the residual epilogue needs a residual operand"))
+            return Err(operands(
+                op,
+                "the residual epilogue needs a residual operand",
+            ))
         }
     }
     Ok(())
