@@ -634,7 +634,7 @@ pub fn run_op(b: &mut CudaBackend, op: &Op, args: &[HT]) -> Vec<HT> {
     let mut launch = Launch {
         // As the engine marks a matmul's weight operand: the GEMV kernel
         // then loads it before its dependency wait.
-        const_args: if matches!(op, Op::MatMul { .. }) {
+        const_args: if matches!(op, Op::MatMul { .. } | Op::FusedMatMul { .. }) {
             2
         } else {
             0
