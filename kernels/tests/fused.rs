@@ -122,7 +122,7 @@ fn cases(rng: &mut Rng) -> Vec<Case> {
                         t,
                         k,
                         n,
-                        bias: (si + pre as usize) % 2 == 0,
+                        bias: (si + pre as usize).is_multiple_of(2),
                         pre: pre.then(|| PreNorm {
                             eps: [1e-6, 1e-5, 0.1][rng.below(3)],
                             unit_offset: rng.below(2) == 1,

@@ -531,7 +531,7 @@ pub fn apply(
                 bias: *bias,
                 out: y_d,
             };
-            let y = apply(&mm, &mm_args, &mm_tys, &[y_ty.clone()]).remove(0);
+            let y = apply(&mm, &mm_args, &mm_tys, std::slice::from_ref(&y_ty)).remove(0);
             let yt = [y_ty];
             match (post, residual) {
                 (kiln_ir::Epilogue::SiluMul, _) => apply(&Op::SiluMul, &[y], &yt, res_tys),
