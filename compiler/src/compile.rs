@@ -412,7 +412,8 @@ pub fn compile_traced<E: Display>(
             key,
             message: e.to_string(),
         })?;
-        let (g, info, s) = passes::run_pipeline(g, &mut manifest, &opts.passes, opts.verify)?;
+        let (g, info, s) =
+            passes::run_pipeline_for(g, &mut manifest, &opts.passes, opts.verify, &opts.target)?;
         graphs.push((g, info));
         stats.push(s);
         progress(Stage::Passes, key);

@@ -22,7 +22,9 @@ fn compile(
     target: &str,
 ) -> Result<kiln_compiler::compile::Compiled, CompileError> {
     let opts = CompileOptions {
-        keys: keys("b1q1s0,b3q1s0,b2q3s2"),
+        // b12q1s0 (12 tokens) is past the fused GEMVs: it keeps its norms
+        // and GEMMs, so every lowering kind appears.
+        keys: keys("b1q1s0,b3q1s0,b2q3s2,b12q1s0"),
         target: target.parse().unwrap(),
         ..CompileOptions::default()
     };
@@ -91,7 +93,14 @@ fn a_gpu_plan_lowers_every_op_over_planned_scratch_and_counters() {
     let plan = &c.plan;
     check_plan(plan).unwrap_or_else(|e| panic!("{e:#?}"));
     let info = validate(plan).unwrap();
-    for m in ["attention", "norm", "rope", "elementwise", "sampling"] {
+    for m in [
+        "attention",
+        "norm",
+        "rope",
+        "elementwise",
+        "sampling",
+        "gemv",
+    ] {
         assert!(info.modules.contains(m), "{m} not in {:?}", info.modules);
     }
     assert!(plan.counter_bytes > 0);
@@ -212,7 +221,13 @@ fn the_checker_refuses_scratch_that_shares_bytes_with_a_live_value() {
 #[test]
 fn inspect_shows_the_launch_list_with_grids_blocks_and_params() {
     let c = compile(&SynthSpec::tiny(SynthFamily::Llama), "hip:gfx1100").unwrap();
+    // b1 runs fused GEMVs: the qkv projection with its norm folded in.
     let text = render(&c.plan, Some("b1q1s0".parse().unwrap()), Format::Text).unwrap();
+    assert!(
+        text.contains("gemv.gemv_fused_norm_t1_bf16_bf16 grid "),
+        "{text}"
+    );
+    let text = render(&c.plan, Some("b12q1s0".parse().unwrap()), Format::Text).unwrap();
     assert!(text.contains("  launches\n"), "{text}");
     let line = text
         .lines()
@@ -222,12 +237,17 @@ fn inspect_shows_the_launch_list_with_grids_blocks_and_params() {
         line.contains(" grid ") && line.contains(" block 128x1x1") && line.contains("counters+"),
         "{line}"
     );
-    assert!(text.contains("gemm t 1 n "), "{text}");
+    assert!(text.contains("gemm t 12 n "), "{text}");
     assert!(text.lines().any(|l| l.trim_start().starts_with("scratch.")));
     assert!(text.contains("  counters    "));
     let json = render(&c.plan, None, Format::Json).unwrap();
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
-    let ops = v["keys"][0]["ops"].as_array().unwrap();
+    let ops: Vec<serde_json::Value> = v["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|k| k["ops"].as_array().unwrap().clone())
+        .collect();
     assert!(ops.iter().any(|o| o["lowering"] == "kernels"
         && o["launches"][0]["grid"]
             .as_array()

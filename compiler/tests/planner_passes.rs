@@ -91,10 +91,24 @@ fn a_wrongly_stacked_weight_changes_the_result() {
 
 #[test]
 fn every_layer_is_fused_once_and_the_manifest_holds_exactly_what_graphs_read() {
+    // The fusions before `fuse-matmul` (which tests/fuse_matmul.rs covers).
+    let passes: Vec<Pass> = DEFAULT_PIPELINE
+        .iter()
+        .copied()
+        .filter(|p| *p != Pass::FuseMatMul)
+        .collect();
     for fam in FAMILIES {
         let spec = SynthSpec::tiny(fam);
         let key: Key = "b2q1s0".parse().unwrap();
-        let (g, m, s) = fused(&spec, spec.graph(key, &kv_for(&spec, key), false));
+        let mut m = spec.manifest();
+        let (g, _, s) = run_pipeline(
+            spec.graph(key, &kv_for(&spec, key), false),
+            &mut m,
+            &passes,
+            true,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        kiln_compiler::passes::weights::prune(&mut m, &[&g]);
         let l = spec.layers as usize;
         // Two add+norm pairs per layer; the first layer's input norm follows
         // the embedding, not an add, and the final norm follows the last add.

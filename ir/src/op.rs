@@ -10,8 +10,8 @@
 //! frequencies). Nothing that changes from step to step is an attribute: such
 //! values are graph inputs read from device memory.
 //!
-//! Fused variants (`QkvRopeKvWrite`, `AddRmsNorm`, the one-argument forms of
-//! `SiluMul`/`GeluTanhMul`) are produced by compiler passes; frontends emit the
+//! Fused variants (`QkvRopeKvWrite`, `AddRmsNorm`, `FusedMatMul`, the
+//! one-argument forms of `SiluMul`/`GeluTanhMul`) are produced by compiler passes; frontends emit the
 //! plain ones. They are in the same enum so the verifier, the printer and the
 //! backends see one closed set.
 
@@ -82,6 +82,53 @@ impl Rope {
                     .collect()
             }
         }
+    }
+}
+
+/// The RMSNorm a [`Op::FusedMatMul`] applies to its input rows before the
+/// product (its prologue): `rms_norm { eps, unit_offset }`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PreNorm {
+    pub eps: f32,
+    pub unit_offset: bool,
+}
+
+/// What a [`Op::FusedMatMul`] does with its product before storing it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Epilogue {
+    /// The product itself (rounded to `out`).
+    None,
+    /// `silu_mul` of the packed product: the weight stacks gate rows over
+    /// up rows, the result is `silu(gate) * up`, half as wide.
+    SiluMul,
+    /// As `SiluMul` with GELU (tanh approximation).
+    GeluTanhMul,
+    /// `add` of a residual operand: the result is the new residual stream.
+    Residual,
+}
+
+impl Epilogue {
+    /// The name in the text form.
+    pub fn name(self) -> &'static str {
+        match self {
+            Epilogue::None => "none",
+            Epilogue::SiluMul => "silu_mul",
+            Epilogue::GeluTanhMul => "gelu_tanh_mul",
+            Epilogue::Residual => "residual",
+        }
+    }
+
+    /// Every epilogue, in text-form order.
+    pub const ALL: [Epilogue; 4] = [
+        Epilogue::None,
+        Epilogue::SiluMul,
+        Epilogue::GeluTanhMul,
+        Epilogue::Residual,
+    ];
+
+    /// The epilogue named `name` in the text form.
+    pub fn from_name(name: &str) -> Option<Epilogue> {
+        Epilogue::ALL.into_iter().find(|e| e.name() == name)
     }
 }
 
@@ -177,6 +224,27 @@ pub enum Op {
     /// is exactly `argmax`. The normative algorithm is in kiln-kernels
     /// (`cpu::sample`).
     Sample,
+    /// A matmul with an RMSNorm prologue and/or an epilogue, the unfused
+    /// sequence computed by one kernel (formed by the `fuse-matmul` pass):
+    /// `fused_matmul(x: D[T,K], w: D[N,K] [, bias: D[N]] [, norm: D[K]]
+    ///   [, residual: D[T,N]]) -> R`, arguments in that order, `bias` present
+    /// exactly when `bias`, `norm` exactly when `pre` is set, `residual`
+    /// exactly when `post` is `Residual`. It computes
+    /// `y = matmul(pre ? rms_norm(x, norm) : x, w [, bias])` and then
+    /// * `None`: `R = out[T,N]`, `y` itself;
+    /// * `SiluMul` / `GeluTanhMul`: `R = D[T,N/2]`, `silu_mul(y)` /
+    ///   `gelu_tanh_mul(y)` of the packed product (N even, gate rows first);
+    /// * `Residual`: `R = D[T,N]`, `add(y, residual)`.
+    ///
+    /// With an epilogue `out` must be D. Every intermediate (the normed rows,
+    /// `y`) is rounded to D where the unfused op would store it, so the fused
+    /// op equals the unfused sequence up to the summation order of the sums.
+    FusedMatMul {
+        bias: bool,
+        out: DType,
+        pre: Option<PreNorm>,
+        post: Epilogue,
+    },
 }
 
 /// Why an op's operands do not type-check. The verifier adds the location.
@@ -202,11 +270,12 @@ impl Op {
             Op::Argmax => "argmax",
             Op::AcceptGreedy { .. } => "accept_greedy",
             Op::Sample => "sample",
+            Op::FusedMatMul { .. } => "fused_matmul",
         }
     }
 
     /// All mnemonics, for error messages ("expected one of ...").
-    pub const MNEMONICS: [&'static str; 16] = [
+    pub const MNEMONICS: [&'static str; 17] = [
         "embedding",
         "rms_norm",
         "add_rms_norm",
@@ -223,6 +292,7 @@ impl Op {
         "argmax",
         "accept_greedy",
         "sample",
+        "fused_matmul",
     ];
 
     /// Accepted argument counts.
@@ -247,6 +317,25 @@ impl Op {
             Op::Argmax => &[1],
             Op::AcceptGreedy { .. } => &[2],
             Op::Sample => &[3],
+            Op::FusedMatMul { .. } => match self.fused_arg_count() {
+                2 => &[2],
+                3 => &[3],
+                4 => &[4],
+                _ => &[5],
+            },
+        }
+    }
+
+    /// Argument count of a `fused_matmul` (2 for any other op): x and w,
+    /// then bias, norm weight and residual when present.
+    fn fused_arg_count(&self) -> usize {
+        match self {
+            Op::FusedMatMul {
+                bias, pre, post, ..
+            } => {
+                2 + *bias as usize + pre.is_some() as usize + (*post == Epilogue::Residual) as usize
+            }
+            _ => 2,
         }
     }
 
@@ -674,6 +763,80 @@ impl Op {
                     )?;
                 }
                 Ok(vec![tt(DType::I32, vec![x[0]])])
+            }
+            Op::FusedMatMul {
+                bias,
+                out,
+                pre,
+                post,
+            } => {
+                float(0, "x")?;
+                let x = rank(0, 2, "x")?;
+                float(1, "weight")?;
+                let w = rank(1, 2, "weight")?;
+                same_dtype(0, 1)?;
+                want(
+                    x[1] == w[1],
+                    format!(
+                        "x {} and weight {} disagree on the inner dimension ({} vs {})",
+                        args[0], args[1], x[1], w[1]
+                    ),
+                )?;
+                want(
+                    out.is_float(),
+                    format!("result dtype must be float, got {out}"),
+                )?;
+                let d = args[0].dtype;
+                let mut i = 2;
+                if *bias {
+                    let b = rank(i, 1, "bias")?;
+                    same_dtype(0, i)?;
+                    want(
+                        b[0] == w[0],
+                        format!(
+                            "bias length {} must equal the output features {}",
+                            b[0], w[0]
+                        ),
+                    )?;
+                    i += 1;
+                }
+                if pre.is_some() {
+                    let nw = rank(i, 1, "norm weight")?;
+                    same_dtype(0, i)?;
+                    want(
+                        nw[0] == x[1],
+                        format!(
+                            "norm weight length {} must equal the row length {}",
+                            nw[0], x[1]
+                        ),
+                    )?;
+                    i += 1;
+                }
+                want(
+                    *post == Epilogue::None || *out == d,
+                    format!(
+                        "with the `{}` epilogue the result dtype must be the activations' {d}, got {out}",
+                        post.name()
+                    ),
+                )?;
+                match post {
+                    Epilogue::None => Ok(vec![tt(*out, vec![x[0], w[0]])]),
+                    Epilogue::SiluMul | Epilogue::GeluTanhMul => {
+                        want(
+                            w[0] % 2 == 0,
+                            format!("packed gate_up weight rows {} must be even", w[0]),
+                        )?;
+                        Ok(vec![tt(d, vec![x[0], w[0] / 2])])
+                    }
+                    Epilogue::Residual => {
+                        let r = tt(d, vec![x[0], w[0]]);
+                        want(
+                            args[i] == r,
+                            format!("residual {} must have the result type {r}", args[i]),
+                        )?;
+                        Ok(vec![r])
+                    }
+                }
             }
         }
     }

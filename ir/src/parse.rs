@@ -40,7 +40,7 @@
 
 use crate::graph::{Graph, InputRole, Node, NodeId, ValueData, ValueDef, ValueId};
 use crate::manifest::WeightManifest;
-use crate::op::{Op, Rope, RopeScaling};
+use crate::op::{Epilogue, Op, PreNorm, Rope, RopeScaling};
 use crate::text::attr_names;
 pub use crate::text::{NodeSpans, Pos, SourceMap, Span};
 use crate::types::{DType, Shape, TensorType};
@@ -1042,6 +1042,22 @@ impl<'a> Parser<'a> {
             "accept_greedy" => Op::AcceptGreedy {
                 spec: a.u32("spec")?,
             },
+            "fused_matmul" => {
+                let bias = a.bool("bias")?;
+                let out = a.dtype("out")?;
+                let eps = a.opt_f32("norm")?;
+                let unit_offset = a.bool_only_with(
+                    "unit_offset",
+                    eps.is_some(),
+                    "false (true needs `norm` set)",
+                )?;
+                Op::FusedMatMul {
+                    bias,
+                    out,
+                    pre: eps.map(|eps| PreNorm { eps, unit_offset }),
+                    post: a.epilogue("epilogue")?,
+                }
+            }
             other => {
                 return Err(ParseError {
                     pos: m_span.start,
@@ -1217,6 +1233,33 @@ impl Attrs {
         match &a.value {
             AttrVal::Word(w) if w == "true" => Ok(true),
             AttrVal::Word(w) if w == "false" => Ok(false),
+            _ => Err(self.bad(&a, WHAT)),
+        }
+    }
+
+    /// A bool that may only be `true` when `allowed` (an attribute that
+    /// only means something next to another one, so every op has one text
+    /// form); `what_else` describes the accepted value otherwise.
+    fn bool_only_with(
+        &mut self,
+        name: &'static str,
+        allowed: bool,
+        what_else: &'static str,
+    ) -> PResult<bool> {
+        let what = if allowed { "true or false" } else { what_else };
+        let a = self.get(name, what)?;
+        match &a.value {
+            AttrVal::Word(w) if w == "true" && allowed => Ok(true),
+            AttrVal::Word(w) if w == "false" => Ok(false),
+            _ => Err(self.bad(&a, what)),
+        }
+    }
+
+    fn epilogue(&mut self, name: &'static str) -> PResult<Epilogue> {
+        const WHAT: &str = "an epilogue (none, silu_mul, gelu_tanh_mul, residual)";
+        let a = self.get(name, WHAT)?;
+        match &a.value {
+            AttrVal::Word(w) => Epilogue::from_name(w).ok_or_else(|| self.bad(&a, WHAT)),
             _ => Err(self.bad(&a, WHAT)),
         }
     }

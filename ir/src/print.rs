@@ -340,6 +340,21 @@ pub(crate) fn attrs(op: &Op) -> String {
         ],
         Op::GatherLast { group } => vec![("group", group.to_string())],
         Op::AcceptGreedy { spec } => vec![("spec", spec.to_string())],
+        Op::FusedMatMul {
+            bias,
+            out,
+            pre,
+            post,
+        } => vec![
+            ("bias", bias.to_string()),
+            ("out", out.to_string()),
+            ("norm", fmt_opt_f32(pre.map(|p| p.eps))),
+            (
+                "unit_offset",
+                pre.is_some_and(|p| p.unit_offset).to_string(),
+            ),
+            ("epilogue", post.name().to_string()),
+        ],
     };
     debug_assert_eq!(
         pairs.iter().map(|p| p.0).collect::<Vec<_>>(),

@@ -223,6 +223,10 @@ fn the_generator_covers_every_op_scaling_and_option() {
                 Op::SiluMul | Op::GeluTanhMul => {
                     seen.insert(format!("{} arity {}", n.op.mnemonic(), n.args.len()));
                 }
+                Op::FusedMatMul { pre, post, .. } => {
+                    seen.insert(format!("fused norm {}", pre.is_some()));
+                    seen.insert(format!("fused epilogue {}", post.name()));
+                }
                 _ => {}
             }
         }
@@ -246,6 +250,12 @@ fn the_generator_covers_every_op_scaling_and_option() {
         "silu_mul arity 2",
         "gelu_tanh_mul arity 1",
         "gelu_tanh_mul arity 2",
+        "fused norm true",
+        "fused norm false",
+        "fused epilogue none",
+        "fused epilogue silu_mul",
+        "fused epilogue gelu_tanh_mul",
+        "fused epilogue residual",
     ] {
         assert!(seen.contains(tag), "generator never emits {tag}");
     }

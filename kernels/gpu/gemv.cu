@@ -133,3 +133,237 @@ KILN_GEMV_TOKENS(kbf16, bf16, kbf16, bf16)
 KILN_GEMV_TOKENS(kbf16, bf16, float, f32)
 KILN_GEMV_TOKENS(kf16, f16, kf16, f16)
 KILN_GEMV_TOKENS(kf16, f16, float, f32)
+
+// ---- fused_matmul: the GEMV above with an RMSNorm prologue and an epilogue ----
+//
+// Same weight stream as gemv_rows (one warp, two weight rows, 16-byte loads,
+// the first loads issued before the dependency wait when w is a weight).
+// Prologue (PRE): every block computes the inverse RMS of each token row of
+// x itself (x is T x K, a few KiB, L2-resident), into shared memory, before
+// the main loop; each x element is then normalized as it is unpacked and
+// rounded to T, the value the unfused rms_norm would have stored, so the
+// normed rows never go to memory. Epilogues (mode, uniform per launch):
+//   0 none      out[t, n] = acc + bias, rounded to O
+//   1 silu_mul  w stacks gate rows over up rows ([2I, K]); the warp's two
+//   2 gelu_mul  rows are j and j + I, out[t, j] = act(g) * u with g and u
+//               the rounded products (as the unfused matmul stores them)
+//   3 residual  out[t, n] = round(acc + bias) + residual[t, n], rounded
+// Every rounding point is the unfused sequence's; only the order of the
+// sums (dot products, the norm's sum of squares) differs from the CPU
+// reference. Nothing another kernel writes (x, residual) is read before
+// KILN_PROLOGUE(); out never aliases an input (the op allows no reuse).
+#define KILN_FUSED_NONE 0
+#define KILN_FUSED_SILU 1
+#define KILN_FUSED_GELU 2
+#define KILN_FUSED_RESIDUAL 3
+
+KILN_DEV float fused_silu(float g) { return g / (1.0f + expf(-g)); }
+KILN_DEV float fused_gelu_tanh(float g) {
+  const float k0 = 0.7978845608028654f;  // sqrt(2/pi)
+  return 0.5f * g * (1.0f + tanhf(k0 * (g + 0.044715f * g * g * g)));
+}
+
+template <typename T, typename O, int TT, int PRE>
+KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
+                              const T* __restrict__ bias, const T* __restrict__ norm_w,
+                              const T* __restrict__ res, O* __restrict__ out, int tokens, int n,
+                              int k, int w_const, float eps, int unit_offset, int mode) {
+  __shared__ float inv_rms[TT];
+  __shared__ float part[KILN_GEMV_WARPS][TT];
+  const int lane = threadIdx.x % KILN_WARP;
+  const int warp = threadIdx.x / KILN_WARP;
+  const int act = mode == KILN_FUSED_SILU || mode == KILN_FUSED_GELU;
+  const int outs = act ? n / 2 : n;  // output features
+  const int kv = k / 8;
+  // The weight rows this warp streams: (j, j + outs) for one output j under
+  // an activation epilogue, else two consecutive rows.
+  const i64 first = act ? (i64)blockIdx.x * KILN_GEMV_WARPS + warp
+                        : ((i64)blockIdx.x * KILN_GEMV_WARPS + warp) * KILN_GEMV_ROWS;
+  const bool live = first < outs;
+  i64 rows[KILN_GEMV_ROWS];
+  const uint4* wv[KILN_GEMV_ROWS];
+#pragma unroll
+  for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
+    rows[r] = act ? first + r * (i64)outs : first + r;
+    // A row past the end re-reads row 0 (its result is dropped), so every
+    // warp reaches the dependency wait and the block's barriers.
+    const i64 row = live && rows[r] < n ? rows[r] : 0;
+    wv[r] = reinterpret_cast<const uint4*>(w + row * k);
+  }
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* nv = reinterpret_cast<const uint4*>(norm_w);
+  float acc[KILN_GEMV_ROWS][TT];
+#pragma unroll
+  for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
+  constexpr int UNROLL = 4;
+  int c = lane;
+  uint4 wr[KILN_GEMV_ROWS][UNROLL];
+  bool full = c + (UNROLL - 1) * KILN_WARP < kv;
+  if (full && w_const) {
+#pragma unroll
+    for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
+  }
+  KILN_PROLOGUE();
+  if (PRE) {
+    // Per-token sum of squares over the whole row, by the whole block.
+    float ss[TT];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) ss[t] = 0.0f;
+    for (int cc = threadIdx.x; cc < kv; cc += blockDim.x) {
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        if (t < tokens) {
+          float xf[8];
+          unpack8(xv[(i64)t * kv + cc], x, xf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) ss[t] += xf[e] * xf[e];
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      const float s = warp_sum(ss[t]);
+      if (lane == 0) part[warp][t] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < TT) {
+      float s = 0.0f;
+      for (int q = 0; q < KILN_GEMV_WARPS; ++q) s += part[q][threadIdx.x];
+      inv_rms[threadIdx.x] = 1.0f / sqrtf(s / (float)k + eps);
+    }
+    __syncthreads();
+  }
+  if (!live) return;
+  if (full && !w_const) {
+#pragma unroll
+    for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
+  }
+  // One 8-element chunk of token t's (normalized) x.
+  auto x_chunk = [&](int t, int cc, const float* nf, float* xf) {
+    unpack8(xv[(i64)t * kv + cc], x, xf);
+    if (PRE) {
+      const float s = inv_rms[t];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xf[e] = round_to<T>(xf[e] * s * nf[e]);
+    }
+  };
+  auto norm_chunk = [&](int cc, float* nf) {
+    if (PRE) {
+      unpack8(nv[cc], norm_w, nf);
+      if (unit_offset) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) nf[e] += 1.0f;
+      }
+    }
+  };
+  while (full) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int cc = c + u * KILN_WARP;
+      float nf[8];
+      norm_chunk(cc, nf);
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        if (t < tokens) {
+          float xf[8];
+          x_chunk(t, cc, nf, xf);
+#pragma unroll
+          for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
+            float wf[8];
+            unpack8(wr[r][u], w, wf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[r][t] += xf[e] * wf[e];
+          }
+        }
+      }
+    }
+    c += UNROLL * KILN_WARP;
+    full = c + (UNROLL - 1) * KILN_WARP < kv;
+    if (full) {
+#pragma unroll
+      for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
+    }
+  }
+  for (; c < kv; c += KILN_WARP) {
+    float nf[8];
+    norm_chunk(c, nf);
+#pragma unroll
+    for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
+      float wf[8];
+      unpack8(wv[r][c], w, wf);
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        if (t < tokens) {
+          float xf[8];
+          x_chunk(t, c, nf, xf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r][t] += xf[e] * wf[e];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[r][t] = warp_sum(acc[r][t]);
+  if (lane != 0) return;
+  if (act) {
+    const float bg = bias ? ld(bias[rows[0]]) : 0.0f;
+    const float bu = bias ? ld(bias[rows[1]]) : 0.0f;
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      if (t < tokens) {
+        const float g = round_to<T>(acc[0][t] + bg);
+        const float u = round_to<T>(acc[1][t] + bu);
+        const float a = mode == KILN_FUSED_SILU ? fused_silu(g) : fused_gelu_tanh(g);
+        out[(i64)t * outs + first] = st<O>(a * u);
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
+    const i64 row = rows[r];
+    if (row >= n) continue;
+    const float b = bias ? ld(bias[row]) : 0.0f;
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      if (t < tokens) {
+        float v = acc[r][t] + b;
+        if (mode == KILN_FUSED_RESIDUAL) v = round_to<T>(v) + ld(res[(i64)t * n + row]);
+        out[(i64)t * n + row] = st<O>(v);
+      }
+    }
+  }
+}
+
+#define KILN_GEMV_FUSED(T, S, O, OS, TT)                                                        \
+  KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP) gemv_fused_t##TT##_##S##_##OS( \
+      const T* x, const T* w, const T* bias, const T* norm_w, const T* res, O* out, int tokens,  \
+      int n, int k, int w_const, float eps, int unit_offset, int mode) {                        \
+    gemv_fused_rows<T, O, TT, 0>(x, w, bias, norm_w, res, out, tokens, n, k, w_const, eps,      \
+                                 unit_offset, mode);                                            \
+  }                                                                                             \
+  KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
+      gemv_fused_norm_t##TT##_##S##_##OS(const T* x, const T* w, const T* bias,                \
+                                         const T* norm_w, const T* res, O* out, int tokens,    \
+                                         int n, int k, int w_const, float eps, int unit_offset, \
+                                         int mode) {                                            \
+    gemv_fused_rows<T, O, TT, 1>(x, w, bias, norm_w, res, out, tokens, n, k, w_const, eps,      \
+                                 unit_offset, mode);                                            \
+  }
+#define KILN_GEMV_FUSED_TOKENS(T, S, O, OS)                                                     \
+  KILN_GEMV_FUSED(T, S, O, OS, 1) KILN_GEMV_FUSED(T, S, O, OS, 2)                               \
+      KILN_GEMV_FUSED(T, S, O, OS, 4) KILN_GEMV_FUSED(T, S, O, OS, 8)
+KILN_GEMV_FUSED_TOKENS(kbf16, bf16, kbf16, bf16)
+KILN_GEMV_FUSED_TOKENS(kbf16, bf16, float, f32)
+KILN_GEMV_FUSED_TOKENS(kf16, f16, kf16, f16)
+KILN_GEMV_FUSED_TOKENS(kf16, f16, float, f32)

@@ -28,7 +28,7 @@
 use kiln_ir::plan::{
     BufRef, GemmShape, KernelLaunch, LaunchParam, Lowering, Operand, Region, Target,
 };
-use kiln_ir::{DType, Op, Rope, TensorType};
+use kiln_ir::{DType, Epilogue, Op, Rope, TensorType};
 
 /// The portability header every module starts with.
 pub const PORT_HEADER: &str = include_str!("../gpu/kiln_port.h");
@@ -188,6 +188,127 @@ pub fn gemv_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
     })
 }
 
+/// The most tokens the fused GEMV (`fused_matmul`) takes: the largest
+/// instantiated token count. Larger steps keep their unfused ops (the
+/// `fuse-matmul` pass asks [`fused_matmul_call`] before it fuses).
+pub const FUSED_MAX_TOKENS: u32 = 8;
+
+/// The fused GEMV launch of a `fused_matmul` with operand types `args`
+/// (see `gemv.cu`): one warp per two weight rows (per output under an
+/// activation epilogue, whose rows are `j` and `j + N/2`), 16 outputs (8)
+/// per block. `w_const` as for [`gemv_call`]. Refuses what the kernel
+/// cannot run: activations other than bf16/f16, an f32 result with an
+/// epilogue, more than [`FUSED_MAX_TOKENS`] tokens, `K % 8 != 0`, sizes
+/// beyond the 32-bit index range.
+pub fn fused_matmul_call(
+    op: &Op,
+    args: &[TensorType],
+    w_const: bool,
+) -> Result<KernelCall, CatalogError> {
+    let m = "fused_matmul";
+    let unsupported = |why: String| CatalogError::Unsupported { op: m, why };
+    let Op::FusedMatMul {
+        bias,
+        out,
+        pre,
+        post,
+    } = op
+    else {
+        return Err(unsupported(format!(
+            "not a fused matmul: `{}`",
+            op.mnemonic()
+        )));
+    };
+    if !op.arity().contains(&args.len()) {
+        return Err(unsupported(format!("got {} argument(s)", args.len())));
+    }
+    let (x, w) = (args[0].shape.dims(), args[1].shape.dims());
+    let (&[t, k], &[n, _]) = (x, w) else {
+        return Err(unsupported("x and the weight must have rank 2".into()));
+    };
+    let i = match args[0].dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        d => {
+            return Err(unsupported(format!(
+                "the fused GEMV reads bf16 or f16 activations, got {d}; compile without the `fuse-matmul` pass"
+            )))
+        }
+    };
+    let o = match (*out, post) {
+        (DType::F32, Epilogue::None) => "f32",
+        (d, _) if d == args[0].dtype => i,
+        (d, _) => {
+            return Err(unsupported(format!(
+                "result dtype {d} with the `{}` epilogue (f32 results only without an epilogue)",
+                post.name()
+            )))
+        }
+    };
+    let Some(tt) = GEMV_TOKENS.into_iter().find(|&tt| tt >= t) else {
+        return Err(unsupported(format!(
+            "{t} tokens exceed the fused GEMV's {FUSED_MAX_TOKENS}; such keys keep the unfused ops (cuBLASLt)"
+        )));
+    };
+    if k == 0 || !k.is_multiple_of(8) {
+        return Err(unsupported(format!(
+            "the inner dimension {k} must be a positive multiple of 8 (16-byte rows)"
+        )));
+    }
+    if n == 0 || i32::try_from(n).is_err() || i32::try_from(k).is_err() {
+        return Err(unsupported(format!(
+            "{n} x {k} weights are outside the kernel's 32-bit index range"
+        )));
+    }
+    let act = matches!(post, Epilogue::SiluMul | Epilogue::GeluTanhMul);
+    let grid = if act {
+        (n / 2).div_ceil(GEMV_ROWS_PER_BLOCK / 2)
+    } else {
+        n.div_ceil(GEMV_ROWS_PER_BLOCK)
+    };
+    let mode = match post {
+        Epilogue::None => 0,
+        Epilogue::SiluMul => 1,
+        Epilogue::GeluTanhMul => 2,
+        Epilogue::Residual => 3,
+    };
+    let mut next = 2;
+    let mut optional = |present: bool| {
+        if present {
+            next += 1;
+            Param::Arg(next - 1)
+        } else {
+            Param::Null
+        }
+    };
+    let bias_p = optional(*bias);
+    let norm_p = optional(pre.is_some());
+    let res_p = optional(*post == Epilogue::Residual);
+    let norm = if pre.is_some() { "norm_" } else { "" };
+    Ok(KernelCall {
+        module: "gemv",
+        entry: format!("gemv_fused_{norm}t{tt}_{i}_{o}"),
+        grid: [grid, 1, 1],
+        block: [256, 1, 1],
+        shared_bytes: 0,
+        params: vec![
+            Param::Arg(0),
+            Param::Arg(1),
+            bias_p,
+            norm_p,
+            res_p,
+            Param::Result(0),
+            Param::I32(t as i32),
+            Param::I32(n as i32),
+            Param::I32(k as i32),
+            Param::I32(w_const as i32),
+            Param::F32(pre.map_or(0.0, |p| p.eps)),
+            Param::I32(pre.is_some_and(|p| p.unit_offset) as i32),
+            Param::I32(mode),
+        ],
+    })
+}
+
 /// Every entry point a module defines (after macro expansion), so a backend
 /// can resolve them all when it loads the module and fail early.
 pub fn entry_points(module: &str) -> Vec<String> {
@@ -229,6 +350,12 @@ pub fn entry_points(module: &str) -> Vec<String> {
             for (i, o) in GEMV_TYPES {
                 for tt in GEMV_TOKENS {
                     v.push(format!("gemv_t{tt}_{i}_{o}"));
+                }
+            }
+            for (i, o) in GEMV_TYPES {
+                for tt in GEMV_TOKENS {
+                    v.push(format!("gemv_fused_t{tt}_{i}_{o}"));
+                    v.push(format!("gemv_fused_norm_t{tt}_{i}_{o}"));
                 }
             }
         }
@@ -1034,6 +1161,7 @@ pub fn lower_symbolic(
                 ],
             )])
         }
+        Op::FusedMatMul { .. } => calls(vec![fused_matmul_call(op, args, false)?]),
         Op::MatMul { bias, out } => {
             let (t, k) = two(&x)?;
             let (n, _) = two(&dims(&args[1]))?;
@@ -1158,13 +1286,22 @@ pub fn lower_op(
     opts: &LowerOptions,
 ) -> Result<Lowering, CatalogError> {
     let m = op.mnemonic();
-    let lowered = lower_symbolic(
-        op,
-        &types(args),
-        &types(results),
-        placement_of(args, results),
-        opts.attn_target_blocks,
-    )?;
+    let lowered = match op {
+        // The fused GEMV prefetches its weight before the dependency wait
+        // when the weight operand is a weight, as the plain GEMV does.
+        Op::FusedMatMul { .. } => Lowered::Kernels {
+            calls: vec![fused_matmul_call(op, &types(args), weight_args & 2 != 0)?],
+            scratch_bytes: 0,
+            counters: 0,
+        },
+        _ => lower_symbolic(
+            op,
+            &types(args),
+            &types(results),
+            placement_of(args, results),
+            opts.attn_target_blocks,
+        )?,
+    };
     let short = |what: &str, need: u64, have: u64| CatalogError::Unsupported {
         op: m,
         why: format!("needs {need} bytes of {what} but {have} were planned"),
@@ -1378,6 +1515,19 @@ mod tests {
                 vec![tt(DType::I32, &[6]), tt(DType::I32, &[4])],
                 vec![tt(DType::I32, &[2])],
             ),
+            (
+                Op::FusedMatMul {
+                    bias: false,
+                    out: d,
+                    pre: Some(kiln_ir::PreNorm {
+                        eps: 1e-6,
+                        unit_offset: false,
+                    }),
+                    post: Epilogue::SiluMul,
+                },
+                vec![tt(d, &[3, 64]), tt(d, &[40, 64]), tt(d, &[64])],
+                vec![tt(d, &[3, 20])],
+            ),
         ];
         for (op, a, r) in cases {
             let l = lower(&op, &a, &r, Placement::default()).unwrap();
@@ -1579,6 +1729,109 @@ mod tests {
         assert!(gemv_call(&g(1, 1020, DType::BF16, DType::BF16), true).is_none());
         assert!(gemv_call(&g(1, 1024, DType::F32, DType::F32), true).is_none());
         assert!(gemv_call(&g(1, 1024, DType::BF16, DType::F16), true).is_none());
+    }
+
+    fn fused(bias: bool, out: DType, pre: bool, post: Epilogue) -> Op {
+        Op::FusedMatMul {
+            bias,
+            out,
+            pre: pre.then_some(kiln_ir::PreNorm {
+                eps: 1e-5,
+                unit_offset: true,
+            }),
+            post,
+        }
+    }
+
+    #[test]
+    fn fused_gemv_operands_land_in_the_kernel_slots_their_flags_name() {
+        let d = DType::BF16;
+        // bias, norm and residual all present: arguments 2, 3 and 4.
+        let op = fused(true, d, true, Epilogue::Residual);
+        let a = [
+            tt(d, &[5, 96]),
+            tt(d, &[40, 96]),
+            tt(d, &[40]),
+            tt(d, &[96]),
+            tt(d, &[5, 40]),
+        ];
+        let c = fused_matmul_call(&op, &a, true).unwrap();
+        assert_eq!(c.entry, "gemv_fused_norm_t8_bf16_bf16");
+        assert!(entry_points("gemv").contains(&c.entry));
+        assert_eq!(
+            &c.params[..6],
+            &[
+                Param::Arg(0),
+                Param::Arg(1),
+                Param::Arg(2),
+                Param::Arg(3),
+                Param::Arg(4),
+                Param::Result(0)
+            ]
+        );
+        assert_eq!(c.grid[0], 40u32.div_ceil(GEMV_ROWS_PER_BLOCK));
+        assert_eq!(
+            &c.params[9..],
+            &[
+                Param::I32(1),
+                Param::F32(1e-5),
+                Param::I32(1),
+                Param::I32(3)
+            ]
+        );
+        // Only a residual: it is argument 2; absent operands are null.
+        let op = fused(false, d, false, Epilogue::Residual);
+        let c = fused_matmul_call(&op, &[a[0].clone(), a[1].clone(), a[4].clone()], false).unwrap();
+        assert_eq!(c.entry, "gemv_fused_t8_bf16_bf16");
+        assert_eq!(&c.params[2..5], &[Param::Null, Param::Null, Param::Arg(2)]);
+        assert_eq!(c.params[9], Param::I32(0));
+        // An activation epilogue: one output per warp, 8 per block.
+        let op = fused(false, d, false, Epilogue::GeluTanhMul);
+        let c = fused_matmul_call(&op, &[tt(d, &[1, 96]), tt(d, &[200, 96])], true).unwrap();
+        assert_eq!(
+            (c.entry.as_str(), c.grid[0]),
+            ("gemv_fused_t1_bf16_bf16", 13)
+        );
+        assert_eq!(c.params.last(), Some(&Param::I32(2)));
+    }
+
+    #[test]
+    fn fused_gemv_refuses_what_its_kernel_cannot_run_and_says_why() {
+        let d = DType::BF16;
+        let none = fused(false, DType::F32, true, Epilogue::None);
+        let w = tt(d, &[40, 64]);
+        let nw = tt(d, &[64]);
+        let ok = fused_matmul_call(&none, &[tt(d, &[8, 64]), w.clone(), nw.clone()], true);
+        assert_eq!(ok.unwrap().entry, "gemv_fused_norm_t8_bf16_f32");
+        let e = fused_matmul_call(&none, &[tt(d, &[9, 64]), w.clone(), nw.clone()], true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("9 tokens exceed"), "{e}");
+        let e = fused_matmul_call(
+            &none,
+            &[tt(d, &[2, 60]), tt(d, &[40, 60]), tt(d, &[60])],
+            true,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("multiple of 8"), "{e}");
+        let f = DType::F32;
+        let e = fused_matmul_call(
+            &fused(false, f, false, Epilogue::None),
+            &[tt(f, &[2, 64]), tt(f, &[40, 64])],
+            true,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("bf16 or f16"), "{e}");
+        // Through the catalog entry point too, so `kiln compile` refuses it.
+        assert!(lower(
+            &none,
+            &[tt(d, &[9, 64]), w, nw],
+            &[tt(DType::F32, &[9, 40])],
+            Placement::default()
+        )
+        .is_err());
     }
 
     #[test]

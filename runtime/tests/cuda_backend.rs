@@ -1158,3 +1158,200 @@ fn the_host_reference_agrees_with_the_cpu_reference_kernels() {
         }
     }
 }
+
+// ------------------------------------------------------------ fused GEMVs
+
+fn fused_op(bias: bool, out: DType, pre: bool, post: kiln_ir::Epilogue) -> Op {
+    Op::FusedMatMul {
+        bias,
+        out,
+        pre: pre.then_some(kiln_ir::PreNorm {
+            eps: 1e-6,
+            unit_offset: bias,
+        }),
+        post,
+    }
+}
+
+fn fused_args(r: &mut Rng, op: &Op, d: DType, t: u32, n: u32, k: u32) -> Vec<HT> {
+    let Op::FusedMatMul {
+        bias, pre, post, ..
+    } = op
+    else {
+        unreachable!()
+    };
+    let mut a = vec![
+        HT::random(r, d, &[t, k], 2.0),
+        HT::random(r, d, &[n, k], 0.1),
+    ];
+    if *bias {
+        a.push(HT::random(r, d, &[n], 0.5));
+    }
+    if pre.is_some() {
+        a.push(HT::random(r, d, &[k], 1.0));
+    }
+    if *post == kiln_ir::Epilogue::Residual {
+        a.push(HT::random(r, d, &[t, n], 2.0));
+    }
+    a
+}
+
+#[test]
+fn fused_matmul_matches_for_every_prologue_and_epilogue_at_awkward_sizes() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(15);
+    for d in [DType::BF16, DType::F16] {
+        // (t, n, k): odd block tails, K not a multiple of the unrolled
+        // stride, every token-count instantiation, a wide tied lm_head.
+        for (t, n, k) in [
+            (1, 1000, 1024),
+            (3, 130, 72),
+            (5, 34, 520),
+            (8, 4098, 1024),
+            (2, 6, 8),
+            (7, 768, 3072),
+        ] {
+            for post in kiln_ir::Epilogue::ALL {
+                for pre in [false, true] {
+                    let bias = (t + pre as u32) % 2 == 1;
+                    let op = fused_op(bias, d, pre, post);
+                    let args = fused_args(&mut r, &op, d, t, n, k);
+                    check_op(
+                        &mut b,
+                        &format!(
+                            "fused_matmul {d} t{t} n{n} k{k} bias={bias} pre={pre} {}",
+                            post.name()
+                        ),
+                        &op,
+                        &args,
+                    );
+                }
+            }
+        }
+        // f32 logits with the final norm folded in (the lm_head).
+        let op = fused_op(false, DType::F32, true, kiln_ir::Epilogue::None);
+        let args = fused_args(&mut r, &op, d, 2, 151_936, 1024);
+        check_op(&mut b, &format!("fused lm_head {d}"), &op, &args);
+    }
+}
+
+#[test]
+fn a_step_of_fused_gemvs_replays_what_it_computes_eagerly_with_fresh_inputs() {
+    use kiln_ir::Epilogue;
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(16);
+    let (t, h, i, v) = (4u32, 256u32, 384u32, 2048u32);
+    let d = DType::BF16;
+    let tt = |s: &[u32]| TensorType::new(d, s.to_vec());
+    // h -> gate_up(norm, silu) -> down(+h) -> lm_head(norm, f32) -> argmax
+    let x = poisoned(&mut b, &tt(&[t, h]));
+    let w_gu = put(&mut b, &HT::random(&mut r, d, &[2 * i, h], 0.1));
+    let n1 = put(&mut b, &HT::random(&mut r, d, &[h], 1.0));
+    let w_down = put(&mut b, &HT::random(&mut r, d, &[h, i], 0.1));
+    let lm = put(&mut b, &HT::random(&mut r, d, &[v, h], 0.2));
+    let n2 = put(&mut b, &HT::random(&mut r, d, &[h], 1.0));
+    let act = poisoned(&mut b, &tt(&[t, i]));
+    let h2 = poisoned(&mut b, &tt(&[t, h]));
+    let logits = poisoned(&mut b, &TensorType::new(DType::F32, vec![t, v]));
+    let next = poisoned(&mut b, &TensorType::new(DType::I32, vec![t]));
+    let l = |op: Op, args: Vec<DevOperand>, results: Vec<DevOperand>| Launch {
+        const_args: if matches!(op, Op::FusedMatMul { .. }) {
+            2
+        } else {
+            0
+        },
+        body: kiln_runtime::backend::LaunchBody::Reference,
+        kernel: op.mnemonic().into(),
+        op,
+        args,
+        results,
+        workspace: None,
+    };
+    let mut launches = vec![
+        l(
+            fused_op(false, d, true, Epilogue::SiluMul),
+            vec![x.clone(), w_gu.clone(), n1.clone()],
+            vec![act.clone()],
+        ),
+        l(
+            fused_op(false, d, false, Epilogue::Residual),
+            vec![act.clone(), w_down.clone(), x.clone()],
+            vec![h2.clone()],
+        ),
+        l(
+            fused_op(false, DType::F32, true, Epilogue::None),
+            vec![h2.clone(), lm.clone(), n2.clone()],
+            vec![logits.clone()],
+        ),
+        l(Op::Argmax, vec![logits.clone()], vec![next.clone()]),
+    ];
+    let pdl = b.pdl();
+    let mut owned = Vec::new();
+    for l in &mut launches {
+        owned.extend(gpu_bodies::lower(&mut b, l, pdl));
+        b.prepare(l).unwrap();
+    }
+    let key = Key::new(t, 1, 0);
+    b.upload(x.ptr, &HT::random(&mut r, d, &[t, h], 2.0).bytes())
+        .unwrap();
+    b.begin_capture(key).unwrap();
+    for l in &launches {
+        b.launch(l).unwrap();
+    }
+    let g = b.end_capture().unwrap();
+    let mut seen = Vec::new();
+    for step in 0..6 {
+        let xs = HT::random(&mut r, d, &[t, h], 2.0);
+        let poison = |b: &mut CudaBackend, o: &DevOperand| {
+            b.upload(o.ptr, &vec![0xFF; o.ty.size_bytes() as usize])
+                .unwrap()
+        };
+        // Eager.
+        for o in [&act, &h2, &logits, &next] {
+            poison(&mut b, o);
+        }
+        b.upload(x.ptr, &xs.bytes()).unwrap();
+        for l in &launches {
+            b.launch(l).unwrap();
+        }
+        b.synchronize().unwrap();
+        let (eager_h2, eager_next) = (get(&mut b, &h2), get(&mut b, &next));
+        // Replayed.
+        for o in [&act, &h2, &logits, &next] {
+            poison(&mut b, o);
+        }
+        b.upload(x.ptr, &xs.bytes()).unwrap();
+        b.replay(g).unwrap();
+        b.synchronize().unwrap();
+        let (got_h2, got_next) = (get(&mut b, &h2), get(&mut b, &next));
+        assert_eq!(got_h2.f, eager_h2.f, "step {step}: residual stream");
+        assert_eq!(got_next.i, eager_next.i, "step {step}: tokens");
+        // Against the CPU reference of the same fused ops.
+        let w = |b: &mut CudaBackend, o: &DevOperand| get(b, o);
+        let (wgu, wn1, wd) = (w(&mut b, &w_gu), w(&mut b, &n1), w(&mut b, &w_down));
+        let a = cpu_reference(
+            &fused_op(false, d, true, Epilogue::SiluMul),
+            &[xs.clone(), wgu, wn1],
+        )
+        .expect("cpu fused_matmul")
+        .remove(0);
+        let want_h2 = cpu_reference(
+            &fused_op(false, d, false, Epilogue::Residual),
+            &[a, wd, xs.clone()],
+        )
+        .expect("cpu fused_matmul")
+        .remove(0);
+        assert_close(
+            &format!("step {step}: residual stream vs CPU"),
+            &got_h2,
+            &want_h2,
+        );
+        seen.push(got_next.i);
+    }
+    seen.dedup();
+    assert!(seen.len() > 1, "replay ignored the refreshed input");
+    b.destroy_graph(g).unwrap();
+    for p in owned {
+        let _ = b.free(p);
+    }
+}

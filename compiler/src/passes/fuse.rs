@@ -10,7 +10,10 @@
 
 use super::editor::Editor;
 use super::weights::{concat_rows, fused_name};
-use kiln_ir::{DType, NodeId, Op, TensorType, ValueDef, ValueId, WeightManifest};
+use kiln_ir::plan::Target;
+use kiln_ir::{
+    DType, Epilogue, NodeId, Op, PreNorm, TensorType, ValueDef, ValueId, WeightManifest,
+};
 
 /// What a fusion pass did, for the compile report.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -378,4 +381,236 @@ pub(crate) fn gate_up(ed: &mut Editor, manifest: &mut WeightManifest) -> Result<
         count += 1;
     }
     Ok(FuseCount(count))
+}
+
+/// A matmul (plain or already fused) that a prologue or an epilogue may
+/// join: its operands by role.
+#[derive(Clone, Debug)]
+struct Fusable {
+    node: NodeId,
+    x: ValueId,
+    w: ValueId,
+    bias: Option<ValueId>,
+    out: DType,
+    pre: Option<(PreNorm, ValueId)>,
+    post: Epilogue,
+    residual: Option<ValueId>,
+}
+
+impl Fusable {
+    /// The live node `n` as a fusable matmul.
+    fn of_node(ed: &Editor, n: NodeId) -> Option<Fusable> {
+        if ed.is_removed(n) {
+            return None;
+        }
+        let node = ed.g.node(n);
+        let a = &node.args;
+        match node.op {
+            Op::MatMul { bias, out } => Some(Fusable {
+                node: n,
+                x: a[0],
+                w: a[1],
+                bias: bias.then(|| a[2]),
+                out,
+                pre: None,
+                post: Epilogue::None,
+                residual: None,
+            }),
+            Op::FusedMatMul {
+                bias,
+                out,
+                pre,
+                post,
+            } => {
+                let mut i = 2;
+                let mut next = |present: bool| {
+                    let v = present.then(|| a[i]);
+                    i += present as usize;
+                    v
+                };
+                let bias = next(bias);
+                let norm = next(pre.is_some());
+                let residual = next(post == Epilogue::Residual);
+                Some(Fusable {
+                    node: n,
+                    x: a[0],
+                    w: a[1],
+                    bias,
+                    out,
+                    pre: pre.zip(norm),
+                    post,
+                    residual,
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// The matmul whose result 0 is `v`.
+    fn producing(ed: &Editor, v: ValueId) -> Option<Fusable> {
+        match ed.producer(v)? {
+            (n, 0) => Fusable::of_node(ed, n),
+            _ => None,
+        }
+    }
+
+    fn op(&self) -> Op {
+        Op::FusedMatMul {
+            bias: self.bias.is_some(),
+            out: self.out,
+            pre: self.pre.map(|p| p.0),
+            post: self.post,
+        }
+    }
+
+    fn args(&self) -> Vec<ValueId> {
+        let mut a = vec![self.x, self.w];
+        a.extend(self.bias);
+        a.extend(self.pre.map(|p| p.1));
+        a.extend(self.residual);
+        a
+    }
+
+    /// Whether `target`'s kernels run this fused matmul: always on the CPU
+    /// (its reference is the unfused sequence); on a GPU what the fused
+    /// GEMV's catalog entry accepts (T <= 8, bf16/f16, K % 8 == 0).
+    fn runs_on(&self, ed: &Editor, target: &Target) -> bool {
+        let tys: Vec<TensorType> = self.args().iter().map(|&v| ed.g.ty(v).clone()).collect();
+        if self.op().infer(&tys).is_err() {
+            return false;
+        }
+        match target {
+            Target::Cpu => true,
+            Target::Cuda { .. } | Target::Hip { .. } => {
+                kiln_kernels::gpu::fused_matmul_call(&self.op(), &tys, true).is_ok()
+            }
+        }
+    }
+
+    /// Appends the fused node (scheduled where the matmul was) and retires
+    /// the matmul; returns the fused result.
+    fn emit(&self, ed: &mut Editor) -> Result<ValueId, String> {
+        let r = ed.add_node(self.op(), &self.args(), self.node)?;
+        ed.remove(self.node);
+        Ok(r[0])
+    }
+}
+
+/// What [`fuse_matmul`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct MatMulFusions {
+    /// Epilogues joined (residual add, SiLU/GELU * up).
+    pub epilogues: u32,
+    /// RMSNorm prologues joined.
+    pub prologues: u32,
+}
+
+/// Folds the elementwise ops around the decode-step GEMVs into the GEMVs:
+///
+/// 1. epilogues: `add(matmul, r)` -> `fused_matmul{residual}`;
+///    `add_rms_norm(matmul, r, w)` -> `fused_matmul{residual}` (its result
+///    is the `sum`, the residual stream) followed by `rms_norm(sum, w)`;
+///    one-argument `silu_mul` / `gelu_tanh_mul` of a stacked gate/up matmul
+///    -> `fused_matmul{silu_mul | gelu_tanh_mul}`;
+/// 2. prologues: `rms_norm(x, w)` read only by a matmul (as its `x`) ->
+///    `fused_matmul{norm}` over the raw `x`, so the norm that step 1 split
+///    off `add_rms_norm` lands in the next GEMV.
+///
+/// The matmul's result (and the norm's) must have no other reader and not
+/// be a graph output, and the fused op must be one `target`'s kernels run
+/// ([`Fusable::runs_on`]); otherwise the ops stay as they are.
+pub(crate) fn fuse_matmul(ed: &mut Editor, target: &Target) -> Result<MatMulFusions, String> {
+    let mut count = MatMulFusions::default();
+    // 1. Epilogues.
+    for i in 0..ed.node_count() {
+        let n = NodeId(i as u32);
+        if ed.is_removed(n) {
+            continue;
+        }
+        let node = ed.g.node(n).clone();
+        let users = ed.users();
+        let sole = |ed: &Editor, v: ValueId| sole_reader(ed, &users, v) == Some(n);
+        let unfused = |ed: &Editor, v: ValueId| {
+            Fusable::producing(ed, v).filter(|f| f.post == Epilogue::None)
+        };
+        match node.op {
+            Op::Add | Op::AddRmsNorm { .. } => {
+                let (a, b) = (node.args[0], node.args[1]);
+                if a == b {
+                    continue;
+                }
+                let candidate = [(a, b), (b, a)].into_iter().find_map(|(y, r)| {
+                    let mut f = unfused(ed, y).filter(|_| sole(ed, y))?;
+                    f.post = Epilogue::Residual;
+                    f.residual = Some(r);
+                    f.runs_on(ed, target).then_some(f)
+                });
+                let Some(f) = candidate else {
+                    continue;
+                };
+                let sum = f.emit(ed)?;
+                if let Op::AddRmsNorm { eps, unit_offset } = node.op {
+                    let normed =
+                        ed.add_node(Op::RmsNorm { eps, unit_offset }, &[sum, node.args[2]], n)?;
+                    ed.replace_uses(node.results[0], normed[0]);
+                    ed.replace_uses(node.results[1], sum);
+                } else {
+                    ed.replace_uses(node.results[0], sum);
+                }
+                ed.remove(n);
+                count.epilogues += 1;
+            }
+            Op::SiluMul | Op::GeluTanhMul if node.args.len() == 1 => {
+                let gu = node.args[0];
+                let Some(mut f) = unfused(ed, gu).filter(|_| sole(ed, gu)) else {
+                    continue;
+                };
+                f.post = if node.op == Op::SiluMul {
+                    Epilogue::SiluMul
+                } else {
+                    Epilogue::GeluTanhMul
+                };
+                if !f.runs_on(ed, target) {
+                    continue;
+                }
+                let r = f.emit(ed)?;
+                ed.replace_uses(node.results[0], r);
+                ed.remove(n);
+                count.epilogues += 1;
+            }
+            _ => {}
+        }
+    }
+    // 2. Prologues.
+    for i in 0..ed.node_count() {
+        let n = NodeId(i as u32);
+        if ed.is_removed(n) {
+            continue;
+        }
+        let node = ed.g.node(n).clone();
+        let Op::RmsNorm { eps, unit_offset } = node.op else {
+            continue;
+        };
+        let users = ed.users();
+        let Some(m) = sole_reader(ed, &users, node.results[0]) else {
+            continue;
+        };
+        let Some(mut f) = Fusable::of_node(ed, m) else {
+            continue;
+        };
+        if f.pre.is_some() || f.x != node.results[0] || !is_available_anywhere(ed, node.args[1]) {
+            continue;
+        }
+        f.x = node.args[0];
+        f.pre = Some((PreNorm { eps, unit_offset }, node.args[1]));
+        if !f.runs_on(ed, target) {
+            continue;
+        }
+        let result = ed.g.node(m).results[0];
+        let r = f.emit(ed)?;
+        ed.replace_uses(result, r);
+        ed.remove(n);
+        count.prologues += 1;
+    }
+    Ok(count)
 }

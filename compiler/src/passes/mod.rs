@@ -4,7 +4,9 @@
 //! fusions (`add` + `rms_norm` into `add_rms_norm`; q/k/v projections +
 //! `[head_rms_norm]` + `rope` + `kv_write` into one stacked matmul and
 //! `qkv_rope_kv_write`; gate/up projections + `silu_mul` into one stacked
-//! matmul and the one-argument `silu_mul`). Every pass ends with the
+//! matmul and the one-argument `silu_mul`; then the GEMV prologues and
+//! epilogues: RMSNorm, SiLU/GELU*up and the residual add folded into the
+//! matmuls as `fused_matmul`). Every pass ends with the
 //! canonical rebuild of [`editor::Editor::finish`] (schedule, dead-code
 //! removal, dense renumbering), so each pass's output is deterministic and
 //! prints densely.
@@ -15,8 +17,13 @@
 //! weights add [`kiln_ir::WeightSource::ConcatRows`] entries to the shared
 //! manifest; [`weights::prune`] then drops what no graph reads.
 //!
+//! The one target fact a pass uses is whether the target's kernels run a
+//! fused op it is about to form (`fuse-matmul` asks the kernel catalog, so
+//! a GPU key of more than 8 tokens keeps its unfused ops and their GEMMs);
+//! [`run_pipeline`] is the CPU form, where every fusion is legal.
+//!
 //! Not here: scheduling for memory (program order is the schedule; the
-//! planner places buffers), or anything target-specific.
+//! planner places buffers), or any other target-specific choice.
 
 mod editor;
 mod fuse;
@@ -27,6 +34,7 @@ pub mod weights;
 
 pub use editor::has_side_effects;
 
+use kiln_ir::plan::Target;
 use kiln_ir::{Graph, GraphInfo, WeightManifest};
 use std::fmt;
 
@@ -42,6 +50,9 @@ pub enum Pass {
     FuseQkvRopeKvWrite,
     /// gate/up matmuls + `silu_mul` -> stacked matmul + one-argument `silu_mul`.
     FuseGateUp,
+    /// RMSNorm prologues and SiLU/GELU*up / residual-add epilogues folded
+    /// into matmuls -> `fused_matmul`, where the target's kernels run it.
+    FuseMatMul,
 }
 
 impl Pass {
@@ -51,6 +62,7 @@ impl Pass {
             Pass::FuseAddRmsNorm => "fuse-add-rms-norm",
             Pass::FuseQkvRopeKvWrite => "fuse-qkv-rope-kv-write",
             Pass::FuseGateUp => "fuse-gate-up",
+            Pass::FuseMatMul => "fuse-matmul",
         }
     }
 }
@@ -62,11 +74,12 @@ impl fmt::Display for Pass {
 }
 
 /// The passes `kiln compile` runs, in order.
-pub const DEFAULT_PIPELINE: [Pass; 4] = [
+pub const DEFAULT_PIPELINE: [Pass; 5] = [
     Pass::Dce,
     Pass::FuseAddRmsNorm,
     Pass::FuseQkvRopeKvWrite,
     Pass::FuseGateUp,
+    Pass::FuseMatMul,
 ];
 
 /// Why the pipeline stopped.
@@ -98,14 +111,29 @@ pub struct PassStats {
     pub add_rms_norm: u32,
     pub qkv_rope_kv_write: u32,
     pub gate_up: u32,
+    /// Epilogues `fuse-matmul` joined to a matmul (residual add, SiLU/GELU*up).
+    pub matmul_epilogues: u32,
+    /// RMSNorm prologues `fuse-matmul` joined to a matmul.
+    pub matmul_prologues: u32,
 }
 
-/// Runs one pass.
+/// Runs one pass for the CPU target.
 pub fn run_pass(
     pass: Pass,
     graph: Graph,
     manifest: &mut WeightManifest,
     stats: &mut PassStats,
+) -> Result<Graph, PassError> {
+    run_pass_for(pass, graph, manifest, stats, &Target::Cpu)
+}
+
+/// Runs one pass for `target` (see the module docs for what it decides).
+pub fn run_pass_for(
+    pass: Pass,
+    graph: Graph,
+    manifest: &mut WeightManifest,
+    stats: &mut PassStats,
+    target: &Target,
 ) -> Result<Graph, PassError> {
     let name = graph.name.clone();
     let failed = |message: String| PassError::Failed {
@@ -125,6 +153,11 @@ pub fn run_pass(
                 .0
         }
         Pass::FuseGateUp => stats.gate_up += fuse::gate_up(&mut ed, manifest).map_err(failed)?.0,
+        Pass::FuseMatMul => {
+            let c = fuse::fuse_matmul(&mut ed, target).map_err(failed)?;
+            stats.matmul_epilogues += c.epilogues;
+            stats.matmul_prologues += c.prologues;
+        }
     }
     ed.finish().map_err(failed)
 }
@@ -133,13 +166,28 @@ pub fn run_pass(
 /// `verify` is set. The result is verified either way: its [`GraphInfo`] is
 /// what the planner requires, so nothing is planned from unverified IR
 /// (`verify` off only stops naming the pass that broke a graph).
+///
+/// This is the CPU form; [`run_pipeline_for`] names the target.
 pub fn run_pipeline(
     graph: Graph,
     manifest: &mut WeightManifest,
     passes: &[Pass],
     verify: bool,
 ) -> Result<(Graph, GraphInfo, PassStats), PassError> {
-    pipeline(graph, manifest, passes, verify, run_pass)
+    run_pipeline_for(graph, manifest, passes, verify, &Target::Cpu)
+}
+
+/// [`run_pipeline`] for `target`: fusions form only ops its kernels run.
+pub fn run_pipeline_for(
+    graph: Graph,
+    manifest: &mut WeightManifest,
+    passes: &[Pass],
+    verify: bool,
+    target: &Target,
+) -> Result<(Graph, GraphInfo, PassStats), PassError> {
+    pipeline(graph, manifest, passes, verify, |p, g, m, s| {
+        run_pass_for(p, g, m, s, target)
+    })
 }
 
 /// [`run_pipeline`] with the pass application as a parameter, so tests can
@@ -224,9 +272,17 @@ mod tests {
         assert!(text.contains("pass `fuse-gate-up`"), "{text}");
         assert!(text.contains("--no-verify"), "{text}");
         // With per-pass verification off the break is still caught before
-        // anything could plan it, without the pass's name.
+        // anything could plan it, without the pass's name. (It must be the
+        // last pass run: a later pass's canonical rebuild re-declares every
+        // weight a node reads, which would repair this particular break.)
+        let upto: Vec<Pass> = DEFAULT_PIPELINE
+            .iter()
+            .copied()
+            .take_while(|p| *p != Pass::FuseGateUp)
+            .chain([Pass::FuseGateUp])
+            .collect();
         let mut m = spec.manifest();
-        let e = pipeline(g, &mut m, &DEFAULT_PIPELINE, false, broken).unwrap_err();
+        let e = pipeline(g, &mut m, &upto, false, broken).unwrap_err();
         assert!(matches!(e, PassError::Unverified { .. }), "{e}");
         assert!(e.to_string().contains("without `--no-verify`"), "{e}");
     }

@@ -10,7 +10,7 @@
 //!   longest context any sequence may reach, since the plan cannot know the
 //!   live lengths; elementwise ops a small per-element count (add 1, RMSNorm
 //!   4, add+RMSNorm 5, RoPE 3, SiLU*mul 5, GELU*mul 10, argmax 1, sample 10: its exp over a few
-//!   passes).
+//!   passes); a `fused_matmul` its GEMM plus the counts of its prologue and epilogue.
 //! * bytes moved: every weight once at full size (a weight read only by an
 //!   `embedding` gather counts only the gathered rows); each attention reads
 //!   every sequence's K and V at `max_context`; each KV write writes its
@@ -63,6 +63,25 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
         Op::Argmax => numel(0),
         Op::AcceptGreedy { .. } => numel(1),
         Op::Sample => 10 * numel(0),
+        Op::FusedMatMul {
+            bias, pre, post, ..
+        } => {
+            let (m, k) = (
+                op.args[0].ty.shape.dims()[0] as u64,
+                op.args[0].ty.shape.dims()[1] as u64,
+            );
+            let n = op.args[1].ty.shape.dims()[0] as u64;
+            let epilogue = match post {
+                kiln_ir::Epilogue::None => 0,
+                kiln_ir::Epilogue::SiluMul => 5 * out(0),
+                kiln_ir::Epilogue::GeluTanhMul => 10 * out(0),
+                kiln_ir::Epilogue::Residual => out(0),
+            };
+            2 * m * n * k
+                + if *bias { m * n } else { 0 }
+                + if pre.is_some() { 4 * m * k } else { 0 }
+                + epilogue
+        }
     }
 }
 

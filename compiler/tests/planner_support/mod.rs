@@ -510,6 +510,59 @@ pub fn apply(
                 })
                 .collect()]
         }
+        Op::FusedMatMul {
+            bias,
+            out,
+            pre,
+            post,
+        } => {
+            // By definition the unfused sequence, each step rounded to D.
+            let d = tys[0].dtype;
+            let mut rest = (2..args.len()).map(|i| (&args[i], &tys[i]));
+            let b = if *bias { rest.next() } else { None };
+            let nw = if pre.is_some() { rest.next() } else { None };
+            let residual = rest.next();
+            let x = match (pre, nw) {
+                (Some(p), Some((w, wt))) => {
+                    let op = Op::RmsNorm {
+                        eps: p.eps,
+                        unit_offset: p.unit_offset,
+                    };
+                    let xt = [tys[0].clone(), wt.clone()];
+                    apply(&op, &[args[0].clone(), w.clone()], &xt, &xt[..1]).remove(0)
+                }
+                _ => args[0].clone(),
+            };
+            let y_d = if *post == kiln_ir::Epilogue::None {
+                *out
+            } else {
+                d
+            };
+            let y_ty = TensorType::new(y_d, vec![tys[0].shape.dims()[0], tys[1].shape.dims()[0]]);
+            let mut mm_args = vec![x, args[1].clone()];
+            let mut mm_tys = vec![tys[0].clone(), tys[1].clone()];
+            if let Some((bv, bt)) = b {
+                mm_args.push(bv.clone());
+                mm_tys.push(bt.clone());
+            }
+            let mm = Op::MatMul {
+                bias: *bias,
+                out: y_d,
+            };
+            let y = apply(&mm, &mm_args, &mm_tys, std::slice::from_ref(&y_ty)).remove(0);
+            let yt = [y_ty];
+            match (post, residual) {
+                (kiln_ir::Epilogue::SiluMul, _) => apply(&Op::SiluMul, &[y], &yt, res_tys),
+                (kiln_ir::Epilogue::GeluTanhMul, _) => apply(&Op::GeluTanhMul, &[y], &yt, res_tys),
+                (kiln_ir::Epilogue::Residual, Some((r, rt))) => apply(
+                    &Op::Add,
+                    &[y, r.clone()],
+                    &[yt[0].clone(), rt.clone()],
+                    res_tys,
+                ),
+                _ => vec![y],
+            }
+        }
     }
 }
 

@@ -2,7 +2,9 @@
 //! (the golden one) and a generator of random well-formed graphs.
 #![allow(dead_code)]
 
-use kiln_ir::{DType, Graph, InputRole, Op, Rope, RopeScaling, TensorType, ValueId};
+use kiln_ir::{
+    DType, Epilogue, Graph, InputRole, Op, PreNorm, Rope, RopeScaling, TensorType, ValueId,
+};
 
 /// splitmix64: a tiny deterministic generator, so a failing seed replays.
 pub struct Rng(kiln_ir::rng::SplitMix64);
@@ -312,6 +314,46 @@ impl<'a> Gen<'a> {
                 };
                 let out = self.g.push(op, &[x, r, w]);
                 self.acts.extend(out);
+            }
+            3 if self.rng.range(0, 3) == 0 => {
+                // A fused matmul with a random prologue and epilogue.
+                let x = self.any_act();
+                let k = self.cols(x);
+                let post = self.rng.pick(&Epilogue::ALL);
+                let n = 2 * self.rng.range(1, 8);
+                let w = self.weight(&[n, k]);
+                let bias = self.rng.coin();
+                let out = if post == Epilogue::None {
+                    self.rng.pick(&[DType::BF16, DType::F16, DType::F32])
+                } else {
+                    d
+                };
+                let pre = self.opt_float().map(|eps| PreNorm {
+                    eps,
+                    unit_offset: self.rng.coin(),
+                });
+                let mut args = vec![x, w];
+                if bias {
+                    args.push(self.weight(&[n]));
+                }
+                if pre.is_some() {
+                    args.push(self.weight(&[k]));
+                }
+                if post == Epilogue::Residual {
+                    args.push(self.act_with_cols(n));
+                }
+                let op = Op::FusedMatMul {
+                    bias,
+                    out,
+                    pre,
+                    post,
+                };
+                let y = self.g.push1(op, &args);
+                if out == d {
+                    self.acts.push(y)
+                } else {
+                    self.others.push(y)
+                }
             }
             3 => {
                 let x = self.any_act();

@@ -41,7 +41,8 @@
 //! `par` the parallel loop, [`math`] vectorizable f32 math, and one module
 //! per op family: [`matmul`], [`norm`], [`rope`], [`attention`], [`kv`],
 //! [`elementwise`], [`gather`], [`reduce`], [`sample`] (the in-graph sampler
-//! and its RNG).
+//! and its RNG), and `fused` (`fused_matmul`, the unfused kernels in
+//! sequence).
 //!
 //! Not here: the backend (memory, capture, replay) lives in the runtime; the
 //! GPU kernels live next to this module. Only little-endian hosts are
@@ -55,6 +56,7 @@ mod buf;
 pub mod convert;
 pub mod dot;
 pub mod elementwise;
+mod fused;
 pub mod gather;
 pub mod kv;
 pub mod math;
@@ -222,6 +224,26 @@ pub unsafe fn execute(
         Op::Sample => {
             sample::sample(a[0], a[1], a[2], d2(0), r[0]);
             Ok(())
+        }
+        Op::FusedMatMul {
+            bias, pre, post, ..
+        } => {
+            let (t, k) = d2(0);
+            let (n, _) = d2(1);
+            let mut i = 2;
+            let mut next = |present: bool| {
+                let b = present.then(|| a[i]);
+                i += present as usize;
+                b
+            };
+            let o = fused::Operands {
+                x: a[0],
+                w: a[1],
+                bias: next(*bias),
+                norm: next(pre.is_some()).zip(*pre),
+                residual: next(*post == kiln_ir::Epilogue::Residual),
+            };
+            fused::fused_matmul(op, o, *post, (t, k, n), r[0])
         }
     }
 }

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use half::{bf16, f16};
-use kiln_ir::{DType, Op, TensorType};
+use kiln_ir::{DType, Epilogue, Op, TensorType};
 use kiln_runtime::backend::{Backend, DevOperand, Launch};
 use kiln_runtime::cuda::CudaBackend;
 
@@ -532,6 +532,49 @@ pub fn reference(op: &Op, args: &[HT], result_tys: &[TensorType]) -> Vec<HT> {
             }
             vec![HT::floats(*out, &[t as u32, n as u32], o)]
         }
+        Op::FusedMatMul {
+            bias,
+            out,
+            pre,
+            post,
+        } => {
+            // By definition the unfused sequence, each step rounded to D.
+            let d = args[0].ty.dtype;
+            let mut rest = args[2..].iter();
+            let b = if *bias { rest.next() } else { None };
+            let nw = if pre.is_some() { rest.next() } else { None };
+            let residual = rest.next();
+            let x = match (pre, nw) {
+                (Some(p), Some(nw)) => {
+                    let op = Op::RmsNorm {
+                        eps: p.eps,
+                        unit_offset: p.unit_offset,
+                    };
+                    reference(&op, &[args[0].clone(), nw.clone()], &[args[0].ty.clone()]).remove(0)
+                }
+                _ => args[0].clone(),
+            };
+            let y_d = if *post == Epilogue::None { *out } else { d };
+            let y_ty = TensorType::new(y_d, vec![x.ty.shape.dims()[0], args[1].ty.shape.dims()[0]]);
+            let mut mm = vec![x, args[1].clone()];
+            mm.extend(b.cloned());
+            let y = reference(
+                &Op::MatMul {
+                    bias: *bias,
+                    out: y_d,
+                },
+                &mm,
+                &[y_ty],
+            )
+            .remove(0);
+            match (post, residual) {
+                (Epilogue::None, _) => vec![y],
+                (Epilogue::SiluMul, _) => reference(&Op::SiluMul, &[y], result_tys),
+                (Epilogue::GeluTanhMul, _) => reference(&Op::GeluTanhMul, &[y], result_tys),
+                (Epilogue::Residual, Some(r)) => reference(&Op::Add, &[y, r.clone()], result_tys),
+                (Epilogue::Residual, None) => panic!("a residual fused_matmul needs a residual"),
+            }
+        }
     }
 }
 
@@ -612,7 +655,7 @@ pub fn run_op(b: &mut CudaBackend, op: &Op, args: &[HT]) -> Vec<HT> {
     let mut launch = Launch {
         // As the engine marks a matmul's weight operand: the GEMV kernel
         // then loads it before its dependency wait.
-        const_args: if matches!(op, Op::MatMul { .. }) {
+        const_args: if matches!(op, Op::MatMul { .. } | Op::FusedMatMul { .. }) {
             2
         } else {
             0

@@ -1,0 +1,228 @@
+//! The `fuse-matmul` pass: RMSNorm prologues and SiLU*up / residual-add
+//! epilogues folded into the decode-step GEMVs. It must preserve the step's
+//! function exactly (the fused op is defined as the unfused sequence, and the
+//! reference interpreter evaluates it from that definition), fire on every
+//! layer where it is legal, leave an intermediate with a second reader
+//! alone, and on a GPU target fuse only keys whose fused GEMV exists.
+
+mod planner_support;
+
+use kiln_compiler::passes::synth::{SynthFamily, SynthSpec};
+use kiln_compiler::passes::{run_pipeline, run_pipeline_for, Pass, PassStats, DEFAULT_PIPELINE};
+use kiln_ir::plan::Target;
+use kiln_ir::{Epilogue, Graph, Key, Op, WeightManifest};
+use planner_support::*;
+
+const FAMILIES: [SynthFamily; 3] = [SynthFamily::Llama, SynthFamily::Qwen2, SynthFamily::Qwen3];
+
+fn kv_for(spec: &SynthSpec, key: Key) -> kiln_ir::plan::KvLayout {
+    spec.kv_layout(16, key.batch * 4 + 1, 64)
+}
+
+fn without_fuse_matmul() -> Vec<Pass> {
+    DEFAULT_PIPELINE
+        .iter()
+        .copied()
+        .filter(|p| *p != Pass::FuseMatMul)
+        .collect()
+}
+
+fn pipeline(
+    spec: &SynthSpec,
+    g: Graph,
+    passes: &[Pass],
+    target: &Target,
+) -> (Graph, WeightManifest, PassStats) {
+    let mut m = spec.manifest();
+    let (g, _, s) =
+        run_pipeline_for(g, &mut m, passes, true, target).unwrap_or_else(|e| panic!("{e}"));
+    kiln_compiler::passes::weights::prune(&mut m, &[&g]);
+    (g, m, s)
+}
+
+fn count(g: &Graph, f: impl Fn(&Op) -> bool) -> usize {
+    g.nodes.iter().filter(|n| f(&n.op)).count()
+}
+
+fn fused_with(g: &Graph, pre: bool, post: Epilogue) -> usize {
+    count(
+        g,
+        |o| matches!(o, Op::FusedMatMul { pre: p, post: e, .. } if p.is_some() == pre && *e == post),
+    )
+}
+
+#[test]
+fn every_decoder_layer_becomes_four_fused_gemvs_plus_rope_and_attention() {
+    for fam in FAMILIES {
+        let spec = SynthSpec::tiny(fam);
+        let key: Key = "b2q1s0".parse().unwrap();
+        let g = spec.graph(key, &kv_for(&spec, key), false);
+        let (g, _, s) = pipeline(&spec, g, &DEFAULT_PIPELINE, &Target::Cpu);
+        let l = spec.layers as usize;
+        // Per layer: o_proj residual, SiLU*up, down_proj residual.
+        assert_eq!(s.matmul_epilogues as usize, 3 * l, "{fam:?}");
+        // Per layer: the qkv and gate_up norms; plus the final norm.
+        assert_eq!(s.matmul_prologues as usize, 2 * l + 1, "{fam:?}");
+        let unfused = count(&g, |o| {
+            matches!(
+                o,
+                Op::RmsNorm { .. }
+                    | Op::AddRmsNorm { .. }
+                    | Op::Add
+                    | Op::SiluMul
+                    | Op::MatMul { .. }
+            )
+        });
+        assert_eq!(unfused, 0, "{fam:?}: {}", kiln_ir::print(&g));
+        assert_eq!(fused_with(&g, true, Epilogue::None), l + 1, "qkv + lm_head");
+        assert_eq!(fused_with(&g, false, Epilogue::Residual), 2 * l, "o + down");
+        assert_eq!(fused_with(&g, true, Epilogue::SiluMul), l, "gate_up");
+        // embedding, 6 per layer, lm_head, argmax.
+        assert_eq!(
+            g.nodes.len(),
+            1 + 6 * l + 2,
+            "{fam:?}: {}",
+            kiln_ir::print(&g)
+        );
+    }
+}
+
+#[test]
+fn the_fused_step_computes_exactly_what_the_unfused_step_computes() {
+    let mut rng = Rng::new(1515);
+    for fam in FAMILIES {
+        let spec = SynthSpec::tiny(fam);
+        // b2q4s0 ends in gather_last (its final norm stays unfused), b2q3s2
+        // verifies drafts, b3q1s0 is plain decode.
+        for key in keys("b1q1s0,b3q1s0,b2q3s2,b2q4s0") {
+            let kv = kv_for(&spec, key);
+            let plain = spec.graph(key, &kv, true);
+            let (a, ma, _) = pipeline(&spec, plain.clone(), &without_fuse_matmul(), &Target::Cpu);
+            let (b, mb, s) = pipeline(&spec, plain, &DEFAULT_PIPELINE, &Target::Cpu);
+            assert!(s.matmul_epilogues > 0 && s.matmul_prologues > 0);
+            let ck = random_checkpoint(&spec.manifest(), &mut rng);
+            let inp = random_inputs(key, &kv, spec.vocab, 64, &mut rng);
+            let want = eval_graph(&a, &ma, &ck, &inp);
+            let got = eval_graph(&b, &mb, &ck, &inp);
+            assert_eq!(got.outputs, want.outputs, "{fam:?} {key}");
+            assert!(got.caches == want.caches, "{fam:?} {key}: caches differ");
+            // The logits vary with the inputs (the check is not vacuous).
+            let logits = &got.outputs.iter().find(|o| o.0 == "logits").unwrap().1;
+            assert!(logits.iter().any(|&v| v != logits[0]), "{fam:?} {key}");
+        }
+    }
+}
+
+#[test]
+fn a_fused_plan_is_planned_and_replays_the_unfused_numbers() {
+    // Memory semantics too: the planner's placement of the fused ops'
+    // operands (no in-place reuse is declared) gives the graph's values.
+    let mut rng = Rng::new(1516);
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    let opts = kiln_compiler::compile::CompileOptions {
+        keys: keys("b1q1s0,b4q1s0"),
+        logits: true,
+        ..Default::default()
+    };
+    let c = compile_synth(&spec, &opts);
+    let ck = random_checkpoint(&spec.manifest(), &mut rng);
+    for kp in &c.plan.keys {
+        assert!(
+            kp.ops
+                .iter()
+                .any(|o| matches!(o.op, Op::FusedMatMul { .. })),
+            "{}",
+            kp.key
+        );
+        let inp = random_inputs(kp.key, &c.plan.kv, spec.vocab, 64, &mut rng);
+        let plain = spec.graph(kp.key, &c.plan.kv, true);
+        let want = eval_graph(&plain, &spec.manifest(), &ck, &inp);
+        let got = exec_plan(
+            kp,
+            &c.plan.manifest,
+            &c.plan.kv,
+            c.plan.arena_bytes,
+            &ck,
+            &inp,
+        );
+        assert!(got == want, "{}: planned fused execution differs", kp.key);
+    }
+}
+
+#[test]
+fn a_product_or_norm_with_a_second_reader_is_not_folded() {
+    let spec = SynthSpec::tiny(SynthFamily::Llama);
+    let key: Key = "b2q1s0".parse().unwrap();
+    let kv = kv_for(&spec, key);
+    let mut plain = spec.graph(key, &kv, false);
+    // Layer 0's o_proj product and its input norm become outputs.
+    let wo = plain
+        .weight("model.layers.0.self_attn.o_proj.weight")
+        .unwrap();
+    let o = plain
+        .nodes
+        .iter()
+        .find(|n| matches!(n.op, Op::MatMul { .. }) && n.args[1] == wo)
+        .unwrap()
+        .results[0];
+    let norm0 = plain
+        .nodes
+        .iter()
+        .find(|n| matches!(n.op, Op::RmsNorm { .. }))
+        .unwrap()
+        .results[0];
+    plain.add_output("probe_o", o);
+    plain.add_output("probe_norm", norm0);
+    let (g, m, s) = pipeline(&spec, plain.clone(), &DEFAULT_PIPELINE, &Target::Cpu);
+    let l = spec.layers as usize;
+    // Layer 0 loses its o_proj residual and therefore its gate_up norm (the
+    // add_rms_norm stays whole), and its qkv norm.
+    assert_eq!(s.matmul_epilogues as usize, 3 * l - 1);
+    assert_eq!(s.matmul_prologues as usize, 2 * l + 1 - 2);
+    assert_eq!(count(&g, |o| matches!(o, Op::AddRmsNorm { .. })), 1);
+    assert_eq!(count(&g, |o| matches!(o, Op::RmsNorm { .. })), 1);
+    assert_eq!(count(&g, |o| matches!(o, Op::MatMul { .. })), 2);
+    let mut rng = Rng::new(12);
+    let ck = random_checkpoint(&spec.manifest(), &mut rng);
+    let inp = random_inputs(key, &kv, spec.vocab, 64, &mut rng);
+    assert_eq!(
+        eval_graph(&g, &m, &ck, &inp),
+        eval_graph(&plain, &spec.manifest(), &ck, &inp)
+    );
+}
+
+#[test]
+fn a_gpu_target_fuses_only_keys_its_fused_gemv_runs() {
+    let spec = SynthSpec::tiny(SynthFamily::Qwen2);
+    let cuda = Target::Cuda { sm: 90 };
+    for (key, fuses) in [
+        ("b8q1s0", true),
+        ("b1q1s0", true),
+        ("b3q3s0", false),
+        ("b16q1s0", false),
+    ] {
+        let key: Key = key.parse().unwrap();
+        let g = spec.graph(key, &kv_for(&spec, key), false);
+        let (g, _, s) = pipeline(&spec, g, &DEFAULT_PIPELINE, &cuda);
+        let any = count(&g, |o| matches!(o, Op::FusedMatMul { .. }));
+        assert_eq!(any > 0, fuses, "{key}: {s:?}");
+        if !fuses {
+            // The unfused graph is exactly what the pipeline gave before.
+            let g0 = spec.graph(key, &kv_for(&spec, key), false);
+            let (g0, _, _) = pipeline(&spec, g0, &without_fuse_matmul(), &cuda);
+            assert_eq!(kiln_ir::print(&g), kiln_ir::print(&g0), "{key}");
+        }
+    }
+    // An f32 model has no fused GEMV on a GPU, but fuses on the CPU.
+    let spec = SynthSpec {
+        dtype: kiln_ir::DType::F32,
+        ..SynthSpec::tiny(SynthFamily::Llama)
+    };
+    let key: Key = "b1q1s0".parse().unwrap();
+    let g = spec.graph(key, &kv_for(&spec, key), false);
+    let (gg, _, _) = pipeline(&spec, g.clone(), &DEFAULT_PIPELINE, &cuda);
+    assert_eq!(count(&gg, |o| matches!(o, Op::FusedMatMul { .. })), 0);
+    let mut m = spec.manifest();
+    let (gc, _, _) = run_pipeline(g, &mut m, &DEFAULT_PIPELINE, true).unwrap();
+    assert!(count(&gc, |o| matches!(o, Op::FusedMatMul { .. })) > 0);
+}
