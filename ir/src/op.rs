@@ -169,6 +169,12 @@ pub enum Op {
     /// greedy prediction at the previous position (`drafts[b,j] == pred[b,j]`).
     /// The host then takes `accepted + 1` tokens from `pred` (the bonus token).
     AcceptGreedy { spec: u32 },
+    /// `scale(x: D[..]) -> D[..]`: `y = x * factor`, then
+    /// `softcap * tanh(y / softcap)` when `softcap` is set, rounded to D once.
+    /// Gemma's embedding scale (`factor` = sqrt(hidden) already rounded to
+    /// the activation dtype, as HF rounds it) and final logit softcapping
+    /// (`factor` 1 on f32 logits).
+    Scale { factor: f32, softcap: Option<f32> },
 }
 
 /// Why an op's operands do not type-check. The verifier adds the location.
@@ -193,11 +199,12 @@ impl Op {
             Op::GatherLast { .. } => "gather_last",
             Op::Argmax => "argmax",
             Op::AcceptGreedy { .. } => "accept_greedy",
+            Op::Scale { .. } => "scale",
         }
     }
 
     /// All mnemonics, for error messages ("expected one of ...").
-    pub const MNEMONICS: [&'static str; 15] = [
+    pub const MNEMONICS: [&'static str; 16] = [
         "embedding",
         "rms_norm",
         "add_rms_norm",
@@ -213,6 +220,7 @@ impl Op {
         "gather_last",
         "argmax",
         "accept_greedy",
+        "scale",
     ];
 
     /// Accepted argument counts.
@@ -236,6 +244,7 @@ impl Op {
             Op::GatherLast { .. } => &[1],
             Op::Argmax => &[1],
             Op::AcceptGreedy { .. } => &[2],
+            Op::Scale { .. } => &[1],
         }
     }
 
@@ -257,6 +266,7 @@ impl Op {
             Op::Rope { .. } => &[(0, 0)],
             Op::HeadRmsNorm { .. } => &[(0, 0)],
             Op::SiluMul | Op::GeluTanhMul => &[(0, 0)],
+            Op::Scale { .. } => &[(0, 0)],
             _ => &[],
         }
     }
@@ -647,6 +657,10 @@ impl Op {
                     format!("drafts length {} must be batch*spec = {}*{}", d[0], b, spec),
                 )?;
                 Ok(vec![tt(DType::I32, vec![b])])
+            }
+            Op::Scale { .. } => {
+                float(0, "x")?;
+                Ok(vec![args[0].clone()])
             }
         }
     }

@@ -1041,6 +1041,10 @@ impl<'a> Parser<'a> {
             "accept_greedy" => Op::AcceptGreedy {
                 spec: a.u32("spec")?,
             },
+            "scale" => Op::Scale {
+                factor: a.f32("factor")?,
+                softcap: a.opt_f32("softcap")?,
+            },
             other => {
                 return Err(ParseError {
                     pos: m_span.start,

@@ -143,6 +143,7 @@ pub(crate) fn attr_names(mnemonic: &str) -> &'static [&'static str] {
         ],
         "gather_last" => &["group"],
         "accept_greedy" => &["spec"],
+        "scale" => &["factor", "softcap"],
         _ => &[],
     }
 }

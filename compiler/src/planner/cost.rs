@@ -61,6 +61,7 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
         Op::Add => numel(0),
         Op::Argmax => numel(0),
         Op::AcceptGreedy { .. } => numel(1),
+        Op::Scale { softcap, .. } => numel(0) * if softcap.is_some() { 10 } else { 1 },
     }
 }
 
