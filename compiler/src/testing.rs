@@ -199,7 +199,7 @@ enum Init {
 /// Gemma-3's local (sliding) layers of a tiny model: every second layer
 /// (1, 3, ...) is global, so two layers already hold both kinds.
 pub fn gemma3_layer_is_sliding(layer: u32) -> bool {
-    (layer + 1) % 2 != 0
+    !(layer + 1).is_multiple_of(2)
 }
 
 /// Gemma-3's `query_pre_attn_scalar` in a tiny model: `hidden / heads`

@@ -190,7 +190,9 @@ pub fn resolve(raw: &HfConfig) -> Result<DecoderConfig, ConfigError> {
                     "must be at least 1 (every pattern-th layer is global)",
                 ));
             }
-            (0..n as u32).map(|l| (l + 1) % pattern != 0).collect()
+            (0..n as u32)
+                .map(|l| !(l + 1).is_multiple_of(pattern))
+                .collect()
         }
     };
     c.windows = sliding
@@ -253,7 +255,7 @@ mod tests {
         v["sliding_window_pattern"] = serde_json::json!(2);
         let c = resolve(&parse(v.clone())).unwrap();
         assert_eq!(c.windows[..3], [Some(512), None, Some(512)]);
-        v["layer_types"] = serde_json::json!(["full_attention"; 7]);
+        v["layer_types"] = serde_json::json!(vec!["full_attention"; 7]);
         assert_eq!(resolve(&parse(v.clone())).unwrap().windows, vec![None; 7]);
         v["rope_parameters"] = serde_json::json!({
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 500000.0},
