@@ -270,17 +270,18 @@ pub fn trace(
             &[qv, written[0], written[1], block_tables, context_lens],
         );
         let mut o = proj(&mut g, &mut w, "self_attn.o_proj", c.o_bias, attn);
-        let ln2 = w.get(&mut g, &format!("{p}post_attention_layernorm.weight"));
+        // Gemma: the attention output is normed before the residual add,
+        // and the MLP has its own input norm.
         let mlp_norm = if c.sandwich_norms {
-            // Gemma: the attention output is normed before the residual add,
-            // and the MLP has its own input norm.
+            let ln2 = w.get(&mut g, &format!("{p}post_attention_layernorm.weight"));
             o = g.push1(norm.clone(), &[o, ln2]);
-            w.get(&mut g, &format!("{p}pre_feedforward_layernorm.weight"))
+            "pre_feedforward_layernorm"
         } else {
-            ln2
+            "post_attention_layernorm"
         };
         h = g.push1(Op::Add, &[o, h]);
-        let x = g.push1(norm.clone(), &[h, mlp_norm]);
+        let ln = w.get(&mut g, &format!("{p}{mlp_norm}.weight"));
+        let x = g.push1(norm.clone(), &[h, ln]);
         let gate = proj(&mut g, &mut w, "mlp.gate_proj", c.mlp_bias, x);
         let up = proj(&mut g, &mut w, "mlp.up_proj", c.mlp_bias, x);
         let act_op = match c.mlp_act {
