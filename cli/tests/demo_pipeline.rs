@@ -365,3 +365,36 @@ fn kiln_demo_refuses_bad_input_with_a_clear_error() {
     );
     assert!(!cache.join("gguf").join("bogus").join("model").exists());
 }
+
+#[test]
+fn demo_runs_gemma3_270m_from_a_cached_gguf_and_answers_paris() {
+    let Some(gguf) = kiln_compiler::testing::gemma3_gguf_for_tests() else {
+        return;
+    };
+    // A cache whose gemma3/ entry already holds the GGUF: no network.
+    let cache = tempfile::tempdir().unwrap();
+    let dir = cache.path().join("gemma3");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cached = dir.join(kiln_compiler::fetch::GEMMA3_FILE);
+    if std::fs::hard_link(&gguf, &cached).is_err() {
+        std::fs::copy(&gguf, &cached).unwrap();
+    }
+    let opts = DemoOptions {
+        source: ModelSource::Gemma3,
+        prompt: "What is the capital of France?".into(),
+        max_tokens: 12,
+        ..options(cache.path(), &gguf, "")
+    };
+    let (report, streamed, log) = run(&opts);
+    assert_eq!(report.fetch, StageOutcome::Cached, "{log:?}");
+    assert_eq!(
+        report.rendered_prompt,
+        "Q: What is the capital of France?\nA:"
+    );
+    assert!(
+        report.model_dir.join("chat_template.jinja").is_file(),
+        "{log:?}"
+    );
+    eprintln!("gemma3 demo: {streamed:?}");
+    assert!(streamed.contains("Paris"), "{streamed:?}");
+}

@@ -49,6 +49,9 @@ pub struct RopeScalingConfig {
     pub high_freq_factor: Option<f64>,
     pub original_max_position_embeddings: Option<u32>,
     pub rope_theta: Option<f64>,
+    /// transformers 5 Gemma-3: `rope_parameters` keyed by layer type.
+    pub full_attention: Option<Box<RopeScalingConfig>>,
+    pub sliding_attention: Option<Box<RopeScalingConfig>>,
 }
 
 /// Absent stays `None`; present (even `null`) becomes `Some(..)`.
@@ -90,6 +93,16 @@ pub struct HfConfig {
     pub layer_types: Option<Vec<String>>,
     pub bos_token_id: Option<u32>,
     pub eos_token_id: Option<TokenIds>,
+    // Gemma-3 (`gemma3_text`).
+    pub hidden_activation: Option<String>,
+    pub query_pre_attn_scalar: Option<f64>,
+    pub rope_local_base_freq: Option<f64>,
+    pub final_logit_softcapping: Option<f64>,
+    pub attn_logit_softcapping: Option<f64>,
+    #[serde(alias = "_sliding_window_pattern")]
+    pub sliding_window_pattern: Option<u32>,
+    /// A multimodal `gemma3` config nests the decoder's config here.
+    pub text_config: Option<Box<HfConfig>>,
 }
 
 impl HfConfig {
@@ -113,7 +126,7 @@ pub enum ConfigError {
     },
 }
 
-fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
+pub(crate) fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field,
         problem: problem.into(),
@@ -135,8 +148,19 @@ pub struct FamilyDefaults {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// The gate activation of the MLP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpAct {
+    /// `silu` (Llama, Mistral, Qwen).
+    Silu,
+    /// `gelu_pytorch_tanh` (Gemma).
+    GeluTanh,
+}
+
 /// A decoder-only transformer with RMSNorm, RoPE, GQA attention and a
-/// SiLU-gated MLP, fully resolved: every field has its final value.
+/// gated MLP, fully resolved: every field has its final value. The fields
+/// after `eos_token_ids` are Gemma-3's differences; [`resolve_common`] sets
+/// them to the Llama behaviour.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DecoderConfig {
     pub vocab_size: u32,
@@ -162,6 +186,26 @@ pub struct DecoderConfig {
     pub windows: Vec<Option<u32>>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// Every RMSNorm (q/k norms included) scales by `1 + w` (Gemma).
+    pub norm_unit_offset: bool,
+    /// Gemma's sandwich norms: `post_attention_layernorm` normalizes the
+    /// attention output before the residual add, `pre_feedforward_layernorm`
+    /// and `post_feedforward_layernorm` wrap the MLP. Without it,
+    /// `post_attention_layernorm` is the MLP's input norm (Llama).
+    pub sandwich_norms: bool,
+    pub mlp_act: MlpAct,
+    /// Embedding rows multiplied by this (Gemma: sqrt(hidden) rounded to
+    /// the activation dtype).
+    pub embed_scale: Option<f32>,
+    /// Attention score scale; `None`: `1 / sqrt(head_dim)`.
+    pub attn_scale: Option<f32>,
+    /// RoPE of the sliding-window layers when it differs from `rope`
+    /// (Gemma-3's local base frequency).
+    pub local_rope: Option<Rope>,
+    /// `cap * tanh(s / cap)` on attention scores.
+    pub attn_softcap: Option<f32>,
+    /// `cap * tanh(l / cap)` on the final logits.
+    pub final_softcap: Option<f32>,
 }
 
 /// The largest structural sizes kiln accepts from a config.json. Each is
@@ -195,7 +239,7 @@ fn required(v: Option<u32>, field: &'static str, what: &'static str) -> Result<u
     }
 }
 
-fn positive_finite(v: f64, field: &'static str) -> Result<f64, ConfigError> {
+pub(crate) fn positive_finite(v: f64, field: &'static str) -> Result<f64, ConfigError> {
     if v.is_finite() && v > 0.0 {
         Ok(v)
     } else {
@@ -363,10 +407,18 @@ pub fn resolve_common(cfg: &HfConfig, d: &FamilyDefaults) -> Result<DecoderConfi
         windows: vec![None; num_layers as usize],
         bos_token_id,
         eos_token_ids,
+        norm_unit_offset: false,
+        sandwich_norms: false,
+        mlp_act: MlpAct::Silu,
+        embed_scale: None,
+        attn_scale: None,
+        local_rope: None,
+        attn_softcap: None,
+        final_softcap: None,
     })
 }
 
-fn rope_scaling(p: &RopeScalingConfig) -> Result<RopeScaling, ConfigError> {
+pub(crate) fn rope_scaling(p: &RopeScalingConfig) -> Result<RopeScaling, ConfigError> {
     const FIELD: &str = "rope_scaling";
     let kind = p.rope_type.as_deref().or(p.type_.as_deref());
     let factor = |p: &RopeScalingConfig| -> Result<f32, ConfigError> {

@@ -121,7 +121,9 @@ impl Default for TinySpec {
 impl TinySpec {
     /// The family's characteristic tiny model: Llama untied; Mistral with a
     /// sliding window of 8; Qwen2 tied (biases are implied by the family);
-    /// Qwen3 tied with head_dim 32 (not hidden/heads = 16).
+    /// Qwen3 tied with head_dim 32 (not hidden/heads = 16); Gemma-3 tied,
+    /// head_dim 32, 3 layers (local, global, local) with a window of 8 (so
+    /// it matters within a test's context).
     pub fn for_family(family: Family) -> TinySpec {
         let d = TinySpec::default();
         match family {
@@ -137,6 +139,15 @@ impl TinySpec {
             Family::Qwen3 => TinySpec {
                 head_dim: Some(32),
                 tie_embeddings: true,
+                ..d
+            },
+            Family::Gemma3 => TinySpec {
+                layers: 3,
+                head_dim: Some(32),
+                tie_embeddings: true,
+                sliding_window: Some(8),
+                rms_norm_eps: 1e-6,
+                rope_theta: 1_000_000.0,
                 ..d
             },
         }
@@ -185,6 +196,22 @@ enum Init {
     NormWeight,
 }
 
+/// Gemma-3's local (sliding) layers of a tiny model: every second layer
+/// (1, 3, ...) is global, so two layers already hold both kinds.
+pub fn gemma3_layer_is_sliding(layer: u32) -> bool {
+    !(layer + 1).is_multiple_of(2)
+}
+
+/// Gemma-3's `query_pre_attn_scalar` in a tiny model: `hidden / heads`
+/// (as Gemma-3-27B), so it differs from `head_dim` and a scale that
+/// ignores it shows.
+pub fn gemma3_query_pre_attn_scalar(spec: &TinySpec) -> u32 {
+    spec.hidden / spec.heads.max(1)
+}
+
+/// Gemma-3's `final_logit_softcapping` in a tiny model.
+pub const GEMMA3_TINY_FINAL_SOFTCAP: f32 = 30.0;
+
 fn invalid(msg: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, msg)
 }
@@ -225,6 +252,15 @@ fn tensors(family: Family, spec: &TinySpec) -> Vec<(String, Vec<u32>, Init)> {
     let hd = spec.head_dim();
     let (q, kv) = (spec.heads * hd, spec.kv_heads * hd);
     let lin = |fan_in: u32| Init::Normal(1.0 / (fan_in as f64).sqrt());
+    let gemma = family == Family::Gemma3;
+    // Gemma's norms scale by 1 + w: its weights are centred on 0.
+    let norm_init = || {
+        if gemma {
+            Init::Normal(0.1)
+        } else {
+            Init::NormWeight
+        }
+    };
     let mut t = vec![(
         "model.embed_tokens.weight".to_string(),
         vec![v, h],
@@ -232,16 +268,17 @@ fn tensors(family: Family, spec: &TinySpec) -> Vec<(String, Vec<u32>, Init)> {
     )];
     for l in 0..spec.layers {
         let p = format!("model.layers.{l}");
-        t.push((
-            format!("{p}.input_layernorm.weight"),
-            vec![h],
-            Init::NormWeight,
-        ));
+        t.push((format!("{p}.input_layernorm.weight"), vec![h], norm_init()));
         t.push((
             format!("{p}.post_attention_layernorm.weight"),
             vec![h],
-            Init::NormWeight,
+            norm_init(),
         ));
+        if gemma {
+            for n in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+                t.push((format!("{p}.{n}.weight"), vec![h], norm_init()));
+            }
+        }
         t.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], lin(h)));
         t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], lin(h)));
         t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], lin(h)));
@@ -263,23 +300,23 @@ fn tensors(family: Family, spec: &TinySpec) -> Vec<(String, Vec<u32>, Init)> {
                 Init::Normal(0.1),
             ));
         }
-        if family == Family::Qwen3 {
+        if family == Family::Qwen3 || gemma {
             t.push((
                 format!("{p}.self_attn.q_norm.weight"),
                 vec![hd],
-                Init::NormWeight,
+                norm_init(),
             ));
             t.push((
                 format!("{p}.self_attn.k_norm.weight"),
                 vec![hd],
-                Init::NormWeight,
+                norm_init(),
             ));
         }
         t.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h], lin(h)));
         t.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], lin(h)));
         t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i], lin(i)));
     }
-    t.push(("model.norm.weight".to_string(), vec![h], Init::NormWeight));
+    t.push(("model.norm.weight".to_string(), vec![h], norm_init()));
     if !spec.tie_embeddings {
         t.push(("lm_head.weight".to_string(), vec![v, h], lin(h)));
     }
@@ -434,6 +471,32 @@ fn config_json(family: Family, spec: &TinySpec) -> Value {
             if family == Family::Qwen3 {
                 c.insert("attention_bias".into(), json!(false));
             }
+        }
+        Family::Gemma3 => {
+            c.insert("hidden_act".into(), json!("gelu_pytorch_tanh"));
+            c.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+            c.insert("attention_bias".into(), json!(false));
+            c.insert("sliding_window".into(), json!(spec.sliding_window));
+            let types: Vec<&str> = (0..spec.layers)
+                .map(|l| {
+                    if gemma3_layer_is_sliding(l) {
+                        "sliding_attention"
+                    } else {
+                        "full_attention"
+                    }
+                })
+                .collect();
+            c.insert("layer_types".into(), json!(types));
+            c.insert("rope_local_base_freq".into(), json!(10000.0));
+            c.insert(
+                "query_pre_attn_scalar".into(),
+                json!(gemma3_query_pre_attn_scalar(spec)),
+            );
+            c.insert(
+                "final_logit_softcapping".into(),
+                json!(decimal(GEMMA3_TINY_FINAL_SOFTCAP)),
+            );
+            c.insert("attn_logit_softcapping".into(), json!(null));
         }
     }
     Value::Object(c)

@@ -64,8 +64,9 @@ proptest! {
         spec_frac in 0u32..4,
         logits in any::<bool>(),
     ) {
-        // Qwen3's HF default head_dim is 128, so tiny Qwen3 configs always state it.
-        let spec = if family == Family::Qwen3 && spec.head_dim.is_none() {
+        // Qwen3's HF default head_dim is 128 (Gemma-3's 256), so tiny Qwen3
+        // and Gemma-3 configs always state it.
+        let spec = if matches!(family, Family::Qwen3 | Family::Gemma3) && spec.head_dim.is_none() {
             TinySpec { head_dim: Some(spec.hidden / spec.heads), ..spec }
         } else {
             spec
@@ -96,8 +97,11 @@ proptest! {
         let l = spec.layers as usize;
         let extra = usize::from(s == 0 && query > 1) + usize::from(s > 0);
         let qk = if family == Family::Qwen3 { 2 * l } else { 0 };
+        // Gemma-3: 2 head norms and 2 more sandwich norms per layer, the
+        // embedding scale and the final softcap.
+        let gemma = if family == Family::Gemma3 { 4 * l + 2 } else { 0 };
         // embedding + per layer 16 ops (+2 head norms) + norm, [gather|accept], lm_head, argmax
-        prop_assert_eq!(g.nodes.len(), 1 + 16 * l + qk + 3 + extra);
+        prop_assert_eq!(g.nodes.len(), 1 + 16 * l + qk + gemma + 3 + extra);
         prop_assert_eq!(g.weights.len(), m.manifest().entries.len());
         prop_assert_eq!(g.outputs.len(), 1 + usize::from(s > 0) + usize::from(logits));
         for (i, n) in g.nodes.iter().enumerate() {
@@ -109,6 +113,9 @@ proptest! {
                     Family::Qwen2 | Family::Qwen3 => {
                         spec.sliding_window.filter(|_| layer >= spec.max_window_layers)
                     }
+                    Family::Gemma3 => spec
+                        .sliding_window
+                        .filter(|_| kiln_compiler::testing::gemma3_layer_is_sliding(layer)),
                 };
                 prop_assert_eq!(window, want);
             }

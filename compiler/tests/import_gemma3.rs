@@ -156,3 +156,105 @@ fn gemma3_tensors_of_every_type_match_the_gguf_python_dequantizer() {
         }
     }
 }
+
+/// Texts the tokenizer battery encodes: ASCII, whitespace runs, newlines,
+/// digits, CJK, emoji, control and unassigned bytes (byte fallback). (Chat
+/// markers are special tokens SentencePiece itself does not match in text;
+/// `gemma3_tokenizer_gives_bos_and_one_id_per_word` checks them.)
+const BATTERY: [&str; 13] = [
+    "The quick brown fox jumps over the lazy dog.",
+    "a  b   c    d\t\te \t f     g",
+    "   leading and trailing spaces   ",
+    "line one\nline two\n\nline four\n\n\n\nline eight\r\nwindows\r\n",
+    " \n\t  \n",
+    "In 2024, 3.14159 * 1,000,000 = 3141590 and 0x7fff is 32767.",
+    "日本語のテキストをトークン化します。東京は晴れです。",
+    "中文分词测试：今天天气很好，我们去公园散步吧。",
+    "Launch 🚀 thumbs 👍🏽 family 👨‍👩‍👧‍👦 flag 🇫🇷 heart ❤️ done ✅",
+    "bytes \u{1}\u{7f}\u{10ffff}\u{e000} and ᚠᛇᚻ runes",
+    "Crème brûlée, naïve façade, Ångström, señor, Straße.",
+    "def fib(n: int) -> int:\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "",
+];
+
+#[test]
+fn gemma3_tokenizer_matches_googles_sentencepiece_on_a_text_battery() {
+    let Some(path) = gemma3_gguf_for_tests() else {
+        return;
+    };
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../scripts/gemma3_sentencepiece_ids.py");
+    let python = std::env::var("KILN_PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let required = std::env::var("KILN_REQUIRE_SENTENCEPIECE").as_deref() == Ok("1");
+    let child = std::process::Command::new(&python)
+        .arg(&script)
+        .arg(&path)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => {
+            assert!(
+                !required,
+                "KILN_REQUIRE_SENTENCEPIECE=1 but {python} cannot run: {e}"
+            );
+            eprintln!("SKIPPED: {python} cannot run ({e})");
+            return;
+        }
+    };
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin
+            .write_all(serde_json::to_string(&BATTERY).unwrap().as_bytes())
+            .unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    if out.status.code() == Some(3) {
+        assert!(
+            !required,
+            "KILN_REQUIRE_SENTENCEPIECE=1 but sentencepiece/protobuf/gguf are missing (pip install sentencepiece protobuf gguf)"
+        );
+        eprintln!("SKIPPED: the sentencepiece, protobuf or gguf Python package is missing");
+        return;
+    }
+    assert!(out.status.success(), "{} failed", script.display());
+    let want: Vec<Vec<u32>> = serde_json::from_slice(&out.stdout).unwrap();
+    let g = GgufFile::open(&path).unwrap();
+    let built = build_tokenizer(&g, None).unwrap();
+    let tok = tokenizers::Tokenizer::from_str(&built.tokenizer_json).unwrap();
+    let mut bad = Vec::new();
+    let mut compared = 0;
+    for (text, want) in BATTERY.iter().zip(&want) {
+        let got = tok.encode(*text, false).unwrap().get_ids().to_vec();
+        assert_eq!(tok.decode(&got, false).unwrap(), *text, "round trip");
+        // Runs of spaces: Gemma's vocabulary has user-defined whitespace
+        // pieces ("  ", "    ", ... ids 138+) that kiln (like a Hugging Face
+        // tokenizer.json with them as added tokens) matches and the model
+        // itself emits for code indentation (it continues "def fibonacci(n):"
+        // with ids 107, 140 = "\n", "    "); SentencePiece rebuilt from the
+        // GGUF escapes spaces to '▁' before matching and never uses them.
+        // Those texts are checked by round trip only.
+        if text.contains("  ") {
+            continue;
+        }
+        compared += 1;
+        if &got != want {
+            bad.push(format!(
+                "{text:?}:\n  kiln        {got:?}\n  sentencepiece {want:?}"
+            ));
+        }
+        // With special tokens: the BOS and nothing else is added.
+        let with = tok.encode(*text, true).unwrap().get_ids().to_vec();
+        assert_eq!(with[0], 2, "{text:?}");
+        assert_eq!(&with[1..], &got[..], "{text:?}");
+    }
+    assert!(compared >= 9, "only {compared} texts compared");
+    assert!(
+        bad.is_empty(),
+        "{} of {compared} texts differ:\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
+}

@@ -98,11 +98,11 @@ fn tiny(family: Family) -> TinySpec {
         hidden: 32,
         heads: 2,
         kv_heads: 1,
-        head_dim: (family == Family::Qwen3).then_some(32),
+        head_dim: matches!(family, Family::Qwen3 | Family::Gemma3).then_some(32),
         intermediate: 32,
         vocab: 64,
         max_position: 64,
-        sliding_window: (family == Family::Mistral).then_some(8),
+        sliding_window: matches!(family, Family::Mistral | Family::Gemma3).then_some(8),
         ..TinySpec::for_family(family)
     }
 }

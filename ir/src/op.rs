@@ -245,6 +245,12 @@ pub enum Op {
         pre: Option<PreNorm>,
         post: Epilogue,
     },
+    /// `scale(x: D[..]) -> D[..]`: `y = x * factor`, then
+    /// `softcap * tanh(y / softcap)` when `softcap` is set, rounded to D once.
+    /// Gemma's embedding scale (`factor` = sqrt(hidden) already rounded to
+    /// the activation dtype, as HF rounds it) and final logit softcapping
+    /// (`factor` 1 on f32 logits).
+    Scale { factor: f32, softcap: Option<f32> },
 }
 
 /// Why an op's operands do not type-check. The verifier adds the location.
@@ -271,11 +277,12 @@ impl Op {
             Op::AcceptGreedy { .. } => "accept_greedy",
             Op::Sample => "sample",
             Op::FusedMatMul { .. } => "fused_matmul",
+            Op::Scale { .. } => "scale",
         }
     }
 
     /// All mnemonics, for error messages ("expected one of ...").
-    pub const MNEMONICS: [&'static str; 17] = [
+    pub const MNEMONICS: [&'static str; 18] = [
         "embedding",
         "rms_norm",
         "add_rms_norm",
@@ -293,6 +300,7 @@ impl Op {
         "accept_greedy",
         "sample",
         "fused_matmul",
+        "scale",
     ];
 
     /// Accepted argument counts.
@@ -317,6 +325,7 @@ impl Op {
             Op::Argmax => &[1],
             Op::AcceptGreedy { .. } => &[2],
             Op::Sample => &[3],
+            Op::Scale { .. } => &[1],
             Op::FusedMatMul { .. } => match self.fused_arg_count() {
                 2 => &[2],
                 3 => &[3],
@@ -357,6 +366,7 @@ impl Op {
             Op::Rope { .. } => &[(0, 0)],
             Op::HeadRmsNorm { .. } => &[(0, 0)],
             Op::SiluMul | Op::GeluTanhMul => &[(0, 0)],
+            Op::Scale { .. } => &[(0, 0)],
             _ => &[],
         }
     }
@@ -837,6 +847,10 @@ impl Op {
                         Ok(vec![r])
                     }
                 }
+            }
+            Op::Scale { .. } => {
+                float(0, "x")?;
+                Ok(vec![args[0].clone()])
             }
         }
     }

@@ -1058,6 +1058,10 @@ impl<'a> Parser<'a> {
                     post: a.epilogue("epilogue")?,
                 }
             }
+            "scale" => Op::Scale {
+                factor: a.f32("factor")?,
+                softcap: a.opt_f32("softcap")?,
+            },
             other => {
                 return Err(ParseError {
                     pos: m_span.start,

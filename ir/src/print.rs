@@ -355,6 +355,10 @@ pub(crate) fn attrs(op: &Op) -> String {
             ),
             ("epilogue", post.name().to_string()),
         ],
+        Op::Scale { factor, softcap } => vec![
+            ("factor", fmt_f32(*factor)),
+            ("softcap", fmt_opt_f32(*softcap)),
+        ],
     };
     debug_assert_eq!(
         pairs.iter().map(|p| p.0).collect::<Vec<_>>(),

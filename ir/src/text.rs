@@ -144,6 +144,7 @@ pub(crate) fn attr_names(mnemonic: &str) -> &'static [&'static str] {
         "gather_last" => &["group"],
         "accept_greedy" => &["spec"],
         "fused_matmul" => &["bias", "out", "norm", "unit_offset", "epilogue"],
+        "scale" => &["factor", "softcap"],
         _ => &[],
     }
 }

@@ -1,5 +1,5 @@
 // Elementwise and data-movement ops: embedding, silu_mul, gelu_tanh_mul,
-// add, gather_last.
+// add, gather_last, scale.
 //
 // Each result element is computed in f32 from its inputs and rounded to T
 // once. silu(g) = g / (1 + exp(-g)); gelu_tanh(g) = 0.5 g (1 + tanh(
@@ -74,6 +74,19 @@ KILN_DEV void add_elems(const T* a, const T* b, T* out, i64 n) {
   if (idx < n) out[idx] = st<T>(ld(a[idx]) + ld(b[idx]));
 }
 
+// out = x * factor, then cap * tanh(out / cap) when has_cap (Gemma's
+// embedding scale and final logit softcap). Plain multiply and divide, no
+// contraction, as the CPU reference evaluates them.
+template <typename T>
+KILN_DEV void scale_elems(const T* x, T* out, i64 n, float factor, float cap, int has_cap) {
+  KILN_PROLOGUE();
+  const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= n) return;
+  float y = __fmul_rn(ld(x[idx]), factor);
+  if (has_cap) y = __fmul_rn(cap, tanhf(__fdiv_rn(y, cap)));
+  out[idx] = st<T>(y);
+}
+
 // out[r] = x[r * group + group - 1]; rows of `width` elements, copied as is.
 template <typename E>
 KILN_DEV void gather_last_rows(const E* __restrict__ x, E* __restrict__ out, int group, int width) {
@@ -98,6 +111,9 @@ KILN_DEV void gather_last_rows(const E* __restrict__ x, E* __restrict__ out, int
   KILN_GLOBAL void add_##S(const T* a, const T* b, T* out, i64 n) { add_elems<T>(a, b, out, n); } \
   KILN_GLOBAL void gather_last_##S(const T* x, T* out, int group, int width) {                 \
     gather_last_rows<T>(x, out, group, width);                                                \
+  }                                                                                           \
+  KILN_GLOBAL void scale_##S(const T* x, T* out, i64 n, float factor, float cap, int has_cap) { \
+    scale_elems<T>(x, out, n, factor, cap, has_cap);                                          \
   }
 KILN_FOR_FLOATS(KILN_ELEMENTWISE_ENTRIES)
 

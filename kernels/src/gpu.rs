@@ -342,6 +342,7 @@ pub fn entry_points(module: &str) -> Vec<String> {
                     "gelu_tanh_mul",
                     "add",
                     "gather_last",
+                    "scale",
                 ],
             );
             v.push("gather_last_i32".into());
@@ -1063,6 +1064,24 @@ pub fn lower_symbolic(
                     Param::Arg(1),
                     Param::Result(0),
                     Param::I64(n as i64),
+                ],
+            )])
+        }
+        Op::Scale { factor, softcap } => {
+            let s = float_suffix(m, args[0].dtype)?;
+            let n = args[0].numel();
+            calls(vec![call(
+                "elementwise",
+                format!("scale_{s}"),
+                [blocks(n, 256)?, 1, 1],
+                256,
+                vec![
+                    Param::Arg(0),
+                    Param::Result(0),
+                    Param::I64(n as i64),
+                    Param::F32(*factor),
+                    Param::F32(softcap.unwrap_or(1.0)),
+                    Param::I32(softcap.is_some() as i32),
                 ],
             )])
         }

@@ -1,4 +1,4 @@
-//! `silu_mul`, `gelu_tanh_mul` (two-argument and packed forms) and `add`
+//! `silu_mul`, `gelu_tanh_mul` (two-argument and packed forms), `add` and `scale`
 //! against f64 references, and in place.
 //!
 //! Tolerance: one ulp of the result dtype plus f32 error: `2e-6 * |y|` for
@@ -160,4 +160,33 @@ fn add_in_place_over_either_operand() {
         0.0,
         0.0,
     );
+}
+
+#[test]
+fn scale_multiplies_and_softcaps_like_the_f64_formula_and_runs_in_place() {
+    let mut rng = Rng::new(117);
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        for (factor, softcap) in [(25.25f32, None), (1.0, Some(30.0f32)), (0.5, Some(2.0))] {
+            let n = 1500u32;
+            let x = rng.vec(n as usize, -80.0, 80.0);
+            let xa = float(dtype, &[3, n / 3], &x);
+            let xs = stored(&xa);
+            let want: Vec<f64> = xs
+                .iter()
+                .map(|&v| {
+                    let y = v * factor as f64;
+                    softcap.map_or(y, |c| c as f64 * (y / c as f64).tanh())
+                })
+                .collect();
+            let op = Op::Scale { factor, softcap };
+            let got = run(&op, std::slice::from_ref(&xa));
+            let what = format!("scale {dtype} factor {factor} softcap {softcap:?}");
+            let tol: Vec<f64> = want.iter().map(|w| 4e-6 * w.abs() + 1e-6).collect();
+            assert_close_each(&what, dtype, &got[0], &want, 1.0, &tol);
+            // In place (the op's may_reuse pair): the same bits.
+            let buf = Owned::new(&xa);
+            exec(&op, &[buf.raw()], &[buf.raw()]).unwrap();
+            assert_eq!(buf.bytes(), got[0], "{what}: in place differs");
+        }
+    }
 }

@@ -350,6 +350,25 @@ fn paged_attention_matches_for_gqa_causal_windows_softcap_and_long_contexts() {
 }
 
 #[test]
+fn scale_with_and_without_softcap_matches_the_host_reference() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(19);
+    for (dtype, factor, softcap) in [
+        (DType::BF16, 25.25f32, None),
+        (DType::F32, 1.0, Some(30.0f32)),
+    ] {
+        let x = HT::random(&mut r, dtype, &[3, 2049], 60.0);
+        let op = Op::Scale { factor, softcap };
+        check_op(
+            &mut b,
+            &format!("scale {dtype} {factor} {softcap:?}"),
+            &op,
+            &[x],
+        );
+    }
+}
+
+#[test]
 fn gated_activations_match_in_both_forms() {
     let Some(mut b) = device() else { return };
     let mut r = Rng::new(8);

@@ -66,10 +66,19 @@ def logits_of(model, hidden, head: str):
     own lm_head (bf16 logits for a bf16 model); `head="f32"` multiplies the
     hidden states by the lm_head weight in f32, as kiln does (bf16
     activations, f32 logits)."""
+    import torch
+
     if head == "model":
-        return model.lm_head(hidden)
-    w = model.get_output_embeddings().weight
-    return hidden.float() @ w.float().t()
+        logits = model.lm_head(hidden)
+    else:
+        w = model.get_output_embeddings().weight
+        logits = hidden.float() @ w.float().t()
+    # Gemma's final_logit_softcapping (applied by *ForCausalLM.forward, which
+    # this module bypasses to choose the head's precision).
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def forward(model, head: str, **kw):

@@ -132,6 +132,42 @@ QWEN3_0_6B = {
     "vocab_size": 151936,
 }
 
+# google/gemma-3-270m's config.json (transformers 4.55 spelling), as
+# published; the battery entry below trims it to 6 layers (5 local, 1 global)
+# and shrinks the window.
+GEMMA_3_270M = {
+    "_sliding_window_pattern": 6,
+    "architectures": ["Gemma3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": None,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 640,
+    "initializer_range": 0.02,
+    "intermediate_size": 2048,
+    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+    "max_position_embeddings": 32768,
+    "model_type": "gemma3_text",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 18,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": 512,
+    "torch_dtype": "bfloat16",
+    "use_bidirectional_attention": False,
+    "use_cache": True,
+    "vocab_size": 262144,
+}
+
 
 @dataclass
 class ModelSpec:
@@ -148,11 +184,19 @@ class ModelSpec:
     def config_json(self) -> dict:
         c = copy.deepcopy(self.config)
         c["num_hidden_layers"] = self.layers
+        if "layer_types" in c:
+            c["layer_types"] = c["layer_types"][: self.layers]
         return c
 
 
 def _window16() -> dict:
     c = copy.deepcopy(MISTRAL_7B_V0_1)
+    c["sliding_window"] = 16
+    return c
+
+
+def _gemma_window16() -> dict:
+    c = copy.deepcopy(GEMMA_3_270M)
     c["sliding_window"] = 16
     return c
 
@@ -173,6 +217,17 @@ BATTERY: list[ModelSpec] = [
     ),
     ModelSpec("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B", QWEN2_5_0_5B, 4, 14),
     ModelSpec("qwen3-0.6b", "Qwen/Qwen3-0.6B", QWEN3_0_6B, 4, 15),
+    ModelSpec(
+        "gemma-3-270m-window16",
+        "google/gemma-3-270m",
+        _gemma_window16(),
+        6,
+        16,
+        [
+            "sliding_window 512 -> 16, so the five local layers cut the "
+            "context of these sequences while the global sixth does not"
+        ],
+    ),
 ]
 
 
@@ -214,10 +269,12 @@ def init_weights(model, seed: int, gain: float = GAIN) -> None:
     import torch
 
     g = torch.Generator().manual_seed(seed)
+    # Gemma's RMSNorms scale by (1 + w): centre w on 0 so the scale is ~1.
+    norm_centre = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if name.endswith("norm.weight"):
-                val = 1.0 + 0.3 * torch.randn(p.shape, generator=g)
+                val = norm_centre + 0.3 * torch.randn(p.shape, generator=g)
             elif name.endswith(".bias"):
                 val = 0.5 * torch.randn(p.shape, generator=g)
             elif name.endswith("embed_tokens.weight"):

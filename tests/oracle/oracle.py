@@ -116,7 +116,13 @@ def cmd_reference(a) -> None:
         os.makedirs(wd, exist_ok=True)
         cfg = read_json(os.path.join(d, "config.json"))
         vocab = cfg["vocab_size"]
-        prompts = hf.make_prompts(vocab, PROMPT_SEED, PROMPT_LENGTHS)
+        # A model directory may bring its own prompts (token ids of real
+        # text, for real weights: run_oracle.sh writes them for Gemma-3-270M).
+        own = os.path.join(d, "oracle-prompts.json")
+        if os.path.exists(own):
+            prompts = read_json(own)["prompts"]
+        else:
+            prompts = hf.make_prompts(vocab, PROMPT_SEED, PROMPT_LENGTHS)
         write_json(
             os.path.join(wd, "prompts.json"),
             {"model": name, "vocab_size": vocab, "new_tokens": a.new_tokens, "prompts": prompts},

@@ -18,6 +18,10 @@
 #   PYTHON        python with torch + transformers (default python3)
 #   SMOLLM2_GGUF  SmolLM2 GGUF to import and include (default: kiln's cache, if there)
 #   SMOLLM2_NAME  its model name in the report (default smollm2-135m)
+#   GEMMA3_GGUF   Gemma-3-270M GGUF to import and include (default: kiln's cache,
+#                 where scripts/fetch-gemma3.sh puts it, if there); its prompts
+#                 are real text, tokenized by the imported tokenizer.json
+#   GEMMA3_NAME   its model name in the report (default gemma-3-270m)
 #   ORACLE_THREADS  torch CPU threads (default: torch's choice)
 #   ORACLE_TARGET   CUDA target for kiln compile (default cuda:sm_90)
 #   ORACLE_DEVICES  kiln backends on a GPU machine (default "cpu cuda")
@@ -97,8 +101,9 @@ if [[ -n $models ]]; then
 fi
 battery=()
 smol=${SMOLLM2_NAME:-smollm2-135m}
+gemma=${GEMMA3_NAME:-gemma-3-270m}
 for m in ${model_args[@]+"${model_args[@]}"}; do
-    if [[ $m != "$smol" ]]; then battery+=("$m"); fi
+    if [[ $m != "$smol" && $m != "$gemma" ]]; then battery+=("$m"); fi
 done
 if [[ -z $models || ${#battery[@]} -gt 0 ]]; then
     rm -rf "$WORK/models"
@@ -113,6 +118,38 @@ if [[ -z $models || " $models " == *" $smol "* ]]; then
         die "$smol asked for but no GGUF at $gguf; set SMOLLM2_GGUF"
     else
         say "no SmolLM2 GGUF at $gguf: SmolLM2 is left out of this run"
+    fi
+fi
+ggguf=${GEMMA3_GGUF:-${KILN_CACHE:-$HOME/.cache/kiln}/gemma3/gemma-3-270m-q4_k_m.gguf}
+if [[ -z $models || " $models " == *" $gemma "* ]]; then
+    if [[ -f $ggguf ]]; then
+        rm -rf "$WORK/models/$gemma"
+        "$KILN" import "$ggguf" -o "$WORK/models/$gemma" --force
+        # Real weights get real text: eight prompts as token ids (BOS first).
+        "$PY" - "$WORK/models/$gemma" <<'PY'
+import json, os, sys
+from tokenizers import Tokenizer
+d = sys.argv[1]
+tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+texts = [
+    "The capital of France is",
+    "Q: What is the capital of France?\nA:",
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+    "Water boils at a temperature of",
+    "The three primary colors are",
+]
+prompts = [tok.encode(t).ids for t in texts]
+with open(os.path.join(d, "oracle-prompts.json"), "w") as f:
+    json.dump({"texts": texts, "prompts": prompts}, f, indent=1)
+print("gemma prompts:", [len(p) for p in prompts])
+PY
+    elif [[ " $models " == *" $gemma "* ]]; then
+        die "$gemma asked for but no GGUF at $ggguf; set GEMMA3_GGUF (scripts/fetch-gemma3.sh fetches it)"
+    else
+        say "no Gemma-3 GGUF at $ggguf: Gemma-3-270M is left out of this run"
     fi
 fi
 names=()

@@ -5,11 +5,12 @@
 //! passes fuse add+norm, q/k/v, gate/up and rope+kv-write afterwards, so the
 //! frontend stays a readable transcription of the HF forward pass and every
 //! fusion is tested in one place. Families differ only through the config's
-//! flags (biases, q/k norm, windows, tied embeddings), never through code
-//! paths of their own.
+//! flags (biases, q/k norm, windows, tied embeddings, and Gemma's (1+w) and
+//! sandwich norms, GELU-tanh MLP, embedding scale, local RoPE and softcaps),
+//! never through code paths of their own.
 
 use super::{FrontendError, TraceOptions};
-use crate::config::DecoderConfig;
+use crate::config::{DecoderConfig, MlpAct};
 use kiln_ir::plan::KvLayout;
 use kiln_ir::{DType, Graph, InputRole, Key, Op, TensorType, ValueId, WeightManifest};
 use std::collections::HashMap;
@@ -44,11 +45,17 @@ pub fn required_weights(c: &DecoderConfig) -> Vec<(String, Vec<u32>)> {
             push(format!("{p}self_attn.o_proj.bias"), vec![h]);
         }
         push(format!("{p}post_attention_layernorm.weight"), vec![h]);
+        if c.sandwich_norms {
+            push(format!("{p}pre_feedforward_layernorm.weight"), vec![h]);
+        }
         for (proj, rows, cols) in [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)] {
             push(format!("{p}mlp.{proj}.weight"), vec![rows, cols]);
             if c.mlp_bias {
                 push(format!("{p}mlp.{proj}.bias"), vec![rows]);
             }
+        }
+        if c.sandwich_norms {
+            push(format!("{p}post_feedforward_layernorm.weight"), vec![h]);
         }
     }
     push("model.norm.weight".into(), vec![h]);
@@ -201,11 +208,23 @@ pub fn trace(
 
     let norm = Op::RmsNorm {
         eps: c.rms_norm_eps,
-        unit_offset: false,
+        unit_offset: c.norm_unit_offset,
     };
     let mm = |bias: bool| Op::MatMul { bias, out: ACT };
     let embed = w.get(&mut g, "model.embed_tokens.weight");
     let mut h = g.push1(Op::Embedding, &[token_ids, embed]);
+    if let Some(factor) = c.embed_scale {
+        h = g.push1(
+            Op::Scale {
+                factor,
+                softcap: None,
+            },
+            &[h],
+        );
+    }
+    let attn_scale = c
+        .attn_scale
+        .unwrap_or_else(|| 1.0 / (c.head_dim as f32).sqrt());
     for l in 0..c.num_layers {
         let p = format!("model.layers.{l}.");
         let ln = w.get(&mut g, &format!("{p}input_layernorm.weight"));
@@ -227,15 +246,20 @@ pub fn trace(
                 heads,
                 head_dim: c.head_dim,
                 eps: c.rms_norm_eps,
-                unit_offset: false,
+                unit_offset: c.norm_unit_offset,
             };
             qv = g.push1(head_norm(c.num_heads), &[qv, qn]);
             kv_ = g.push1(head_norm(c.num_kv_heads), &[kv_, kn]);
         }
+        let window = c.windows[l as usize];
+        let layer_rope = match (&c.local_rope, window) {
+            (Some(local), Some(_)) => local,
+            _ => &c.rope,
+        };
         let rope = |heads: u32| Op::Rope {
             heads,
             head_dim: c.head_dim,
-            rope: c.rope.clone(),
+            rope: layer_rope.clone(),
         };
         qv = g.push1(rope(c.num_heads), &[qv, positions]);
         kv_ = g.push1(rope(c.num_kv_heads), &[kv_, positions]);
@@ -248,20 +272,37 @@ pub fn trace(
                 head_dim: c.head_dim,
                 query: q,
                 block_size: kv.block_size,
-                scale: 1.0 / (c.head_dim as f32).sqrt(),
-                window: c.windows[l as usize],
-                softcap: None,
+                scale: attn_scale,
+                window,
+                softcap: c.attn_softcap,
             },
             &[qv, written[0], written[1], block_tables, context_lens],
         );
-        let o = proj(&mut g, &mut w, "self_attn.o_proj", c.o_bias, attn);
+        let mut o = proj(&mut g, &mut w, "self_attn.o_proj", c.o_bias, attn);
+        // Gemma: the attention output is normed before the residual add,
+        // and the MLP has its own input norm.
+        let mlp_norm = if c.sandwich_norms {
+            let ln2 = w.get(&mut g, &format!("{p}post_attention_layernorm.weight"));
+            o = g.push1(norm.clone(), &[o, ln2]);
+            "pre_feedforward_layernorm"
+        } else {
+            "post_attention_layernorm"
+        };
         h = g.push1(Op::Add, &[o, h]);
-        let ln2 = w.get(&mut g, &format!("{p}post_attention_layernorm.weight"));
-        let x = g.push1(norm.clone(), &[h, ln2]);
+        let ln = w.get(&mut g, &format!("{p}{mlp_norm}.weight"));
+        let x = g.push1(norm.clone(), &[h, ln]);
         let gate = proj(&mut g, &mut w, "mlp.gate_proj", c.mlp_bias, x);
         let up = proj(&mut g, &mut w, "mlp.up_proj", c.mlp_bias, x);
-        let act = g.push1(Op::SiluMul, &[gate, up]);
-        let down = proj(&mut g, &mut w, "mlp.down_proj", c.mlp_bias, act);
+        let act_op = match c.mlp_act {
+            MlpAct::Silu => Op::SiluMul,
+            MlpAct::GeluTanh => Op::GeluTanhMul,
+        };
+        let act = g.push1(act_op, &[gate, up]);
+        let mut down = proj(&mut g, &mut w, "mlp.down_proj", c.mlp_bias, act);
+        if c.sandwich_norms {
+            let ln3 = w.get(&mut g, &format!("{p}post_feedforward_layernorm.weight"));
+            down = g.push1(norm.clone(), &[down, ln3]);
+        }
         h = g.push1(Op::Add, &[down, h]);
     }
     let final_norm = w.get(&mut g, "model.norm.weight");
@@ -270,13 +311,22 @@ pub fn trace(
         x = g.push1(Op::GatherLast { group: q }, &[x]);
     }
     let lm_head = w.get(&mut g, lm_head_name(c));
-    let logits = g.push1(
+    let mut logits = g.push1(
         Op::MatMul {
             bias: false,
             out: DType::F32,
         },
         &[x, lm_head],
     );
+    if let Some(cap) = c.final_softcap {
+        logits = g.push1(
+            Op::Scale {
+                factor: 1.0,
+                softcap: Some(cap),
+            },
+            &[logits],
+        );
+    }
     let next = match sampling {
         Some((params, seeds)) => g.push1(Op::Sample, &[logits, params, seeds]),
         None => g.push1(Op::Argmax, &[logits]),

@@ -14,6 +14,7 @@
 //! manifest at load).
 
 pub(crate) mod decoder;
+pub mod gemma3;
 pub mod llama;
 pub mod mistral;
 pub mod qwen2;
@@ -298,6 +299,15 @@ impl TensorStore {
         })
     }
 
+    /// The name `file` stores the tensor `name` under: `name` or one of the
+    /// family's aliases.
+    fn tensor_name(&self, file: &str, name: &str, family: Family) -> Option<String> {
+        let h = self.files.get(file)?;
+        std::iter::once(name.to_string())
+            .chain(family.tensor_aliases(name))
+            .find(|n| h.tensors.contains_key(n))
+    }
+
     /// Finds a tensor: `(file, header entry)`, or why it is missing.
     fn find(
         &self,
@@ -351,7 +361,14 @@ fn build_manifest(
                 family.architecture()
             )
         };
-        let (file, info) = store.find(&name, &hint)?;
+        let (file, info) = match store.find(&name, &hint) {
+            Ok(found) => found,
+            Err(missing) => family
+                .tensor_aliases(&name)
+                .iter()
+                .find_map(|alias| store.find(alias, &hint).ok())
+                .ok_or(missing)?,
+        };
         let dtype = match info.dtype.to_ir() {
             Some(d) if d.is_float() => d,
             _ => {
@@ -373,13 +390,16 @@ fn build_manifest(
             });
         }
         let shape = Shape(shape);
+        let stored_as = store
+            .tensor_name(file, &name, family)
+            .unwrap_or_else(|| name.clone());
         entries.push(WeightEntry {
             name: name.clone(),
             dtype: decoder::ACT,
             shape: shape.clone(),
             source: WeightSource::Tensor(TensorRef {
                 file: file.to_string(),
-                tensor: name,
+                tensor: stored_as,
                 dtype,
                 shape,
             }),

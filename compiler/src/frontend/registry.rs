@@ -5,7 +5,7 @@
 //! line here; the decoder builder ([`super::decoder`]) is shared, so there is
 //! no per-model graph code to add.
 
-use super::{llama, mistral, qwen2, qwen3};
+use super::{gemma3, llama, mistral, qwen2, qwen3};
 use crate::config::{ConfigError, DecoderConfig, HfConfig};
 use std::fmt;
 
@@ -20,10 +20,20 @@ pub enum Family {
     Qwen2,
     /// `Qwen3ForCausalLM`: per-head q/k RMSNorm, independent head_dim.
     Qwen3,
+    /// `Gemma3ForCausalLM` (`gemma3_text`; also the text decoder of a
+    /// `gemma3` multimodal config): (1+w) and sandwich norms, GELU-tanh,
+    /// scaled embeddings, local/global attention layers.
+    Gemma3,
 }
 
 impl Family {
-    pub const ALL: [Family; 4] = [Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3];
+    pub const ALL: [Family; 5] = [
+        Family::Llama,
+        Family::Mistral,
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Gemma3,
+    ];
 
     /// The HF architecture name (`config.json` `architectures[0]`).
     pub fn architecture(self) -> &'static str {
@@ -32,6 +42,7 @@ impl Family {
             Family::Mistral => mistral::ARCHITECTURE,
             Family::Qwen2 => qwen2::ARCHITECTURE,
             Family::Qwen3 => qwen3::ARCHITECTURE,
+            Family::Gemma3 => gemma3::ARCHITECTURE,
         }
     }
 
@@ -42,15 +53,34 @@ impl Family {
             Family::Mistral => mistral::MODEL_TYPE,
             Family::Qwen2 => qwen2::MODEL_TYPE,
             Family::Qwen3 => qwen3::MODEL_TYPE,
+            Family::Gemma3 => gemma3::MODEL_TYPE,
         }
     }
 
+    /// The family of an HF architecture name (each family's own, and
+    /// `Gemma3ForConditionalGeneration`, whose text decoder is Gemma-3).
     pub fn from_architecture(name: &str) -> Option<Family> {
+        if name == gemma3::MULTIMODAL_ARCHITECTURE {
+            return Some(Family::Gemma3);
+        }
         Family::ALL.into_iter().find(|f| f.architecture() == name)
     }
 
+    /// The family of an HF `model_type` (`gemma3` included).
     pub fn from_model_type(name: &str) -> Option<Family> {
+        if name == gemma3::MULTIMODAL_MODEL_TYPE {
+            return Some(Family::Gemma3);
+        }
         Family::ALL.into_iter().find(|f| f.model_type() == name)
+    }
+
+    /// Other names a checkpoint of this family may store tensor `name`
+    /// under (a multimodal Gemma-3's `language_model` prefix).
+    pub fn tensor_aliases(self, name: &str) -> Vec<String> {
+        match self {
+            Family::Gemma3 => gemma3::tensor_aliases(name),
+            _ => Vec::new(),
+        }
     }
 
     /// Resolves a config of this family: HF defaults, family specifics, checks.
@@ -60,6 +90,7 @@ impl Family {
             Family::Mistral => mistral::resolve(cfg),
             Family::Qwen2 => qwen2::resolve(cfg),
             Family::Qwen3 => qwen3::resolve(cfg),
+            Family::Gemma3 => gemma3::resolve(cfg),
         }
     }
 
@@ -88,5 +119,10 @@ mod tests {
         }
         assert_eq!(Family::from_architecture("GPT2LMHeadModel"), None);
         assert!(Family::supported_list().contains("Qwen3ForCausalLM"));
+        assert_eq!(
+            Family::from_architecture("Gemma3ForConditionalGeneration"),
+            Some(Family::Gemma3)
+        );
+        assert_eq!(Family::from_model_type("gemma3"), Some(Family::Gemma3));
     }
 }

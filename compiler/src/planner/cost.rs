@@ -82,6 +82,7 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
                 + if pre.is_some() { 4 * m * k } else { 0 }
                 + epilogue
         }
+        Op::Scale { softcap, .. } => numel(0) * if softcap.is_some() { 10 } else { 1 },
     }
 }
 

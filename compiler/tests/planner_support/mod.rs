@@ -563,6 +563,16 @@ pub fn apply(
                 _ => vec![y],
             }
         }
+        Op::Scale { factor, softcap } => vec![rnd(
+            args[0]
+                .iter()
+                .map(|&x| {
+                    let y = x as f64 * *factor as f64;
+                    softcap.map_or(y, |c| c as f64 * (y / c as f64).tanh()) as f32
+                })
+                .collect(),
+            &res_tys[0],
+        )],
     }
 }
 

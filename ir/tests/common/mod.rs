@@ -279,11 +279,11 @@ impl<'a> Gen<'a> {
         }
     }
 
-    /// Appends one random op (kind `kind % 15`).
+    /// Appends one random op (kind `kind % 16`).
     fn step(&mut self, kind: u32) {
         let d = self.d;
         let (heads, kvh, hd) = (self.heads, self.kvh, self.hd);
-        match kind % 15 {
+        match kind % 16 {
             0 => {
                 let ids = self.input(InputRole::TokenIds);
                 let v = self.rng.range(1, 12);
@@ -455,7 +455,7 @@ impl<'a> Gen<'a> {
                 self.caches[l].1 = Some((out[1], out[2]));
             }
             9 | 10 => {
-                let op = if kind % 15 == 9 {
+                let op = if kind % 16 == 9 {
                     Op::SiluMul
                 } else {
                     Op::GeluTanhMul
@@ -497,6 +497,15 @@ impl<'a> Gen<'a> {
                 } else {
                     self.g.push1(Op::Argmax, &[x]);
                 }
+            }
+            15 => {
+                let x = self.any_act();
+                let op = Op::Scale {
+                    factor: self.float(),
+                    softcap: self.opt_float(),
+                };
+                let y = self.g.push1(op, &[x]);
+                self.acts.push(y);
             }
             _ => {
                 if self.spec == 0 || self.q != self.spec + 1 {
@@ -580,7 +589,7 @@ pub fn random_graph(seed: u64, floats: &[f32], names: &[String]) -> Graph {
     gen.step(0); // an embedding, so there is an activation
     let steps = gen.rng.range(2, 24);
     for _ in 0..steps {
-        let kind = gen.rng.range(0, 14);
+        let kind = gen.rng.range(0, 15);
         gen.step(kind);
     }
     let outputs = gen.rng.range(1, 3);

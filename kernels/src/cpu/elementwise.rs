@@ -1,11 +1,12 @@
 //! Elementwise ops: `silu_mul`, `gelu_tanh_mul` (two-argument and packed
-//! forms) and `add`.
+//! forms), `add` and `scale`.
 //!
 //! Exact f32 expressions (normative; `exp`/`tanh` are libm's `expf`/`tanhf`):
 //! * `silu(g) = g / (1 + exp(-g))`, result `silu(g) * u`;
 //! * `gelu_tanh(g) = (0.5 * g) * (1 + tanh(C * (g + 0.044715 * ((g * g) * g))))`
 //!   with `C = sqrt(2/pi)` as f32 (`0.7978846`), result `gelu_tanh(g) * u`;
-//! * `add`: `a + b`.
+//! * `add`: `a + b`;
+//! * `scale`: `y = x * factor`, then `cap * tanhf(y / cap)` under a softcap.
 //!
 //! Each result is rounded to D once. Work goes through f32 scratch in chunks
 //! (rows for the packed form), each read completely before it is written, so
@@ -95,5 +96,31 @@ pub(crate) unsafe fn add(a: Buf, b: Buf, out: Buf) {
         }
         out.store(start, &x[..len]);
         start += len;
+    }
+}
+
+/// `scale(x)`: `x * factor`, softcapped when `softcap` is set.
+pub(crate) unsafe fn scale(x: Buf, factor: f32, softcap: Option<f32>, out: Buf) {
+    let n = x.len;
+    let mut v = vec![0f32; CHUNK.min(n)];
+    let mut start = 0;
+    while start < n {
+        let len = CHUNK.min(n - start);
+        x.load(start, &mut v[..len]);
+        for e in &mut v[..len] {
+            *e = scale_one(*e, factor, softcap);
+        }
+        out.store(start, &v[..len]);
+        start += len;
+    }
+}
+
+/// One element of `scale`, the normative expression.
+#[inline]
+pub fn scale_one(x: f32, factor: f32, softcap: Option<f32>) -> f32 {
+    let y = x * factor;
+    match softcap {
+        Some(cap) => cap * (y / cap).tanh(),
+        None => y,
     }
 }

@@ -217,6 +217,10 @@ pub unsafe fn execute(
             reduce::argmax(a[0], d2(0), r[0]);
             Ok(())
         }
+        Op::Scale { factor, softcap } => {
+            elementwise::scale(a[0], *factor, *softcap, r[0]);
+            Ok(())
+        }
         Op::AcceptGreedy { spec } => {
             reduce::accept_greedy(a[0], a[1], *spec as usize, r[0]);
             Ok(())

@@ -436,6 +436,18 @@ pub fn reference(op: &Op, args: &[HT], result_tys: &[TensorType]) -> Vec<HT> {
             }
             vec![HT::floats(d, &rd, out)]
         }
+        Op::Scale { factor, softcap } => vec![HT::floats(
+            d,
+            &dims(&args[0]),
+            args[0]
+                .f
+                .iter()
+                .map(|&x| {
+                    let y = x * factor;
+                    rnd(d, softcap.map_or(y, |c| c * (y / c).tanh()))
+                })
+                .collect(),
+        )],
         Op::Add => vec![HT::floats(
             d,
             &dims(&args[0]),
