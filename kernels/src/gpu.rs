@@ -1745,6 +1745,82 @@ mod tests {
         assert!(gemv_call(&g(1, 1024, DType::BF16, DType::F16), true).is_none());
     }
 
+    fn shape(t: u32, n: u32, k: u32, dtype: DType) -> GemmCall {
+        GemmCall {
+            t,
+            n,
+            k,
+            dtype,
+            out: dtype,
+            bias: false,
+        }
+    }
+
+    #[test]
+    fn the_skinny_gemm_geometry_follows_tokens_rows_and_k() {
+        // 3 tokens pad to one 8-token tile; 1000 rows are 63 blocks of 16;
+        // K = 1000 is 32 chunks of 32, so 16 warps get two chunks each.
+        let c = skinny_call(&shape(3, 1000, 1000, DType::BF16), true).unwrap();
+        assert_eq!(c.entry, "skinny_t8_r1_bf16_bf16");
+        assert!(entry_points("skinny").contains(&c.entry));
+        assert_eq!((c.grid, c.block), ([63, 1, 1], [512, 1, 1]));
+        assert_eq!(c.shared_bytes, 16 * 4 * 32 * 4);
+        assert_eq!(c.params[2], Param::Null);
+        assert_eq!(c.params.last(), Some(&Param::I32(1)));
+        // Short K: fewer warps, never below one.
+        let c = skinny_call(&shape(17, 1000, 64, DType::F16), false).unwrap();
+        assert_eq!(c.entry, "skinny_t24_r1_f16_f16");
+        assert_eq!(c.block, [32, 1, 1]);
+        assert_eq!(c.params.last(), Some(&Param::I32(0)));
+        // Many rows and 32 tokens: two row tiles per block, at most 8 warps.
+        let c = skinny_call(&shape(32, 8192, 4096, DType::BF16), true).unwrap();
+        assert_eq!(c.entry, "skinny_t32_r2_bf16_bf16");
+        assert_eq!((c.grid[0], c.block[0]), (256, 256));
+        assert_eq!(c.shared_bytes, 8 * 2 * 4 * 4 * 32 * 4);
+        assert!(entry_points("skinny").contains(&c.entry));
+        for bad in [
+            shape(33, 1000, 1024, DType::BF16),
+            shape(4, 1000, 1020, DType::BF16),
+            shape(4, 1000, 1024, DType::F32),
+            shape(0, 1000, 1024, DType::BF16),
+        ] {
+            assert!(skinny_call(&bad, true).is_none(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_default_gemm_rule_is_gemv_then_skinny_then_blas_on_tensor_core_targets() {
+        let sm90 = Target::Cuda { sm: 90 };
+        let sm75 = Target::Cuda { sm: 75 };
+        let hip = Target::Hip { gfx: "gfx1100".into() };
+        let k = |target: &Target, t: u32| default_gemm_kind(target, &shape(t, 2048, 1024, DType::BF16));
+        assert_eq!(k(&sm90, 1), GemmKind::Gemv);
+        for t in [2, 8, 9, 32] {
+            assert_eq!(k(&sm90, t), GemmKind::Skinny, "T = {t}");
+        }
+        assert_eq!(k(&sm90, 33), GemmKind::Blas);
+        assert_eq!(k(&sm75, 5), GemmKind::Gemv);
+        assert_eq!(k(&sm75, 9), GemmKind::Blas);
+        assert_eq!(k(&hip, 8), GemmKind::Gemv);
+        assert_eq!(k(&hip, 16), GemmKind::Blas);
+        let f32 = shape(4, 2048, 1024, DType::F32);
+        assert_eq!(default_gemm_kind(&sm90, &f32), GemmKind::Blas);
+    }
+
+    #[test]
+    fn a_tuned_choice_overrides_the_rule_only_where_its_kernel_takes_the_shape() {
+        let mut opts = LowerOptions::for_target(&Target::Cuda { sm: 90 }, 1);
+        let s5 = shape(5, 2048, 1024, DType::BF16);
+        let s16 = shape(16, 2048, 1024, DType::BF16);
+        assert_eq!(choose_gemm(&s5, &opts), GemmKind::Skinny);
+        opts.tuned.insert(s5, GemmKind::Blas);
+        opts.tuned.insert(s16, GemmKind::Gemv); // gemv cannot run 16 tokens
+        assert_eq!(choose_gemm(&s5, &opts), GemmKind::Blas);
+        assert_eq!(choose_gemm(&s16, &opts), GemmKind::Skinny);
+        let other = shape(5, 4096, 1024, DType::BF16);
+        assert_eq!(choose_gemm(&other, &opts), GemmKind::Skinny);
+    }
+
     #[test]
     fn kernel_names_follow_the_catalog_convention() {
         assert_eq!(
