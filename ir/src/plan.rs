@@ -442,6 +442,21 @@ pub struct Plan {
     pub kernel_abi: u64,
 }
 
+impl KeyPlan {
+    /// How many of this key's GEMMs run as each implementation, in
+    /// [`GemmKind::ALL`] order (`Reference` lowerings count as none).
+    pub fn gemm_kinds(&self) -> [(GemmKind, u32); 3] {
+        GemmKind::ALL.map(|kind| {
+            let n = self
+                .ops
+                .iter()
+                .filter(|op| matches!(&op.lowering, Lowering::Gemm { kind: k, .. } if *k == kind))
+                .count() as u32;
+            (kind, n)
+        })
+    }
+}
+
 impl Plan {
     pub fn key_plan(&self, key: Key) -> Option<&KeyPlan> {
         self.keys.iter().find(|k| k.key == key)
