@@ -79,11 +79,7 @@ fn random_bytes(d: DType, n: u64, seed: &mut u64) -> Vec<u8> {
 
 /// Times every applicable implementation of every GEMM shape of `plan` on
 /// `b` and returns the table entries (one per shape).
-pub fn tune_plan(
-    b: &mut dyn Backend,
-    plan: &Plan,
-    reps: u32,
-) -> anyhow::Result<Vec<TuningEntry>> {
+pub fn tune_plan(b: &mut dyn Backend, plan: &Plan, reps: u32) -> anyhow::Result<Vec<TuningEntry>> {
     let target = plan.meta.target.clone();
     if target == Target::Cpu {
         anyhow::bail!(
@@ -99,11 +95,12 @@ pub fn tune_plan(
     let mut entries = Vec::new();
     for shape in plan_gemm_shapes(plan) {
         let ty = |d: DType, dims: Vec<u32>| TensorType::new(d, dims);
-        let mut put = |b: &mut dyn Backend, t: TensorType, what: &str| -> anyhow::Result<DevOperand> {
-            let p = b.alloc(t.size_bytes(), what)?;
-            b.upload(p, &random_bytes(t.dtype, t.numel(), &mut seed))?;
-            Ok(DevOperand { ptr: p, ty: t })
-        };
+        let mut put =
+            |b: &mut dyn Backend, t: TensorType, what: &str| -> anyhow::Result<DevOperand> {
+                let p = b.alloc(t.size_bytes(), what)?;
+                b.upload(p, &random_bytes(t.dtype, t.numel(), &mut seed))?;
+                Ok(DevOperand { ptr: p, ty: t })
+            };
         let x = put(b, ty(shape.dtype, vec![shape.t, shape.k]), "tune x")?;
         let w = put(b, ty(shape.dtype, vec![shape.n, shape.k]), "tune w")?;
         let mut args = vec![x, w];
@@ -248,7 +245,12 @@ mod tests {
 
     fn plan(target: &str) -> Plan {
         let dir = tempfile::tempdir().unwrap();
-        write_tiny_model(dir.path(), Family::Llama, &TinySpec::for_family(Family::Llama)).unwrap();
+        write_tiny_model(
+            dir.path(),
+            Family::Llama,
+            &TinySpec::for_family(Family::Llama),
+        )
+        .unwrap();
         let opts = CompileOptions {
             keys: vec!["b1q1s0".parse().unwrap(), "b3q1s0".parse().unwrap()],
             target: target.parse().unwrap(),
@@ -282,6 +284,9 @@ mod tests {
         let p = plan("cpu");
         let mut b = kiln_runtime::cpu::CpuBackend::new();
         let e = tune_plan(&mut b, &p, 3).unwrap_err().to_string();
-        assert!(e.contains("no GEMM choice") && e.contains("--target"), "{e}");
+        assert!(
+            e.contains("no GEMM choice") && e.contains("--target"),
+            "{e}"
+        );
     }
 }

@@ -399,12 +399,9 @@ fn json_ops(kp: &KeyPlan) -> Vec<JsonOp> {
         .map(|op| {
             let (lowering, gemm, gemm_kind, launches) = match &op.lowering {
                 Lowering::Reference => ("reference", None, None, vec![]),
-                Lowering::Kernels(ls) => (
-                    "kernels",
-                    None,
-                    None,
-                    ls.iter().map(json_launch).collect(),
-                ),
+                Lowering::Kernels(ls) => {
+                    ("kernels", None, None, ls.iter().map(json_launch).collect())
+                }
                 Lowering::Gemm {
                     shape,
                     kind,

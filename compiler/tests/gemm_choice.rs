@@ -44,7 +44,12 @@ fn gemms(p: &Plan) -> Vec<(u32, GemmShape, GemmKind, Option<String>)> {
                 kernel,
             } = &op.lowering
             {
-                v.push((k.key.batch, *shape, *kind, kernel.as_ref().map(|l| l.module.clone())));
+                v.push((
+                    k.key.batch,
+                    *shape,
+                    *kind,
+                    kernel.as_ref().map(|l| l.module.clone()),
+                ));
             }
         }
     }
@@ -81,7 +86,10 @@ fn without_a_table_the_default_rule_picks_gemv_then_skinny_then_blas_by_tokens()
     for k in &c.plan.keys {
         let counts = k.gemm_kinds();
         let total: u32 = counts.iter().map(|(_, n)| n).sum();
-        assert_eq!(total as usize, g.iter().filter(|x| x.0 == k.key.batch).count());
+        assert_eq!(
+            total as usize,
+            g.iter().filter(|x| x.0 == k.key.batch).count()
+        );
     }
     // The recorded choice survives the artifact round trip and validates.
     let back = decode(&encode(&c.plan)).unwrap();
@@ -121,10 +129,20 @@ fn a_stale_or_foreign_entry_is_ignored_and_a_stale_one_is_noted() {
     let (_, s3, k3, _) = *gemms(&base.plan).iter().find(|x| x.0 == 3).unwrap();
     assert_eq!(k3, GemmKind::Skinny);
     let mut t = TuningTable::new();
-    t.record(entry("cuda:sm_90", s3, GemmKind::Blas, "00000000deadbeef".into()));
+    t.record(entry(
+        "cuda:sm_90",
+        s3,
+        GemmKind::Blas,
+        "00000000deadbeef".into(),
+    ));
     let mut foreign = s3;
     foreign.t = 1;
-    t.record(entry("cuda:sm_80", foreign, GemmKind::Blas, fingerprint_hex()));
+    t.record(entry(
+        "cuda:sm_80",
+        foreign,
+        GemmKind::Blas,
+        fingerprint_hex(),
+    ));
     let c = compile("cuda:sm_90", Some(t));
     assert_eq!(gemms(&c.plan), gemms(&base.plan));
     assert_eq!(c.notes.len(), 1, "{:?}", c.notes);
@@ -148,10 +166,11 @@ fn the_cpu_target_keeps_reference_lowerings_whatever_the_table_says() {
     };
     t.record(entry("cpu", shape, GemmKind::Skinny, fingerprint_hex()));
     let c = compile("cpu", Some(t));
-    assert!(c.plan.keys.iter().all(|k| k
-        .ops
+    assert!(c
+        .plan
+        .keys
         .iter()
-        .all(|op| op.lowering == Lowering::Reference)));
+        .all(|k| k.ops.iter().all(|op| op.lowering == Lowering::Reference)));
 }
 
 #[test]

@@ -347,7 +347,9 @@ impl std::str::FromStr for GemmKind {
         GemmKind::ALL
             .into_iter()
             .find(|k| k.name() == s)
-            .ok_or_else(|| format!("unknown GEMM implementation `{s}`: expected gemv, skinny or blas"))
+            .ok_or_else(|| {
+                format!("unknown GEMM implementation `{s}`: expected gemv, skinny or blas")
+            })
     }
 }
 

@@ -51,10 +51,11 @@
 
 use crate::key::Key;
 use crate::op::Op;
-use crate::types::DType;
 use crate::plan::{
-    BufRef, GemmKind, GemmShape, KernelLaunch, KeyPlan, LaunchParam, Lowering, Plan, PlanOp, Region, Target, ARENA_ALIGN,
+    BufRef, GemmKind, GemmShape, KernelLaunch, KeyPlan, LaunchParam, Lowering, Plan, PlanOp,
+    Region, Target, ARENA_ALIGN,
 };
+use crate::types::DType;
 use std::collections::{BTreeSet, HashSet};
 
 /// A violated invariant: the field (a path into the plan, e.g.
@@ -178,11 +179,17 @@ fn check_gemm_choice(
         (None, Some(k)) => {
             return err(
                 field,
-                format!("a `blas` GEMM launches no kernel, but it carries `{}`", k.entry),
+                format!(
+                    "a `blas` GEMM launches no kernel, but it carries `{}`",
+                    k.entry
+                ),
             )
         }
         (Some(m), None) => {
-            return err(field, format!("a `{kind}` GEMM needs its `{m}` kernel launch"))
+            return err(
+                field,
+                format!("a `{kind}` GEMM needs its `{m}` kernel launch"),
+            )
         }
         (Some(m), Some(k)) if k.module != m || !k.entry.starts_with(m) => {
             return err(
@@ -220,7 +227,9 @@ fn check_gemm_choice(
     if kind == GemmKind::Skinny && matches!(target, Target::Cuda { sm } if *sm < 80) {
         return err(
             field,
-            format!("the `skinny` GEMM's tensor-core path needs sm_80 or later; the target is {target}"),
+            format!(
+                "the `skinny` GEMM's tensor-core path needs sm_80 or later; the target is {target}"
+            ),
         );
     }
     Ok(())
@@ -631,11 +640,14 @@ fn validate_lowering(
                 "a cpu plan runs the reference kernels: `Reference` only",
             )
         }
-        (Lowering::Gemm {
-            shape,
-            kind,
-            kernel,
-        }, true) => {
+        (
+            Lowering::Gemm {
+                shape,
+                kind,
+                kernel,
+            },
+            true,
+        ) => {
             if !is_gemm {
                 return err(field, "only matmuls lower to a GEMM");
             }

@@ -28,8 +28,8 @@
 use kiln_ir::plan::{
     BufRef, GemmKind, GemmShape, KernelLaunch, LaunchParam, Lowering, Operand, Region, Target,
 };
-use std::collections::HashMap;
 use kiln_ir::{DType, Op, Rope, TensorType};
+use std::collections::HashMap;
 
 /// The portability header every module starts with.
 pub const PORT_HEADER: &str = include_str!("../gpu/kiln_port.h");
@@ -237,7 +237,11 @@ pub fn skinny_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
         return None;
     }
     let tp = g.t.div_ceil(8) * 8;
-    let mt = if tp >= 24 && g.n.div_ceil(32) >= 256 { 2 } else { 1 };
+    let mt = if tp >= 24 && g.n.div_ceil(32) >= 256 {
+        2
+    } else {
+        1
+    };
     let chunks = g.k.div_ceil(32);
     let mut warps = skinny_max_warps(mt);
     while warps > 1 && 2 * warps > chunks {
@@ -1792,8 +1796,11 @@ mod tests {
     fn the_default_gemm_rule_is_gemv_then_skinny_then_blas_on_tensor_core_targets() {
         let sm90 = Target::Cuda { sm: 90 };
         let sm75 = Target::Cuda { sm: 75 };
-        let hip = Target::Hip { gfx: "gfx1100".into() };
-        let k = |target: &Target, t: u32| default_gemm_kind(target, &shape(t, 2048, 1024, DType::BF16));
+        let hip = Target::Hip {
+            gfx: "gfx1100".into(),
+        };
+        let k =
+            |target: &Target, t: u32| default_gemm_kind(target, &shape(t, 2048, 1024, DType::BF16));
         assert_eq!(k(&sm90, 1), GemmKind::Gemv);
         for t in [2, 8, 9, 32] {
             assert_eq!(k(&sm90, t), GemmKind::Skinny, "T = {t}");

@@ -9,6 +9,6 @@ pub mod cpu;
 pub mod gpu;
 pub mod hip;
 pub mod image_cache;
-pub mod tuning;
 #[cfg(feature = "nvrtc")]
 pub mod nvrtc;
+pub mod tuning;

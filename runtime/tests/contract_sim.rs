@@ -8,13 +8,13 @@
 mod contract;
 
 use contract::{f32_operand, Gemm, Target};
+use kiln_ir::plan::GemmKind;
 use kiln_ir::{Key, Op};
 use kiln_runtime::backend::{
     Backend, BackendError, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
 };
 use kiln_runtime::gpu::driver::Vendor;
 use kiln_runtime::gpu::sim::{LiveAtDrop, SimConfig, SimDriver};
-use kiln_ir::plan::GemmKind;
 use kiln_runtime::gpu::{GemmChoice, GpuBackend};
 
 type SimBackend = GpuBackend<SimDriver>;
@@ -442,12 +442,17 @@ fn a_gemm_choice_the_backend_cannot_run_is_refused_at_prepare_naming_the_fix() {
         let g = small_gemm(&mut b);
         // A skinny GEMM whose kernel the loaded modules do not define.
         let mut l = gemm_launch(g, None, GemmKind::Skinny);
-        if let LaunchBody::Gemm { kernel: Some(k), .. } = &mut l.body {
+        if let LaunchBody::Gemm {
+            kernel: Some(k), ..
+        } = &mut l.body
+        {
             k.entry = "skinny_t8_r1_bf16_bf16".into();
         }
         let m = b.prepare(&l).unwrap_err().to_string();
         assert!(
-            m.contains("`skinny`") && m.contains("skinny_t8_r1_bf16_bf16") && m.contains("recompile"),
+            m.contains("`skinny`")
+                && m.contains("skinny_t8_r1_bf16_bf16")
+                && m.contains("recompile"),
             "{m}"
         );
         // A kind whose launch is of another module, and one without any.

@@ -10,9 +10,9 @@
 mod cuda_support;
 
 use cuda_support::*;
+use kiln_ir::plan::GemmKind;
 use kiln_ir::{DType, Key, Op, Rope, RopeScaling, TensorType};
 use kiln_runtime::backend::{Backend, BackendError, DevOperand, Launch};
-use kiln_ir::plan::GemmKind;
 use kiln_runtime::cuda::{CudaBackend, GemmChoice};
 
 /// GPU milliseconds `f` takes on the stream, from two timing marks.
@@ -503,7 +503,13 @@ fn the_skinny_gemm_matches_the_reference_at_awkward_sizes() {
     let mut r = Rng::new(15);
     let mut cases = 0;
     for t in [2u32, 3, 5, 8, 9, 17, 32] {
-        for (n, k) in [(1000u32, 1000u32), (17, 72), (4099, 1032), (200, 8), (9000, 3080)] {
+        for (n, k) in [
+            (1000u32, 1000u32),
+            (17, 72),
+            (4099, 1032),
+            (200, 8),
+            (9000, 3080),
+        ] {
             for (d, out) in [
                 (DType::BF16, DType::BF16),
                 (DType::BF16, DType::F32),
@@ -538,11 +544,11 @@ fn the_skinny_gemm_matches_the_reference_at_awkward_sizes() {
 fn the_skinny_gemm_under_capture_and_replay_follows_changing_inputs() {
     let Some(mut b) = device() else { return };
     let mut r = Rng::new(16);
-    for (t, n, k, d) in [(5u32, 1000u32, 1032u32, DType::BF16), (32, 3001, 520, DType::F16)] {
-        let op = Op::MatMul {
-            bias: true,
-            out: d,
-        };
+    for (t, n, k, d) in [
+        (5u32, 1000u32, 1032u32, DType::BF16),
+        (32, 3001, 520, DType::F16),
+    ] {
+        let op = Op::MatMul { bias: true, out: d };
         let w_h = HT::random(&mut r, d, &[n, k], 0.2);
         let bias_h = HT::random(&mut r, d, &[n], 1.0);
         let mut x_h = HT::random(&mut r, d, &[t, k], 1.0);
@@ -563,7 +569,10 @@ fn the_skinny_gemm_under_capture_and_replay_follows_changing_inputs() {
         let pdl = b.pdl();
         gpu_bodies::lower_as(&mut b, &mut l, pdl, Some(GemmKind::Skinny));
         b.prepare(&l).unwrap();
-        assert_eq!(b.gemm_choice(&l), Some(GemmChoice::Kernel(GemmKind::Skinny)));
+        assert_eq!(
+            b.gemm_choice(&l),
+            Some(GemmChoice::Kernel(GemmKind::Skinny))
+        );
         let key = Key::new(t, 1, 0);
         b.begin_capture(key).unwrap();
         b.launch(&l).unwrap();
@@ -574,10 +583,15 @@ fn the_skinny_gemm_under_capture_and_replay_follows_changing_inputs() {
                 x_h = HT::random(&mut r, d, &[t, k], 1.0 + step as f32);
                 b.upload(x.ptr, &x_h.bytes()).unwrap();
             }
-            b.upload(out.ptr, &vec![0xff; ty.size_bytes() as usize]).unwrap();
+            b.upload(out.ptr, &vec![0xff; ty.size_bytes() as usize])
+                .unwrap();
             b.replay(graph).unwrap();
             b.synchronize().unwrap();
-            let want = reference(&op, &[x_h.clone(), w_h.clone(), bias_h.clone()], &[ty.clone()]);
+            let want = reference(
+                &op,
+                &[x_h.clone(), w_h.clone(), bias_h.clone()],
+                &[ty.clone()],
+            );
             assert_close(
                 &format!("skinny replay step {step} {d}[{t},{k}]x[{n},{k}]^T"),
                 &get(&mut b, &out),

@@ -6,7 +6,9 @@
 
 #![allow(dead_code)]
 
-use kiln_ir::plan::{BufRef, GemmKind, GemmShape, KernelLaunch, LaunchParam, Lowering, Operand, Region};
+use kiln_ir::plan::{
+    BufRef, GemmKind, GemmShape, KernelLaunch, LaunchParam, Lowering, Operand, Region,
+};
 use kiln_kernels::gpu::{lower_op, op_needs, LowerOptions};
 use kiln_runtime::backend::{
     Backend, DevOperand, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
