@@ -214,7 +214,7 @@ fn check_gemm_choice(
     }
     if !matches!(shape.dtype, DType::BF16 | DType::F16)
         || !(shape.out == shape.dtype || shape.out == DType::F32)
-        || shape.k % 8 != 0
+        || !shape.k.is_multiple_of(8)
     {
         return err(
             field,

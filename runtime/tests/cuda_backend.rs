@@ -590,7 +590,7 @@ fn the_skinny_gemm_under_capture_and_replay_follows_changing_inputs() {
             let want = reference(
                 &op,
                 &[x_h.clone(), w_h.clone(), bias_h.clone()],
-                &[ty.clone()],
+                std::slice::from_ref(&ty),
             );
             assert_close(
                 &format!("skinny replay step {step} {d}[{t},{k}]x[{n},{k}]^T"),
