@@ -10,8 +10,9 @@
 //! the scratch and completion counters an op's kernels need (so the planner
 //! can place them), then [`lower_op`] turns the op into the plan's
 //! [`Lowering`]: its complete launch list with every buffer parameter a
-//! planned [`BufRef`], or a GEMM with kiln's skinny-GEMM alternative
-//! ([`gemv_call`]). [`LowerOptions`] carries what the target decides (PDL,
+//! planned [`BufRef`], or a GEMM with the implementation [`choose_gemm`]
+//! picks (the target's [`default_gemm_kind`] or a `kiln tune` table) and
+//! its kiln kernel launch ([`gemv_call`], [`skinny_call`]). [`LowerOptions`] carries what the target decides (PDL,
 //! the attention block target). An op no kernel can run is a
 //! [`CatalogError`] naming the op and the limit, so the compile fails.
 //!
@@ -23,7 +24,8 @@
 //! operands (device memory), read by the kernels at run time.
 //!
 //! Deliberately not here: any driver call (the backends own those), and the
-//! GEMM implementation (cuBLASLt / hipBLASLt, chosen by the backend).
+//! BLAS library's algorithm (cuBLASLt / hipBLASLt, looked up by the backend
+//! under the planned workspace when the plan records `blas`).
 
 use kiln_ir::plan::{
     BufRef, GemmKind, GemmShape, KernelLaunch, LaunchParam, Lowering, Operand, Region, Target,
