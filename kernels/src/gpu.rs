@@ -156,10 +156,9 @@ const GEMV_TOKENS: [u32; 4] = [1, 2, 4, 8];
 /// Output features per skinny-GEMM block (8 warps x 2 rows).
 pub const GEMV_ROWS_PER_BLOCK: u32 = 16;
 
-/// The kiln skinny-GEMM kernel for `g` when it applies (T <= 8, bf16/f16
+/// kiln's GEMV kernel (`gemv.cu`) for `g` when it applies (T <= 8, bf16/f16
 /// inputs, K a multiple of 8): a decode-shaped GEMM that is one pass over
-/// the weights. Backends time it against the BLAS library's algorithms
-/// and keep the faster. `w_const`: the weight operand is a weight whose
+/// the weights; used where [`choose_gemm`] records `gemv`. `w_const`: the weight operand is a weight whose
 /// bytes never change during a step (not an activation), so the kernel may
 /// load it before waiting for the kernel that produced `x`.
 pub fn gemv_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
