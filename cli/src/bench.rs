@@ -91,6 +91,32 @@ pub struct KeyResult {
     pub capture_ms: f64,
     pub arena_bytes: u64,
     pub workspace_bytes: u64,
+    /// How many of the key's GEMMs run as each implementation the plan
+    /// recorded (`gemv`, `skinny`, `blas`; all zero on the CPU target).
+    pub gemms: GemmCounts,
+}
+
+/// GEMMs per implementation in one key's plan.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct GemmCounts {
+    pub gemv: u32,
+    pub skinny: u32,
+    pub blas: u32,
+}
+
+impl GemmCounts {
+    /// The counts of `kp`'s recorded choices.
+    pub fn of(kp: &kiln_ir::plan::KeyPlan) -> GemmCounts {
+        let mut c = GemmCounts::default();
+        for (kind, n) in kp.gemm_kinds() {
+            match kind {
+                kiln_ir::plan::GemmKind::Gemv => c.gemv = n,
+                kiln_ir::plan::GemmKind::Skinny => c.skinny = n,
+                kiln_ir::plan::GemmKind::Blas => c.blas = n,
+            }
+        }
+        c
+    }
 }
 
 /// The whole report.
@@ -214,6 +240,11 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
             engine.time_steps(key, StepMode::Graph, args.context, 10, args.steps.max(1))?;
         let (e, r) = (eager.median_ms, replay.median_ms);
         let bytes = step_bytes(engine.plan(), key, args.context);
+        let gemms = engine
+            .plan()
+            .key_plan(key)
+            .map(GemmCounts::of)
+            .unwrap_or_default();
         let floor = bw.map(|bw| bytes as f64 / bw * 1e3);
         results.push(KeyResult {
             key: key.to_string(),
@@ -233,6 +264,7 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
             capture_ms: replay.capture_ms.unwrap_or(0.0),
             arena_bytes: facts.arena_bytes,
             workspace_bytes: facts.workspace_bytes,
+            gemms,
         });
     }
     let report = BenchReport {
@@ -286,6 +318,11 @@ mod tests {
             capture_ms: 2.0,
             arena_bytes: 1 << 20,
             workspace_bytes: 0,
+            gemms: GemmCounts {
+                gemv: 0,
+                skinny: 7,
+                blas: 1,
+            },
         }
     }
 
@@ -383,6 +420,8 @@ mod tests {
             assert_eq!(k.bytes_moved, step_bytes(&plan, key, 20));
             assert_eq!(k.launches, plan.key_plan(key).unwrap().launches);
             assert_eq!(k.arena_bytes, plan.arena_bytes);
+            // A CPU plan runs reference kernels: no GEMM has an implementation.
+            assert_eq!(k.gemms, GemmCounts::default());
         }
         assert!(a.json.as_ref().unwrap().is_file());
         // Only the keys asked for; an unknown key is refused by name.

@@ -16,3 +16,4 @@ pub mod bench_spec;
 pub mod demo;
 pub mod progress;
 pub mod run_cmd;
+pub mod tune;

@@ -30,6 +30,9 @@ enum Cmd {
     /// decoding: acceptance rate, tokens per step and tokens/s on a
     /// repetitive and a non-repetitive prompt set.
     BenchSpec(kiln_cli::bench_spec::BenchSpecArgs),
+    /// Time each GEMM shape of a plan as gemv, skinny and BLAS on the device
+    /// and write the winners as a table for `kiln compile --tuning`.
+    Tune(kiln_cli::tune::TuneArgs),
     /// Time compiling a Qwen3-0.6B-shaped model for 16 keys.
     BenchCompile(kiln_compiler::compile_bench::BenchCompileArgs),
     /// Convert a GGUF file (llama, mistral, qwen2, qwen3, gemma3) into a model directory
@@ -72,6 +75,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Serve(a) => kiln_serve::cli::run(a)?,
         Cmd::Inspect(a) => print!("{}", kiln_compiler::inspect::run(&a)?),
         Cmd::Bench(a) => print!("{}", kiln_cli::bench::run(&a)?.table()),
+        Cmd::Tune(a) => print!("{}", kiln_cli::tune::run(&a)?),
         Cmd::BenchSpec(a) => {
             let command = std::env::args().collect::<Vec<_>>().join(" ");
             let report = kiln_cli::bench_spec::run(&a, &command)?;

@@ -113,6 +113,10 @@ pub struct CompileOptions {
     /// Attention blocks the GPU partition size aims for (a lowering
     /// decision: `--attn-target-blocks`).
     pub attn_target_blocks: u64,
+    /// Measured GEMM choices (`kiln compile --tuning`, written by `kiln
+    /// tune`); without one the target's default rule decides
+    /// (`kiln_kernels::gpu::default_gemm_kind`).
+    pub tuning: Option<kiln_kernels::tuning::TuningTable>,
 }
 
 impl Default for CompileOptions {
@@ -126,6 +130,7 @@ impl Default for CompileOptions {
             verify: true,
             passes: DEFAULT_PIPELINE.to_vec(),
             attn_target_blocks: kiln_kernels::gpu::ATTN_TARGET_BLOCKS,
+            tuning: None,
         }
     }
 }
@@ -147,6 +152,8 @@ pub enum CompileError {
     Check(Vec<String>),
     #[error("kernel images for {target}: {message}")]
     Kernels { target: Target, message: String },
+    #[error(transparent)]
+    Tuning(#[from] kiln_kernels::tuning::TuningError),
     #[error("cannot write the plan to `{path}`: {source}")]
     Write {
         path: std::path::PathBuf,
@@ -170,6 +177,9 @@ pub struct KeyReport {
 pub struct Compiled {
     pub plan: Plan,
     pub reports: Vec<KeyReport>,
+    /// Things the user should know that did not stop the compile (stale
+    /// tuning-table entries that were ignored).
+    pub notes: Vec<String>,
 }
 
 /// What [`compile_traced`] reports while it works.
@@ -423,12 +433,20 @@ pub fn compile_traced<E: Display>(
         &graphs.iter().map(|(g, _)| g).collect::<Vec<_>>(),
     );
 
+    let mut lower =
+        kiln_kernels::gpu::LowerOptions::for_target(&opts.target, opts.attn_target_blocks);
+    let mut notes = Vec::new();
+    if let Some(table) = &opts.tuning {
+        let (tuned, stale) = table.choices(&opts.target);
+        lower.tuned = tuned;
+        notes = stale;
+    }
     let ctx = PlanContext {
         manifest: &manifest,
         kv: &kv,
         target: &opts.target,
         max_context,
-        lower: kiln_kernels::gpu::LowerOptions::for_target(&opts.target, opts.attn_target_blocks),
+        lower,
     };
     let mut key_plans = Vec::with_capacity(keys.len());
     let mut reports = Vec::with_capacity(keys.len());
@@ -471,7 +489,11 @@ pub fn compile_traced<E: Display>(
     if opts.verify {
         planner::check::check_plan(&plan).map_err(CompileError::Check)?;
     }
-    Ok(Compiled { plan, reports })
+    Ok(Compiled {
+        plan,
+        reports,
+        notes,
+    })
 }
 
 /// Refuses a plan whose device memory (KV cache, arena, BLAS workspace,
@@ -582,6 +604,12 @@ pub struct CompileArgs {
     /// compile-time lowering decision; more blocks, shorter partitions).
     #[arg(long, default_value_t = kiln_kernels::gpu::ATTN_TARGET_BLOCKS, value_parser = clap::value_parser!(u64).range(1..))]
     pub attn_target_blocks: u64,
+    /// GPU targets: a GEMM tuning table written by `kiln tune`; its current
+    /// entries for the target choose gemv / skinny / blas per shape (stale
+    /// ones are ignored with a note). Without it the target's default rule
+    /// decides.
+    #[arg(long)]
+    pub tuning: Option<PathBuf>,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -615,6 +643,7 @@ impl CompileArgs {
             verify: !self.no_verify,
             passes: DEFAULT_PIPELINE.to_vec(),
             attn_target_blocks: self.attn_target_blocks,
+            tuning: None,
         }
     }
 }
@@ -648,7 +677,10 @@ pub fn run(args: &CompileArgs) -> Result<String, CompileError> {
     crate::outpath::check_output(&args.output, &[&args.model_dir])
         .map_err(|e| CompileError::Options(e.to_string()))?;
     let start = std::time::Instant::now();
-    let opts = args.options();
+    let mut opts = args.options();
+    if let Some(path) = &args.tuning {
+        opts.tuning = Some(kiln_kernels::tuning::TuningTable::read(path)?);
+    }
     let n = normalize_keys(&opts.keys)?.len() as u64;
     let bar = if args.quiet {
         indicatif::ProgressBar::hidden()
@@ -677,8 +709,22 @@ pub fn run(args: &CompileArgs) -> Result<String, CompileError> {
         }
     })?;
     let p = &compiled.plan;
+    let mut notes = String::new();
+    for n in &compiled.notes {
+        notes.push_str(&format!("note: {n}\n"));
+    }
+    if p.meta.target != Target::Cpu {
+        for k in &p.keys {
+            let kinds: Vec<String> = k
+                .gemm_kinds()
+                .iter()
+                .map(|(kind, n)| format!("{kind} {n}"))
+                .collect();
+            notes.push_str(&format!("{}: GEMMs {}\n", k.key, kinds.join(", ")));
+        }
+    }
     Ok(format!(
-        "{}wrote {} ({} bytes): {} keys, {} weights ({} bytes), arena {} bytes, workspace {} bytes, target {}, in {:.2} s\n",
+        "{}{notes}wrote {} ({} bytes): {} keys, {} weights ({} bytes), arena {} bytes, workspace {} bytes, target {}, in {:.2} s\n",
         summary_table(p),
         args.output.display(),
         bytes.len(),

@@ -308,10 +308,14 @@ fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
                             let _ = writeln!(o, "{lead} {}", launch_line(l));
                         }
                     }
-                    Lowering::Gemm { shape, gemv } => {
-                        let _ = writeln!(o, "{head} {}", gemm_line(shape));
-                        if let Some(l) = gemv {
-                            let _ = writeln!(o, "{} or {}", " ".repeat(head.len()), launch_line(l));
+                    Lowering::Gemm {
+                        shape,
+                        kind,
+                        kernel,
+                    } => {
+                        let _ = writeln!(o, "{head} {} as {kind}", gemm_line(shape));
+                        if let Some(l) = kernel {
+                            let _ = writeln!(o, "{} {}", " ".repeat(head.len()), launch_line(l));
                         }
                     }
                 }
@@ -359,7 +363,10 @@ struct JsonOp {
     lowering: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     gemm: Option<GemmShape>,
-    /// The kernel list; for a GEMM, its skinny-GEMM alternative if any.
+    /// How a GEMM runs: `gemv`, `skinny` or `blas`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gemm_kind: Option<&'static str>,
+    /// The kernel list; for a GEMM, its kiln kernel (none for `blas`).
     launches: Vec<JsonLaunch>,
 }
 
@@ -390,17 +397,27 @@ fn json_ops(kp: &KeyPlan) -> Vec<JsonOp> {
     kp.ops
         .iter()
         .map(|op| {
-            let (lowering, gemm, launches) = match &op.lowering {
-                Lowering::Reference => ("reference", None, vec![]),
-                Lowering::Kernels(ls) => ("kernels", None, ls.iter().map(json_launch).collect()),
-                Lowering::Gemm { shape, gemv } => {
-                    ("gemm", Some(*shape), gemv.iter().map(json_launch).collect())
+            let (lowering, gemm, gemm_kind, launches) = match &op.lowering {
+                Lowering::Reference => ("reference", None, None, vec![]),
+                Lowering::Kernels(ls) => {
+                    ("kernels", None, None, ls.iter().map(json_launch).collect())
                 }
+                Lowering::Gemm {
+                    shape,
+                    kind,
+                    kernel,
+                } => (
+                    "gemm",
+                    Some(*shape),
+                    Some(kind.name()),
+                    kernel.iter().map(json_launch).collect(),
+                ),
             };
             JsonOp {
                 op: op.op.mnemonic().to_string(),
                 lowering,
                 gemm,
+                gemm_kind,
                 launches,
             }
         })

@@ -180,17 +180,25 @@ fn attention_geometry_follows_the_compile_option() {
 }
 
 #[test]
-fn a_gemm_carries_its_gemv_alternative_with_the_weight_prefetch_flag() {
+fn a_gemm_records_its_kernel_with_the_weight_prefetch_flag() {
     let spec = SynthSpec::tiny(SynthFamily::Llama);
     let t = Target::Cuda { sm: 90 };
     let kp = plan_one(&spec, t.clone(), LowerOptions::for_target(&t, 256));
     let mut seen = 0;
     for op in &kp.ops {
-        let Lowering::Gemm { shape, gemv } = &op.lowering else {
+        let Lowering::Gemm {
+            shape,
+            kind,
+            kernel,
+        } = &op.lowering
+        else {
             continue;
         };
         assert_eq!(shape.k, op.args[0].ty.shape.dims()[1]);
-        let g = gemv.as_ref().expect("decode-shaped GEMMs have a GEMV");
+        // Two tokens on sm_90: the default rule's tensor-core skinny GEMM.
+        assert_eq!(*kind, kiln_ir::plan::GemmKind::Skinny);
+        let g = kernel.as_ref().expect("a skinny GEMM carries its launch");
+        assert_eq!(g.module, "skinny");
         let w_const = op.weight_args() & 2 != 0;
         assert_eq!(g.params.last(), Some(&LaunchParam::I32(w_const as i32)));
         assert_eq!(g.params[1], LaunchParam::Buf(op.args[1].buf));

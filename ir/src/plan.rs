@@ -288,13 +288,69 @@ pub enum Lowering {
     Reference,
     /// Kernel launches in stream order.
     Kernels(Vec<KernelLaunch>),
-    /// One BLAS-Lt call over the op's operands and the planned workspace.
-    /// `gemv`: kiln's skinny-GEMM kernel for this shape where one applies,
-    /// the alternative the backend may time against the library at load.
+    /// A GEMM, run as `kind` (decided at compile time: the target's default
+    /// rule or a `kiln tune` table; see `kiln_kernels::gpu::choose_gemm`).
+    /// `kernel` is the launch of kiln's kernel for `Gemv` and `Skinny`
+    /// (module `gemv` / `skinny`) and `None` for `Blas`: one BLAS-Lt call
+    /// over the op's operands and the planned workspace. The runtime runs
+    /// what is recorded here and times nothing.
     Gemm {
         shape: GemmShape,
-        gemv: Option<KernelLaunch>,
+        kind: GemmKind,
+        kernel: Option<KernelLaunch>,
     },
+}
+
+/// Which implementation runs a GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum GemmKind {
+    /// kiln's FMA GEMV (`gemv.cu`): T <= 8, one warp per row pair.
+    Gemv,
+    /// kiln's tensor-core skinny GEMM (`skinny.cu`): T <= 32, each weight
+    /// byte read once.
+    Skinny,
+    /// The vendor BLAS-Lt library (cuBLASLt / hipBLASLt).
+    Blas,
+}
+
+impl GemmKind {
+    pub const ALL: [GemmKind; 3] = [GemmKind::Gemv, GemmKind::Skinny, GemmKind::Blas];
+
+    /// The name used in plans' text, tuning tables and `kiln bench` JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmKind::Gemv => "gemv",
+            GemmKind::Skinny => "skinny",
+            GemmKind::Blas => "blas",
+        }
+    }
+
+    /// The kernel module a kiln-kernel kind launches (`None` for `Blas`).
+    pub fn module(self) -> Option<&'static str> {
+        match self {
+            GemmKind::Gemv => Some("gemv"),
+            GemmKind::Skinny => Some("skinny"),
+            GemmKind::Blas => None,
+        }
+    }
+}
+
+impl fmt::Display for GemmKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for GemmKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<GemmKind, String> {
+        GemmKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                format!("unknown GEMM implementation `{s}`: expected gemv, skinny or blas")
+            })
+    }
 }
 
 impl Lowering {
@@ -386,6 +442,21 @@ pub struct Plan {
     /// images were compiled under; 0 for `Target::Cpu`. A runtime with other
     /// kernels refuses the plan as stale.
     pub kernel_abi: u64,
+}
+
+impl KeyPlan {
+    /// How many of this key's GEMMs run as each implementation, in
+    /// [`GemmKind::ALL`] order (`Reference` lowerings count as none).
+    pub fn gemm_kinds(&self) -> [(GemmKind, u32); 3] {
+        GemmKind::ALL.map(|kind| {
+            let n = self
+                .ops
+                .iter()
+                .filter(|op| matches!(&op.lowering, Lowering::Gemm { kind: k, .. } if *k == kind))
+                .count() as u32;
+            (kind, n)
+        })
+    }
 }
 
 impl Plan {

@@ -33,7 +33,10 @@
 //! 7. within a key no two ops share counter bytes;
 //! 8. the lowering matches the target: `Reference` for every op iff the
 //!    target is `Cpu`; on GPU targets `Gemm` exactly for matmuls (with the
-//!    shape its operands imply) and a non-empty kernel list otherwise;
+//!    shape its operands imply) and a non-empty kernel list otherwise; a
+//!    GEMM's recorded implementation ([`GemmKind`]) can run its shape on the
+//!    target (token limit, dtypes, K, `skinny` only on sm_80+ or HIP) and
+//!    carries exactly the launch of its module (`blas`: none);
 //! 9. every buffer a launch parameter refers to lies inside one of the op's
 //!    operands, its scratch or its counters (planned buffers only);
 //! 10. kernel images: none for `Cpu`; for `Cuda` every module the launch
@@ -49,8 +52,10 @@
 use crate::key::Key;
 use crate::op::Op;
 use crate::plan::{
-    BufRef, KernelLaunch, KeyPlan, LaunchParam, Lowering, Plan, PlanOp, Region, Target, ARENA_ALIGN,
+    BufRef, GemmKind, GemmShape, KernelLaunch, KeyPlan, LaunchParam, Lowering, Plan, PlanOp,
+    Region, Target, ARENA_ALIGN,
 };
+use crate::types::DType;
 use std::collections::{BTreeSet, HashSet};
 
 /// A violated invariant: the field (a path into the plan, e.g.
@@ -142,13 +147,92 @@ pub fn modules_used(plan: &Plan) -> BTreeSet<String> {
     out
 }
 
-/// Every kernel launch of a lowering (the GEMV alternative included).
+/// Every kernel launch of a lowering (a GEMM's kiln kernel included).
 pub fn kernel_launches(l: &Lowering) -> Vec<&KernelLaunch> {
     match l {
         Lowering::Reference => vec![],
         Lowering::Kernels(k) => k.iter().collect(),
-        Lowering::Gemm { gemv, .. } => gemv.iter().collect(),
+        Lowering::Gemm { kernel, .. } => kernel.iter().collect(),
     }
+}
+
+/// The most tokens each GEMM implementation takes (`Blas`: any).
+pub fn gemm_kind_max_tokens(kind: GemmKind) -> u32 {
+    match kind {
+        GemmKind::Gemv => 8,
+        GemmKind::Skinny => 32,
+        GemmKind::Blas => u32::MAX,
+    }
+}
+
+/// Invariant 8's GEMM part: the recorded implementation can run this
+/// shape on this target and its launch is the one that kind launches.
+fn check_gemm_choice(
+    field: &str,
+    target: &Target,
+    shape: &GemmShape,
+    kind: GemmKind,
+    kernel: Option<&KernelLaunch>,
+) -> Result<(), PlanError> {
+    match (kind.module(), kernel) {
+        (None, None) => return Ok(()),
+        (None, Some(k)) => {
+            return err(
+                field,
+                format!(
+                    "a `blas` GEMM launches no kernel, but it carries `{}`",
+                    k.entry
+                ),
+            )
+        }
+        (Some(m), None) => {
+            return err(
+                field,
+                format!("a `{kind}` GEMM needs its `{m}` kernel launch"),
+            )
+        }
+        (Some(m), Some(k)) if k.module != m || !k.entry.starts_with(m) => {
+            return err(
+                field,
+                format!(
+                    "a `{kind}` GEMM launches module `{m}`, not `{}` (`{}`)",
+                    k.module, k.entry
+                ),
+            )
+        }
+        (Some(_), Some(_)) => {}
+    }
+    if shape.t > gemm_kind_max_tokens(kind) {
+        return err(
+            field,
+            format!(
+                "`{kind}` takes at most {} tokens, the GEMM has {}",
+                gemm_kind_max_tokens(kind),
+                shape.t
+            ),
+        );
+    }
+    if !matches!(shape.dtype, DType::BF16 | DType::F16)
+        || !(shape.out == shape.dtype || shape.out == DType::F32)
+        || !shape.k.is_multiple_of(8)
+    {
+        return err(
+            field,
+            format!(
+                "`{kind}` takes bf16/f16 inputs, K a multiple of 8 and an output of the input dtype or f32; the GEMM is {} -> {} with K = {}",
+                shape.dtype, shape.out, shape.k
+            ),
+        );
+    }
+    if kind == GemmKind::Skinny && matches!(target, Target::Cuda { sm } if *sm < 80) {
+        return err(
+            field,
+            format!(
+                "the `skinny` GEMM's tensor-core path needs sm_80 or later; the target is {target}"
+            ),
+        );
+    }
+    Ok(())
 }
 
 fn err<T>(field: impl Into<String>, problem: impl Into<String>) -> Result<T, PlanError> {
@@ -371,7 +455,6 @@ fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo
         check(&|| format!("{kf}.buffers[{j}]"), &b.buf)?;
     }
     let g = &kp.graph;
-    let gpu = plan.meta.target != Target::Cpu;
     let mut launches = 0u32;
     let mut counters: Vec<(usize, BufRef)> = Vec::new();
     for (i, op) in kp.ops.iter().enumerate() {
@@ -479,7 +562,7 @@ fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo
             }
             counters.push((i, *c));
         }
-        validate_lowering(op, gpu, &of, &mut check)?;
+        validate_lowering(op, &plan.meta.target, &of, &mut check)?;
         for l in kernel_launches(&op.lowering) {
             out.modules.insert(l.module.clone());
         }
@@ -536,12 +619,13 @@ type BufCheck<'a> = dyn FnMut(&dyn Fn() -> String, &BufRef) -> Result<(), PlanEr
 
 fn validate_lowering(
     op: &PlanOp,
-    gpu: bool,
+    target: &Target,
     of: &str,
     check: &mut BufCheck<'_>,
 ) -> Result<(), PlanError> {
     let field = format!("{of}.lowering");
     let is_gemm = matches!(op.op, Op::MatMul { .. });
+    let gpu = *target != Target::Cpu;
     match (&op.lowering, gpu) {
         (Lowering::Reference, false) => return Ok(()),
         (Lowering::Reference, true) => {
@@ -556,7 +640,14 @@ fn validate_lowering(
                 "a cpu plan runs the reference kernels: `Reference` only",
             )
         }
-        (Lowering::Gemm { shape, .. }, true) => {
+        (
+            Lowering::Gemm {
+                shape,
+                kind,
+                kernel,
+            },
+            true,
+        ) => {
             if !is_gemm {
                 return err(field, "only matmuls lower to a GEMM");
             }
@@ -583,6 +674,7 @@ fn validate_lowering(
                     format!("GEMM shape {shape:?} does not match the operands"),
                 );
             }
+            check_gemm_choice(&field, target, shape, *kind, kernel.as_ref())?;
         }
         (Lowering::Kernels(k), true) => {
             if is_gemm {

@@ -345,7 +345,8 @@ fn a_lowering_that_does_not_match_the_target_is_refused() {
             out: DType::BF16,
             bias: false,
         },
-        gemv: None,
+        kind: kiln_ir::plan::GemmKind::Blas,
+        kernel: None,
     };
     refused(&p, &format!("{K}.ops[0].lowering"));
 }

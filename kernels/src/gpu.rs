@@ -10,8 +10,9 @@
 //! the scratch and completion counters an op's kernels need (so the planner
 //! can place them), then [`lower_op`] turns the op into the plan's
 //! [`Lowering`]: its complete launch list with every buffer parameter a
-//! planned [`BufRef`], or a GEMM with kiln's skinny-GEMM alternative
-//! ([`gemv_call`]). [`LowerOptions`] carries what the target decides (PDL,
+//! planned [`BufRef`], or a GEMM with the implementation [`choose_gemm`]
+//! picks (the target's [`default_gemm_kind`] or a `kiln tune` table) and
+//! its kiln kernel launch ([`gemv_call`], [`skinny_call`]). [`LowerOptions`] carries what the target decides (PDL,
 //! the attention block target). An op no kernel can run is a
 //! [`CatalogError`] naming the op and the limit, so the compile fails.
 //!
@@ -23,12 +24,14 @@
 //! operands (device memory), read by the kernels at run time.
 //!
 //! Deliberately not here: any driver call (the backends own those), and the
-//! GEMM implementation (cuBLASLt / hipBLASLt, chosen by the backend).
+//! BLAS library's algorithm (cuBLASLt / hipBLASLt, looked up by the backend
+//! under the planned workspace when the plan records `blas`).
 
 use kiln_ir::plan::{
-    BufRef, GemmShape, KernelLaunch, LaunchParam, Lowering, Operand, Region, Target,
+    BufRef, GemmKind, GemmShape, KernelLaunch, LaunchParam, Lowering, Operand, Region, Target,
 };
 use kiln_ir::{DType, Epilogue, Op, Rope, TensorType};
+use std::collections::HashMap;
 
 /// The portability header every module starts with.
 pub const PORT_HEADER: &str = include_str!("../gpu/kiln_port.h");
@@ -45,7 +48,7 @@ pub struct GpuModule {
 }
 
 /// Every module, in a fixed order.
-pub const MODULES: [GpuModule; 6] = [
+pub const MODULES: [GpuModule; 7] = [
     GpuModule {
         name: "norm",
         file: "norm.cu",
@@ -75,6 +78,11 @@ pub const MODULES: [GpuModule; 6] = [
         name: "sampling",
         file: "sampling.cu",
         raw_source: include_str!("../gpu/sampling.cu"),
+    },
+    GpuModule {
+        name: "skinny",
+        file: "skinny.cu",
+        raw_source: include_str!("../gpu/skinny.cu"),
     },
 ];
 
@@ -148,10 +156,9 @@ const GEMV_TOKENS: [u32; 4] = [1, 2, 4, 8];
 /// Output features per skinny-GEMM block (8 warps x 2 rows).
 pub const GEMV_ROWS_PER_BLOCK: u32 = 16;
 
-/// The kiln skinny-GEMM kernel for `g` when it applies (T <= 8, bf16/f16
+/// kiln's GEMV kernel (`gemv.cu`) for `g` when it applies (T <= 8, bf16/f16
 /// inputs, K a multiple of 8): a decode-shaped GEMM that is one pass over
-/// the weights. Backends time it against the BLAS library's algorithms
-/// and keep the faster. `w_const`: the weight operand is a weight whose
+/// the weights; used where [`choose_gemm`] records `gemv`. `w_const`: the weight operand is a weight whose
 /// bytes never change during a step (not an activation), so the kernel may
 /// load it before waiting for the kernel that produced `x`.
 pub fn gemv_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
@@ -309,6 +316,165 @@ pub fn fused_matmul_call(
     })
 }
 
+/// Padded token counts (multiples of 8) the skinny-GEMM kernels are
+/// instantiated for.
+const SKINNY_TOKENS: [u32; 4] = [8, 16, 24, 32];
+/// Row tiles (16 rows each) per block the skinny-GEMM kernels take.
+const SKINNY_ROW_TILES: [u32; 2] = [1, 2];
+/// Most warps (split-K ways) of a skinny-GEMM block, per row tiles per block
+/// (the kernels' `__launch_bounds__(512 / MT)`).
+const fn skinny_max_warps(row_tiles: u32) -> u32 {
+    16 / row_tiles
+}
+
+/// kiln's tensor-core skinny GEMM (`kernels/gpu/skinny.cu`) for `g` when
+/// it applies (T <= 32, bf16/f16 inputs, output of the input dtype or f32,
+/// K a multiple of 8). `w_const` as for [`gemv_call`].
+///
+/// Geometry, all from the shape (documented in the kernel's header):
+/// * tokens padded to `tp = 8 * ceil(T / 8)` (the MMA's 8 columns);
+/// * `mt` row tiles of 16 per block: 2 when `tp >= 24` and there are at
+///   least 256 such 32-row blocks (x is then re-read from L2 half as often
+///   and the grid still fills the chip), else 1;
+/// * `warps` split K per block: the largest power of two up to
+///   16 / `mt` that still gives every warp two 32-wide k-chunks (one loop
+///   iteration); at least 1;
+/// * dynamic shared memory for the split-K partials:
+///   `warps * mt * (tp / 8) * 4 * 32` f32.
+pub fn skinny_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
+    let i = match g.dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        _ => return None,
+    };
+    let o = match g.out {
+        DType::F32 => "f32",
+        d if d == g.dtype => i,
+        _ => return None,
+    };
+    if g.t == 0 || g.t > 32 || g.k == 0 || !g.k.is_multiple_of(8) || g.n == 0 {
+        return None;
+    }
+    if i32::try_from(g.n).is_err() || i32::try_from(g.k).is_err() {
+        return None;
+    }
+    let tp = g.t.div_ceil(8) * 8;
+    let mt = if tp >= 24 && g.n.div_ceil(32) >= 256 {
+        2
+    } else {
+        1
+    };
+    let chunks = g.k.div_ceil(32);
+    let mut warps = skinny_max_warps(mt);
+    while warps > 1 && 2 * warps > chunks {
+        warps /= 2;
+    }
+    let shared = warps * mt * (tp / 8) * 4 * 32 * 4;
+    Some(KernelCall {
+        module: "skinny",
+        entry: format!("skinny_t{tp}_r{mt}_{i}_{o}"),
+        grid: [g.n.div_ceil(16 * mt), 1, 1],
+        block: [32 * warps, 1, 1],
+        shared_bytes: shared,
+        params: vec![
+            Param::Arg(0),
+            Param::Arg(1),
+            if g.bias { Param::Arg(2) } else { Param::Null },
+            Param::Result(0),
+            Param::I32(g.t as i32),
+            Param::I32(g.n as i32),
+            Param::I32(g.k as i32),
+            Param::I32(w_const as i32),
+        ],
+    })
+}
+
+/// The launch of kiln's kernel for `kind` on `g` (`None` for `Blas`, or
+/// when that kernel does not take the shape).
+pub fn gemm_kernel_call(kind: GemmKind, g: &GemmCall, w_const: bool) -> Option<KernelCall> {
+    match kind {
+        GemmKind::Gemv => gemv_call(g, w_const),
+        GemmKind::Skinny => skinny_call(g, w_const),
+        GemmKind::Blas => None,
+    }
+}
+
+/// Whether `kind` can run `g` on `target`.
+pub fn gemm_kind_applies(kind: GemmKind, target: &Target, g: &GemmCall) -> bool {
+    match kind {
+        GemmKind::Blas => true,
+        GemmKind::Gemv => gemv_call(g, false).is_some(),
+        GemmKind::Skinny => {
+            skinny_call(g, false).is_some() && !matches!(target, Target::Cuda { sm } if *sm < 80)
+        }
+    }
+}
+
+/// The GEMM implementation a target uses without a tuning table:
+///
+/// * CUDA sm_80 and later: `gemv` for one token, `skinny` for 2..=32
+///   tokens (tensor cores, each weight read once), `blas` above;
+/// * CUDA before sm_80 and HIP (where `skinny` is the portable FMA path):
+///   `gemv` up to 8 tokens, `blas` above;
+/// * any shape kiln's kernels do not take (f32, K not a multiple of 8):
+///   `blas`.
+///
+/// `kiln tune` measures the candidates per shape and `kiln compile
+/// --tuning` overrides this rule where a table entry is current.
+pub fn default_gemm_kind(target: &Target, g: &GemmCall) -> GemmKind {
+    let tensor_cores = matches!(target, Target::Cuda { sm } if *sm >= 80);
+    let order: &[GemmKind] = if tensor_cores && g.t >= 2 {
+        &[GemmKind::Skinny, GemmKind::Gemv]
+    } else {
+        &[GemmKind::Gemv]
+    };
+    order
+        .iter()
+        .copied()
+        .find(|&k| gemm_kind_applies(k, target, g))
+        .unwrap_or(GemmKind::Blas)
+}
+
+/// The implementation `opts` picks for `g`: a tuned entry when it applies,
+/// otherwise [`default_gemm_kind`].
+pub fn choose_gemm(g: &GemmCall, opts: &LowerOptions) -> GemmKind {
+    opts.tuned
+        .get(g)
+        .copied()
+        .filter(|&k| gemm_kind_applies(k, &opts.target, g))
+        .unwrap_or_else(|| default_gemm_kind(&opts.target, g))
+}
+
+/// A fingerprint of what a GEMM timing depends on in kiln: FNV-1a over
+/// `kiln_port.h`, `gemv.cu`, `skinny.cu` and [`GEMM_GEOMETRY_REVISION`]. A
+/// tuning table records it per entry; an entry under another fingerprint is
+/// stale (the kernels or their geometry changed) and is ignored.
+pub fn gemm_fingerprint() -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    let rev = GEMM_GEOMETRY_REVISION.to_string();
+    let parts = [
+        PORT_HEADER,
+        include_str!("../gpu/gemv.cu"),
+        include_str!("../gpu/skinny.cu"),
+        rev.as_str(),
+    ];
+    for part in parts {
+        for b in (part.len() as u64)
+            .to_le_bytes()
+            .iter()
+            .chain(part.as_bytes())
+        {
+            h = (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// Bump when [`gemv_call`]'s or [`skinny_call`]'s geometry (grid, block,
+/// shared memory, instantiation choice) changes: tuning tables measured
+/// under the old geometry become stale.
+pub const GEMM_GEOMETRY_REVISION: u32 = 1;
+
 /// Every entry point a module defines (after macro expansion), so a backend
 /// can resolve them all when it loads the module and fail early.
 pub fn entry_points(module: &str) -> Vec<String> {
@@ -357,6 +523,15 @@ pub fn entry_points(module: &str) -> Vec<String> {
                 for tt in GEMV_TOKENS {
                     v.push(format!("gemv_fused_t{tt}_{i}_{o}"));
                     v.push(format!("gemv_fused_norm_t{tt}_{i}_{o}"));
+                }
+            }
+        }
+        "skinny" => {
+            for (i, o) in GEMV_TYPES {
+                for mt in SKINNY_ROW_TILES {
+                    for tp in SKINNY_TOKENS {
+                        v.push(format!("skinny_t{tp}_r{mt}_{i}_{o}"));
+                    }
                 }
             }
         }
@@ -1198,13 +1373,20 @@ pub fn lower_symbolic(
 }
 
 /// What `kiln compile` decides about lowering for its target.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LowerOptions {
     /// Attention blocks the partition size aims for
     /// (`kiln compile --attn-target-blocks`).
     pub attn_target_blocks: u64,
     /// Launch every kernel with the programmatic-dependent-launch attribute.
     pub pdl: bool,
+    /// The target whose default GEMM rule applies ([`default_gemm_kind`]).
+    pub target: Target,
+    /// GEMM implementations measured by `kiln tune`, already filtered to
+    /// this target and the current [`gemm_fingerprint`]
+    /// (`crate::tuning::TuningTable::choices`); shapes not here (or whose
+    /// entry names a kernel that cannot run them) use the default rule.
+    pub tuned: HashMap<GemmShape, GemmKind>,
 }
 
 impl LowerOptions {
@@ -1215,6 +1397,8 @@ impl LowerOptions {
         LowerOptions {
             attn_target_blocks: attn_target_blocks.max(1),
             pdl: matches!(target, Target::Cuda { sm } if *sm >= 90),
+            target: target.clone(),
+            tuned: HashMap::new(),
         }
     }
 }
@@ -1224,6 +1408,8 @@ impl Default for LowerOptions {
         LowerOptions {
             attn_target_blocks: ATTN_TARGET_BLOCKS,
             pdl: false,
+            target: Target::Cuda { sm: 80 },
+            tuned: HashMap::new(),
         }
     }
 }
@@ -1401,12 +1587,16 @@ pub fn lower_op(
             }
             Lowering::Kernels(calls.into_iter().map(resolve).collect::<Result<_, _>>()?)
         }
-        Lowered::Gemm(shape) => Lowering::Gemm {
-            shape,
-            gemv: gemv_call(&shape, weight_args & 2 != 0)
-                .map(resolve)
-                .transpose()?,
-        },
+        Lowered::Gemm(shape) => {
+            let kind = choose_gemm(&shape, opts);
+            Lowering::Gemm {
+                shape,
+                kind,
+                kernel: gemm_kernel_call(kind, &shape, weight_args & 2 != 0)
+                    .map(resolve)
+                    .transpose()?,
+            }
+        }
     })
 }
 
@@ -1851,6 +2041,85 @@ mod tests {
             Placement::default()
         )
         .is_err());
+    }
+
+    fn shape(t: u32, n: u32, k: u32, dtype: DType) -> GemmCall {
+        GemmCall {
+            t,
+            n,
+            k,
+            dtype,
+            out: dtype,
+            bias: false,
+        }
+    }
+
+    #[test]
+    fn the_skinny_gemm_geometry_follows_tokens_rows_and_k() {
+        // 3 tokens pad to one 8-token tile; 1000 rows are 63 blocks of 16;
+        // K = 1000 is 32 chunks of 32, so 16 warps get two chunks each.
+        let c = skinny_call(&shape(3, 1000, 1000, DType::BF16), true).unwrap();
+        assert_eq!(c.entry, "skinny_t8_r1_bf16_bf16");
+        assert!(entry_points("skinny").contains(&c.entry));
+        assert_eq!((c.grid, c.block), ([63, 1, 1], [512, 1, 1]));
+        assert_eq!(c.shared_bytes, 16 * 4 * 32 * 4);
+        assert_eq!(c.params[2], Param::Null);
+        assert_eq!(c.params.last(), Some(&Param::I32(1)));
+        // Short K: fewer warps, never below one.
+        let c = skinny_call(&shape(17, 1000, 64, DType::F16), false).unwrap();
+        assert_eq!(c.entry, "skinny_t24_r1_f16_f16");
+        assert_eq!(c.block, [32, 1, 1]);
+        assert_eq!(c.params.last(), Some(&Param::I32(0)));
+        // Many rows and 32 tokens: two row tiles per block, at most 8 warps.
+        let c = skinny_call(&shape(32, 8192, 4096, DType::BF16), true).unwrap();
+        assert_eq!(c.entry, "skinny_t32_r2_bf16_bf16");
+        assert_eq!((c.grid[0], c.block[0]), (256, 256));
+        assert_eq!(c.shared_bytes, 8 * 2 * 4 * 4 * 32 * 4);
+        assert!(entry_points("skinny").contains(&c.entry));
+        for bad in [
+            shape(33, 1000, 1024, DType::BF16),
+            shape(4, 1000, 1020, DType::BF16),
+            shape(4, 1000, 1024, DType::F32),
+            shape(0, 1000, 1024, DType::BF16),
+        ] {
+            assert!(skinny_call(&bad, true).is_none(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_default_gemm_rule_is_gemv_then_skinny_then_blas_on_tensor_core_targets() {
+        let sm90 = Target::Cuda { sm: 90 };
+        let sm75 = Target::Cuda { sm: 75 };
+        let hip = Target::Hip {
+            gfx: "gfx1100".into(),
+        };
+        let k =
+            |target: &Target, t: u32| default_gemm_kind(target, &shape(t, 2048, 1024, DType::BF16));
+        assert_eq!(k(&sm90, 1), GemmKind::Gemv);
+        for t in [2, 8, 9, 32] {
+            assert_eq!(k(&sm90, t), GemmKind::Skinny, "T = {t}");
+        }
+        assert_eq!(k(&sm90, 33), GemmKind::Blas);
+        assert_eq!(k(&sm75, 5), GemmKind::Gemv);
+        assert_eq!(k(&sm75, 9), GemmKind::Blas);
+        assert_eq!(k(&hip, 8), GemmKind::Gemv);
+        assert_eq!(k(&hip, 16), GemmKind::Blas);
+        let f32 = shape(4, 2048, 1024, DType::F32);
+        assert_eq!(default_gemm_kind(&sm90, &f32), GemmKind::Blas);
+    }
+
+    #[test]
+    fn a_tuned_choice_overrides_the_rule_only_where_its_kernel_takes_the_shape() {
+        let mut opts = LowerOptions::for_target(&Target::Cuda { sm: 90 }, 1);
+        let s5 = shape(5, 2048, 1024, DType::BF16);
+        let s16 = shape(16, 2048, 1024, DType::BF16);
+        assert_eq!(choose_gemm(&s5, &opts), GemmKind::Skinny);
+        opts.tuned.insert(s5, GemmKind::Blas);
+        opts.tuned.insert(s16, GemmKind::Gemv); // gemv cannot run 16 tokens
+        assert_eq!(choose_gemm(&s5, &opts), GemmKind::Blas);
+        assert_eq!(choose_gemm(&s16, &opts), GemmKind::Skinny);
+        let other = shape(5, 4096, 1024, DType::BF16);
+        assert_eq!(choose_gemm(&other, &opts), GemmKind::Skinny);
     }
 
     #[test]

@@ -11,3 +11,4 @@ pub mod hip;
 pub mod image_cache;
 #[cfg(feature = "nvrtc")]
 pub mod nvrtc;
+pub mod tuning;

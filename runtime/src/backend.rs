@@ -59,11 +59,13 @@ pub enum LaunchBody {
     Reference,
     /// Kernel launches in stream order.
     Kernels(Vec<ResolvedKernel>),
-    /// One BLAS-Lt call over `args` (x, w, bias) and `results[0]`, with
-    /// `Launch::workspace`; `gemv` is kiln's skinny-GEMM alternative.
+    /// A GEMM over `args` (x, w, bias) and `results[0]`, run as the plan's
+    /// `kind` decided it: one BLAS-Lt call with `Launch::workspace`
+    /// (`Blas`, `kernel` is `None`) or kiln's `kernel` (`Gemv`, `Skinny`).
     Gemm {
         shape: kiln_ir::plan::GemmShape,
-        gemv: Option<ResolvedKernel>,
+        kind: kiln_ir::plan::GemmKind,
+        kernel: Option<ResolvedKernel>,
     },
 }
 

@@ -8,7 +8,7 @@
 //! any backend logic (`crate::gpu`).
 
 pub use crate::gpu::cuda::{available, CudaDriver};
-pub use crate::gpu::{GemmChoice, GemmPolicy, GpuCounters};
+pub use crate::gpu::{GemmChoice, GpuCounters};
 
 /// kiln's CUDA backend: the one GPU backend on this machine's CUDA driver.
 pub type CudaBackend = crate::gpu::GpuBackend<CudaDriver>;

@@ -331,9 +331,14 @@ impl Regions {
         match l {
             Lowering::Reference => LaunchBody::Reference,
             Lowering::Kernels(ks) => LaunchBody::Kernels(ks.iter().map(kernel).collect()),
-            Lowering::Gemm { shape, gemv } => LaunchBody::Gemm {
+            Lowering::Gemm {
+                shape,
+                kind,
+                kernel: k,
+            } => LaunchBody::Gemm {
                 shape: *shape,
-                gemv: gemv.as_ref().map(kernel),
+                kind: *kind,
+                kernel: k.as_ref().map(kernel),
             },
         }
     }

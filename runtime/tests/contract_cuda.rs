@@ -117,7 +117,8 @@ impl Target for Cuda {
             ws,
             LaunchBody::Gemm {
                 shape: g.shape(),
-                gemv: None,
+                kind: kiln_ir::plan::GemmKind::Blas,
+                kernel: None,
             },
         )
     }

@@ -8,13 +8,14 @@
 mod contract;
 
 use contract::{f32_operand, Gemm, Target};
+use kiln_ir::plan::GemmKind;
 use kiln_ir::{Key, Op};
 use kiln_runtime::backend::{
     Backend, BackendError, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
 };
 use kiln_runtime::gpu::driver::Vendor;
 use kiln_runtime::gpu::sim::{LiveAtDrop, SimConfig, SimDriver};
-use kiln_runtime::gpu::{GemmChoice, GemmPolicy, GpuBackend};
+use kiln_runtime::gpu::{GemmChoice, GpuBackend};
 
 type SimBackend = GpuBackend<SimDriver>;
 
@@ -32,11 +33,18 @@ fn kernel(entry: &str, params: Vec<ResolvedParam>) -> ResolvedKernel {
     }
 }
 
-fn gemm_launch(g: Gemm, ws: Option<(DevPtr, u64)>, gemv: bool) -> Launch {
+/// A GEMM launch run as `kind`: the simulated `gemv_f32` / `skinny_f32`
+/// kernel (kiln's GEMV parameter layout) or the library.
+fn gemm_launch(g: Gemm, ws: Option<(DevPtr, u64)>, kind: GemmKind) -> Launch {
     let shape = g.shape();
-    let gemv = gemv.then(|| {
-        kernel(
-            "gemv_f32",
+    let entry = match kind {
+        GemmKind::Gemv => "gemv_f32",
+        GemmKind::Skinny => "skinny_f32",
+        GemmKind::Blas => "",
+    };
+    let kernel = kind.module().map(|m| {
+        let mut k = kernel(
+            entry,
             vec![
                 ResolvedParam::Ptr(g.x),
                 ResolvedParam::Ptr(g.w),
@@ -46,9 +54,18 @@ fn gemm_launch(g: Gemm, ws: Option<(DevPtr, u64)>, gemv: bool) -> Launch {
                 ResolvedParam::I32(g.n as i32),
                 ResolvedParam::I32(g.k as i32),
             ],
-        )
+        );
+        k.module = m.into();
+        k
     });
-    g.launch(ws, LaunchBody::Gemm { shape, gemv })
+    g.launch(
+        ws,
+        LaunchBody::Gemm {
+            shape,
+            kind,
+            kernel,
+        },
+    )
 }
 
 impl Target for Sim {
@@ -80,7 +97,7 @@ impl Target for Sim {
         }
     }
     fn gemm(&self, g: Gemm, ws: Option<(DevPtr, u64)>) -> Launch {
-        gemm_launch(g, ws, false)
+        gemm_launch(g, ws, GemmKind::Blas)
     }
     fn replays(&self, b: &SimBackend) -> u64 {
         b.counters().graphs.replays()
@@ -156,7 +173,7 @@ fn teardown_synchronizes_before_destroying_graphs_and_releases_blas_before_memor
                 k: 8,
             },
             ws,
-            false,
+            GemmKind::Blas,
         );
         b.prepare(&g).unwrap();
         b.begin_capture(Key::new(1, 1, 0)).unwrap();
@@ -345,36 +362,113 @@ fn the_pdl_attribute_reaches_the_driver_only_where_the_device_supports_it() {
     }
 }
 
+/// `out[t, n] = sum_k x[t, k] w[n, k]`, computed here independently.
+fn reference_gemm(x: &[f32], w: &[f32], t: usize, n: usize, k: usize) -> Vec<f32> {
+    let mut o = vec![0.0; t * n];
+    for i in 0..t {
+        for j in 0..n {
+            o[i * n + j] = (0..k).map(|l| x[i * k + l] * w[j * k + l]).sum();
+        }
+    }
+    o
+}
+
 #[test]
-fn the_gemm_policy_chooses_between_the_library_and_the_plans_skinny_gemm() {
+fn each_gemm_runs_as_the_plan_recorded_eagerly_and_under_replay_with_changing_inputs() {
     for t in both() {
         let mut b = t.open();
         let g = small_gemm(&mut b);
-        let want = vec![16.0f32; 8];
-        for (policy, gemv) in [
-            (GemmPolicy::BlasOnly, false),
-            (GemmPolicy::GemvWhereAvailable, true),
-            // The simulated skinny GEMM is the faster one.
-            (GemmPolicy::Autotune, true),
-        ] {
-            b.set_gemm_policy(policy);
-            let l = gemm_launch(g, None, true);
+        let (tt, n, k) = (g.t as usize, g.n as usize, g.k as usize);
+        let w: Vec<f32> = (0..n * k).map(|i| (i % 7) as f32 - 3.0).collect();
+        b.upload(g.w, &contract::f32_bytes(&w)).unwrap();
+        for (i, kind) in GemmKind::ALL.into_iter().enumerate() {
+            let l = gemm_launch(g, None, kind);
             b.prepare(&l).unwrap();
-            assert_eq!(
-                matches!(b.gemm_choice(&l), Some(GemmChoice::Gemv)),
-                gemv,
-                "{policy:?}"
-            );
+            let choice = b.gemm_choice(&l).unwrap();
+            match kind {
+                GemmKind::Blas => assert!(matches!(choice, GemmChoice::Blas(_)), "{choice:?}"),
+                k => assert_eq!(choice, GemmChoice::Kernel(k)),
+            }
+            let key = Key::new(1 + i as u32, 1, 0);
             let before = b.counters().clone();
-            b.upload(g.out, &[0; 32]).unwrap();
+            b.begin_capture(key).unwrap();
             b.launch(&l).unwrap();
-            let mut out = [0u8; 32];
-            b.download(g.out, &mut out).unwrap();
-            assert_eq!(contract::bytes_f32(&out), want, "{policy:?}");
+            let graph = b.end_capture().unwrap();
+            for step in 0..3 {
+                let x: Vec<f32> = (0..tt * k)
+                    .map(|j| ((j + 3 * step + i) % 5) as f32 - 2.0)
+                    .collect();
+                b.upload(g.x, &contract::f32_bytes(&x)).unwrap();
+                b.upload(g.out, &contract::f32_bytes(&vec![f32::NAN; tt * n]))
+                    .unwrap();
+                if step == 0 {
+                    b.launch(&l).unwrap();
+                } else {
+                    b.replay(graph).unwrap();
+                }
+                let mut out = vec![0u8; tt * n * 4];
+                b.download(g.out, &mut out).unwrap();
+                assert_eq!(
+                    contract::bytes_f32(&out),
+                    reference_gemm(&x, &w, tt, n, k),
+                    "{kind} step {step}"
+                );
+            }
             let after = b.counters();
-            assert_eq!(after.gemv_calls - before.gemv_calls, u64::from(gemv));
-            assert_eq!(after.blas_calls - before.blas_calls, u64::from(!gemv));
+            let ran = |a: u64, z: u64| a - z;
+            // One capture recording plus one eager run.
+            assert_eq!(
+                (
+                    ran(after.gemv_calls, before.gemv_calls),
+                    ran(after.skinny_calls, before.skinny_calls),
+                    ran(after.blas_calls, before.blas_calls),
+                ),
+                match kind {
+                    GemmKind::Gemv => (2, 0, 0),
+                    GemmKind::Skinny => (0, 2, 0),
+                    GemmKind::Blas => (0, 0, 2),
+                },
+                "{kind}"
+            );
+            assert_eq!(b.counters().graphs.replays() - before.graphs.replays(), 2);
         }
+    }
+}
+
+#[test]
+fn a_gemm_choice_the_backend_cannot_run_is_refused_at_prepare_naming_the_fix() {
+    for t in both() {
+        let mut b = t.open();
+        let g = small_gemm(&mut b);
+        // A skinny GEMM whose kernel the loaded modules do not define.
+        let mut l = gemm_launch(g, None, GemmKind::Skinny);
+        if let LaunchBody::Gemm {
+            kernel: Some(k), ..
+        } = &mut l.body
+        {
+            k.entry = "skinny_t8_r1_bf16_bf16".into();
+        }
+        let m = b.prepare(&l).unwrap_err().to_string();
+        assert!(
+            m.contains("`skinny`")
+                && m.contains("skinny_t8_r1_bf16_bf16")
+                && m.contains("recompile"),
+            "{m}"
+        );
+        // A kind whose launch is of another module, and one without any.
+        let mut l = gemm_launch(g, None, GemmKind::Gemv);
+        if let LaunchBody::Gemm { kind, .. } = &mut l.body {
+            *kind = GemmKind::Skinny;
+        }
+        let m = b.prepare(&l).unwrap_err().to_string();
+        assert!(m.contains("damaged") && m.contains("module `gemv`"), "{m}");
+        let mut l = gemm_launch(g, None, GemmKind::Blas);
+        if let LaunchBody::Gemm { kind, .. } = &mut l.body {
+            *kind = GemmKind::Gemv;
+        }
+        let m = b.prepare(&l).unwrap_err().to_string();
+        assert!(m.contains("damaged") && m.contains("no kernel"), "{m}");
+        assert!(b.launch(&l).is_err());
     }
 }
 

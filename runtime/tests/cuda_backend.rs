@@ -10,9 +10,10 @@
 mod cuda_support;
 
 use cuda_support::*;
+use kiln_ir::plan::GemmKind;
 use kiln_ir::{DType, Key, Op, Rope, RopeScaling, TensorType};
 use kiln_runtime::backend::{Backend, BackendError, DevOperand, Launch};
-use kiln_runtime::cuda::{CudaBackend, GemmChoice, GemmPolicy};
+use kiln_runtime::cuda::{CudaBackend, GemmChoice};
 
 /// GPU milliseconds `f` takes on the stream, from two timing marks.
 fn time_ms(
@@ -458,41 +459,227 @@ fn add_gather_last_argmax_and_accept_greedy_match() {
     );
 }
 
+fn check_op_as(b: &mut CudaBackend, what: &str, op: &Op, args: &[HT], gemm: GemmKind) {
+    let tys: Vec<TensorType> = args.iter().map(|a| a.ty.clone()).collect();
+    let rtys = op.infer(&tys).unwrap();
+    let got = run_op_as(b, op, args, Some(gemm));
+    let want = reference(op, args, &rtys);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_close(&format!("{what} result {i} vs host reference"), g, w);
+    }
+}
+
 #[test]
-fn matmul_matches_through_cublaslt_the_kiln_kernel_and_autotuning() {
+fn matmul_matches_through_cublaslt_the_gemv_and_the_skinny_gemm() {
     let Some(mut b) = device() else { return };
     b.reserve_workspace(32 << 20).unwrap();
     let mut r = Rng::new(11);
-    for policy in [
-        GemmPolicy::BlasOnly,
-        GemmPolicy::GemvWhereAvailable,
-        GemmPolicy::Autotune,
+    for (d, out, t, n, k, bias) in [
+        (DType::BF16, DType::BF16, 1, 1000, 1024, false),
+        (DType::BF16, DType::BF16, 7, 1000, 520, true),
+        (DType::BF16, DType::F32, 5, 3001, 256, false),
+        (DType::BF16, DType::BF16, 33, 768, 2048, false),
+        (DType::F16, DType::F16, 3, 128, 64, true),
+        (DType::F32, DType::F32, 4, 96, 200, false),
+        (DType::BF16, DType::BF16, 8, 4099, 1024, true),
+        (DType::BF16, DType::F32, 2, 151_936, 1024, false),
     ] {
-        b.set_gemm_policy(policy);
-        for (d, out, t, n, k, bias) in [
-            (DType::BF16, DType::BF16, 1, 1000, 1024, false),
-            (DType::BF16, DType::BF16, 7, 1000, 520, true),
-            (DType::BF16, DType::F32, 5, 3001, 256, false),
-            (DType::BF16, DType::BF16, 33, 768, 2048, false),
-            (DType::F16, DType::F16, 3, 128, 64, true),
-            (DType::F32, DType::F32, 4, 96, 200, false),
-            (DType::BF16, DType::BF16, 8, 4099, 1024, true),
-            (DType::BF16, DType::F32, 2, 151_936, 1024, false),
-        ] {
-            let x = HT::random(&mut r, d, &[t, k], 1.0);
-            let w = HT::random(&mut r, d, &[n, k], 0.1);
-            let mut args = vec![x, w];
-            if bias {
-                args.push(HT::random(&mut r, d, &[n], 1.0));
+        let x = HT::random(&mut r, d, &[t, k], 1.0);
+        let w = HT::random(&mut r, d, &[n, k], 0.1);
+        let mut args = vec![x, w];
+        if bias {
+            args.push(HT::random(&mut r, d, &[n], 1.0));
+        }
+        let op = Op::MatMul { bias, out };
+        let kiln_kernels = d != DType::F32;
+        for kind in GemmKind::ALL {
+            let applies = match kind {
+                GemmKind::Blas => true,
+                GemmKind::Gemv => kiln_kernels && t <= 8,
+                GemmKind::Skinny => kiln_kernels && t <= 32,
+            };
+            if applies {
+                check_op_as(
+                    &mut b,
+                    &format!("matmul {kind} {d}[{t},{k}]x[{n},{k}]^T -> {out} bias={bias}"),
+                    &op,
+                    &args,
+                    kind,
+                );
             }
-            let op = Op::MatMul { bias, out };
-            check_op(
-                &mut b,
-                &format!("matmul {policy:?} {d}[{t},{k}]x[{n},{k}]^T -> {out} bias={bias}"),
+        }
+    }
+}
+
+/// The tensor-core skinny GEMM against the host reference at every token
+/// count that changes its tiling (1..3 MMA tiles of 8, partial tiles), N
+/// and K off every power of two (partial 16-row tiles, partial 32-wide
+/// k-chunks, K = 8 and K < 32 per warp), with and without bias, bf16 and
+/// f16 in, the input dtype or f32 out, outputs poisoned before the run.
+#[test]
+fn the_skinny_gemm_matches_the_reference_at_awkward_sizes() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(15);
+    let mut cases = 0;
+    for t in [2u32, 3, 5, 8, 9, 17, 32] {
+        for (n, k) in [
+            (1000u32, 1000u32),
+            (17, 72),
+            (4099, 1032),
+            (200, 8),
+            (9000, 3080),
+        ] {
+            for (d, out) in [
+                (DType::BF16, DType::BF16),
+                (DType::BF16, DType::F32),
+                (DType::F16, DType::F16),
+                (DType::F16, DType::F32),
+            ] {
+                let bias = (t + n + k) % 2 == 1 || d == DType::F16;
+                let x = HT::random(&mut r, d, &[t, k], 1.0);
+                let w = HT::random(&mut r, d, &[n, k], 0.2);
+                let mut args = vec![x, w];
+                if bias {
+                    args.push(HT::random(&mut r, d, &[n], 1.0));
+                }
+                check_op_as(
+                    &mut b,
+                    &format!("skinny {d}[{t},{k}]x[{n},{k}]^T -> {out} bias={bias}"),
+                    &Op::MatMul { bias, out },
+                    &args,
+                    GemmKind::Skinny,
+                );
+                cases += 1;
+            }
+        }
+    }
+    assert_eq!(cases, 7 * 5 * 4);
+}
+
+/// The skinny GEMM captured once and replayed with new activations every
+/// step (weights fixed, output re-poisoned): each replay matches the host
+/// reference on that step's inputs, and the replay counter moves.
+#[test]
+fn the_skinny_gemm_under_capture_and_replay_follows_changing_inputs() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(16);
+    for (t, n, k, d) in [
+        (5u32, 1000u32, 1032u32, DType::BF16),
+        (32, 3001, 520, DType::F16),
+    ] {
+        let op = Op::MatMul { bias: true, out: d };
+        let w_h = HT::random(&mut r, d, &[n, k], 0.2);
+        let bias_h = HT::random(&mut r, d, &[n], 1.0);
+        let mut x_h = HT::random(&mut r, d, &[t, k], 1.0);
+        let x = put(&mut b, &x_h);
+        let w = put(&mut b, &w_h);
+        let bias = put(&mut b, &bias_h);
+        let ty = TensorType::new(d, vec![t, n]);
+        let out = poisoned(&mut b, &ty);
+        let mut l = Launch {
+            const_args: 0b10,
+            body: kiln_runtime::backend::LaunchBody::Reference,
+            kernel: "test:skinny".into(),
+            op: op.clone(),
+            args: vec![x.clone(), w, bias],
+            results: vec![out.clone()],
+            workspace: None,
+        };
+        let pdl = b.pdl();
+        gpu_bodies::lower_as(&mut b, &mut l, pdl, Some(GemmKind::Skinny));
+        b.prepare(&l).unwrap();
+        assert_eq!(
+            b.gemm_choice(&l),
+            Some(GemmChoice::Kernel(GemmKind::Skinny))
+        );
+        let key = Key::new(t, 1, 0);
+        b.begin_capture(key).unwrap();
+        b.launch(&l).unwrap();
+        let graph = b.end_capture().unwrap();
+        let before = b.counters().graphs.replays();
+        for step in 0..4 {
+            if step > 0 {
+                x_h = HT::random(&mut r, d, &[t, k], 1.0 + step as f32);
+                b.upload(x.ptr, &x_h.bytes()).unwrap();
+            }
+            b.upload(out.ptr, &vec![0xff; ty.size_bytes() as usize])
+                .unwrap();
+            b.replay(graph).unwrap();
+            b.synchronize().unwrap();
+            let want = reference(
                 &op,
-                &args,
+                &[x_h.clone(), w_h.clone(), bias_h.clone()],
+                std::slice::from_ref(&ty),
+            );
+            assert_close(
+                &format!("skinny replay step {step} {d}[{t},{k}]x[{n},{k}]^T"),
+                &get(&mut b, &out),
+                &want[0],
             );
         }
+        assert_eq!(b.counters().graphs.replays() - before, 4);
+        b.destroy_graph(graph).unwrap();
+    }
+}
+
+/// Prints skinny vs gemv vs cuBLASLt per Qwen3-0.6B GEMM shape at T = 1,
+/// 8 and 32 (median of 50 launches each, weights at GB/s): the data a
+/// `kiln tune` table is made of, for a person to read.
+#[test]
+#[ignore = "benchmark: run on the GPU machine"]
+fn bench_skinny_vs_gemv_vs_cublaslt_on_qwen3_0_6b_shapes() {
+    let Some(mut b) = device() else { return };
+    let (ws, _) = b.reserve_workspace(32 << 20).unwrap().expect("a workspace");
+    let mut r = Rng::new(17);
+    // (name, N, K): fused qkv, o_proj, fused gate/up, down_proj, lm_head.
+    for (name, n, k) in [
+        ("qkv", 4096u32, 1024u32),
+        ("o_proj", 1024, 2048),
+        ("gate_up", 6144, 1024),
+        ("down", 1024, 3072),
+        ("lm_head", 151_936, 1024),
+    ] {
+        let w = put(&mut b, &HT::random(&mut r, DType::BF16, &[n, k], 0.05));
+        for t in [1u32, 8, 32] {
+            let x = put(&mut b, &HT::random(&mut r, DType::BF16, &[t, k], 1.0));
+            let out = poisoned(&mut b, &TensorType::new(DType::BF16, vec![t, n]));
+            let mut line = format!("{name} T={t} N={n} K={k}:");
+            for kind in GemmKind::ALL {
+                if kind == GemmKind::Gemv && t > 8 {
+                    continue;
+                }
+                let mut l = Launch {
+                    const_args: 0b10,
+                    body: kiln_runtime::backend::LaunchBody::Reference,
+                    kernel: "gemm".into(),
+                    op: Op::MatMul {
+                        bias: false,
+                        out: DType::BF16,
+                    },
+                    args: vec![x.clone(), w.clone()],
+                    results: vec![out.clone()],
+                    workspace: Some((ws, 32 << 20)),
+                };
+                let pdl = b.pdl();
+                gpu_bodies::lower_as(&mut b, &mut l, pdl, Some(kind));
+                b.prepare(&l).unwrap();
+                b.launch(&l).unwrap();
+                let ms = median(
+                    (0..50)
+                        .map(|_| time_ms(&mut b, |b| b.launch(&l)).unwrap())
+                        .collect(),
+                );
+                line.push_str(&format!(
+                    " {kind} {:.1} us ({:.0} GB/s)",
+                    ms * 1e3,
+                    (n as f64 * k as f64 * 2.0) / (ms / 1e3) / 1e9
+                ));
+            }
+            eprintln!("{line}");
+            b.free(x.ptr).unwrap();
+            b.free(out.ptr).unwrap();
+        }
+        b.free(w.ptr).unwrap();
     }
 }
 
@@ -520,13 +707,12 @@ fn gemm_algorithms_are_chosen_within_the_granted_workspace() {
             results: vec![out.clone()],
             workspace: (granted > 0).then_some((ws, granted)),
         };
-        gpu_bodies::lower(&mut b, &mut l, false);
+        gpu_bodies::lower_as(&mut b, &mut l, false, Some(GemmKind::Blas));
         l.workspace = (granted > 0).then_some((ws, granted));
-        b.set_gemm_policy(GemmPolicy::BlasOnly);
         b.prepare(&l).unwrap();
         let used = match b.gemm_choice(&l).expect("selected in prepare") {
             GemmChoice::Blas(a) => a.workspace,
-            GemmChoice::Gemv => panic!("BlasOnly chose the skinny-GEMM kernel"),
+            GemmChoice::Kernel(k) => panic!("a blas GEMM ran as {k}"),
         };
         assert!(
             used <= granted,
@@ -944,13 +1130,12 @@ fn bench_synthetic_qwen3_0_6b_step_replay_vs_eager() {
                 results: vec![out.clone()],
                 workspace: None,
             };
-            gpu_bodies::lower(&mut b, &mut l, false);
-            for policy in [
-                GemmPolicy::BlasOnly,
-                GemmPolicy::GemvWhereAvailable,
-                GemmPolicy::Autotune,
-            ] {
-                b.set_gemm_policy(policy);
+            for policy in GemmKind::ALL {
+                if policy == GemmKind::Gemv && t > 8 {
+                    continue;
+                }
+                l.workspace = None;
+                gpu_bodies::lower_as(&mut b, &mut l, false, Some(policy));
                 b.prepare(&l).unwrap();
                 b.launch(&l).unwrap();
                 let ms = median(
@@ -959,7 +1144,7 @@ fn bench_synthetic_qwen3_0_6b_step_replay_vs_eager() {
                         .collect(),
                 );
                 eprintln!(
-                    "gemm bf16 [{t},{k}]x[{n},{k}]^T {policy:?}: {:.1} us, weights at {:.0} GB/s",
+                    "gemm bf16 [{t},{k}]x[{n},{k}]^T {policy}: {:.1} us, weights at {:.0} GB/s",
                     ms * 1e3,
                     (n as f64 * k as f64 * 2.0) / (ms / 1e3) / 1e9
                 );
@@ -968,7 +1153,6 @@ fn bench_synthetic_qwen3_0_6b_step_replay_vs_eager() {
             b.free(out.ptr).unwrap();
         }
         b.free(w.ptr).unwrap();
-        b.set_gemm_policy(GemmPolicy::Autotune);
     }
     let mut lines = Vec::new();
     for (batch, ctx) in [(1u32, 512i32), (32, 512), (1, 128), (32, 128), (8, 2048)] {
@@ -978,18 +1162,13 @@ fn bench_synthetic_qwen3_0_6b_step_replay_vs_eager() {
         let mut ablation = String::new();
         let dev = if batch == 1 && ctx == 512 {
             // cuBLASLt alone (heuristic's first algorithm), for comparison.
-            b.set_gemm_policy(GemmPolicy::BlasOnly);
-            let dev = synth::upload(&mut b, &step);
-            let t = time_step(&mut b, key, &dev.launches, &dev.ptrs[step.next]);
+            let blas = synth::upload_as(&mut b, &step, Some(GemmKind::Blas));
+            let t = time_step(&mut b, key, &blas.launches, &blas.ptrs[step.next]);
             ablation = format!(
                 ",\"blas_only_replay_ms\":{:.4},\"blas_only_eager_ms\":{:.4}",
                 t.replay_ms, t.eager_ms
             );
-            b.set_gemm_policy(GemmPolicy::Autotune);
-            for l in &dev.launches {
-                b.prepare(l).unwrap();
-            }
-            dev
+            synth::upload(&mut b, &step)
         } else {
             synth::upload(&mut b, &step)
         };

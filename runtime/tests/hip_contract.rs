@@ -1629,7 +1629,8 @@ mod on_gpu_backend {
                 ws,
                 LaunchBody::Gemm {
                     shape: g.shape(),
-                    gemv: None,
+                    kind: kiln_ir::plan::GemmKind::Blas,
+                    kernel: None,
                 },
             )
         }

@@ -19,7 +19,7 @@ use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
 use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
 use kiln_ir::plan::{Plan, Target};
 use kiln_ir::Key;
-use kiln_runtime::cuda::{CudaBackend, GemmPolicy};
+use kiln_runtime::cuda::CudaBackend;
 use kiln_runtime::{BackendError, Engine, EngineError, GraphMode, SeqId, SeqOptions};
 use serve_common::*;
 use tempfile::TempDir;
@@ -67,8 +67,7 @@ fn compile(family: Family, target: Target) -> (TempDir, Plan) {
 /// A CUDA engine whose GEMM choice does not depend on timing noise, so two
 /// engines run the same algorithms.
 fn cuda_engine(dir: &TempDir, plan: &Plan, graphs: GraphMode) -> Engine {
-    let mut be = CudaBackend::new(0).unwrap();
-    be.set_gemm_policy(GemmPolicy::GemvWhereAvailable);
+    let be = CudaBackend::new(0).unwrap();
     Engine::new(plan.clone(), dir.path(), Box::new(be), options(graphs)).unwrap()
 }
 
@@ -244,8 +243,7 @@ fn an_allocation_forced_inside_a_cuda_capture_fails_the_step_naming_the_key() {
     let (dir, plan) = compile(Family::Llama, Target::Cuda { sm });
     let mut opts = options(GraphMode::On);
     opts.faults.alloc_inside_capture = true;
-    let mut be = CudaBackend::new(0).unwrap();
-    be.set_gemm_policy(GemmPolicy::GemvWhereAvailable);
+    let be = CudaBackend::new(0).unwrap();
     let mut e = Engine::new(plan, dir.path(), Box::new(be), opts).unwrap();
     e.add_sequence(&[1, 2, 3]).unwrap();
     let err = e.step().unwrap_err();

@@ -97,7 +97,7 @@ pub enum PlanError {
 }
 
 /// Inputs of [`plan_key`] besides the graph.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct PlanContext<'a> {
     pub manifest: &'a WeightManifest,
     pub kv: &'a KvLayout,

@@ -14,14 +14,18 @@
 //!   [`BackendError::CaptureFailed`] naming the key and the op.
 //! * Launches consume [`Launch::body`] as the plan lowered it: kernel lists
 //!   are launched as written (entry looked up in the loaded modules,
-//!   parameters packed only by [`ResolvedKernel::pack`]), a GEMM is one
-//!   BLAS-Lt call or the plan's skinny-GEMM alternative. The backend never
+//!   parameters packed only by [`ResolvedKernel::pack`]), a GEMM is what
+//!   the plan recorded: one BLAS-Lt call or kiln's GEMV / skinny-GEMM
+//!   kernel launch. The backend never
 //!   lowers an op itself: [`LaunchBody::Reference`] is an error telling the
 //!   user to recompile.
 //! * GEMMs: the workspace is reserved before any capture; at `prepare` each
 //!   shape's algorithm is chosen under the granted workspace and refused
-//!   with [`BackendError::WorkspaceTooSmall`] if it needs more; the choice
-//!   between the library and the skinny-GEMM kernel follows [`GemmPolicy`].
+//!   with [`BackendError::WorkspaceTooSmall`] if it needs more. Which
+//!   implementation a GEMM uses is the plan's (`kiln compile`, optionally
+//!   from a `kiln tune` table); nothing is timed at load. A plan whose
+//!   choice this backend cannot run (a kernel its modules lack, a kind
+//!   without its launch) is refused at `prepare`.
 //! * A workspace outgrown after a capture is retired, not freed: a graph may
 //!   still hold its address. Teardown synchronizes before destroying graph
 //!   executables, releases the BLAS handle before the memory, and is safe
@@ -46,28 +50,20 @@ use driver::{
     BlasAlgorithm, DeviceProps, Dims, DriverError, ErrorKind, GemmOperands, GpuDriver, Handle,
     Vendor,
 };
-use kiln_ir::plan::{GemmShape, KernelImage};
+use kiln_ir::plan::{GemmKind, GemmShape, KernelImage};
 use kiln_ir::Key;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
-/// How GEMMs with a skinny-GEMM alternative are implemented.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GemmPolicy {
-    /// Time the library's algorithm and the plan's skinny-GEMM kernel in
-    /// `prepare`, keep the faster (the default).
-    Autotune,
-    /// The BLAS library only.
-    BlasOnly,
-    /// The skinny-GEMM kernel wherever the plan offers one.
-    GemvWhereAvailable,
-}
-
-/// How one GEMM shape runs, chosen at `prepare`.
+/// How one GEMM runs, resolved at `prepare` from the plan's
+/// [`kiln_ir::plan::GemmKind`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmChoice {
+    /// The library, with the algorithm its heuristic gave under the
+    /// planned workspace.
     Blas(BlasAlgorithm),
-    Gemv,
+    /// The plan's kiln kernel (`gemv` or `skinny`).
+    Kernel(GemmKind),
 }
 
 /// What the backend did, for tests and benchmarks.
@@ -81,9 +77,11 @@ pub struct GpuCounters {
     pub kernel_launches: u64,
     /// BLAS-Lt matmuls launched or recorded.
     pub blas_calls: u64,
-    /// GEMMs that ran as the skinny-GEMM kernel.
+    /// GEMMs that ran as kiln's GEMV kernel.
     pub gemv_calls: u64,
-    /// GEMM shapes whose implementation was chosen.
+    /// GEMMs that ran as kiln's tensor-core skinny-GEMM kernel.
+    pub skinny_calls: u64,
+    /// GEMM shapes whose BLAS algorithm was looked up.
     pub gemm_choices: u64,
     /// Buffers outgrown after a capture and kept until teardown.
     pub retired_buffers: u64,
@@ -97,7 +95,7 @@ struct Allocation {
     what: String,
 }
 
-/// The GEMM implementation cache key: the shape and the workspace granted.
+/// The BLAS algorithm cache key: the shape and the workspace granted.
 type GemmKey = (GemmShape, u64);
 
 /// kiln's GPU backend over a driver. See the module docs.
@@ -114,8 +112,8 @@ pub struct GpuBackend<D: GpuDriver> {
     /// Resolved entry points, by (module, entry).
     functions: HashMap<(String, String), Handle>,
     blas: Option<Handle>,
-    gemms: HashMap<GemmKey, GemmChoice>,
-    gemm_policy: GemmPolicy,
+    /// BLAS algorithms, by shape and granted workspace.
+    gemms: HashMap<GemmKey, BlasAlgorithm>,
     pdl: bool,
     workspace: Option<(DevPtr, u64)>,
     /// Buffers outgrown after a capture: graphs may still use them.
@@ -190,7 +188,6 @@ impl<D: GpuDriver> GpuBackend<D> {
             functions: HashMap::new(),
             blas: None,
             gemms: HashMap::new(),
-            gemm_policy: GemmPolicy::Autotune,
             workspace: None,
             retired: Vec::new(),
             captured_any: false,
@@ -235,17 +232,6 @@ impl<D: GpuDriver> GpuBackend<D> {
         self.allocs.values().map(|a| a.bytes).sum()
     }
 
-    /// Chooses how GEMMs with a skinny-GEMM alternative run (applies to
-    /// shapes prepared afterwards).
-    pub fn set_gemm_policy(&mut self, policy: GemmPolicy) {
-        self.gemm_policy = policy;
-        self.gemms.clear();
-    }
-
-    pub fn gemm_policy(&self) -> GemmPolicy {
-        self.gemm_policy
-    }
-
     /// Turns the programmatic-dependent-launch attribute on or off (it is
     /// never set on a device that does not support it).
     pub fn set_pdl(&mut self, on: bool) {
@@ -256,12 +242,26 @@ impl<D: GpuDriver> GpuBackend<D> {
         self.pdl
     }
 
-    /// How the GEMM of `launch` runs, once `prepare` chose it.
+    /// How the GEMM of `launch` runs, once `prepare` resolved it.
     pub fn gemm_choice(&self, launch: &Launch) -> Option<GemmChoice> {
         match &launch.body {
-            LaunchBody::Gemm { shape, .. } => {
-                self.gemms.get(&(*shape, self.granted(launch))).copied()
-            }
+            LaunchBody::Gemm {
+                kind: GemmKind::Blas,
+                shape,
+                ..
+            } => self
+                .gemms
+                .get(&(*shape, self.granted(launch)))
+                .copied()
+                .map(GemmChoice::Blas),
+            LaunchBody::Gemm {
+                kind,
+                kernel: Some(k),
+                ..
+            } => self
+                .functions
+                .contains_key(&(k.module.clone(), k.entry.clone()))
+                .then_some(GemmChoice::Kernel(*kind)),
             _ => None,
         }
     }
@@ -444,11 +444,34 @@ impl<D: GpuDriver> GpuBackend<D> {
         }
     }
 
+    /// The plan's GEMM choice as this backend runs it: a kiln kind with its
+    /// launch (module `gemv` / `skinny`), or `Blas` with none. Anything else
+    /// is a damaged plan.
+    fn gemm_kernel<'a>(
+        launch: &'a Launch,
+        kind: GemmKind,
+        kernel: Option<&'a ResolvedKernel>,
+    ) -> Result<Option<&'a ResolvedKernel>> {
+        match (kind.module(), kernel) {
+            (None, None) => Ok(None),
+            (Some(m), Some(k)) if k.module == m => Ok(Some(k)),
+            (m, k) => Err(BackendError::Device(format!(
+                "op `{}`: the plan records a `{kind}` GEMM with {}, but that kind launches {}; the plan is damaged, recompile it",
+                launch.kernel,
+                k.map_or("no kernel".to_string(), |k| format!("kernel `{}` of module `{}`", k.entry, k.module)),
+                m.map_or("no kernel".to_string(), |m| format!("a kernel of module `{m}`")),
+            ))),
+        }
+    }
+
     fn run_gemm(&mut self, launch: &Launch, shape: &GemmShape, choice: GemmChoice) -> Result<()> {
         match (choice, &launch.body) {
-            (GemmChoice::Gemv, LaunchBody::Gemm { gemv: Some(k), .. }) => {
+            (GemmChoice::Kernel(kind), LaunchBody::Gemm { kernel: Some(k), .. }) => {
                 self.launch_kernel(k, self.capture.key().is_some())?;
-                self.counters.gemv_calls += 1;
+                match kind {
+                    GemmKind::Skinny => self.counters.skinny_calls += 1,
+                    _ => self.counters.gemv_calls += 1,
+                }
                 Ok(())
             }
             (GemmChoice::Blas(algo), _) => {
@@ -461,57 +484,44 @@ impl<D: GpuDriver> GpuBackend<D> {
                 self.counters.blas_calls += 1;
                 Ok(())
             }
-            (GemmChoice::Gemv, _) => Err(BackendError::Device(format!(
-                "op `{}`: the skinny-GEMM kernel was chosen but the launch carries none",
+            (GemmChoice::Kernel(kind), _) => Err(BackendError::Device(format!(
+                "op `{}`: a `{kind}` GEMM carries no kernel launch; the plan is damaged, recompile it",
                 launch.kernel
             ))),
         }
     }
 
-    /// Times `choice` for `launch` (a few runs between two events).
-    fn time_gemm(&mut self, launch: &Launch, shape: &GemmShape, choice: GemmChoice) -> Result<f32> {
-        self.run_gemm(launch, shape, choice)?;
-        let from = self.mark()?;
-        for _ in 0..3 {
-            self.run_gemm(launch, shape, choice)?;
-        }
-        let to = self.mark()?;
-        self.elapsed_ms(from, to)
-    }
-
+    /// Resolves how the plan's GEMM runs: its kernel's entry point (refused
+    /// if the loaded modules lack it) or the library's algorithm under the
+    /// planned workspace. Nothing is timed: the plan decided.
     fn prepare_gemm(&mut self, launch: &Launch, shape: &GemmShape) -> Result<GemmChoice> {
-        let granted = self.granted(launch);
-        if let Some(c) = self.gemms.get(&(*shape, granted)) {
-            return Ok(*c);
-        }
+        let LaunchBody::Gemm { kind, kernel, .. } = &launch.body else {
+            return Err(self.not_lowered(launch));
+        };
+        let kind = *kind;
         Self::gemm_operands(launch, shape)?;
-        let gemv = match &launch.body {
-            LaunchBody::Gemm { gemv: Some(k), .. } => {
-                self.resolve(&k.module, &k.entry)?;
-                self.check_params(k)?;
-                true
-            }
-            _ => false,
-        };
-        let blas = self.blas_algorithm(shape, granted);
-        let choice = match (self.gemm_policy, gemv, blas) {
-            (GemmPolicy::BlasOnly, _, blas) | (_, false, blas) => GemmChoice::Blas(blas?),
-            (GemmPolicy::GemvWhereAvailable, true, _) | (GemmPolicy::Autotune, true, Err(_)) => {
-                GemmChoice::Gemv
-            }
-            (GemmPolicy::Autotune, true, Ok(algo)) => {
-                let lib = self.time_gemm(launch, shape, GemmChoice::Blas(algo))?;
-                let ours = self.time_gemm(launch, shape, GemmChoice::Gemv)?;
-                if ours < lib {
-                    GemmChoice::Gemv
-                } else {
-                    GemmChoice::Blas(algo)
-                }
-            }
-        };
-        self.gemms.insert((*shape, granted), choice);
+        if let Some(k) = Self::gemm_kernel(launch, kind, kernel.as_ref())? {
+            let k = k.clone();
+            self.resolve(&k.module, &k.entry).map_err(|e| match e {
+                BackendError::MissingKernel(entry) => BackendError::Device(format!(
+                    "op `{}`: the plan runs its {} as `{kind}` (kernel `{entry}`), which the loaded kernel modules do not define; recompile the plan (kiln compile --target {})",
+                    launch.kernel,
+                    describe_gemm(shape),
+                    self.vendor.target(&self.info.arch)
+                )),
+                e => e,
+            })?;
+            self.check_params(&k)?;
+            return Ok(GemmChoice::Kernel(kind));
+        }
+        let granted = self.granted(launch);
+        if let Some(a) = self.gemms.get(&(*shape, granted)) {
+            return Ok(GemmChoice::Blas(*a));
+        }
+        let algo = self.blas_algorithm(shape, granted)?;
+        self.gemms.insert((*shape, granted), algo);
         self.counters.gemm_choices += 1;
-        Ok(choice)
+        Ok(GemmChoice::Blas(algo))
     }
 
     /// Runs (or records) one op. `Err` is the failure as such; the caller
@@ -524,8 +534,8 @@ impl<D: GpuDriver> GpuBackend<D> {
             LaunchBody::Kernels(ks) => ks.iter().try_for_each(|k| self.launch_kernel(k, capturing)),
             LaunchBody::Gemm { shape, .. } => {
                 let shape = *shape;
-                let choice = match self.gemms.get(&(shape, self.granted(launch))) {
-                    Some(c) => *c,
+                let choice = match self.gemm_choice(launch) {
+                    Some(c) => c,
                     None if capturing => return Err(Self::not_prepared(&describe_gemm(&shape))),
                     None => self.prepare_gemm(launch, &shape)?,
                 };
@@ -915,7 +925,6 @@ impl<D: GpuDriver> std::fmt::Debug for GpuBackend<D> {
                 &self.modules.iter().map(|(n, _)| n).collect::<Vec<_>>(),
             )
             .field("graphs", &self.graphs.len())
-            .field("gemm_policy", &self.gemm_policy)
             .finish()
     }
 }

@@ -10,7 +10,8 @@
 //! let one reach the device. Failures can be injected into any call by name.
 //!
 //! Kernels are a few built-in entry points (`add_f32`, `copy_f32`,
-//! `gemv_f32`) over the packed parameter buffer, exactly as a real driver
+//! `gemv_f32`, `skinny_f32`: the two GEMM kernels share kiln's GEMV
+//! parameter layout) over the packed parameter buffer, exactly as a real driver
 //! receives it; modules are images built by [`SimDriver::image`]. GEMMs are
 //! f32 on the host, with an algorithm whose workspace requirement the test
 //! chooses. Time is a virtual clock advanced by each executed node.
@@ -229,7 +230,7 @@ impl SimDriver {
             self.cfg.vendor,
             "sim",
             &self.cfg.arch,
-            &["add_f32", "copy_f32", "gemv_f32"],
+            &["add_f32", "copy_f32", "gemv_f32", "skinny_f32"],
         )
     }
 
@@ -408,7 +409,11 @@ impl SimDriver {
                 params,
                 offsets,
             } => {
-                self.clock_us += if entry == "gemv_f32" { 2.0 } else { 5.0 };
+                self.clock_us += if entry.ends_with("gemv_f32") || entry == "skinny_f32" {
+                    2.0
+                } else {
+                    5.0
+                };
                 let p = |i| read_u64(params, offsets, i);
                 let n = |i| read_i32(params, offsets, i).map(|v| v.max(0) as usize);
                 match entry.as_str() {
@@ -424,7 +429,7 @@ impl SimDriver {
                         let a = self.read_f32(p(0)?, len)?;
                         self.write_f32(p(1)?, &a)
                     }
-                    "gemv_f32" => {
+                    "gemv_f32" | "skinny_f32" => {
                         let bias = Some(p(2)?).filter(|&b| b != 0);
                         self.gemm(p(0)?, p(1)?, bias, p(3)?, (n(4)?, n(5)?, n(6)?))
                     }

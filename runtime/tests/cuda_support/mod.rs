@@ -652,6 +652,16 @@ pub fn get(b: &mut CudaBackend, o: &DevOperand) -> HT {
 /// Runs `op` on the device: arguments uploaded, results poisoned (in-place
 /// results reuse their argument's buffer), prepared, launched, downloaded.
 pub fn run_op(b: &mut CudaBackend, op: &Op, args: &[HT]) -> Vec<HT> {
+    run_op_as(b, op, args, None)
+}
+
+/// [`run_op`] with a matmul run as `gemm` (`None`: the default rule).
+pub fn run_op_as(
+    b: &mut CudaBackend,
+    op: &Op,
+    args: &[HT],
+    gemm: Option<kiln_ir::plan::GemmKind>,
+) -> Vec<HT> {
     let tys: Vec<TensorType> = args.iter().map(|a| a.ty.clone()).collect();
     let result_tys = op.infer(&tys).expect("test operands type-check");
     let dargs: Vec<DevOperand> = args.iter().map(|a| put(b, a)).collect();
@@ -680,7 +690,7 @@ pub fn run_op(b: &mut CudaBackend, op: &Op, args: &[HT]) -> Vec<HT> {
         body: kiln_runtime::backend::LaunchBody::Reference,
     };
     let pdl = b.pdl();
-    let owned = gpu_bodies::lower(b, &mut launch, pdl);
+    let owned = gpu_bodies::lower_as(b, &mut launch, pdl, gemm);
     b.prepare(&launch).unwrap();
     b.launch(&launch).unwrap();
     b.synchronize().unwrap();

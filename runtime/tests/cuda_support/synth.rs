@@ -373,6 +373,15 @@ pub struct DevStep {
 
 /// Allocates and fills every buffer, builds and prepares the launches.
 pub fn upload(b: &mut CudaBackend, step: &Step) -> DevStep {
+    upload_as(b, step, None)
+}
+
+/// [`upload`] with every matmul run as `gemm` (`None`: the default rule).
+pub fn upload_as(
+    b: &mut CudaBackend,
+    step: &Step,
+    gemm: Option<kiln_ir::plan::GemmKind>,
+) -> DevStep {
     let ptrs: Vec<DevOperand> = step
         .bufs
         .iter()
@@ -402,7 +411,7 @@ pub fn upload(b: &mut CudaBackend, step: &Step) -> DevStep {
     let pdl = b.pdl();
     let mut scratch = Vec::new();
     for l in &mut launches {
-        scratch.extend(super::gpu_bodies::lower(b, l, pdl));
+        scratch.extend(super::gpu_bodies::lower_as(b, l, pdl, gemm));
         b.prepare(l).unwrap();
     }
     DevStep {

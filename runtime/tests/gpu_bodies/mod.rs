@@ -6,7 +6,9 @@
 
 #![allow(dead_code)]
 
-use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Lowering, Operand, Region};
+use kiln_ir::plan::{
+    BufRef, GemmKind, GemmShape, KernelLaunch, LaunchParam, Lowering, Operand, Region,
+};
 use kiln_kernels::gpu::{lower_op, op_needs, LowerOptions};
 use kiln_runtime::backend::{
     Backend, DevOperand, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
@@ -61,11 +63,48 @@ fn resolve(k: &KernelLaunch) -> ResolvedKernel {
 /// with the catalog's lowering of its op. Returns the buffers allocated for
 /// it (scratch, zeroed counters), for the caller to free after the last use.
 pub fn lower<B: Backend>(b: &mut B, launch: &mut Launch, pdl: bool) -> Vec<DevPtr> {
+    lower_as(b, launch, pdl, None)
+}
+
+/// The GEMM shape of a matmul launch (`None` for other ops).
+pub fn gemm_shape(launch: &Launch) -> Option<GemmShape> {
+    let kiln_ir::Op::MatMul { bias, out } = launch.op else {
+        return None;
+    };
+    let (x, w) = (&launch.args[0].ty, &launch.args[1].ty);
+    Some(GemmShape {
+        t: x.shape.dims()[0],
+        n: w.shape.dims()[0],
+        k: x.shape.dims()[1],
+        dtype: x.dtype,
+        out,
+        bias,
+    })
+}
+
+/// [`lower`], with a matmul run as `gemm` (as a `kiln tune` table would
+/// make `kiln compile` choose it) instead of the default rule's choice;
+/// panics if that kind cannot run the shape.
+pub fn lower_as<B: Backend>(
+    b: &mut B,
+    launch: &mut Launch,
+    pdl: bool,
+    gemm: Option<GemmKind>,
+) -> Vec<DevPtr> {
     let tys = |v: &[DevOperand]| v.iter().map(|o| o.ty.clone()).collect::<Vec<_>>();
-    let opts = LowerOptions {
+    let mut opts = LowerOptions {
         pdl,
         ..LowerOptions::default()
     };
+    if let (Some(kind), Some(shape)) = (gemm, gemm_shape(launch)) {
+        opts.tuned.insert(shape, kind);
+        assert_eq!(
+            kiln_kernels::gpu::choose_gemm(&shape, &opts),
+            kind,
+            "{}: {kind} cannot run {shape:?}",
+            launch.kernel
+        );
+    }
     let needs = op_needs(&launch.op, &tys(&launch.args), &tys(&launch.results), &opts)
         .unwrap_or_else(|e| panic!("{}: {e}", launch.kernel));
     let mut owned = Vec::new();
@@ -98,13 +137,18 @@ pub fn lower<B: Backend>(b: &mut B, launch: &mut Launch, pdl: bool) -> Vec<DevPt
     launch.body = match lowering {
         Lowering::Reference => LaunchBody::Reference,
         Lowering::Kernels(ks) => LaunchBody::Kernels(ks.iter().map(resolve).collect()),
-        Lowering::Gemm { shape, gemv } => {
+        Lowering::Gemm {
+            shape,
+            kind,
+            kernel,
+        } => {
             if launch.workspace.is_none() {
                 launch.workspace = b.reserve_workspace(WORKSPACE_BYTES).unwrap();
             }
             LaunchBody::Gemm {
                 shape,
-                gemv: gemv.as_ref().map(resolve),
+                kind,
+                kernel: kernel.as_ref().map(resolve),
             }
         }
     };
@@ -139,9 +183,14 @@ pub fn body(launch: &Launch, pdl: bool) -> LaunchBody {
     match lowering {
         Lowering::Reference => LaunchBody::Reference,
         Lowering::Kernels(ks) => LaunchBody::Kernels(ks.iter().map(resolve).collect()),
-        Lowering::Gemm { shape, gemv } => LaunchBody::Gemm {
+        Lowering::Gemm {
             shape,
-            gemv: gemv.as_ref().map(resolve),
+            kind,
+            kernel,
+        } => LaunchBody::Gemm {
+            shape,
+            kind,
+            kernel: kernel.as_ref().map(resolve),
         },
     }
 }
