@@ -126,8 +126,12 @@ if [[ " $stages " == *" oracle "* ]]; then
 fi
 
 if [[ " $stages " == *" serve "* && -n "$last" ]]; then
-  plan=/tmp/plans-$last/qwen3-0.6b.kiln
-  "$B/kiln" serve "$plan" --weights random --device cuda --port 18123 --model-name qwen3-shape \
+  plan=/tmp/plans-$last/qwen3-0.6b-serve.kiln
+  [[ -f "$plan" ]] || plan=/tmp/plans-$last/qwen3-0.6b.kiln
+  # The shaped model (header + sparse zero weights) with a synthetic
+  # tokenizer of its vocabulary size: the step's cost, not its text.
+  python3 "$root/scripts/make-shaped-model.py" qwen3-0.6b /tmp/shapes/qwen3-0.6b --tokenizer >> "$S" 2>&1
+  "$B/kiln" serve "$plan" --weights /tmp/shapes/qwen3-0.6b --device cuda --port 18123 --model-name qwen3-shape \
     > "$OUT/logs/serve.txt" 2>&1 &
   spid=$!
   for _ in $(seq 1 120); do
