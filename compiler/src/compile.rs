@@ -117,6 +117,14 @@ pub struct CompileOptions {
     /// tune`); without one the target's default rule decides
     /// (`kiln_kernels::gpu::default_gemm_kind`).
     pub tuning: Option<kiln_kernels::tuning::TuningTable>,
+    /// GPU targets: let the `fuse-matmul` pass fold RMSNorm prologues and
+    /// SiLU/GELU/residual epilogues into kiln's GEMV (`kiln compile
+    /// --fused-gemv`). Off by default on GPUs: measured on the H200
+    /// (bench/results/gpu-2026-12-01-s6/), the fused GEMV is slower than the
+    /// unfused ops at b1 on four of six shapes and 1.6-4.9x slower at b8, so
+    /// it stays opt-in until its kernels beat what they replace. The CPU
+    /// target always runs the pass (its reference is the unfused sequence).
+    pub fused_gemv: bool,
 }
 
 impl Default for CompileOptions {
@@ -131,6 +139,7 @@ impl Default for CompileOptions {
             passes: DEFAULT_PIPELINE.to_vec(),
             attn_target_blocks: kiln_kernels::gpu::ATTN_TARGET_BLOCKS,
             tuning: None,
+            fused_gemv: false,
         }
     }
 }
@@ -417,13 +426,19 @@ pub fn compile_traced<E: Display>(
 
     let mut graphs = Vec::with_capacity(keys.len());
     let mut stats = Vec::with_capacity(keys.len());
+    let pipeline: Vec<Pass> = opts
+        .passes
+        .iter()
+        .copied()
+        .filter(|p| *p != Pass::FuseMatMul || opts.fused_gemv || matches!(opts.target, Target::Cpu))
+        .collect();
     for &key in &keys {
         let g = trace(key, &kv).map_err(|e| CompileError::Trace {
             key,
             message: e.to_string(),
         })?;
         let (g, info, s) =
-            passes::run_pipeline_for(g, &mut manifest, &opts.passes, opts.verify, &opts.target)?;
+            passes::run_pipeline_for(g, &mut manifest, &pipeline, opts.verify, &opts.target)?;
         graphs.push((g, info));
         stats.push(s);
         progress(Stage::Passes, key);
@@ -610,6 +625,11 @@ pub struct CompileArgs {
     /// decides.
     #[arg(long)]
     pub tuning: Option<PathBuf>,
+    /// GPU targets: fold RMSNorm prologues and SiLU/GELU/residual epilogues
+    /// into kiln's GEMV (`fused_matmul`, T <= 8). Opt-in: on the H200 it is
+    /// not yet faster than the unfused ops (see `CompileOptions::fused_gemv`).
+    #[arg(long)]
+    pub fused_gemv: bool,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -644,6 +664,7 @@ impl CompileArgs {
             passes: DEFAULT_PIPELINE.to_vec(),
             attn_target_blocks: self.attn_target_blocks,
             tuning: None,
+            fused_gemv: self.fused_gemv,
         }
     }
 }

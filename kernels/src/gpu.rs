@@ -412,23 +412,16 @@ pub fn gemm_kind_applies(kind: GemmKind, target: &Target, g: &GemmCall) -> bool 
 
 /// The GEMM implementation a target uses without a tuning table:
 ///
-/// * CUDA sm_80 and later: `gemv` for one token, `skinny` for 2..=32
-///   tokens (tensor cores, each weight read once), `blas` above;
-/// * CUDA before sm_80 and HIP (where `skinny` is the portable FMA path):
-///   `gemv` up to 8 tokens, `blas` above;
-/// * any shape kiln's kernels do not take (f32, K not a multiple of 8):
-///   `blas`.
+/// `gemv` up to 8 tokens, `blas` above (and for any shape kiln's kernels
+/// do not take: f32, K not a multiple of 8), on every GPU target. The
+/// tensor-core `skinny` GEMM is chosen only by a tuning table: on the H200
+/// (bench/results/gpu-2026-12-01-s6/) it is correct but not yet faster than
+/// cuBLASLt at 32 tokens, so it does not become the default until it is.
 ///
 /// `kiln tune` measures the candidates per shape and `kiln compile
 /// --tuning` overrides this rule where a table entry is current.
 pub fn default_gemm_kind(target: &Target, g: &GemmCall) -> GemmKind {
-    let tensor_cores = matches!(target, Target::Cuda { sm } if *sm >= 80);
-    let order: &[GemmKind] = if tensor_cores && g.t >= 2 {
-        &[GemmKind::Skinny, GemmKind::Gemv]
-    } else {
-        &[GemmKind::Gemv]
-    };
-    order
+    [GemmKind::Gemv]
         .iter()
         .copied()
         .find(|&k| gemm_kind_applies(k, target, g))
@@ -2087,7 +2080,7 @@ mod tests {
     }
 
     #[test]
-    fn the_default_gemm_rule_is_gemv_then_skinny_then_blas_on_tensor_core_targets() {
+    fn the_default_gemm_rule_is_gemv_up_to_8_tokens_then_blas_on_every_gpu_target() {
         let sm90 = Target::Cuda { sm: 90 };
         let sm75 = Target::Cuda { sm: 75 };
         let hip = Target::Hip {
@@ -2095,15 +2088,14 @@ mod tests {
         };
         let k =
             |target: &Target, t: u32| default_gemm_kind(target, &shape(t, 2048, 1024, DType::BF16));
-        assert_eq!(k(&sm90, 1), GemmKind::Gemv);
-        for t in [2, 8, 9, 32] {
-            assert_eq!(k(&sm90, t), GemmKind::Skinny, "T = {t}");
+        for target in [&sm90, &sm75, &hip] {
+            for t in [1, 2, 8] {
+                assert_eq!(k(target, t), GemmKind::Gemv, "{target:?} T = {t}");
+            }
+            for t in [9, 32, 33] {
+                assert_eq!(k(target, t), GemmKind::Blas, "{target:?} T = {t}");
+            }
         }
-        assert_eq!(k(&sm90, 33), GemmKind::Blas);
-        assert_eq!(k(&sm75, 5), GemmKind::Gemv);
-        assert_eq!(k(&sm75, 9), GemmKind::Blas);
-        assert_eq!(k(&hip, 8), GemmKind::Gemv);
-        assert_eq!(k(&hip, 16), GemmKind::Blas);
         let f32 = shape(4, 2048, 1024, DType::F32);
         assert_eq!(default_gemm_kind(&sm90, &f32), GemmKind::Blas);
     }
@@ -2113,13 +2105,13 @@ mod tests {
         let mut opts = LowerOptions::for_target(&Target::Cuda { sm: 90 }, 1);
         let s5 = shape(5, 2048, 1024, DType::BF16);
         let s16 = shape(16, 2048, 1024, DType::BF16);
-        assert_eq!(choose_gemm(&s5, &opts), GemmKind::Skinny);
+        assert_eq!(choose_gemm(&s5, &opts), GemmKind::Gemv);
         opts.tuned.insert(s5, GemmKind::Blas);
         opts.tuned.insert(s16, GemmKind::Gemv); // gemv cannot run 16 tokens
         assert_eq!(choose_gemm(&s5, &opts), GemmKind::Blas);
-        assert_eq!(choose_gemm(&s16, &opts), GemmKind::Skinny);
+        assert_eq!(choose_gemm(&s16, &opts), GemmKind::Blas);
         let other = shape(5, 4096, 1024, DType::BF16);
-        assert_eq!(choose_gemm(&other, &opts), GemmKind::Skinny);
+        assert_eq!(choose_gemm(&other, &opts), GemmKind::Gemv);
     }
 
     #[test]
