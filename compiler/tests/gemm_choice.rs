@@ -68,7 +68,7 @@ fn entry(target: &str, shape: GemmShape, best: GemmKind, fingerprint: String) ->
 }
 
 #[test]
-fn without_a_table_the_default_rule_picks_gemv_up_to_8_tokens_then_blas() {
+fn without_a_table_the_default_rule_picks_gemv_for_one_token_then_blas() {
     let c = compile("cuda:sm_90", None);
     assert!(c.notes.is_empty(), "{:?}", c.notes);
     let g = gemms(&c.plan);
@@ -76,7 +76,7 @@ fn without_a_table_the_default_rule_picks_gemv_up_to_8_tokens_then_blas() {
     for (batch, shape, kind, module) in &g {
         assert_eq!(shape.t, *batch, "decode GEMMs have one row per sequence");
         let want = match shape.t {
-            1..=8 => GemmKind::Gemv,
+            1 => GemmKind::Gemv,
             _ => GemmKind::Blas,
         };
         assert_eq!(*kind, want, "{shape:?}");
@@ -126,7 +126,7 @@ fn a_current_table_entry_changes_the_choice_for_its_shape_only() {
 fn a_stale_or_foreign_entry_is_ignored_and_a_stale_one_is_noted() {
     let base = compile("cuda:sm_90", None);
     let (_, s3, k3, _) = *gemms(&base.plan).iter().find(|x| x.0 == 3).unwrap();
-    assert_eq!(k3, GemmKind::Gemv);
+    assert_eq!(k3, GemmKind::Blas);
     let mut t = TuningTable::new();
     t.record(entry(
         "cuda:sm_90",

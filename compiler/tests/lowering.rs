@@ -26,6 +26,9 @@ fn compile(
         // and GEMMs, so every lowering kind appears.
         keys: keys("b1q1s0,b3q1s0,b2q3s2,b12q1s0"),
         target: target.parse().unwrap(),
+        // The fused GEMV is opt-in on GPUs; on here so its launches are
+        // lowered and shown too.
+        fused_gemv: true,
         ..CompileOptions::default()
     };
     compile_traced(
@@ -183,7 +186,16 @@ fn attention_geometry_follows_the_compile_option() {
 fn a_gemm_records_its_kernel_with_the_weight_prefetch_flag() {
     let spec = SynthSpec::tiny(SynthFamily::Llama);
     let t = Target::Cuda { sm: 90 };
-    let kp = plan_one(&spec, t.clone(), LowerOptions::for_target(&t, 256));
+    // The default rule gives two tokens to cuBLASLt (no kiln kernel); a
+    // tuning choice of the skinny GEMM for every shape makes each GEMM
+    // record its launch.
+    let mut opts = LowerOptions::for_target(&t, 256);
+    for op in &plan_one(&spec, t.clone(), LowerOptions::for_target(&t, 256)).ops {
+        if let Lowering::Gemm { shape, .. } = &op.lowering {
+            opts.tuned.insert(*shape, kiln_ir::plan::GemmKind::Skinny);
+        }
+    }
+    let kp = plan_one(&spec, t.clone(), opts);
     let mut seen = 0;
     for op in &kp.ops {
         let Lowering::Gemm {
@@ -195,7 +207,7 @@ fn a_gemm_records_its_kernel_with_the_weight_prefetch_flag() {
             continue;
         };
         assert_eq!(shape.k, op.args[0].ty.shape.dims()[1]);
-        // Two tokens on sm_90: the default rule's tensor-core skinny GEMM.
+        // Two tokens on sm_90, tuned to the tensor-core skinny GEMM.
         assert_eq!(*kind, kiln_ir::plan::GemmKind::Skinny);
         let g = kernel.as_ref().expect("a skinny GEMM carries its launch");
         assert_eq!(g.module, "skinny");

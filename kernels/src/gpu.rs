@@ -412,20 +412,21 @@ pub fn gemm_kind_applies(kind: GemmKind, target: &Target, g: &GemmCall) -> bool 
 
 /// The GEMM implementation a target uses without a tuning table:
 ///
-/// `gemv` up to 8 tokens, `blas` above (and for any shape kiln's kernels
-/// do not take: f32, K not a multiple of 8), on every GPU target. The
-/// tensor-core `skinny` GEMM is chosen only by a tuning table: on the H200
-/// (bench/results/gpu-2026-12-01-s6/) it is correct but not yet faster than
-/// cuBLASLt at 32 tokens, so it does not become the default until it is.
+/// `gemv` for one token, `blas` above (and for any shape kiln's kernels do
+/// not take: f32, K not a multiple of 8), on every GPU target. Measured on
+/// the H200 (bench/results/gpu-2026-12-01-s6/): kiln's GEMV at 8 tokens is
+/// 1.3-2.7x slower per step than cuBLASLt, and the tensor-core `skinny`
+/// GEMM, correct, is not yet faster than cuBLASLt at 32 tokens; both are
+/// chosen only by a tuning table until they win.
 ///
 /// `kiln tune` measures the candidates per shape and `kiln compile
 /// --tuning` overrides this rule where a table entry is current.
 pub fn default_gemm_kind(target: &Target, g: &GemmCall) -> GemmKind {
-    [GemmKind::Gemv]
-        .iter()
-        .copied()
-        .find(|&k| gemm_kind_applies(k, target, g))
-        .unwrap_or(GemmKind::Blas)
+    if g.t == 1 && gemm_kind_applies(GemmKind::Gemv, target, g) {
+        GemmKind::Gemv
+    } else {
+        GemmKind::Blas
+    }
 }
 
 /// The implementation `opts` picks for `g`: a tuned entry when it applies,
@@ -2080,7 +2081,7 @@ mod tests {
     }
 
     #[test]
-    fn the_default_gemm_rule_is_gemv_up_to_8_tokens_then_blas_on_every_gpu_target() {
+    fn the_default_gemm_rule_is_gemv_for_one_token_then_blas_on_every_gpu_target() {
         let sm90 = Target::Cuda { sm: 90 };
         let sm75 = Target::Cuda { sm: 75 };
         let hip = Target::Hip {
@@ -2089,10 +2090,8 @@ mod tests {
         let k =
             |target: &Target, t: u32| default_gemm_kind(target, &shape(t, 2048, 1024, DType::BF16));
         for target in [&sm90, &sm75, &hip] {
-            for t in [1, 2, 8] {
-                assert_eq!(k(target, t), GemmKind::Gemv, "{target:?} T = {t}");
-            }
-            for t in [9, 32, 33] {
+            assert_eq!(k(target, 1), GemmKind::Gemv, "{target:?} T = 1");
+            for t in [2, 8, 9, 32, 33] {
                 assert_eq!(k(target, t), GemmKind::Blas, "{target:?} T = {t}");
             }
         }
@@ -2105,13 +2104,13 @@ mod tests {
         let mut opts = LowerOptions::for_target(&Target::Cuda { sm: 90 }, 1);
         let s5 = shape(5, 2048, 1024, DType::BF16);
         let s16 = shape(16, 2048, 1024, DType::BF16);
-        assert_eq!(choose_gemm(&s5, &opts), GemmKind::Gemv);
-        opts.tuned.insert(s5, GemmKind::Blas);
-        opts.tuned.insert(s16, GemmKind::Gemv); // gemv cannot run 16 tokens
         assert_eq!(choose_gemm(&s5, &opts), GemmKind::Blas);
+        opts.tuned.insert(s5, GemmKind::Gemv);
+        opts.tuned.insert(s16, GemmKind::Gemv); // gemv cannot run 16 tokens
+        assert_eq!(choose_gemm(&s5, &opts), GemmKind::Gemv);
         assert_eq!(choose_gemm(&s16, &opts), GemmKind::Blas);
         let other = shape(5, 4096, 1024, DType::BF16);
-        assert_eq!(choose_gemm(&other, &opts), GemmKind::Gemv);
+        assert_eq!(choose_gemm(&other, &opts), GemmKind::Blas);
     }
 
     #[test]
