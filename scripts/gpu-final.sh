@@ -72,7 +72,7 @@ if [[ " $stages " == *" bench "* ]]; then
     for v in $variants; do
       plan=/tmp/plans-$v/$m.kiln
       [[ -f "$plan" ]] || { echo "bench $v $m: no plan" >> "$S"; continue; }
-      timeout 150 "$B/kiln-$v" bench "$plan" --device cuda --steps 200 --context 512 \
+      timeout 150 "$B/kiln-$v" bench "$plan" --device cuda --steps 200 --context 512 ${KILN_BENCH_KEYS:+--keys $KILN_BENCH_KEYS} \
         --json "$OUT/logs/bench-$v-$m.json" > "$OUT/logs/bench-$v-$m.txt" 2>&1
       echo "bench $v $m: rc=$?" >> "$S"
     done
