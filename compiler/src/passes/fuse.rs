@@ -482,7 +482,9 @@ impl Fusable {
         match target {
             Target::Cpu => true,
             Target::Cuda { .. } | Target::Hip { .. } => {
-                kiln_kernels::gpu::fused_matmul_call(&self.op(), &tys, true).is_ok()
+                let tokens = tys.first().and_then(|x| x.shape.dims().first().copied());
+                tokens.is_some_and(|t| t <= GPU_FUSE_MAX_TOKENS)
+                    && kiln_kernels::gpu::fused_matmul_call(&self.op(), &tys, true).is_ok()
             }
         }
     }
@@ -495,6 +497,13 @@ impl Fusable {
         Ok(r[0])
     }
 }
+
+/// The most tokens a GPU key fuses its GEMVs for. The fused kernels run up
+/// to [`kiln_kernels::gpu::FUSED_MAX_TOKENS`], but measured on the H200
+/// (bench/results/gpu-2026-12-01-s7/) a fused T=8 GEMV is 2-4x slower per
+/// step than the unfused ops with cuBLASLt (the GEMV is ALU-bound at 8
+/// tokens), so only one-token keys fuse; larger keys keep cuBLASLt.
+pub(crate) const GPU_FUSE_MAX_TOKENS: u32 = 1;
 
 /// What [`fuse_matmul`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
