@@ -397,6 +397,7 @@ fn build_manifest(
             name: name.clone(),
             dtype: decoder::ACT,
             shape: shape.clone(),
+            storage: None,
             source: WeightSource::Tensor(TensorRef {
                 file: file.to_string(),
                 tensor: stored_as,

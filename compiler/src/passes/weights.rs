@@ -86,6 +86,7 @@ pub fn concat_rows(
         name: name.to_string(),
         dtype: first.dtype,
         shape: Shape(dims),
+        storage: None,
         source: WeightSource::ConcatRows(sources),
     };
     match manifest.get(name) {
