@@ -292,6 +292,36 @@ pub fn quantize_fp8_rows(w: &[f32], n: usize, k: usize) -> Vec<u8> {
     codes
 }
 
+/// A random but valid `[n, k]` tensor of `q` (uniform bytes with small
+/// finite f16 scales; FP8 from uniform values in ±0.05), deterministic in
+/// `seed`: random weights at real shapes for benchmarks and tests.
+pub fn random_tensor(q: QuantType, n: usize, k: usize, seed: u64) -> Vec<u8> {
+    let mut rng = kiln_ir::rng::SplitMix64::new(seed);
+    if q == QuantType::Fp8E4M3 {
+        let w: Vec<f32> = (0..n * k)
+            .map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1)
+            .collect();
+        return quantize_fp8_rows(&w, n, k);
+    }
+    let len = q.tensor_bytes(n, k).unwrap_or(0);
+    let mut out: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
+    let scale_at: &[usize] = match q {
+        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q5_0 => &[0],
+        QuantType::Q4_1 | QuantType::Q4K | QuantType::Q5K => &[0, 2],
+        QuantType::Q6K => &[208],
+        QuantType::Fp8E4M3 => &[],
+    };
+    for b in out.chunks_exact_mut(q.block_bytes()) {
+        for &at in scale_at {
+            let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+            let sign = if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 };
+            let v = f16::from_f64(sign * (2f64).powf(-10.0 + 6.0 * u));
+            b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
