@@ -109,7 +109,12 @@ pub fn region_size(plan: &Plan, kp: &KeyPlan, r: Region) -> Option<u64> {
             .entries
             .get(i as usize)
             // `validate` refuses sizes that overflow before any key.
-            .map(|e| dense_bytes(&e.shape, e.dtype).unwrap_or(u64::MAX)),
+            .map(|e| match e.storage {
+                // The stored bytes (`QuantType::tensor_bytes`); a shape whose
+                // rows are not whole blocks is no region at all.
+                Some(_) => dense_bytes(&e.shape, e.dtype).map_or(u64::MAX, |_| e.stored_bytes()),
+                None => dense_bytes(&e.shape, e.dtype).unwrap_or(u64::MAX),
+            }),
         Region::KCache(l) | Region::VCache(l) => {
             (l < plan.kv.layers).then(|| kv_cache_bytes(&plan.kv).unwrap_or(u64::MAX))
         }

@@ -124,7 +124,7 @@ fn stacked_matmul(
     let wnames: Vec<&str> = parts.iter().map(|p| p.weight.as_str()).collect();
     let wname = fused_name(&wnames, roles, fused_role);
     let w = concat_rows(manifest, &wname, &wnames)?;
-    let wv = ed.weight_value(&wname, TensorType::new(w.dtype, w.shape.clone()));
+    let wv = ed.weight_value(&wname, w.ty());
     let mut args = vec![first.x, wv];
     if first.bias.is_some() {
         let bnames: Vec<&str> = parts.iter().map(|p| p.bias.as_deref().unwrap()).collect();
