@@ -11,4 +11,5 @@ pub mod hip;
 pub mod image_cache;
 #[cfg(feature = "nvrtc")]
 pub mod nvrtc;
+pub mod quant_gpu;
 pub mod tuning;
