@@ -336,7 +336,11 @@ pub fn repack(q: QuantType, src: &[u8], n: u64, k: u64) -> Result<Vec<u8>, Quant
                             hb |= u32::from(cb >> 4) << (2 * i);
                         }
                         put(&mut out, (v0 + v) * 16, &bytes);
-                        put(&mut out, o2 + (v0 + v) * 2, &[sc[a0 / 16], sc[(a0 + 32) / 16]]);
+                        put(
+                            &mut out,
+                            o2 + (v0 + v) * 2,
+                            &[sc[a0 / 16], sc[(a0 + 32) / 16]],
+                        );
                         let mut h = [0u8; 8];
                         h[..4].copy_from_slice(&ha.to_le_bytes());
                         h[4..].copy_from_slice(&hb.to_le_bytes());
@@ -387,7 +391,8 @@ pub fn dequantize_repacked(
     let (nu, ku, nvu) = (n as usize, k as usize, (k / 32) as usize);
     let [o1, o2, o3] = l.offsets.map(|o| o as usize);
     let mut y = vec![0f32; nu * ku];
-    let u32_at = |at: usize| u32::from_le_bytes([data[at], data[at + 1], data[at + 2], data[at + 3]]);
+    let u32_at =
+        |at: usize| u32::from_le_bytes([data[at], data[at + 1], data[at + 2], data[at + 3]]);
     if q == QuantType::Fp8E4M3 {
         let s = row_scale
             .filter(|s| s.len() == nu)
@@ -449,7 +454,8 @@ pub fn dequantize_repacked(
                     }
                     QuantType::Q4K | QuantType::Q5K => {
                         let sbi = row * (ku / 256) + v / 8;
-                        let (d, dmin) = (f16_at(data, o1 + sbi * 4), f16_at(data, o1 + sbi * 4 + 2));
+                        let (d, dmin) =
+                            (f16_at(data, o1 + sbi * 4), f16_at(data, o1 + sbi * 4 + 2));
                         let s = &data[o2 + (row * (ku / 64) + v / 2) * 4..][..4];
                         if q == QuantType::Q5K {
                             let qh = u32_at(o3 + gv * 4);
@@ -629,7 +635,9 @@ pub fn lower_qgemv(
     match (q == QuantType::Fp8E4M3, bufs.scale) {
         (true, None) => return Err(refuse("FP8 needs its per-row f32 scales".into())),
         (false, Some(_)) => {
-            return Err(refuse("only FP8 weights take a per-row scale operand".into()))
+            return Err(refuse(
+                "only FP8 weights take a per-row scale operand".into(),
+            ))
         }
         (true, s) => need("the FP8 scales", s, n * 4)?,
         (false, None) => {}
@@ -724,7 +732,9 @@ pub fn lower_qgather(
             return Err(refuse(format!("the FP8 scales need {} bytes", n * 4)))
         }
         (false, Some(_)) => {
-            return Err(refuse("only FP8 weights take a per-row scale operand".into()))
+            return Err(refuse(
+                "only FP8 weights take a per-row scale operand".into(),
+            ))
         }
         _ => {}
     }
@@ -815,7 +825,10 @@ mod tests {
                     QuantType::Q6K => n * k / 256 * 2,
                     _ => 0,
                 };
-                assert!(l.total <= n * q.row_bytes(k) + extra + 48, "{q:?} [{n},{k}]");
+                assert!(
+                    l.total <= n * q.row_bytes(k) + extra + 48,
+                    "{q:?} [{n},{k}]"
+                );
                 assert!(l.total >= n * q.row_bytes(k), "{q:?} [{n},{k}]");
             }
         }
@@ -829,7 +842,14 @@ mod tests {
         assert!(layout(QuantType::Fp8E4M3, 4, 48).is_ok());
         assert!(layout(QuantType::Q8_0, 0, 32).is_err());
         let e = repack(QuantType::Q4_0, &[0u8; 35], 2, 32).unwrap_err();
-        assert!(matches!(e, QuantError::WrongLength { expected: 36, got: 35, .. }));
+        assert!(matches!(
+            e,
+            QuantError::WrongLength {
+                expected: 36,
+                got: 35,
+                ..
+            }
+        ));
         let mut fp8 = vec![0x38u8; 2 * 16];
         fp8[20] = 0xff;
         let e = repack(QuantType::Fp8E4M3, &fp8, 2, 16).unwrap_err();
@@ -887,7 +907,12 @@ mod tests {
     fn gemv_launches_pick_the_token_tile_and_loop_eight_tokens_at_a_time() {
         let (n, k) = (1000u64, 512u64);
         for q in QUANT_TYPES {
-            for (t, want) in [(1u64, vec!["t1"]), (3, vec!["t4"]), (8, vec!["t8"]), (19, vec!["t8", "t8", "t4"])] {
+            for (t, want) in [
+                (1u64, vec!["t1"]),
+                (3, vec!["t4"]),
+                (8, vec!["t8"]),
+                (19, vec!["t8", "t8", "t4"]),
+            ] {
                 let b = bufs(t, n, k, q);
                 let ls = lower_qgemv(q, n, k, t, DType::F32, &b, true, false).unwrap();
                 let entries: Vec<String> = ls.iter().map(|l| l.entry.clone()).collect();
@@ -899,11 +924,17 @@ mod tests {
                 for (i, l) in ls.iter().enumerate() {
                     assert!(entry_points().contains(&l.entry));
                     assert_eq!(l.grid, [63, 1, 1]);
-                    let LaunchParam::Buf(x) = l.params[0] else { panic!() };
+                    let LaunchParam::Buf(x) = l.params[0] else {
+                        panic!()
+                    };
                     assert_eq!(x.offset, 8 * i as u64 * k * 2, "x of launch {i}");
-                    let LaunchParam::Buf(o) = l.params[5] else { panic!() };
+                    let LaunchParam::Buf(o) = l.params[5] else {
+                        panic!()
+                    };
                     assert_eq!(o.offset, (1 << 28) + 8 * i as u64 * n * 4);
-                    let LaunchParam::I32(tok) = l.params[6] else { panic!() };
+                    let LaunchParam::I32(tok) = l.params[6] else {
+                        panic!()
+                    };
                     assert_eq!(tok as u64, (t - 8 * i as u64).min(8));
                     let lay = layout(q, n, k).unwrap();
                     assert_eq!(l.params[10], LaunchParam::I64(lay.offsets[0] as i64));
@@ -937,7 +968,16 @@ mod tests {
         assert!(e.contains("only FP8"), "{e}");
         let mut fp8 = bufs(1, n, k, QuantType::Fp8E4M3);
         fp8.scale = None;
-        let e = why(lower_qgemv(QuantType::Fp8E4M3, n, k, 1, DType::BF16, &fp8, true, false));
+        let e = why(lower_qgemv(
+            QuantType::Fp8E4M3,
+            n,
+            k,
+            1,
+            DType::BF16,
+            &fp8,
+            true,
+            false,
+        ));
         assert!(e.contains("per-row f32 scales"), "{e}");
         let e = why(lower_qgemv(q, n, k, 0, DType::BF16, &ok, true, false));
         assert!(e.contains("no tokens"), "{e}");
@@ -949,15 +989,42 @@ mod tests {
             let (n, k, t) = (50u64, 4096u64, 3u64);
             let w = buf(0, repacked_bytes(q, n, k).unwrap());
             let scale = (q == QuantType::Fp8E4M3).then(|| buf(1 << 20, n * 4));
-            let l = lower_qgather(q, n, k, t, buf(1 << 21, 12), w, scale, buf(1 << 22, t * k * 2), true)
-                .unwrap();
+            let l = lower_qgather(
+                q,
+                n,
+                k,
+                t,
+                buf(1 << 21, 12),
+                w,
+                scale,
+                buf(1 << 22, t * k * 2),
+                true,
+            )
+            .unwrap();
             assert!(entry_points().contains(&l.entry));
-            let epv = if matches!(q, QuantType::Q8_0 | QuantType::Fp8E4M3) { 16 } else { 32 };
-            assert_eq!(l.grid[0] as u64 * QGEMV_THREADS as u64, (k / epv).next_multiple_of(256));
+            let epv = if matches!(q, QuantType::Q8_0 | QuantType::Fp8E4M3) {
+                16
+            } else {
+                32
+            };
+            assert_eq!(
+                l.grid[0] as u64 * QGEMV_THREADS as u64,
+                (k / epv).next_multiple_of(256)
+            );
             assert_eq!(l.grid[1], 3);
-            let e = lower_qgather(q, n, k, t, buf(1 << 21, 8), w, scale, buf(1 << 22, t * k * 2), true)
-                .unwrap_err()
-                .to_string();
+            let e = lower_qgather(
+                q,
+                n,
+                k,
+                t,
+                buf(1 << 21, 8),
+                w,
+                scale,
+                buf(1 << 22, t * k * 2),
+                true,
+            )
+            .unwrap_err()
+            .to_string();
             assert!(e.contains("ids needs 12 bytes"), "{e}");
         }
     }

@@ -121,7 +121,9 @@ fn weight_as(
 }
 
 fn alloc_bytes(b: &mut CudaBackend, bytes: &[u8], ty: TensorType) -> DevOperand {
-    let p = b.alloc(bytes.len() as u64, "test quantized weight").unwrap();
+    let p = b
+        .alloc(bytes.len() as u64, "test quantized weight")
+        .unwrap();
     b.upload(p, bytes).unwrap();
     DevOperand { ptr: p, ty }
 }
@@ -296,7 +298,11 @@ fn quantized_gemv_matches_the_decoded_weight_for_every_type_at_awkward_sizes() {
             for n in [5u64, 37, 1000] {
                 let w = weight(&mut b, q, n, k, 1000 + 10 * qi as u64 + ki as u64);
                 for (ti, t) in [1u64, 3, 8, 11].into_iter().enumerate() {
-                    let out = if (ti + ki) % 2 == 0 { DType::BF16 } else { DType::F32 };
+                    let out = if (ti + ki) % 2 == 0 {
+                        DType::BF16
+                    } else {
+                        DType::F32
+                    };
                     let bias = (n + t) % 2 == 1;
                     let residual = out == DType::BF16 && ti == 1;
                     let c = gemv_case(&mut b, &mut r, &w, t, out, bias, residual);
@@ -306,7 +312,9 @@ fn quantized_gemv_matches_the_decoded_weight_for_every_type_at_awkward_sizes() {
                     let x = download(&mut b, &c.x);
                     let got = download(&mut b, &c.out);
                     check_gemv(
-                        &format!("{q:?} [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"),
+                        &format!(
+                            "{q:?} [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"
+                        ),
                         &w,
                         &c,
                         &x,
@@ -337,7 +345,12 @@ fn quantized_gemv_under_capture_and_replay_follows_changing_inputs() {
         let graph = b.end_capture().unwrap();
         let before = b.counters().graphs.replays();
         for step in 0..4 {
-            let x = HT::random(&mut r, DType::BF16, &[t as u32, k as u32], 1.0 + step as f32);
+            let x = HT::random(
+                &mut r,
+                DType::BF16,
+                &[t as u32, k as u32],
+                1.0 + step as f32,
+            );
             b.upload(c.x.ptr, &x.bytes()).unwrap();
             b.upload(c.out.ptr, &vec![0xff; c.out.ty.size_bytes() as usize])
                 .unwrap();
@@ -351,7 +364,11 @@ fn quantized_gemv_under_capture_and_replay_follows_changing_inputs() {
     }
 }
 
-fn gather_launch(b: &mut CudaBackend, w: &DevWeight, ids: &[i32]) -> (Launch, DevOperand, DevOperand) {
+fn gather_launch(
+    b: &mut CudaBackend,
+    w: &DevWeight,
+    ids: &[i32],
+) -> (Launch, DevOperand, DevOperand) {
     let idh = HT::ints(&[ids.len() as u32], ids.to_vec());
     let dids = put(b, &idh);
     let out = poisoned(
@@ -387,7 +404,10 @@ fn check_gather(what: &str, w: &DevWeight, ids: &[i32], got: &HT) {
                 0.0
             };
             let g = got.f[t * k + e];
-            assert!(g == want, "{what}: out[{t}, {e}] (id {id}) = {g}, want {want}");
+            assert!(
+                g == want,
+                "{what}: out[{t}, {e}] (id {id}) = {g}, want {want}"
+            );
         }
     }
 }

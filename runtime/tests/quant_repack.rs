@@ -82,6 +82,10 @@ fn a_changed_source_byte_changes_the_repacked_decoding() {
         src[at] ^= 0x11;
         let after = dequantize_repacked(q, &repack(q, &src, 1, k).unwrap(), None, 1, k).unwrap();
         assert_ne!(before, after, "{q:?}");
-        assert_eq!(after, dequantize(ggml(q), &src, k as usize).unwrap(), "{q:?}");
+        assert_eq!(
+            after,
+            dequantize(ggml(q), &src, k as usize).unwrap(),
+            "{q:?}"
+        );
     }
 }
