@@ -48,7 +48,7 @@ pub struct GpuModule {
 }
 
 /// Every module, in a fixed order.
-pub const MODULES: [GpuModule; 7] = [
+pub const MODULES: [GpuModule; 8] = [
     GpuModule {
         name: "norm",
         file: "norm.cu",
@@ -83,6 +83,12 @@ pub const MODULES: [GpuModule; 7] = [
         name: "skinny",
         file: "skinny.cu",
         raw_source: include_str!("../gpu/skinny.cu"),
+    },
+    // Quantized GEMV and row gather (crate::quant_gpu lowers them).
+    GpuModule {
+        name: crate::quant_gpu::MODULE,
+        file: "qgemv.cu",
+        raw_source: include_str!("../gpu/qgemv.cu"),
     },
 ];
 
@@ -535,6 +541,7 @@ pub fn entry_points(module: &str) -> Vec<String> {
             v.push("accept_greedy".into());
             per_float(&mut v, &["sample"]);
         }
+        crate::quant_gpu::MODULE => v = crate::quant_gpu::entry_points(),
         _ => {}
     }
     v

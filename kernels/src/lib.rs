@@ -12,4 +12,5 @@ pub mod image_cache;
 #[cfg(feature = "nvrtc")]
 pub mod nvrtc;
 pub mod quant;
+pub mod quant_gpu;
 pub mod tuning;

@@ -1,0 +1,405 @@
+// Quantized GEMV for decode: y[t, n] = sum_k x[t, k] * W[n, k] (+ bias[n])
+// (+ residual[t, n]) for T <= 8 tokens, with W kept compressed in device
+// memory (GGUF Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K, or FP8 e4m3 with a
+// per-row f32 scale) and dequantized in registers; x bf16 [T, K], y bf16 or
+// f32, f32 accumulation. Plus the quantized row gather (embedding lookup).
+//
+// At batch 1 a GEMV is a pass over the weight bytes, so the kernel streams
+// them once, in 16-byte loads, with several loads in flight per lane: one
+// warp owns QROWS weight rows, each lane takes every 32nd 16-byte "vector"
+// of a row (QUNROLL vectors per row in flight), decodes it to f32 codes
+// once and multiplies it by the T token rows of x (small, cache resident).
+//
+// ---- Repacked weight layout (written by kiln_kernels::quant_gpu::repack) ----
+//
+// The buffer holds up to four planar regions, each row-major over the N
+// rows and starting 16-byte aligned; region 0 starts at byte 0, the others
+// at the byte offsets off1, off2, off3 the launch passes (the Rust layout
+// is the only place that computes them). V = K/32 vectors per row for the
+// 4/5/6-bit types; a vector is 16 bytes of nibbles: byte i holds element
+// A_i in its low nibble and B_i in its high nibble, where
+//   Q4_0, Q4_1, Q5_0 (group v):   A_i = 32v + i,              B_i = A_i + 16
+//   Q4_K, Q5_K, Q6_K:             A_i = 64(v/2) + 16(v%2) + i, B_i = A_i + 32
+// (for Q4_K / Q5_K this is ggml's own byte order of qs). Per type:
+//   Q8_0  R0 i8 [N][K]; R1 f16 d [N][K/32].         w = d*q   (16 elements a vector)
+//   Q4_0  R0 nibbles [N][V][16]; R1 f16 d [N][V].    w = d*(q-8)
+//   Q4_1  R0 nibbles; R1 (f16 d, f16 m) [N][V].      w = d*q + m
+//   Q5_0  R0 nibbles; R1 f16 d [N][V]; R2 u32 qh [N][V] (bit i: 5th bit of
+//         A_i, bit 16+i: of B_i, ggml's qh as is).    w = d*(q-16)
+//   Q4_K  R0 nibbles; R1 (f16 d, f16 dmin) [N][K/256]; R2 [N][K/64] u32 of
+//         bytes (sc_A, m_A, sc_B, m_B): the 6-bit scales and mins unpacked,
+//         sub-blocks 2j and 2j+1 of chunk j = v/2.   w = d*sc*q - dmin*m
+//   Q5_K  as Q4_K, plus R3 u32 qh [N][V] (bit i: 5th bit of A_i, bit 16+i:
+//         of B_i).                                   w = d*sc*q - dmin*m
+//   Q6_K  R0 nibbles (low 4 bits of the 6-bit codes); R1 f16 d [N][K/256];
+//         R2 [N][V] two i8 scales (of A's and B's 16-element sub-block);
+//         R3 [N][V] two u32: bits 2i..2i+1 the high 2 bits of A_i (word 0)
+//         and of B_i (word 1).                       w = d*sc*(q-32)
+//   FP8   R0 e4m3 [N][K] (16 elements a vector); the f32 per-row scale is a
+//         separate [N] buffer (`scale`).              w = scale[n]*e4m3
+// Requires K % 32 == 0 (Q8_0 and the 32-blocks), K % 256 == 0 (K-quants),
+// K % 16 == 0 (FP8), 16-byte aligned x and W (the lowering checks).
+//
+// Entry points (one per type S, token tile TT in 1, 2, 4, 8 and output OS in
+// bf16, f32): qgemv_S_tTT_bf16_OS and qgather_S_bf16, with S one of
+// qgemv_q8_0_, qgemv_q4_0_, qgemv_q4_1_, qgemv_q5_0_, qgemv_q4k_, qgemv_q5k_,
+// qgemv_q6k_, qgemv_fp8_ (and qgather_q8_0_, qgather_q4_0_, qgather_q4_1_,
+// qgather_q5_0_, qgather_q4k_, qgather_q5k_, qgather_q6k_, qgather_fp8_).
+//
+// Numerics: every weight value is formed as the reference dequantizer forms
+// it only in the gather (bitwise, no contraction); the GEMV factors the
+// scales out of each vector's dot product (d * sum(x q) + m * sum(x)), so it
+// differs from "dequantize, then multiply" by f32 reordering only. The result
+// is rounded once, after the bias; with a residual, the rounded product plus
+// the residual is rounded again (the unfused sequence's rounding points).
+//
+// PDL: the first weight vectors (never written by another kernel) may be
+// loaded before KILN_PROLOGUE() when w_const; x, bias, residual, scale, ids
+// and out are touched only after it.
+#include "kiln_port.h"
+
+#define KILN_QWARPS 8
+#define KILN_QROWS 2
+#define KILN_QUNROLL 4
+
+#define KQ_Q8_0 0
+#define KQ_Q4_0 1
+#define KQ_Q4_1 2
+#define KQ_Q5_0 3
+#define KQ_Q4K 4
+#define KQ_Q5K 5
+#define KQ_Q6K 6
+#define KQ_FP8 7
+
+// Elements per 16-byte vector.
+template <int Q> struct QElems {
+  static constexpr int n = (Q == KQ_Q8_0 || Q == KQ_FP8) ? 16 : 32;
+};
+// The type's weights have a min (w = d*q + m): the dot product then needs
+// sum(x) per vector half.
+template <int Q> struct QHasMin {
+  static constexpr bool v = Q == KQ_Q4_1 || Q == KQ_Q4K || Q == KQ_Q5K;
+};
+
+// The small per-vector metadata words (scales, fifth/sixth bits).
+struct QMeta {
+  unsigned int m0, m1, m2, m3;
+};
+
+KILN_DEV float q_f16(unsigned int bits) {
+  kf16 h;
+  h.bits = (unsigned short)(bits & 0xffffu);
+  return ld(h);
+}
+
+// A small integer as f32 minus `off`, without an int->float conversion:
+// 0x4B000000 | c is the float 2^23 + c (c < 2^23).
+KILN_DEV float q_code(unsigned int c, float off) {
+  return __uint_as_float(0x4B000000u | c) - (8388608.0f + off);
+}
+
+// e4m3 (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinity)
+// as f32: the bits moved into an f32's place, times 2^120 to rebias, which
+// also gets the subnormals right. NaN codes are refused at repack.
+KILN_DEV float q_e4m3(unsigned int b) {
+  const unsigned int u = ((b & 0x7fu) << 20) | ((b & 0x80u) << 24);
+  return __uint_as_float(u) * 1.329227995784916e36f;  // 2^120
+}
+
+template <int Q>
+KILN_DEV QMeta q_meta(const unsigned char* __restrict__ w, i64 row, int v, int k, i64 off1,
+                      i64 off2, i64 off3) {
+  QMeta m = {0u, 0u, 0u, 0u};
+  const i64 nv = k / 32;  // 32-element vectors / groups per row
+  const i64 gv = row * nv + v;
+  if (Q == KQ_Q8_0) {
+    m.m0 = reinterpret_cast<const unsigned short*>(w + off1)[row * nv + v / 2];
+  } else if (Q == KQ_Q4_0) {
+    m.m0 = reinterpret_cast<const unsigned short*>(w + off1)[gv];
+  } else if (Q == KQ_Q4_1) {
+    m.m0 = reinterpret_cast<const unsigned int*>(w + off1)[gv];
+  } else if (Q == KQ_Q5_0) {
+    m.m0 = reinterpret_cast<const unsigned short*>(w + off1)[gv];
+    m.m2 = reinterpret_cast<const unsigned int*>(w + off2)[gv];
+  } else if (Q == KQ_Q4K || Q == KQ_Q5K) {
+    m.m0 = reinterpret_cast<const unsigned int*>(w + off1)[row * (k / 256) + v / 8];
+    m.m1 = reinterpret_cast<const unsigned int*>(w + off2)[row * (k / 64) + v / 2];
+    if (Q == KQ_Q5K) m.m2 = reinterpret_cast<const unsigned int*>(w + off3)[gv];
+  } else if (Q == KQ_Q6K) {
+    m.m0 = reinterpret_cast<const unsigned short*>(w + off1)[row * (k / 256) + v / 8];
+    m.m1 = reinterpret_cast<const unsigned short*>(w + off2)[gv];
+    const uint2 h = reinterpret_cast<const uint2*>(w + off3)[gv];
+    m.m2 = h.x;
+    m.m3 = h.y;
+  }
+  return m;
+}
+
+// Decodes one vector: a[i] (and b[i] for the 32-element types) are the codes
+// with the type's offset removed; the weight is da*a[i] + ma (db*b[i] + mb).
+template <int Q>
+KILN_DEV void q_decode(uint4 q, QMeta m, float* a, float* b, float& da, float& ma, float& db,
+                       float& mb) {
+  const unsigned int wd[4] = {q.x, q.y, q.z, q.w};
+  if (Q == KQ_Q8_0 || Q == KQ_FP8) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const unsigned int byte = (wd[i / 4] >> (8 * (i % 4))) & 0xffu;
+      a[i] = Q == KQ_Q8_0 ? q_code(byte ^ 0x80u, 128.0f) : q_e4m3(byte);
+    }
+    da = Q == KQ_Q8_0 ? q_f16(m.m0) : 1.0f;
+    ma = 0.0f;
+    db = 0.0f;
+    mb = 0.0f;
+    return;
+  }
+  const float off = (Q == KQ_Q4_0) ? 8.0f : (Q == KQ_Q5_0) ? 16.0f : (Q == KQ_Q6K) ? 32.0f : 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const unsigned int byte = (wd[i / 4] >> (8 * (i % 4))) & 0xffu;
+    unsigned int ca = byte & 0x0fu;
+    unsigned int cb = byte >> 4;
+    if (Q == KQ_Q5_0 || Q == KQ_Q5K) {
+      ca |= ((m.m2 >> i) & 1u) << 4;
+      cb |= ((m.m2 >> (16 + i)) & 1u) << 4;
+    } else if (Q == KQ_Q6K) {
+      ca |= ((m.m2 >> (2 * i)) & 3u) << 4;
+      cb |= ((m.m3 >> (2 * i)) & 3u) << 4;
+    }
+    a[i] = q_code(ca, off);
+    b[i] = q_code(cb, off);
+  }
+  if (Q == KQ_Q4_0 || Q == KQ_Q5_0) {
+    da = db = q_f16(m.m0);
+    ma = mb = 0.0f;
+  } else if (Q == KQ_Q4_1) {
+    da = db = q_f16(m.m0);
+    ma = mb = q_f16(m.m0 >> 16);
+  } else if (Q == KQ_Q4K || Q == KQ_Q5K) {
+    const float d = q_f16(m.m0), dmin = q_f16(m.m0 >> 16);
+    da = __fmul_rn(d, (float)(m.m1 & 0xffu));
+    ma = -__fmul_rn(dmin, (float)((m.m1 >> 8) & 0xffu));
+    db = __fmul_rn(d, (float)((m.m1 >> 16) & 0xffu));
+    mb = -__fmul_rn(dmin, (float)(m.m1 >> 24));
+  } else if (Q == KQ_Q6K) {
+    const float d = q_f16(m.m0);
+    da = __fmul_rn(d, (float)(signed char)(m.m1 & 0xffu));
+    db = __fmul_rn(d, (float)(signed char)((m.m1 >> 8) & 0xffu));
+    ma = mb = 0.0f;
+  }
+}
+
+// First x element of vector v's A and B halves.
+template <int Q> KILN_DEV int q_xa(int v) {
+  if (QElems<Q>::n == 16) return 16 * v;
+  if (Q == KQ_Q4K || Q == KQ_Q5K || Q == KQ_Q6K) return 64 * (v / 2) + 16 * (v % 2);
+  return 32 * v;
+}
+template <int Q> KILN_DEV int q_xb_gap() {
+  return (Q == KQ_Q4K || Q == KQ_Q5K || Q == KQ_Q6K) ? 32 : 16;
+}
+
+// 16 bf16 values of x (two 16-byte loads) as f32.
+KILN_DEV void q_x16(const kbf16* __restrict__ x, i64 at, float* o) {
+  const uint4* p = reinterpret_cast<const uint4*>(x + at);
+  unpack8(p[0], x, o);
+  unpack8(p[1], x, o + 8);
+}
+
+template <int Q, typename O, int TT>
+KILN_DEV void qgemv_rows(const kbf16* __restrict__ x, const unsigned char* __restrict__ w,
+                         const float* __restrict__ scale, const kbf16* __restrict__ bias,
+                         const kbf16* __restrict__ res, O* __restrict__ out, int tokens, int n,
+                         int k, int w_const, i64 off1, i64 off2, i64 off3) {
+  constexpr int EPV = QElems<Q>::n;
+  const int lane = threadIdx.x % KILN_WARP;
+  const int warp = threadIdx.x / KILN_WARP;
+  const i64 row0 = ((i64)blockIdx.x * KILN_QWARPS + warp) * KILN_QROWS;
+  const int nv = k / EPV;  // 16-byte vectors per row
+  i64 rows[KILN_QROWS];
+  const uint4* wv[KILN_QROWS];
+#pragma unroll
+  for (int r = 0; r < KILN_QROWS; ++r) {
+    // A warp past the last row re-reads a live row (its results are
+    // dropped), so every warp reaches the dependency wait.
+    rows[r] = row0 + r < n ? row0 + r : (row0 < n ? row0 : 0);
+    wv[r] = reinterpret_cast<const uint4*>(w) + rows[r] * nv;
+  }
+  float acc[KILN_QROWS][TT];
+#pragma unroll
+  for (int r = 0; r < KILN_QROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
+
+  uint4 qr[KILN_QROWS][KILN_QUNROLL];
+  QMeta mr[KILN_QROWS][KILN_QUNROLL];
+  int c = lane;
+  // Weight vectors only (never written by another kernel) before the wait.
+  if (w_const) {
+#pragma unroll
+    for (int r = 0; r < KILN_QROWS; ++r)
+#pragma unroll
+      for (int u = 0; u < KILN_QUNROLL; ++u) {
+        const int cc = c + u * KILN_WARP;
+        if (cc < nv) qr[r][u] = wv[r][cc];
+      }
+  }
+  KILN_PROLOGUE();
+  if (row0 >= n) return;
+  bool first = true;
+  for (; c < nv; c += KILN_QUNROLL * KILN_WARP) {
+    if (!first || !w_const) {
+#pragma unroll
+      for (int r = 0; r < KILN_QROWS; ++r)
+#pragma unroll
+        for (int u = 0; u < KILN_QUNROLL; ++u) {
+          const int cc = c + u * KILN_WARP;
+          if (cc < nv) qr[r][u] = wv[r][cc];
+        }
+    }
+    first = false;
+#pragma unroll
+    for (int r = 0; r < KILN_QROWS; ++r)
+#pragma unroll
+      for (int u = 0; u < KILN_QUNROLL; ++u) {
+        const int cc = c + u * KILN_WARP;
+        if (cc < nv) mr[r][u] = q_meta<Q>(w, rows[r], cc, k, off1, off2, off3);
+      }
+#pragma unroll
+    for (int u = 0; u < KILN_QUNROLL; ++u) {
+      const int cc = c + u * KILN_WARP;
+      if (cc >= nv) break;
+      const int xa = q_xa<Q>(cc);
+      float a[KILN_QROWS][16], b[KILN_QROWS][16];
+      float da[KILN_QROWS], ma[KILN_QROWS], db[KILN_QROWS], mb[KILN_QROWS];
+#pragma unroll
+      for (int r = 0; r < KILN_QROWS; ++r)
+        q_decode<Q>(qr[r][u], mr[r][u], a[r], b[r], da[r], ma[r], db[r], mb[r]);
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        if (t < tokens) {
+          float xf[16];
+          q_x16(x, (i64)t * k + xa, xf);
+          float sx = 0.0f;
+          if (QHasMin<Q>::v) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) sx += xf[i];
+          }
+#pragma unroll
+          for (int r = 0; r < KILN_QROWS; ++r) {
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) s += xf[i] * a[r][i];
+            acc[r][t] += da[r] * s;
+            if (QHasMin<Q>::v) acc[r][t] += ma[r] * sx;
+          }
+          if (EPV == 32) {
+            q_x16(x, (i64)t * k + xa + q_xb_gap<Q>(), xf);
+            float sy = 0.0f;
+            if (QHasMin<Q>::v) {
+#pragma unroll
+              for (int i = 0; i < 16; ++i) sy += xf[i];
+            }
+#pragma unroll
+            for (int r = 0; r < KILN_QROWS; ++r) {
+              float s = 0.0f;
+#pragma unroll
+              for (int i = 0; i < 16; ++i) s += xf[i] * b[r][i];
+              acc[r][t] += db[r] * s;
+              if (QHasMin<Q>::v) acc[r][t] += mb[r] * sy;
+            }
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < KILN_QROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[r][t] = warp_sum(acc[r][t]);
+  if (lane != 0) return;
+#pragma unroll
+  for (int r = 0; r < KILN_QROWS; ++r) {
+    const i64 row = row0 + r;
+    if (row >= n) continue;
+    const float sc = Q == KQ_FP8 ? scale[row] : 1.0f;
+    const float bv = bias ? ld(bias[row]) : 0.0f;
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      if (t < tokens) {
+        float y = acc[r][t] * sc + bv;
+        if (res) y = round_to<kbf16>(y) + ld(res[(i64)t * n + row]);
+        out[(i64)t * n + row] = st<O>(y);
+      }
+    }
+  }
+}
+
+// One thread per 16-byte vector of token t's row ids[t]; an id outside
+// [0, n) gives a zero row (as the bf16 embedding kernel does). Each weight is
+// formed exactly as the reference dequantizer forms it (no contraction),
+// then rounded to bf16 once.
+template <int Q>
+KILN_DEV void qgather_row(const int* __restrict__ ids, const unsigned char* __restrict__ w,
+                          const float* __restrict__ scale, kbf16* __restrict__ out, int n, int k,
+                          i64 off1, i64 off2, i64 off3) {
+  constexpr int EPV = QElems<Q>::n;
+  KILN_PROLOGUE();
+  const int t = blockIdx.y;
+  const int nv = k / EPV;
+  const int v = blockIdx.x * blockDim.x + threadIdx.x;
+  if (v >= nv) return;
+  const int id = ids[t];
+  const int xa = q_xa<Q>(v);
+  kbf16* o = out + (i64)t * k;
+  if (id < 0 || id >= n) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) o[xa + i] = st<kbf16>(0.0f);
+    if (EPV == 32) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) o[xa + q_xb_gap<Q>() + i] = st<kbf16>(0.0f);
+    }
+    return;
+  }
+  const uint4 q = (reinterpret_cast<const uint4*>(w) + (i64)id * nv)[v];
+  const QMeta m = q_meta<Q>(w, id, v, k, off1, off2, off3);
+  float a[16], b[16], da, ma, db, mb;
+  q_decode<Q>(q, m, a, b, da, ma, db, mb);
+  const float sc = Q == KQ_FP8 ? scale[id] : 1.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float y = Q == KQ_FP8 ? __fmul_rn(a[i], sc) : __fadd_rn(__fmul_rn(da, a[i]), ma);
+    o[xa + i] = st<kbf16>(y);
+  }
+  if (EPV == 32) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      o[xa + q_xb_gap<Q>() + i] = st<kbf16>(__fadd_rn(__fmul_rn(db, b[i]), mb));
+  }
+}
+
+#define KILN_QGEMV(S, Q, O, OS, TT)                                                            \
+  KILN_GLOBAL void __launch_bounds__(KILN_QWARPS * KILN_WARP)                                  \
+      qgemv_##S##_t##TT##_bf16_##OS(const kbf16* x, const unsigned char* w, const float* scale, \
+                                    const kbf16* bias, const kbf16* res, O* out, int tokens,    \
+                                    int n, int k, int w_const, i64 off1, i64 off2, i64 off3) {  \
+    qgemv_rows<Q, O, TT>(x, w, scale, bias, res, out, tokens, n, k, w_const, off1, off2, off3); \
+  }
+#define KILN_QGEMV_TOKENS(S, Q, O, OS)                                                         \
+  KILN_QGEMV(S, Q, O, OS, 1) KILN_QGEMV(S, Q, O, OS, 2) KILN_QGEMV(S, Q, O, OS, 4)            \
+      KILN_QGEMV(S, Q, O, OS, 8)
+#define KILN_QTYPE(S, Q)                                                                       \
+  KILN_QGEMV_TOKENS(S, Q, kbf16, bf16)                                                         \
+  KILN_QGEMV_TOKENS(S, Q, float, f32)                                                          \
+  KILN_GLOBAL void qgather_##S##_bf16(const int* ids, const unsigned char* w, const float* scale, \
+                                      kbf16* out, int n, int k, i64 off1, i64 off2, i64 off3) { \
+    qgather_row<Q>(ids, w, scale, out, n, k, off1, off2, off3);                                \
+  }
+KILN_QTYPE(q8_0, KQ_Q8_0)
+KILN_QTYPE(q4_0, KQ_Q4_0)
+KILN_QTYPE(q4_1, KQ_Q4_1)
+KILN_QTYPE(q5_0, KQ_Q5_0)
+KILN_QTYPE(q4k, KQ_Q4K)
+KILN_QTYPE(q5k, KQ_Q5K)
+KILN_QTYPE(q6k, KQ_Q6K)
+KILN_QTYPE(fp8, KQ_FP8)

@@ -1,0 +1,1031 @@
+//! Quantized weights on GPUs: the repacked layout the `qgemv` module's
+//! kernels read (`kernels/gpu/qgemv.cu`), the repack from GGUF's block
+//! layout into it, a host decoder of it, and the launches of the quantized
+//! GEMV and row gather.
+//!
+//! Why a repack: GGUF blocks interleave scales with quants (Q8_0's 34-byte
+//! blocks are not even 16-byte aligned), and the K-quants pack their
+//! sub-block scales in 6 bits. The kernels want every row's quants as one
+//! contiguous stream of 16-byte vectors and the few bytes of scales beside
+//! it, so each lane issues one 16-byte load per 32 weights (16 for Q8_0 and
+//! FP8) and a small, coalesced scale load. The layout, per type:
+//!
+//! * every region is row-major over the N rows and starts 16-byte aligned;
+//!   region 0 (the quants) at byte 0, the others at [`QLayout::offsets`];
+//! * V = K/32 vectors per row for the 4/5/6-bit types; a vector is 16 bytes,
+//!   byte `i` holding element `A_i` in its low nibble and `B_i` in its high
+//!   one, with `A_i = 32v + i, B_i = A_i + 16` (Q4_0, Q4_1, Q5_0: ggml's
+//!   own bytes) or `A_i = 64(v/2) + 16(v%2) + i, B_i = A_i + 32` (Q4_K, Q5_K:
+//!   ggml's own bytes; Q6_K: the low 4 bits of its codes moved there);
+//! * Q8_0: i8 `[N][K]`, f16 `d` `[N][K/32]`;
+//! * Q4_0: nibbles, f16 `d` `[N][V]`; Q4_1: nibbles, f16 `(d, m)` `[N][V]`;
+//! * Q5_0: nibbles, f16 `d` `[N][V]`, u32 `qh` `[N][V]` (ggml's);
+//! * Q4_K: nibbles, f16 `(d, dmin)` `[N][K/256]`, bytes `(sc_A, m_A, sc_B,
+//!   m_B)` `[N][K/64]` (the 6-bit scales and mins unpacked); Q5_K adds u32
+//!   fifth bits `[N][V]` (bit `i` of `A_i`, bit `16+i` of `B_i`);
+//! * Q6_K: nibbles, f16 `d` `[N][K/256]`, i8 `(sc_A, sc_B)` `[N][V]`, two
+//!   u32 of high 2-bit pairs `[N][V]` (bits `2i..2i+1`: `A_i`, then `B_i`);
+//! * FP8 e4m3: the `[N][K]` bytes as stored (already a coalesced stream);
+//!   its f32 per-row scale stays a separate `[N]` buffer.
+//!
+//! Repacked bytes exceed the GGUF bytes by at most the 16-byte padding of
+//! three region starts, except Q4_K/Q5_K (+4 bytes per 256 weights: the
+//! unpacked scales) and Q6_K (+2 per 256).
+//!
+//! [`dequantize_repacked`] decodes the layout on the host with the
+//! reference dequantizer's arithmetic, so tests compare it bitwise with
+//! GGUF's own decoding and use it as the kernels' reference.
+//!
+//! Deliberately not here: the IR op and the planner's sizing (they call
+//! [`repacked_bytes`] and [`lower_qgemv`] / [`lower_qgather`]), CPU kernels
+//! (`crate::cpu`), and GEMMs over more than 8 tokens: [`lower_qgemv`] runs
+//! them as one launch of the 8-token kernel per 8 rows of x (weights read
+//! once per 8 tokens), never through cuBLASLt on dequantized weights.
+
+use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam};
+use kiln_ir::DType;
+
+// replaced by kiln_ir::types::QuantType at merge (q1's IR change): the same
+// variants, `block_elems`, `block_bytes` and `row_bytes`.
+/// How a quantized weight is stored.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantType {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q4K,
+    Q5K,
+    Q6K,
+    Fp8E4M3,
+}
+
+// replaced by kiln_ir::types::QuantType at merge
+impl QuantType {
+    /// Elements per block.
+    pub fn block_elems(self) -> u64 {
+        match self {
+            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 => 32,
+            QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => 256,
+            QuantType::Fp8E4M3 => 1,
+        }
+    }
+    /// Bytes per block (ggml's layout; FP8: one byte per weight).
+    pub fn block_bytes(self) -> u64 {
+        match self {
+            QuantType::Q8_0 => 34,
+            QuantType::Q4_0 => 18,
+            QuantType::Q4_1 => 20,
+            QuantType::Q5_0 => 22,
+            QuantType::Q4K => 144,
+            QuantType::Q5K => 176,
+            QuantType::Q6K => 210,
+            QuantType::Fp8E4M3 => 1,
+        }
+    }
+    /// Bytes of one row of `k` weights (`k` a multiple of the block).
+    pub fn row_bytes(self, k: u64) -> u64 {
+        k / self.block_elems() * self.block_bytes()
+    }
+}
+
+/// Every storage type, in a fixed order.
+pub const QUANT_TYPES: [QuantType; 8] = [
+    QuantType::Q8_0,
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q5_0,
+    QuantType::Q4K,
+    QuantType::Q5K,
+    QuantType::Q6K,
+    QuantType::Fp8E4M3,
+];
+
+/// The entry-point stem of `q` (`qgemv_<stem>_t..`, `qgather_<stem>_bf16`).
+pub fn stem(q: QuantType) -> &'static str {
+    match q {
+        QuantType::Q8_0 => "q8_0",
+        QuantType::Q4_0 => "q4_0",
+        QuantType::Q4_1 => "q4_1",
+        QuantType::Q5_0 => "q5_0",
+        QuantType::Q4K => "q4k",
+        QuantType::Q5K => "q5k",
+        QuantType::Q6K => "q6k",
+        QuantType::Fp8E4M3 => "fp8",
+    }
+}
+
+/// Why a quantized weight cannot be repacked or decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuantError {
+    #[error("{q:?} weight [{n}, {k}]: K must be a positive multiple of {multiple} (the {q:?} block and the kernels' 16-byte vector); pad K or keep this weight bf16")]
+    BadK {
+        q: QuantType,
+        n: u64,
+        k: u64,
+        multiple: u64,
+    },
+    #[error("{q:?} weight [{n}, {k}] has no rows")]
+    NoRows { q: QuantType, n: u64, k: u64 },
+    #[error("{q:?} weight [{n}, {k}] must be {expected} bytes, got {got}: the data is truncated or its type or shape is wrong")]
+    WrongLength {
+        q: QuantType,
+        n: u64,
+        k: u64,
+        expected: u64,
+        got: u64,
+    },
+    #[error("FP8 weight [{n}, {k}] holds the e4m3 NaN code at row {row}, column {col}: the checkpoint is corrupt (re-export it)")]
+    Fp8Nan { n: u64, k: u64, row: u64, col: u64 },
+    #[error("FP8 weight [{n}, {k}] needs its {n} per-row f32 scales, got {got}")]
+    Fp8Scales { n: u64, k: u64, got: u64 },
+}
+
+/// The K multiple `q` requires: its block, and 16 for FP8's vectors.
+pub fn k_multiple(q: QuantType) -> u64 {
+    q.block_elems().max(16)
+}
+
+/// Where the regions of a repacked `[n, k]` weight lie.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QLayout {
+    /// Byte offsets of regions 1..=3 (0 for an absent region), the `off1`,
+    /// `off2`, `off3` kernel parameters.
+    pub offsets: [u64; 3],
+    /// Bytes of regions 0..=3.
+    pub sizes: [u64; 4],
+    /// Total bytes (16-byte multiple).
+    pub total: u64,
+}
+
+fn align16(v: u64) -> u64 {
+    v.div_ceil(16) * 16
+}
+
+/// The repacked layout of an `[n, k]` weight of `q` (see the module doc).
+pub fn layout(q: QuantType, n: u64, k: u64) -> Result<QLayout, QuantError> {
+    let multiple = k_multiple(q);
+    if k == 0 || !k.is_multiple_of(multiple) {
+        return Err(QuantError::BadK { q, n, k, multiple });
+    }
+    if n == 0 {
+        return Err(QuantError::NoRows { q, n, k });
+    }
+    let (g, sb) = (k / 32, k / 256);
+    let sizes = match q {
+        QuantType::Q8_0 => [n * k, n * g * 2, 0, 0],
+        QuantType::Q4_0 => [n * k / 2, n * g * 2, 0, 0],
+        QuantType::Q4_1 => [n * k / 2, n * g * 4, 0, 0],
+        QuantType::Q5_0 => [n * k / 2, n * g * 2, n * g * 4, 0],
+        QuantType::Q4K => [n * k / 2, n * sb * 4, n * (k / 64) * 4, 0],
+        QuantType::Q5K => [n * k / 2, n * sb * 4, n * (k / 64) * 4, n * g * 4],
+        QuantType::Q6K => [n * k / 2, n * sb * 2, n * g * 2, n * g * 8],
+        QuantType::Fp8E4M3 => [n * k, 0, 0, 0],
+    };
+    let mut offsets = [0u64; 3];
+    let mut end = sizes[0];
+    for r in 1..4 {
+        if sizes[r] > 0 {
+            let at = align16(end);
+            offsets[r - 1] = at;
+            end = at + sizes[r];
+        }
+    }
+    Ok(QLayout {
+        offsets,
+        sizes,
+        total: align16(end),
+    })
+}
+
+/// Bytes of the repacked `[n, k]` weight (what the planner allocates).
+pub fn repacked_bytes(q: QuantType, n: u64, k: u64) -> Result<u64, QuantError> {
+    layout(q, n, k).map(|l| l.total)
+}
+
+fn check_src(q: QuantType, src: &[u8], n: u64, k: u64) -> Result<QLayout, QuantError> {
+    let l = layout(q, n, k)?;
+    let expected = n * q.row_bytes(k);
+    if src.len() as u64 != expected {
+        return Err(QuantError::WrongLength {
+            q,
+            n,
+            k,
+            expected,
+            got: src.len() as u64,
+        });
+    }
+    Ok(l)
+}
+
+/// Scale and min `j` (0..8) of the K-quants' 12 packed 6-bit bytes.
+fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Converts `n` rows of `k` weights from the stored layout (GGUF blocks in
+/// ggml's byte order; FP8: `[n][k]` e4m3 bytes) into the layout the kernels
+/// read. Refuses a K that is not a whole number of blocks, a wrong length,
+/// and FP8 NaN codes.
+pub fn repack(q: QuantType, src: &[u8], n: u64, k: u64) -> Result<Vec<u8>, QuantError> {
+    let l = check_src(q, src, n, k)?;
+    let mut out = vec![0u8; l.total as usize];
+    let bb = q.block_bytes() as usize;
+    let (ku, nvu) = (k as usize, (k / 32) as usize);
+    let [o1, o2, o3] = l.offsets.map(|o| o as usize);
+    let put = |out: &mut Vec<u8>, at: usize, bytes: &[u8]| {
+        out[at..at + bytes.len()].copy_from_slice(bytes);
+    };
+    if q == QuantType::Fp8E4M3 {
+        if let Some(i) = src.iter().position(|&b| b & 0x7f == 0x7f) {
+            return Err(QuantError::Fp8Nan {
+                n,
+                k,
+                row: i as u64 / k,
+                col: i as u64 % k,
+            });
+        }
+        out[..src.len()].copy_from_slice(src);
+        return Ok(out);
+    }
+    for row in 0..n as usize {
+        let rsrc = &src[row * (q.row_bytes(k) as usize)..(row + 1) * (q.row_bytes(k) as usize)];
+        for (b, blk) in rsrc.chunks_exact(bb).enumerate() {
+            match q {
+                QuantType::Q8_0 => {
+                    put(&mut out, row * ku + 32 * b, &blk[2..34]);
+                    put(&mut out, o1 + (row * nvu + b) * 2, &blk[0..2]);
+                }
+                QuantType::Q4_0 => {
+                    put(&mut out, (row * nvu + b) * 16, &blk[2..18]);
+                    put(&mut out, o1 + (row * nvu + b) * 2, &blk[0..2]);
+                }
+                QuantType::Q4_1 => {
+                    put(&mut out, (row * nvu + b) * 16, &blk[4..20]);
+                    put(&mut out, o1 + (row * nvu + b) * 4, &blk[0..4]);
+                }
+                QuantType::Q5_0 => {
+                    put(&mut out, (row * nvu + b) * 16, &blk[6..22]);
+                    put(&mut out, o1 + (row * nvu + b) * 2, &blk[0..2]);
+                    put(&mut out, o2 + (row * nvu + b) * 4, &blk[2..6]);
+                }
+                QuantType::Q4K | QuantType::Q5K => {
+                    let five = q == QuantType::Q5K;
+                    let (qh, qs) = if five {
+                        (&blk[16..48], &blk[48..176])
+                    } else {
+                        (&blk[0..0], &blk[16..144])
+                    };
+                    let v0 = row * nvu + 8 * b; // first vector of this super-block
+                    put(&mut out, v0 * 16, qs);
+                    put(&mut out, o1 + (row * (ku / 256) + b) * 4, &blk[0..4]);
+                    for ch in 0..4 {
+                        let (sa, ma) = scale_min_k4(2 * ch, &blk[4..16]);
+                        let (sb, mb) = scale_min_k4(2 * ch + 1, &blk[4..16]);
+                        put(
+                            &mut out,
+                            o2 + (row * (ku / 64) + 4 * b + ch) * 4,
+                            &[sa, ma, sb, mb],
+                        );
+                    }
+                    if five {
+                        for v in 0..8 {
+                            let (ch, h) = (v / 2, v % 2);
+                            let mut bits = 0u32;
+                            for i in 0..16 {
+                                let byte = qh[16 * h + i];
+                                bits |= u32::from((byte >> (2 * ch)) & 1) << i;
+                                bits |= u32::from((byte >> (2 * ch + 1)) & 1) << (16 + i);
+                            }
+                            put(&mut out, o3 + (v0 + v) * 4, &bits.to_le_bytes());
+                        }
+                    }
+                }
+                QuantType::Q6K => {
+                    let (ql, qh, sc) = (&blk[0..128], &blk[128..192], &blk[192..208]);
+                    // The 6-bit codes in element order (ggml's dequantize_row_q6_K).
+                    let mut code = [0u8; 256];
+                    for half in 0..2 {
+                        let (ql, qh) = (&ql[64 * half..], &qh[32 * half..]);
+                        for l in 0..32 {
+                            let e = 128 * half + l;
+                            code[e] = (ql[l] & 0x0f) | ((qh[l] & 3) << 4);
+                            code[e + 32] = (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4);
+                            code[e + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                            code[e + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                        }
+                    }
+                    let v0 = row * nvu + 8 * b;
+                    put(&mut out, o1 + (row * (ku / 256) + b) * 2, &blk[208..210]);
+                    for v in 0..8 {
+                        let a0 = 64 * (v / 2) + 16 * (v % 2);
+                        let mut bytes = [0u8; 16];
+                        let (mut ha, mut hb) = (0u32, 0u32);
+                        for i in 0..16 {
+                            let (ca, cb) = (code[a0 + i], code[a0 + 32 + i]);
+                            bytes[i] = (ca & 0x0f) | ((cb & 0x0f) << 4);
+                            ha |= u32::from(ca >> 4) << (2 * i);
+                            hb |= u32::from(cb >> 4) << (2 * i);
+                        }
+                        put(&mut out, (v0 + v) * 16, &bytes);
+                        put(
+                            &mut out,
+                            o2 + (v0 + v) * 2,
+                            &[sc[a0 / 16], sc[(a0 + 32) / 16]],
+                        );
+                        let mut h = [0u8; 8];
+                        h[..4].copy_from_slice(&ha.to_le_bytes());
+                        h[4..].copy_from_slice(&hb.to_le_bytes());
+                        put(&mut out, o3 + (v0 + v) * 8, &h);
+                    }
+                }
+                QuantType::Fp8E4M3 => unreachable!("FP8 returned above"),
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// e4m3 (bias 7, no infinities) as f32; `None` for the NaN codes.
+pub fn e4m3_to_f32(b: u8) -> Option<f32> {
+    if b & 0x7f == 0x7f {
+        return None;
+    }
+    let bits = (u32::from(b & 0x7f) << 20) | (u32::from(b & 0x80) << 24);
+    Some(f32::from_bits(bits) * 2f32.powi(120))
+}
+
+/// Decodes a repacked `[n, k]` weight to f32 with the reference
+/// dequantizer's arithmetic for each type (so the result equals GGUF's own
+/// decoding of the original blocks bitwise). FP8 multiplies each row by
+/// `row_scale[row]` (required for FP8, ignored otherwise).
+pub fn dequantize_repacked(
+    q: QuantType,
+    data: &[u8],
+    row_scale: Option<&[f32]>,
+    n: u64,
+    k: u64,
+) -> Result<Vec<f32>, QuantError> {
+    let l = layout(q, n, k)?;
+    if data.len() as u64 != l.total {
+        return Err(QuantError::WrongLength {
+            q,
+            n,
+            k,
+            expected: l.total,
+            got: data.len() as u64,
+        });
+    }
+    let (nu, ku, nvu) = (n as usize, k as usize, (k / 32) as usize);
+    let [o1, o2, o3] = l.offsets.map(|o| o as usize);
+    let mut y = vec![0f32; nu * ku];
+    let u32_at =
+        |at: usize| u32::from_le_bytes([data[at], data[at + 1], data[at + 2], data[at + 3]]);
+    if q == QuantType::Fp8E4M3 {
+        let s = row_scale
+            .filter(|s| s.len() == nu)
+            .ok_or(QuantError::Fp8Scales {
+                n,
+                k,
+                got: row_scale.map_or(0, |s| s.len() as u64),
+            })?;
+        for (i, (o, &b)) in y.iter_mut().zip(&data[..nu * ku]).enumerate() {
+            let v = e4m3_to_f32(b).ok_or(QuantError::Fp8Nan {
+                n,
+                k,
+                row: (i / ku) as u64,
+                col: (i % ku) as u64,
+            })?;
+            *o = v * s[i / ku];
+        }
+        return Ok(y);
+    }
+    for row in 0..nu {
+        let yr = &mut y[row * ku..(row + 1) * ku];
+        if q == QuantType::Q8_0 {
+            for (e, o) in yr.iter_mut().enumerate() {
+                let d = f16_at(data, o1 + (row * nvu + e / 32) * 2);
+                *o = f32::from(data[row * ku + e] as i8) * d;
+            }
+            continue;
+        }
+        for v in 0..nvu {
+            let gv = row * nvu + v;
+            let qs = &data[gv * 16..gv * 16 + 16];
+            let kq = matches!(q, QuantType::Q4K | QuantType::Q5K | QuantType::Q6K);
+            let (a0, gap) = if kq {
+                (64 * (v / 2) + 16 * (v % 2), 32)
+            } else {
+                (32 * v, 16)
+            };
+            for i in 0..16 {
+                let (mut ca, mut cb) = (u32::from(qs[i] & 0x0f), u32::from(qs[i] >> 4));
+                let (ya, yb) = match q {
+                    QuantType::Q4_0 => {
+                        let d = f16_at(data, o1 + gv * 2);
+                        ((ca as i32 - 8) as f32 * d, (cb as i32 - 8) as f32 * d)
+                    }
+                    QuantType::Q4_1 => {
+                        let (d, m) = (f16_at(data, o1 + gv * 4), f16_at(data, o1 + gv * 4 + 2));
+                        (ca as f32 * d + m, cb as f32 * d + m)
+                    }
+                    QuantType::Q5_0 => {
+                        let d = f16_at(data, o1 + gv * 2);
+                        let qh = u32_at(o2 + gv * 4);
+                        ca |= ((qh >> i) & 1) << 4;
+                        cb |= ((qh >> (16 + i)) & 1) << 4;
+                        // The reference adds a zero min: -0 becomes +0 alike.
+                        (
+                            (ca as i32 - 16) as f32 * d + 0.0,
+                            (cb as i32 - 16) as f32 * d + 0.0,
+                        )
+                    }
+                    QuantType::Q4K | QuantType::Q5K => {
+                        let sbi = row * (ku / 256) + v / 8;
+                        let (d, dmin) =
+                            (f16_at(data, o1 + sbi * 4), f16_at(data, o1 + sbi * 4 + 2));
+                        let s = &data[o2 + (row * (ku / 64) + v / 2) * 4..][..4];
+                        if q == QuantType::Q5K {
+                            let qh = u32_at(o3 + gv * 4);
+                            ca |= ((qh >> i) & 1) << 4;
+                            cb |= ((qh >> (16 + i)) & 1) << 4;
+                        }
+                        let (dla, mla) = (d * f32::from(s[0]), dmin * f32::from(s[1]));
+                        let (dlb, mlb) = (d * f32::from(s[2]), dmin * f32::from(s[3]));
+                        (dla * ca as f32 - mla, dlb * cb as f32 - mlb)
+                    }
+                    QuantType::Q6K => {
+                        let d = f16_at(data, o1 + (row * (ku / 256) + v / 8) * 2);
+                        let (sa, sb) = (data[o2 + gv * 2] as i8, data[o2 + gv * 2 + 1] as i8);
+                        let (ha, hb) = (u32_at(o3 + gv * 8), u32_at(o3 + gv * 8 + 4));
+                        ca |= ((ha >> (2 * i)) & 3) << 4;
+                        cb |= ((hb >> (2 * i)) & 3) << 4;
+                        (
+                            d * f32::from(sa) * (ca as i32 - 32) as f32,
+                            d * f32::from(sb) * (cb as i32 - 32) as f32,
+                        )
+                    }
+                    QuantType::Q8_0 | QuantType::Fp8E4M3 => unreachable!("handled above"),
+                };
+                yr[a0 + i] = ya;
+                yr[a0 + gap + i] = yb;
+            }
+        }
+    }
+    Ok(y)
+}
+
+// ------------------------------------------------------------- lowering
+
+/// Token counts the quantized GEMV is instantiated for.
+pub const QGEMV_TOKENS: [u32; 4] = [1, 2, 4, 8];
+/// Weight rows per block of the quantized GEMV (8 warps x 2 rows).
+pub const QGEMV_ROWS_PER_BLOCK: u32 = 16;
+/// Threads per block of the quantized GEMV and gather.
+pub const QGEMV_THREADS: u32 = 256;
+/// The kernel catalog's module name.
+pub const MODULE: &str = "qgemv";
+
+/// Every entry point of the `qgemv` module.
+pub fn entry_points() -> Vec<String> {
+    let mut v = Vec::new();
+    for q in QUANT_TYPES {
+        for o in ["bf16", "f32"] {
+            for tt in QGEMV_TOKENS {
+                v.push(format!("qgemv_{}_t{tt}_bf16_{o}", stem(q)));
+            }
+        }
+        v.push(format!("qgather_{}_bf16", stem(q)));
+    }
+    v
+}
+
+/// Why a quantized GEMV or gather cannot be lowered.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum QLowerError {
+    #[error("quantized {op} of a [{n}, {k}] {q:?} weight: {why}")]
+    Unsupported {
+        op: &'static str,
+        q: QuantType,
+        n: u64,
+        k: u64,
+        why: String,
+    },
+}
+
+/// The buffers of one quantized GEMV `out[t, n] = x[t, k] . W[n, k] (+ bias)
+/// (+ residual)`: `x` bf16 `[t, k]`, `w` the repacked weight, `scale` the
+/// FP8 per-row f32 scales (FP8 only), `bias` bf16 `[n]`, `residual` bf16
+/// `[t, n]`, `out` `[t, n]` of the output dtype.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct QGemvBufs {
+    pub x: BufRef,
+    pub w: BufRef,
+    pub scale: Option<BufRef>,
+    pub bias: Option<BufRef>,
+    pub residual: Option<BufRef>,
+    pub out: BufRef,
+}
+
+fn offset_by(b: BufRef, bytes: u64) -> BufRef {
+    BufRef {
+        region: b.region,
+        offset: b.offset + bytes,
+        bytes: b.bytes.saturating_sub(bytes),
+    }
+}
+
+/// The launches of a quantized GEMV over `t` tokens (x bf16; `out` bf16 or
+/// f32): one launch of the `TT`-token kernel for `t <= 8`, and one launch
+/// of the 8-token kernel per 8 tokens above (each re-reads the weights).
+/// `w_const`: `w` is a weight (never written during a step), so the kernel
+/// may start loading it before its dependency wait; `pdl`: the target's
+/// programmatic-dependent-launch flag ([`crate::gpu::LowerOptions::pdl`]).
+///
+/// Refuses (naming the limit) K that is not a whole number of the type's
+/// blocks, sizes beyond the 32-bit index range, buffers smaller than the
+/// shapes need, an FP8 weight without its scales (or scales on another
+/// type), and operands that are not 16-byte aligned.
+///
+/// How `lower_op` calls it once the quantized matmul op exists (operands
+/// x, w, [scale], [bias]; `weight_args & 2`: w is a weight):
+///
+/// ```
+/// use kiln_ir::plan::{BufRef, Region};
+/// use kiln_kernels::quant_gpu::{lower_qgemv, repacked_bytes, QGemvBufs, QuantType};
+/// let buf = |offset, bytes| BufRef { region: Region::Arena, offset, bytes };
+/// let (t, n, k) = (1u64, 4096u64, 4096u64);
+/// let w = repacked_bytes(QuantType::Q4K, n, k).unwrap();
+/// let bufs = QGemvBufs {
+///     x: buf(0, t * k * 2),
+///     w: BufRef { region: Region::Weights, offset: 0, bytes: w },
+///     scale: None,
+///     bias: None,
+///     residual: None,
+///     out: buf(1 << 20, t * n * 2),
+/// };
+/// let launches =
+///     lower_qgemv(QuantType::Q4K, n, k, t, kiln_ir::DType::BF16, &bufs, true, true).unwrap();
+/// assert_eq!(launches.len(), 1);
+/// assert_eq!(launches[0].entry, "qgemv_q4k_t1_bf16_bf16");
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn lower_qgemv(
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    out: DType,
+    bufs: &QGemvBufs,
+    w_const: bool,
+    pdl: bool,
+) -> Result<Vec<KernelLaunch>, QLowerError> {
+    let refuse = |why: String| QLowerError::Unsupported {
+        op: "matmul",
+        q,
+        n,
+        k,
+        why,
+    };
+    let l = layout(q, n, k).map_err(|e| refuse(e.to_string()))?;
+    let os = match out {
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+        d => return Err(refuse(format!("the output must be bf16 or f32, got {d}"))),
+    };
+    if t == 0 {
+        return Err(refuse("no tokens".into()));
+    }
+    let n32 = i32::try_from(n).map_err(|_| refuse("N exceeds the 32-bit index range".into()))?;
+    let k32 = i32::try_from(k).map_err(|_| refuse("K exceeds the 32-bit index range".into()))?;
+    if n.checked_mul(k).is_none_or(|nk| nk > i64::MAX as u64 / 2) {
+        return Err(refuse("N*K exceeds the 64-bit byte range".into()));
+    }
+    let osz = out.size() as u64;
+    let need = |what: &str, b: Option<BufRef>, bytes: u64| -> Result<(), QLowerError> {
+        match b {
+            Some(b) if b.bytes < bytes => Err(refuse(format!(
+                "{what} needs {bytes} bytes but its buffer has {}",
+                b.bytes
+            ))),
+            Some(b) if !b.offset.is_multiple_of(16) => Err(refuse(format!(
+                "{what} must be 16-byte aligned (offset {})",
+                b.offset
+            ))),
+            _ => Ok(()),
+        }
+    };
+    need("x", Some(bufs.x), t * k * 2)?;
+    need("the repacked weight", Some(bufs.w), l.total)?;
+    need("out", Some(bufs.out), t * n * osz)?;
+    need("bias", bufs.bias, n * 2)?;
+    need("the residual", bufs.residual, t * n * 2)?;
+    match (q == QuantType::Fp8E4M3, bufs.scale) {
+        (true, None) => return Err(refuse("FP8 needs its per-row f32 scales".into())),
+        (false, Some(_)) => {
+            return Err(refuse(
+                "only FP8 weights take a per-row scale operand".into(),
+            ))
+        }
+        (true, s) => need("the FP8 scales", s, n * 4)?,
+        (false, None) => {}
+    }
+    let grid = n.div_ceil(QGEMV_ROWS_PER_BLOCK as u64);
+    let grid = u32::try_from(grid).map_err(|_| refuse("too many rows for one grid".into()))?;
+    let opt = |b: Option<BufRef>| b.map_or(LaunchParam::Null, LaunchParam::Buf);
+    let mut launches = Vec::new();
+    let mut t0 = 0u64;
+    while t0 < t {
+        let tokens = (t - t0).min(8);
+        let tt = QGEMV_TOKENS
+            .into_iter()
+            .find(|&tt| tt as u64 >= tokens)
+            .expect("tokens <= 8");
+        launches.push(KernelLaunch {
+            module: MODULE.into(),
+            entry: format!("qgemv_{}_t{tt}_bf16_{os}", stem(q)),
+            grid: [grid, 1, 1],
+            block: [QGEMV_THREADS, 1, 1],
+            shared_bytes: 0,
+            params: vec![
+                LaunchParam::Buf(offset_by(bufs.x, t0 * k * 2)),
+                LaunchParam::Buf(bufs.w),
+                opt(bufs.scale),
+                opt(bufs.bias),
+                opt(bufs.residual.map(|r| offset_by(r, t0 * n * 2))),
+                LaunchParam::Buf(offset_by(bufs.out, t0 * n * osz)),
+                LaunchParam::I32(tokens as i32),
+                LaunchParam::I32(n32),
+                LaunchParam::I32(k32),
+                LaunchParam::I32(w_const as i32),
+                LaunchParam::I64(l.offsets[0] as i64),
+                LaunchParam::I64(l.offsets[1] as i64),
+                LaunchParam::I64(l.offsets[2] as i64),
+            ],
+            pdl,
+        });
+        t0 += tokens;
+    }
+    Ok(launches)
+}
+
+/// The launch of a quantized row gather (embedding lookup): `out[i, :] =`
+/// the bf16 rounding of row `ids[i]` of the `[n, k]` weight, for `t` i32
+/// ids; an id outside `[0, n)` gives a zero row. `scale`: FP8's per-row
+/// scales (FP8 only). Refuses what [`lower_qgemv`] refuses, and more than
+/// 65535 ids.
+#[allow(clippy::too_many_arguments)]
+pub fn lower_qgather(
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    ids: BufRef,
+    w: BufRef,
+    scale: Option<BufRef>,
+    out: BufRef,
+    pdl: bool,
+) -> Result<KernelLaunch, QLowerError> {
+    let refuse = |why: String| QLowerError::Unsupported {
+        op: "embedding",
+        q,
+        n,
+        k,
+        why,
+    };
+    let l = layout(q, n, k).map_err(|e| refuse(e.to_string()))?;
+    if t == 0 || t > 65535 {
+        return Err(refuse(format!("{t} ids: the gather takes 1..=65535")));
+    }
+    let n32 = i32::try_from(n).map_err(|_| refuse("N exceeds the 32-bit index range".into()))?;
+    let k32 = i32::try_from(k).map_err(|_| refuse("K exceeds the 32-bit index range".into()))?;
+    for (what, b, bytes) in [
+        ("ids", ids, t * 4),
+        ("the repacked weight", w, l.total),
+        ("out", out, t * k * 2),
+    ] {
+        if b.bytes < bytes {
+            return Err(refuse(format!(
+                "{what} needs {bytes} bytes but its buffer has {}",
+                b.bytes
+            )));
+        }
+    }
+    if !w.offset.is_multiple_of(16) || !out.offset.is_multiple_of(16) {
+        return Err(refuse("the weight and out must be 16-byte aligned".into()));
+    }
+    match (q == QuantType::Fp8E4M3, scale) {
+        (true, None) => return Err(refuse("FP8 needs its per-row f32 scales".into())),
+        (true, Some(s)) if s.bytes < n * 4 => {
+            return Err(refuse(format!("the FP8 scales need {} bytes", n * 4)))
+        }
+        (false, Some(_)) => {
+            return Err(refuse(
+                "only FP8 weights take a per-row scale operand".into(),
+            ))
+        }
+        _ => {}
+    }
+    let epv = if matches!(q, QuantType::Q8_0 | QuantType::Fp8E4M3) {
+        16
+    } else {
+        32
+    };
+    let nv = k / epv;
+    Ok(KernelLaunch {
+        module: MODULE.into(),
+        entry: format!("qgather_{}_bf16", stem(q)),
+        grid: [nv.div_ceil(QGEMV_THREADS as u64) as u32, t as u32, 1],
+        block: [QGEMV_THREADS, 1, 1],
+        shared_bytes: 0,
+        params: vec![
+            LaunchParam::Buf(ids),
+            LaunchParam::Buf(w),
+            scale.map_or(LaunchParam::Null, LaunchParam::Buf),
+            LaunchParam::Buf(out),
+            LaunchParam::I32(n32),
+            LaunchParam::I32(k32),
+            LaunchParam::I64(l.offsets[0] as i64),
+            LaunchParam::I64(l.offsets[1] as i64),
+            LaunchParam::I64(l.offsets[2] as i64),
+        ],
+        pdl,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_ir::plan::Region;
+
+    fn buf(offset: u64, bytes: u64) -> BufRef {
+        BufRef {
+            region: Region::Arena,
+            offset,
+            bytes,
+        }
+    }
+
+    /// e4m3 restated from its definition (sign, 4-bit exponent with bias 7,
+    /// 3-bit mantissa, subnormals at exponent 0), in f64.
+    fn e4m3_by_definition(b: u8) -> f64 {
+        let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+        let (e, m) = (i32::from((b >> 3) & 0xf), f64::from(b & 7));
+        if e == 0 {
+            sign * m / 8.0 * 2f64.powi(-6)
+        } else {
+            sign * (1.0 + m / 8.0) * 2f64.powi(e - 7)
+        }
+    }
+
+    #[test]
+    fn e4m3_decodes_every_code_as_its_definition_and_nan_as_none() {
+        for b in 0..=255u8 {
+            match e4m3_to_f32(b) {
+                None => assert_eq!(b & 0x7f, 0x7f, "code {b:#04x}"),
+                Some(v) => assert_eq!(f64::from(v), e4m3_by_definition(b), "code {b:#04x}"),
+            }
+        }
+        assert_eq!(e4m3_to_f32(0x7e), Some(448.0));
+    }
+
+    #[test]
+    fn layouts_start_regions_16_byte_aligned_and_cover_every_byte_once() {
+        for q in QUANT_TYPES {
+            for (n, k) in [(1u64, 256u64), (3, 512), (17, 768), (5, 4096)] {
+                let l = layout(q, n, k).unwrap();
+                let mut end = l.sizes[0];
+                for r in 1..4 {
+                    if l.sizes[r] == 0 {
+                        assert_eq!(l.offsets[r - 1], 0);
+                        continue;
+                    }
+                    let at = l.offsets[r - 1];
+                    assert!(at.is_multiple_of(16) && at >= end, "{q:?} region {r}");
+                    assert!(at - end < 16, "{q:?} region {r} leaves a gap");
+                    end = at + l.sizes[r];
+                }
+                assert!(l.total >= end && l.total - end < 16 && l.total.is_multiple_of(16));
+                // Bits per weight: the GGUF bytes plus at most the unpacked
+                // K-quant scales and three paddings.
+                let extra = match q {
+                    QuantType::Q4K | QuantType::Q5K => n * k / 256 * 4,
+                    QuantType::Q6K => n * k / 256 * 2,
+                    _ => 0,
+                };
+                assert!(
+                    l.total <= n * q.row_bytes(k) + extra + 48,
+                    "{q:?} [{n},{k}]"
+                );
+                assert!(l.total >= n * q.row_bytes(k), "{q:?} [{n},{k}]");
+            }
+        }
+    }
+
+    #[test]
+    fn k_that_is_not_a_whole_block_and_wrong_lengths_are_refused_with_the_limit() {
+        let e = layout(QuantType::Q4K, 4, 4000).unwrap_err().to_string();
+        assert!(e.contains("multiple of 256"), "{e}");
+        assert!(layout(QuantType::Fp8E4M3, 4, 40).is_err());
+        assert!(layout(QuantType::Fp8E4M3, 4, 48).is_ok());
+        assert!(layout(QuantType::Q8_0, 0, 32).is_err());
+        let e = repack(QuantType::Q4_0, &[0u8; 35], 2, 32).unwrap_err();
+        assert!(matches!(
+            e,
+            QuantError::WrongLength {
+                expected: 36,
+                got: 35,
+                ..
+            }
+        ));
+        let mut fp8 = vec![0x38u8; 2 * 16];
+        fp8[20] = 0xff;
+        let e = repack(QuantType::Fp8E4M3, &fp8, 2, 16).unwrap_err();
+        assert_eq!(
+            e,
+            QuantError::Fp8Nan {
+                n: 2,
+                k: 16,
+                row: 1,
+                col: 4
+            }
+        );
+    }
+
+    /// Q4_0 blocks built by hand: element e of a group has code e % 16, so
+    /// the decoded row is known without any dequantizer.
+    #[test]
+    fn a_hand_built_q4_0_row_decodes_to_its_known_values() {
+        let (n, k) = (2u64, 64u64);
+        let mut src = Vec::new();
+        for row in 0..n {
+            for g in 0..2u64 {
+                let d = half::f16::from_f32(0.5 * (1 + row * 2 + g) as f32);
+                src.extend(d.to_le_bytes());
+                for j in 0..16u8 {
+                    // element j: code j; element j + 16: code 15 - j.
+                    src.push(j | ((15 - j) << 4));
+                }
+            }
+        }
+        let rp = repack(QuantType::Q4_0, &src, n, k).unwrap();
+        let y = dequantize_repacked(QuantType::Q4_0, &rp, None, n, k).unwrap();
+        for row in 0..n as usize {
+            for e in 0..k as usize {
+                let (g, i) = (e / 32, e % 32);
+                let code = if i < 16 { i } else { 31 - i } as f32;
+                let d = 0.5 * (1 + row * 2 + g) as f32;
+                assert_eq!(y[row * 64 + e], (code - 8.0) * d, "row {row} e {e}");
+            }
+        }
+    }
+
+    fn bufs(t: u64, n: u64, k: u64, q: QuantType) -> QGemvBufs {
+        QGemvBufs {
+            x: buf(0, t * k * 2),
+            w: buf(1 << 30, repacked_bytes(q, n, k).unwrap()),
+            scale: (q == QuantType::Fp8E4M3).then(|| buf(1 << 29, n * 4)),
+            bias: None,
+            residual: None,
+            out: buf(1 << 28, t * n * 4),
+        }
+    }
+
+    #[test]
+    fn gemv_launches_pick_the_token_tile_and_loop_eight_tokens_at_a_time() {
+        let (n, k) = (1000u64, 512u64);
+        for q in QUANT_TYPES {
+            for (t, want) in [
+                (1u64, vec!["t1"]),
+                (3, vec!["t4"]),
+                (8, vec!["t8"]),
+                (19, vec!["t8", "t8", "t4"]),
+            ] {
+                let b = bufs(t, n, k, q);
+                let ls = lower_qgemv(q, n, k, t, DType::F32, &b, true, false).unwrap();
+                let entries: Vec<String> = ls.iter().map(|l| l.entry.clone()).collect();
+                let expect: Vec<String> = want
+                    .iter()
+                    .map(|tt| format!("qgemv_{}_{tt}_bf16_f32", stem(q)))
+                    .collect();
+                assert_eq!(entries, expect);
+                for (i, l) in ls.iter().enumerate() {
+                    assert!(entry_points().contains(&l.entry));
+                    assert_eq!(l.grid, [63, 1, 1]);
+                    let LaunchParam::Buf(x) = l.params[0] else {
+                        panic!()
+                    };
+                    assert_eq!(x.offset, 8 * i as u64 * k * 2, "x of launch {i}");
+                    let LaunchParam::Buf(o) = l.params[5] else {
+                        panic!()
+                    };
+                    assert_eq!(o.offset, (1 << 28) + 8 * i as u64 * n * 4);
+                    let LaunchParam::I32(tok) = l.params[6] else {
+                        panic!()
+                    };
+                    assert_eq!(tok as u64, (t - 8 * i as u64).min(8));
+                    let lay = layout(q, n, k).unwrap();
+                    assert_eq!(l.params[10], LaunchParam::I64(lay.offsets[0] as i64));
+                    assert_eq!(l.params[12], LaunchParam::I64(lay.offsets[2] as i64));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gemv_lowering_refuses_what_its_kernel_cannot_run_and_says_why() {
+        let (n, k) = (64u64, 256u64);
+        let q = QuantType::Q4K;
+        let ok = bufs(1, n, k, q);
+        let why = |r: Result<Vec<KernelLaunch>, QLowerError>| r.unwrap_err().to_string();
+        let e = why(lower_qgemv(q, n, 200, 1, DType::BF16, &ok, true, false));
+        assert!(e.contains("multiple of 256"), "{e}");
+        let e = why(lower_qgemv(q, n, k, 1, DType::F16, &ok, true, false));
+        assert!(e.contains("bf16 or f32"), "{e}");
+        let mut small = ok;
+        small.w.bytes -= 1;
+        let e = why(lower_qgemv(q, n, k, 1, DType::BF16, &small, true, false));
+        assert!(e.contains("repacked weight needs"), "{e}");
+        let mut odd = ok;
+        odd.x.offset = 8;
+        let e = why(lower_qgemv(q, n, k, 1, DType::BF16, &odd, true, false));
+        assert!(e.contains("16-byte aligned"), "{e}");
+        let mut scaled = ok;
+        scaled.scale = Some(buf(0, n * 4));
+        let e = why(lower_qgemv(q, n, k, 1, DType::BF16, &scaled, true, false));
+        assert!(e.contains("only FP8"), "{e}");
+        let mut fp8 = bufs(1, n, k, QuantType::Fp8E4M3);
+        fp8.scale = None;
+        let e = why(lower_qgemv(
+            QuantType::Fp8E4M3,
+            n,
+            k,
+            1,
+            DType::BF16,
+            &fp8,
+            true,
+            false,
+        ));
+        assert!(e.contains("per-row f32 scales"), "{e}");
+        let e = why(lower_qgemv(q, n, k, 0, DType::BF16, &ok, true, false));
+        assert!(e.contains("no tokens"), "{e}");
+    }
+
+    #[test]
+    fn gather_launches_cover_every_vector_of_each_id_and_refuse_bad_operands() {
+        for q in QUANT_TYPES {
+            let (n, k, t) = (50u64, 4096u64, 3u64);
+            let w = buf(0, repacked_bytes(q, n, k).unwrap());
+            let scale = (q == QuantType::Fp8E4M3).then(|| buf(1 << 20, n * 4));
+            let l = lower_qgather(
+                q,
+                n,
+                k,
+                t,
+                buf(1 << 21, 12),
+                w,
+                scale,
+                buf(1 << 22, t * k * 2),
+                true,
+            )
+            .unwrap();
+            assert!(entry_points().contains(&l.entry));
+            let epv = if matches!(q, QuantType::Q8_0 | QuantType::Fp8E4M3) {
+                16
+            } else {
+                32
+            };
+            assert_eq!(
+                l.grid[0] as u64 * QGEMV_THREADS as u64,
+                (k / epv).next_multiple_of(256)
+            );
+            assert_eq!(l.grid[1], 3);
+            let e = lower_qgather(
+                q,
+                n,
+                k,
+                t,
+                buf(1 << 21, 8),
+                w,
+                scale,
+                buf(1 << 22, t * k * 2),
+                true,
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("ids needs 12 bytes"), "{e}");
+        }
+    }
+}

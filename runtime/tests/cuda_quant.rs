@@ -1,0 +1,535 @@
+//! The quantized GEMV and row gather (`kernels/gpu/qgemv.cu`, lowered by
+//! `kiln_kernels::quant_gpu`) on a real GPU: for every storage type, random
+//! GGUF blocks (random e4m3 bytes and scales for FP8) at awkward sizes,
+//! repacked as the runtime will repack them, against a host reference that
+//! decodes the repacked layout (`dequantize_repacked`, bitwise equal to
+//! GGUF's own dequantizer: `tests/quant_repack.rs`) and multiplies in f64;
+//! poisoned outputs; the same kernels captured once and replayed with new
+//! activations every step; and an ignored benchmark at Llama-3-8B shapes.
+//!
+//! Every test skips without a CUDA device unless `KILN_REQUIRE_CUDA=1`.
+#![cfg(feature = "cuda")]
+
+mod cuda_support;
+
+use cuda_support::*;
+use half::bf16;
+use kiln_compiler::gguf::dequant::random_blocks;
+use kiln_compiler::gguf::types::GgmlType;
+use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Region};
+use kiln_ir::{DType, Key, Op, TensorType};
+use kiln_kernels::quant_gpu::{
+    dequantize_repacked, lower_qgather, lower_qgemv, repack, QGemvBufs, QuantType, QUANT_TYPES,
+};
+use kiln_runtime::backend::{
+    Backend, DevOperand, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
+};
+use kiln_runtime::cuda::CudaBackend;
+
+fn gpu() -> Option<CudaBackend> {
+    let d = device();
+    if d.is_none() {
+        assert!(
+            std::env::var("KILN_REQUIRE_CUDA").as_deref() != Ok("1"),
+            "KILN_REQUIRE_CUDA=1 but no CUDA device is usable"
+        );
+    }
+    d
+}
+
+fn ggml(q: QuantType) -> Option<GgmlType> {
+    Some(match q {
+        QuantType::Q8_0 => GgmlType::Q8_0,
+        QuantType::Q4_0 => GgmlType::Q4_0,
+        QuantType::Q4_1 => GgmlType::Q4_1,
+        QuantType::Q5_0 => GgmlType::Q5_0,
+        QuantType::Q4K => GgmlType::Q4K,
+        QuantType::Q5K => GgmlType::Q5K,
+        QuantType::Q6K => GgmlType::Q6K,
+        QuantType::Fp8E4M3 => return None,
+    })
+}
+
+/// A quantized weight on the device and its host decoding.
+struct DevWeight {
+    q: QuantType,
+    n: u64,
+    k: u64,
+    w: DevOperand,
+    scale: Option<DevOperand>,
+    /// `[n, k]` row-major, the repacked layout decoded on the host.
+    deq: Vec<f32>,
+}
+
+/// Random stored bytes of `q` (GGUF blocks; FP8: non-NaN e4m3 bytes and
+/// per-row scales), repacked and uploaded.
+fn weight(b: &mut CudaBackend, q: QuantType, n: u64, k: u64, seed: u64) -> DevWeight {
+    weight_as(b, q, n, k, seed, true)
+}
+
+/// [`weight`], with the host decoding skipped unless `decode`.
+fn weight_as(
+    b: &mut CudaBackend,
+    q: QuantType,
+    n: u64,
+    k: u64,
+    seed: u64,
+    decode: bool,
+) -> DevWeight {
+    let (src, scale) = match ggml(q) {
+        Some(t) => (
+            random_blocks(t, (n * k / q.block_elems()) as usize, seed),
+            None,
+        ),
+        None => {
+            let mut r = Rng::new(seed);
+            let bytes: Vec<u8> = (0..n * k)
+                .map(|_| {
+                    let v = r.next_u64() as u8;
+                    if v & 0x7f == 0x7f {
+                        v ^ 1
+                    } else {
+                        v
+                    }
+                })
+                .collect();
+            // Scales that keep |w| <= 448 / 512 (FP8 checkpoints' range).
+            let s: Vec<f32> = (0..n).map(|_| (1.0 + r.uniform()) / 1024.0).collect();
+            (bytes, Some(s))
+        }
+    };
+    let rp = repack(q, &src, n, k).unwrap();
+    let deq = if decode {
+        dequantize_repacked(q, &rp, scale.as_deref(), n, k).unwrap()
+    } else {
+        Vec::new()
+    };
+    let wty = TensorType::new(DType::I32, vec![(rp.len() / 4) as u32]);
+    let w = alloc_bytes(b, &rp, wty);
+    let scale = scale.map(|s| {
+        let bytes: Vec<u8> = s.iter().flat_map(|v| v.to_le_bytes()).collect();
+        alloc_bytes(b, &bytes, TensorType::new(DType::F32, vec![n as u32]))
+    });
+    DevWeight {
+        q,
+        n,
+        k,
+        w,
+        scale,
+        deq,
+    }
+}
+
+fn alloc_bytes(b: &mut CudaBackend, bytes: &[u8], ty: TensorType) -> DevOperand {
+    let p = b
+        .alloc(bytes.len() as u64, "test quantized weight")
+        .unwrap();
+    b.upload(p, bytes).unwrap();
+    DevOperand { ptr: p, ty }
+}
+
+fn abs(o: &DevOperand) -> BufRef {
+    BufRef {
+        region: Region::Arena,
+        offset: o.ptr.0,
+        bytes: o.ty.size_bytes(),
+    }
+}
+
+fn resolve(k: &KernelLaunch) -> ResolvedKernel {
+    ResolvedKernel {
+        module: k.module.clone(),
+        entry: k.entry.clone(),
+        grid: k.grid,
+        block: k.block,
+        shared_bytes: k.shared_bytes,
+        params: k
+            .params
+            .iter()
+            .map(|p| match p {
+                LaunchParam::Buf(b) => ResolvedParam::Ptr(DevPtr(b.offset)),
+                LaunchParam::Null => ResolvedParam::Ptr(DevPtr(0)),
+                LaunchParam::I32(v) => ResolvedParam::I32(*v),
+                LaunchParam::I64(v) => ResolvedParam::I64(*v),
+                LaunchParam::F32(v) => ResolvedParam::F32(*v),
+                LaunchParam::Blob(b) => ResolvedParam::Blob(b.clone()),
+            })
+            .collect(),
+        pdl: k.pdl,
+    }
+}
+
+/// A launch running `ks` (the op is only a label here: the quantized
+/// matmul op is not in the IR yet).
+fn launch_of(what: &str, ks: &[KernelLaunch], args: Vec<DevOperand>, out: DevOperand) -> Launch {
+    Launch {
+        const_args: 0b10,
+        body: LaunchBody::Kernels(ks.iter().map(resolve).collect()),
+        kernel: format!("test:{what}"),
+        op: Op::MatMul {
+            bias: false,
+            out: out.ty.dtype,
+        },
+        args,
+        results: vec![out],
+        workspace: None,
+    }
+}
+
+/// One GEMV case: operands on the device and the launch over them.
+struct Case {
+    t: u64,
+    out_dtype: DType,
+    x: DevOperand,
+    bias: Option<(DevOperand, HT)>,
+    res: Option<(DevOperand, HT)>,
+    out: DevOperand,
+    launch: Launch,
+}
+
+fn gemv_case(
+    b: &mut CudaBackend,
+    r: &mut Rng,
+    w: &DevWeight,
+    t: u64,
+    out_dtype: DType,
+    bias: bool,
+    residual: bool,
+) -> Case {
+    let (n, k) = (w.n as u32, w.k as u32);
+    let x = put(b, &HT::random(r, DType::BF16, &[t as u32, k], 1.0));
+    let bias = bias.then(|| {
+        let h = HT::random(r, DType::BF16, &[n], 0.5);
+        (put(b, &h), h)
+    });
+    let res = residual.then(|| {
+        let h = HT::random(r, DType::BF16, &[t as u32, n], 2.0);
+        (put(b, &h), h)
+    });
+    let out = poisoned(b, &TensorType::new(out_dtype, vec![t as u32, n]));
+    let bufs = QGemvBufs {
+        x: abs(&x),
+        w: abs(&w.w),
+        scale: w.scale.as_ref().map(abs),
+        bias: bias.as_ref().map(|(d, _)| abs(d)),
+        residual: res.as_ref().map(|(d, _)| abs(d)),
+        out: abs(&out),
+    };
+    let ks = lower_qgemv(w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl()).unwrap();
+    let mut args = vec![x.clone(), w.w.clone()];
+    args.extend(w.scale.clone());
+    args.extend(bias.as_ref().map(|(d, _)| d.clone()));
+    args.extend(res.as_ref().map(|(d, _)| d.clone()));
+    let launch = launch_of("qgemv", &ks, args, out.clone());
+    Case {
+        t,
+        out_dtype,
+        x,
+        bias,
+        res,
+        out,
+        launch,
+    }
+}
+
+/// Checks `got` against the f64 product of `x` and the decoded weight.
+/// Bound per element: 2^-8 |want| (bf16 output rounding, twice with a
+/// residual) + 2^-14 sum_k |x w| (f32 accumulation in another order)
+/// + 1e-6.
+fn check_gemv(what: &str, w: &DevWeight, c: &Case, x: &HT, got: &HT) {
+    let (n, k) = (w.n as usize, w.k as usize);
+    let mut worst = 0f64;
+    for t in 0..c.t as usize {
+        for row in 0..n {
+            let (mut acc, mut mag) = (0f64, 0f64);
+            for e in 0..k {
+                let p = f64::from(x.f[t * k + e]) * f64::from(w.deq[row * k + e]);
+                acc += p;
+                mag += p.abs();
+            }
+            if let Some((_, bh)) = &c.bias {
+                acc += f64::from(bh.f[row]);
+            }
+            let mut bound = 2f64.powi(-14) * mag + 1e-6;
+            let want = match &c.res {
+                Some((_, rh)) => {
+                    let r1 = f64::from(bf16::from_f64(acc).to_f32());
+                    bound += 2f64.powi(-8) * r1.abs();
+                    r1 + f64::from(rh.f[t * n + row])
+                }
+                None => acc,
+            };
+            if c.out_dtype == DType::BF16 {
+                bound += 2f64.powi(-8) * want.abs();
+            }
+            let g = f64::from(got.f[t * n + row]);
+            let err = (g - want).abs();
+            assert!(
+                err <= bound,
+                "{what}: y[{t}, {row}] = {g}, want {want} (error {err:.3e} > bound {bound:.3e})"
+            );
+            worst = worst.max(err / bound);
+        }
+    }
+    eprintln!("{what}: worst error / bound = {worst:.3}");
+}
+
+fn download(b: &mut CudaBackend, o: &DevOperand) -> HT {
+    get(b, o)
+}
+
+/// The K values a type is tested at: one block, several, and a long row.
+fn ks(q: QuantType) -> [u64; 3] {
+    match q.block_elems() {
+        256 => [256, 768, 4096],
+        32 => [32, 96, 4128],
+        _ => [16, 80, 4112],
+    }
+}
+
+#[test]
+fn quantized_gemv_matches_the_decoded_weight_for_every_type_at_awkward_sizes() {
+    let Some(mut b) = gpu() else { return };
+    let mut r = Rng::new(21);
+    let mut cases = 0;
+    for (qi, q) in QUANT_TYPES.into_iter().enumerate() {
+        for (ki, k) in ks(q).into_iter().enumerate() {
+            // N below one block of rows, not a multiple of 16, and large.
+            for n in [5u64, 37, 1000] {
+                let w = weight(&mut b, q, n, k, 1000 + 10 * qi as u64 + ki as u64);
+                for (ti, t) in [1u64, 3, 8, 11].into_iter().enumerate() {
+                    let out = if (ti + ki) % 2 == 0 {
+                        DType::BF16
+                    } else {
+                        DType::F32
+                    };
+                    let bias = (n + t) % 2 == 1;
+                    let residual = out == DType::BF16 && ti == 1;
+                    let c = gemv_case(&mut b, &mut r, &w, t, out, bias, residual);
+                    b.prepare(&c.launch).unwrap();
+                    b.launch(&c.launch).unwrap();
+                    b.synchronize().unwrap();
+                    let x = download(&mut b, &c.x);
+                    let got = download(&mut b, &c.out);
+                    check_gemv(
+                        &format!(
+                            "{q:?} [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"
+                        ),
+                        &w,
+                        &c,
+                        &x,
+                        &got,
+                    );
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 8 * 3 * 3 * 4);
+}
+
+/// Each type's GEMV captured once and replayed with new activations every
+/// step (weights fixed, output re-poisoned): each replay matches the host
+/// reference on that step's x, and the replay counter moves.
+#[test]
+fn quantized_gemv_under_capture_and_replay_follows_changing_inputs() {
+    let Some(mut b) = gpu() else { return };
+    let mut r = Rng::new(22);
+    for (qi, q) in QUANT_TYPES.into_iter().enumerate() {
+        let (n, k, t) = (1000u64, ks(q)[2], [1u64, 3, 8][qi % 3]);
+        let w = weight(&mut b, q, n, k, 2000 + qi as u64);
+        let c = gemv_case(&mut b, &mut r, &w, t, DType::BF16, true, false);
+        b.prepare(&c.launch).unwrap();
+        b.begin_capture(Key::new(t as u32, 1, 0)).unwrap();
+        b.launch(&c.launch).unwrap();
+        let graph = b.end_capture().unwrap();
+        let before = b.counters().graphs.replays();
+        for step in 0..4 {
+            let x = HT::random(
+                &mut r,
+                DType::BF16,
+                &[t as u32, k as u32],
+                1.0 + step as f32,
+            );
+            b.upload(c.x.ptr, &x.bytes()).unwrap();
+            b.upload(c.out.ptr, &vec![0xff; c.out.ty.size_bytes() as usize])
+                .unwrap();
+            b.replay(graph).unwrap();
+            b.synchronize().unwrap();
+            let got = download(&mut b, &c.out);
+            check_gemv(&format!("{q:?} replay step {step} t={t}"), &w, &c, &x, &got);
+        }
+        assert_eq!(b.counters().graphs.replays() - before, 4);
+        b.destroy_graph(graph).unwrap();
+    }
+}
+
+fn gather_launch(
+    b: &mut CudaBackend,
+    w: &DevWeight,
+    ids: &[i32],
+) -> (Launch, DevOperand, DevOperand) {
+    let idh = HT::ints(&[ids.len() as u32], ids.to_vec());
+    let dids = put(b, &idh);
+    let out = poisoned(
+        b,
+        &TensorType::new(DType::BF16, vec![ids.len() as u32, w.k as u32]),
+    );
+    let l = lower_qgather(
+        w.q,
+        w.n,
+        w.k,
+        ids.len() as u64,
+        abs(&dids),
+        abs(&w.w),
+        w.scale.as_ref().map(abs),
+        abs(&out),
+        b.pdl(),
+    )
+    .unwrap();
+    let mut args = vec![dids.clone(), w.w.clone()];
+    args.extend(w.scale.clone());
+    (launch_of("qgather", &[l], args, out.clone()), dids, out)
+}
+
+/// The gather is exact: each element equals the bf16 rounding of the
+/// decoded weight, and ids outside the table give zero rows.
+fn check_gather(what: &str, w: &DevWeight, ids: &[i32], got: &HT) {
+    let k = w.k as usize;
+    for (t, &id) in ids.iter().enumerate() {
+        for e in 0..k {
+            let want = if id >= 0 && (id as u64) < w.n {
+                bf16::from_f32(w.deq[id as usize * k + e]).to_f32()
+            } else {
+                0.0
+            };
+            let g = got.f[t * k + e];
+            assert!(
+                g == want,
+                "{what}: out[{t}, {e}] (id {id}) = {g}, want {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn quantized_gather_returns_each_ids_row_exactly_and_zeroes_out_of_range_ids() {
+    let Some(mut b) = gpu() else { return };
+    let mut r = Rng::new(23);
+    for (qi, q) in QUANT_TYPES.into_iter().enumerate() {
+        for k in ks(q) {
+            let n = 300u64;
+            let w = weight(&mut b, q, n, k, 3000 + qi as u64 + k);
+            let ids = [0, 299, r.below(300) as i32, -1, 300, r.below(300) as i32];
+            let (l, _, out) = gather_launch(&mut b, &w, &ids);
+            b.prepare(&l).unwrap();
+            b.launch(&l).unwrap();
+            b.synchronize().unwrap();
+            check_gather(&format!("{q:?} k={k}"), &w, &ids, &download(&mut b, &out));
+        }
+    }
+}
+
+#[test]
+fn quantized_gather_under_capture_and_replay_follows_changing_ids() {
+    let Some(mut b) = gpu() else { return };
+    let mut r = Rng::new(24);
+    for (qi, q) in QUANT_TYPES.into_iter().enumerate() {
+        let (n, k) = (5000u64, ks(q)[2]);
+        let w = weight(&mut b, q, n, k, 4000 + qi as u64);
+        let (l, dids, out) = gather_launch(&mut b, &w, &[0, 0, 0]);
+        b.prepare(&l).unwrap();
+        b.begin_capture(Key::new(3, 1, 0)).unwrap();
+        b.launch(&l).unwrap();
+        let graph = b.end_capture().unwrap();
+        let before = b.counters().graphs.replays();
+        for step in 0..4 {
+            let ids: Vec<i32> = (0..3).map(|_| r.below(n as u32) as i32).collect();
+            b.upload(dids.ptr, &HT::ints(&[3], ids.clone()).bytes())
+                .unwrap();
+            b.upload(out.ptr, &vec![0xff; out.ty.size_bytes() as usize])
+                .unwrap();
+            b.replay(graph).unwrap();
+            b.synchronize().unwrap();
+            check_gather(
+                &format!("{q:?} replay step {step}"),
+                &w,
+                &ids,
+                &download(&mut b, &out),
+            );
+        }
+        assert_eq!(b.counters().graphs.replays() - before, 4);
+        b.destroy_graph(graph).unwrap();
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Prints each type's GEMV at Llama-3-8B's projection shapes (T = 1 and 8):
+/// one CUDA graph of 20 launches (cycling through enough weight copies to
+/// exceed the 60 MB L2, so every launch streams from HBM), replayed 15
+/// times, each replay timed with CUDA events; the median per launch as
+/// GB/s of weight bytes (the repacked buffer) and the share of 4.8 TB/s.
+#[test]
+#[ignore = "benchmark: run on the GPU machine"]
+fn bench_quantized_gemv_on_llama3_8b_shapes() {
+    let Some(mut b) = gpu() else { return };
+    let mut r = Rng::new(25);
+    println!("type   shape(NxK)     T  us/launch  weight GB/s  of 4.8 TB/s");
+    for q in QUANT_TYPES {
+        for (n, k) in [(4096u64, 4096u64), (14336, 4096), (4096, 14336)] {
+            let wbytes = kiln_kernels::quant_gpu::repacked_bytes(q, n, k).unwrap();
+            let copies = (256 << 20) / wbytes + 1;
+            let ws: Vec<DevWeight> = (0..copies)
+                .map(|i| weight_as(&mut b, q, n, k, 5000 + i, false))
+                .collect();
+            for t in [1u64, 8] {
+                let cs: Vec<Case> = ws
+                    .iter()
+                    .map(|w| gemv_case(&mut b, &mut r, w, t, DType::BF16, false, false))
+                    .collect();
+                for c in &cs {
+                    b.prepare(&c.launch).unwrap();
+                    b.launch(&c.launch).unwrap();
+                }
+                let per_graph = 20usize;
+                b.begin_capture(Key::new(t as u32, 1, 0)).unwrap();
+                for i in 0..per_graph {
+                    b.launch(&cs[i % cs.len()].launch).unwrap();
+                }
+                let graph = b.end_capture().unwrap();
+                b.replay(graph).unwrap();
+                let mut times = Vec::new();
+                for _ in 0..15 {
+                    let from = b.mark().unwrap();
+                    b.replay(graph).unwrap();
+                    let to = b.mark().unwrap();
+                    times.push(f64::from(b.elapsed_ms(from, to).unwrap()) * 1e3 / per_graph as f64);
+                }
+                b.destroy_graph(graph).unwrap();
+                let us = median(times);
+                let gbs = wbytes as f64 / (us * 1e-6) / 1e9;
+                println!(
+                    "{:<6} {:>5}x{:<6} {t:>2} {us:>10.2} {gbs:>12.0} {:>10.0}%",
+                    kiln_kernels::quant_gpu::stem(q),
+                    n,
+                    k,
+                    gbs / 4800.0 * 100.0
+                );
+                for c in cs {
+                    let _ = b.free(c.x.ptr);
+                    let _ = b.free(c.out.ptr);
+                }
+            }
+            for w in ws {
+                let _ = b.free(w.w.ptr);
+                if let Some(s) = w.scale {
+                    let _ = b.free(s.ptr);
+                }
+            }
+        }
+    }
+}
