@@ -60,7 +60,16 @@
 
 #define KILN_QWARPS 8
 #define KILN_QROWS 2
-#define KILN_QUNROLL 4
+// 16-byte vectors in flight per lane and row, and the blocks per SM the
+// register budget is sized for. H200 (bench_quantized_gemv_on_llama3_8b_shapes,
+// T = 1): 2 and 2 beat 4 and 1 by 5-15% on most types and shapes; (2, 3)
+// spills at T = 8.
+#ifndef KILN_QUNROLL
+#define KILN_QUNROLL 2
+#endif
+#ifndef KILN_QMINBLOCKS
+#define KILN_QMINBLOCKS 2
+#endif
 
 #define KQ_Q8_0 0
 #define KQ_Q4_0 1
@@ -96,6 +105,13 @@ KILN_DEV float q_f16(unsigned int bits) {
 // 0x4B000000 | c is the float 2^23 + c (c < 2^23).
 KILN_DEV float q_code(unsigned int c, float off) {
   return __uint_as_float(0x4B000000u | c) - (8388608.0f + off);
+}
+
+// Byte e (0..3) of w as f32 minus `off`: one permute puts it under the
+// 0x4B exponent byte (2^23 + byte), one subtraction removes 2^23 + off.
+KILN_DEV float q_byte_code(unsigned int w, int e, float off) {
+  return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u | (unsigned int)e)) -
+         (8388608.0f + off);
 }
 
 // e4m3 (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinity)
@@ -144,8 +160,11 @@ KILN_DEV void q_decode(uint4 q, QMeta m, float* a, float* b, float& da, float& m
   if (Q == KQ_Q8_0 || Q == KQ_FP8) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      const unsigned int byte = (wd[i / 4] >> (8 * (i % 4))) & 0xffu;
-      a[i] = Q == KQ_Q8_0 ? q_code(byte ^ 0x80u, 128.0f) : q_e4m3(byte);
+      if (Q == KQ_Q8_0) {
+        a[i] = q_byte_code(wd[i / 4] ^ 0x80808080u, i % 4, 128.0f);
+      } else {
+        a[i] = q_e4m3((wd[i / 4] >> (8 * (i % 4))) & 0xffu);
+      }
     }
     da = Q == KQ_Q8_0 ? q_f16(m.m0) : 1.0f;
     ma = 0.0f;
@@ -154,20 +173,28 @@ KILN_DEV void q_decode(uint4 q, QMeta m, float* a, float* b, float& da, float& m
     return;
   }
   const float off = (Q == KQ_Q4_0) ? 8.0f : (Q == KQ_Q5_0) ? 16.0f : (Q == KQ_Q6K) ? 32.0f : 0.0f;
+  // Four codes a word: the nibbles masked in place, the high bits spread
+  // into bit 4.. of each byte, then each byte moved under the 2^23 magic
+  // exponent with one byte permute (no per-element shifts).
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const unsigned int byte = (wd[i / 4] >> (8 * (i % 4))) & 0xffu;
-    unsigned int ca = byte & 0x0fu;
-    unsigned int cb = byte >> 4;
+  for (int j = 0; j < 4; ++j) {
+    unsigned int lo = wd[j] & 0x0f0f0f0fu;
+    unsigned int hi = (wd[j] >> 4) & 0x0f0f0f0fu;
     if (Q == KQ_Q5_0 || Q == KQ_Q5K) {
-      ca |= ((m.m2 >> i) & 1u) << 4;
-      cb |= ((m.m2 >> (16 + i)) & 1u) << 4;
+      lo |= ((((m.m2 >> (4 * j)) & 0xfu) * 0x00204081u) & 0x01010101u) << 4;
+      hi |= ((((m.m2 >> (16 + 4 * j)) & 0xfu) * 0x00204081u) & 0x01010101u) << 4;
     } else if (Q == KQ_Q6K) {
-      ca |= ((m.m2 >> (2 * i)) & 3u) << 4;
-      cb |= ((m.m3 >> (2 * i)) & 3u) << 4;
+      const unsigned int va = (m.m2 >> (8 * j)) & 0xffu, vb = (m.m3 >> (8 * j)) & 0xffu;
+      lo |= ((va & 0x03u) | ((va & 0x0cu) << 6) | ((va & 0x30u) << 12) | ((va & 0xc0u) << 18))
+            << 4;
+      hi |= ((vb & 0x03u) | ((vb & 0x0cu) << 6) | ((vb & 0x30u) << 12) | ((vb & 0xc0u) << 18))
+            << 4;
     }
-    a[i] = q_code(ca, off);
-    b[i] = q_code(cb, off);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      a[4 * j + e] = q_byte_code(lo, e, off);
+      b[4 * j + e] = q_byte_code(hi, e, off);
+    }
   }
   if (Q == KQ_Q4_0 || Q == KQ_Q5_0) {
     da = db = q_f16(m.m0);
@@ -270,44 +297,37 @@ KILN_DEV void qgemv_rows(const kbf16* __restrict__ x, const unsigned char* __res
       const int cc = c + u * KILN_WARP;
       if (cc >= nv) break;
       const int xa = q_xa<Q>(cc);
-      float a[KILN_QROWS][16], b[KILN_QROWS][16];
-      float da[KILN_QROWS], ma[KILN_QROWS], db[KILN_QROWS], mb[KILN_QROWS];
+      // One row's decoded vector is live at a time (x is re-read per row
+      // from L1): fewer registers, more warps per SM.
 #pragma unroll
-      for (int r = 0; r < KILN_QROWS; ++r)
-        q_decode<Q>(qr[r][u], mr[r][u], a[r], b[r], da[r], ma[r], db[r], mb[r]);
+      for (int r = 0; r < KILN_QROWS; ++r) {
+        float a[16], b[16], da, ma, db, mb;
+        q_decode<Q>(qr[r][u], mr[r][u], a, b, da, ma, db, mb);
 #pragma unroll
-      for (int t = 0; t < TT; ++t) {
-        if (t < tokens) {
-          float xf[16];
-          q_x16(x, (i64)t * k + xa, xf);
-          float sx = 0.0f;
-          if (QHasMin<Q>::v) {
+        for (int t = 0; t < TT; ++t) {
+          if (t < tokens) {
+            float xf[16];
+            q_x16(x, (i64)t * k + xa, xf);
+            float s = 0.0f, sx = 0.0f;
 #pragma unroll
-            for (int i = 0; i < 16; ++i) sx += xf[i];
-          }
-#pragma unroll
-          for (int r = 0; r < KILN_QROWS; ++r) {
-            float s = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 16; ++i) s += xf[i] * a[r][i];
-            acc[r][t] += da[r] * s;
-            if (QHasMin<Q>::v) acc[r][t] += ma[r] * sx;
-          }
-          if (EPV == 32) {
-            q_x16(x, (i64)t * k + xa + q_xb_gap<Q>(), xf);
-            float sy = 0.0f;
+            for (int i = 0; i < 16; ++i) s += xf[i] * a[i];
             if (QHasMin<Q>::v) {
 #pragma unroll
-              for (int i = 0; i < 16; ++i) sy += xf[i];
+              for (int i = 0; i < 16; ++i) sx += xf[i];
             }
+            float yv = da * s + ma * sx;
+            if (EPV == 32) {
+              q_x16(x, (i64)t * k + xa + q_xb_gap<Q>(), xf);
+              float s2 = 0.0f, sy = 0.0f;
 #pragma unroll
-            for (int r = 0; r < KILN_QROWS; ++r) {
-              float s = 0.0f;
+              for (int i = 0; i < 16; ++i) s2 += xf[i] * b[i];
+              if (QHasMin<Q>::v) {
 #pragma unroll
-              for (int i = 0; i < 16; ++i) s += xf[i] * b[r][i];
-              acc[r][t] += db[r] * s;
-              if (QHasMin<Q>::v) acc[r][t] += mb[r] * sy;
+                for (int i = 0; i < 16; ++i) sy += xf[i];
+              }
+              yv += db * s2 + mb * sy;
             }
+            acc[r][t] += yv;
           }
         }
       }
@@ -379,7 +399,7 @@ KILN_DEV void qgather_row(const int* __restrict__ ids, const unsigned char* __re
 }
 
 #define KILN_QGEMV(S, Q, O, OS, TT)                                                            \
-  KILN_GLOBAL void __launch_bounds__(KILN_QWARPS * KILN_WARP)                                  \
+  KILN_GLOBAL void __launch_bounds__(KILN_QWARPS * KILN_WARP, KILN_QMINBLOCKS)                 \
       qgemv_##S##_t##TT##_bf16_##OS(const kbf16* x, const unsigned char* w, const float* scale, \
                                     const kbf16* bias, const kbf16* res, O* out, int tokens,    \
                                     int n, int k, int w_const, i64 off1, i64 off2, i64 off3) {  \
