@@ -120,8 +120,15 @@ fn stacked_matmul(
     {
         return Ok(None);
     }
-    let anchor = parts.iter().map(|p| p.node).min().unwrap();
     let wnames: Vec<&str> = parts.iter().map(|p| p.weight.as_str()).collect();
+    // Weights kept in different storages (a Q4_K_M file mixes Q4_K, Q6_K
+    // and Q5_0 within a layer) cannot share one stacked tensor: the
+    // projections stay separate matmuls.
+    let storage = |n: &str| manifest.get(n).map(|e| e.storage);
+    if wnames.iter().any(|n| storage(n) != storage(wnames[0])) {
+        return Ok(None);
+    }
+    let anchor = parts.iter().map(|p| p.node).min().unwrap();
     let wname = fused_name(&wnames, roles, fused_role);
     let w = concat_rows(manifest, &wname, &wnames)?;
     let wv = ed.weight_value(&wname, w.ty());
