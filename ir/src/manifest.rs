@@ -72,7 +72,7 @@ impl WeightEntry {
     /// Bytes the entry occupies once bound (stored bytes for a quantized
     /// weight).
     pub fn stored_bytes(&self) -> u64 {
-        self.ty().size_bytes()
+        self.ty().stored_bytes()
     }
 }
 

@@ -194,6 +194,74 @@ impl QuantType {
     pub fn from_name(s: &str) -> Option<QuantType> {
         QuantType::ALL.into_iter().find(|q| q.name() == s)
     }
+
+    /// The K multiple kiln's kernels need: the block, and 16 for FP8 (its
+    /// GPU kernels read 16-byte vectors of codes).
+    pub fn k_multiple(self) -> u64 {
+        (self.block_elems() as u64).max(16)
+    }
+
+    /// Where the regions of an `[n, k]` weight lie in the layout kiln's GPU
+    /// kernels read (`kernels/gpu/qgemv.cu`; `kiln_kernels::quant_gpu`
+    /// repacks GGUF blocks into it at load). `None` when `n` is 0 or `k` is
+    /// not a positive multiple of [`QuantType::k_multiple`]. FP8's region 0
+    /// is its `[n][k]` codes; its per-row scales follow them in the weight
+    /// buffer, as in the stored layout ([`QuantType::gpu_bytes`]).
+    pub fn gpu_layout(self, n: u64, k: u64) -> Option<QuantLayout> {
+        if n == 0 || k == 0 || !k.is_multiple_of(self.k_multiple()) {
+            return None;
+        }
+        let (g, sb) = (k / 32, k / 256);
+        let nk = n.checked_mul(k)?;
+        let sizes = match self {
+            QuantType::Q8_0 => [nk, n * g * 2, 0, 0],
+            QuantType::Q4_0 => [nk / 2, n * g * 2, 0, 0],
+            QuantType::Q4_1 => [nk / 2, n * g * 4, 0, 0],
+            QuantType::Q5_0 => [nk / 2, n * g * 2, n * g * 4, 0],
+            QuantType::Q4K => [nk / 2, n * sb * 4, n * (k / 64) * 4, 0],
+            QuantType::Q5K => [nk / 2, n * sb * 4, n * (k / 64) * 4, n * g * 4],
+            QuantType::Q6K => [nk / 2, n * sb * 2, n * g * 2, n * g * 8],
+            QuantType::Fp8E4M3 => [nk, 0, 0, 0],
+        };
+        let align16 = |v: u64| v.div_ceil(16) * 16;
+        let mut offsets = [0u64; 3];
+        let mut end = sizes[0];
+        for r in 1..4 {
+            if sizes[r] > 0 {
+                let at = align16(end);
+                offsets[r - 1] = at;
+                end = at + sizes[r];
+            }
+        }
+        Some(QuantLayout {
+            offsets,
+            sizes,
+            total: align16(end),
+        })
+    }
+
+    /// Device bytes of an `[n, k]` weight on a GPU target: the repacked
+    /// layout's, plus FP8's `n` f32 row scales after its codes.
+    pub fn gpu_bytes(self, n: u64, k: u64) -> Option<u64> {
+        let l = self.gpu_layout(n, k)?;
+        Some(match self {
+            QuantType::Fp8E4M3 => l.total + n * 4,
+            _ => l.total,
+        })
+    }
+}
+
+/// The regions of a quantized weight in the GPU kernels' layout
+/// ([`QuantType::gpu_layout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantLayout {
+    /// Byte offsets of regions 1..=3 (0 for an absent region): the `off1`,
+    /// `off2`, `off3` kernel parameters.
+    pub offsets: [u64; 3],
+    /// Bytes of regions 0..=3.
+    pub sizes: [u64; 4],
+    /// Total bytes (a 16-byte multiple).
+    pub total: u64,
 }
 
 impl fmt::Display for QuantType {
@@ -235,13 +303,32 @@ impl TensorType {
     /// ([`QuantType::tensor_bytes`] of rows × the innermost extent). A
     /// quantized shape whose row length is not a whole number of blocks
     /// (the verifier refuses it) counts as dense.
+    ///
+    /// For a weight stored quantized this is the buffer kiln allocates for
+    /// it: enough for the stored (GGUF) layout the CPU reads and for the GPU
+    /// kernels' repacked layout, whichever is larger (they differ by a few
+    /// bytes per 256 weights). [`TensorType::stored_bytes`] is the stored
+    /// layout's own size.
     pub fn size_bytes(&self) -> u64 {
         if let Some(q) = self.storage {
             if let Some(b) = self.quant_bytes(q) {
-                return b;
+                let gpu = match self.shape.0.as_slice() {
+                    [n, k] => q.gpu_bytes(u64::from(*n), u64::from(*k)).unwrap_or(0),
+                    _ => 0,
+                };
+                return b.max(gpu);
             }
         }
         self.numel() * self.dtype.size() as u64
+    }
+    /// Bytes of the stored layout (GGUF blocks; FP8 codes plus row scales)
+    /// for a quantized weight, [`TensorType::size_bytes`] otherwise: what a
+    /// model file holds and a decode step reads.
+    pub fn stored_bytes(&self) -> u64 {
+        match self.storage.and_then(|q| self.quant_bytes(q)) {
+            Some(b) => b,
+            None => self.size_bytes(),
+        }
     }
     fn quant_bytes(&self, q: QuantType) -> Option<u64> {
         let (&k, outer) = self.shape.0.split_last()?;

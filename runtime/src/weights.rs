@@ -331,12 +331,13 @@ impl WeightSet {
         let mut out = Vec::with_capacity(plan.manifest.entries.len());
         let mut scratch: Vec<u8> = Vec::new();
         for entry in &plan.manifest.entries {
-            let bytes = entry.stored_bytes();
+            // The allocation fits the stored and the GPU layout alike.
+            let bytes = entry.ty().size_bytes();
             let ptr = backend.alloc(bytes, &format!("weight {}", entry.name))?;
             out.push((ptr, bytes));
             if let Some(q) = entry.storage {
                 let data = self.quantized(entry, q)?;
-                let data = repack_for_device(&backend.info(), q, data, entry);
+                let data = repack_for_device(plan, q, data, entry)?;
                 backend.upload(ptr, &data)?;
                 continue;
             }
@@ -401,20 +402,25 @@ impl WeightSet {
     }
 }
 
-/// The load-time repacking hook for quantized weights. The CPU kernels read
-/// the storage layout as is; a GPU backend may want a layout its kernels
-/// read coalesced.
-// GPU REPACK CALL SITE: once `kiln_kernels::quant_gpu::repack(qtype, &[u8],
-// n, k) -> Vec<u8>` is merged, call it here for `info.backend` "cuda" and
-// "hip". Until then this is the identity on every backend.
+/// The device bytes of a quantized weight: the stored layout as is for a
+/// CPU plan, and for a GPU plan the layout the `qgemv` kernels read
+/// (`kiln_kernels::quant_gpu::repack`; FP8 codes and row scales stay as
+/// stored). The plan's target decides, so the bytes always match the
+/// launches the compiler lowered.
 fn repack_for_device(
-    info: &crate::backend::DeviceInfo,
-    _q: kiln_ir::QuantType,
+    plan: &Plan,
+    q: kiln_ir::QuantType,
     data: Vec<u8>,
-    _entry: &WeightEntry,
-) -> Vec<u8> {
-    let _gpu = matches!(info.backend, "cuda" | "hip");
-    data
+    entry: &WeightEntry,
+) -> Result<Vec<u8>, EngineError> {
+    if matches!(plan.meta.target, kiln_ir::plan::Target::Cpu) || q == kiln_ir::QuantType::Fp8E4M3 {
+        return Ok(data);
+    }
+    let d = entry.shape.dims();
+    let (n, k) = (u64::from(d[0]), u64::from(d.get(1).copied().unwrap_or(0)));
+    kiln_kernels::quant_gpu::repack(q, &data, n, k).map_err(|e| EngineError::WeightsMismatch {
+        message: format!("weight `{}`: {e}; import the model again", entry.name),
+    })
 }
 
 /// Where an engine's weights come from.
@@ -477,10 +483,14 @@ pub fn bind_random(
 ) -> Result<Vec<(DevPtr, u64)>, EngineError> {
     let mut out = Vec::with_capacity(plan.manifest.entries.len());
     for (i, entry) in plan.manifest.entries.iter().enumerate() {
-        let bytes = random_entry(entry, seed.wrapping_add(i as u64));
-        let ptr = backend.alloc(bytes.len() as u64, &format!("weight {}", entry.name))?;
+        let mut bytes = random_entry(entry, seed.wrapping_add(i as u64));
+        if let Some(q) = entry.storage {
+            bytes = repack_for_device(plan, q, bytes, entry)?;
+        }
+        let size = entry.ty().size_bytes().max(bytes.len() as u64);
+        let ptr = backend.alloc(size, &format!("weight {}", entry.name))?;
         backend.upload(ptr, &bytes)?;
-        out.push((ptr, bytes.len() as u64));
+        out.push((ptr, size));
     }
     Ok(out)
 }

@@ -331,3 +331,54 @@ fn a_kept_tensor_of_the_wrong_byte_length_is_refused_at_load_naming_it() {
     assert!(msg.contains(victim), "{msg}");
     assert!(msg.contains("import the model again"), "{msg}");
 }
+
+#[test]
+fn a_kept_plan_for_a_gpu_lowers_its_quantized_weights_to_qgemv_launches_over_repacked_buffers() {
+    let model = TinyLlama {
+        hidden: 256,
+        ffn: 256,
+        matrix_type: GgmlType::Q4K,
+        embed_type: GgmlType::Q6K,
+        ..TinyLlama::default()
+    };
+    let im = import_both(&model);
+    let opts = CompileOptions {
+        target: kiln_ir::plan::Target::Cuda { sm: 90 },
+        ..opts()
+    };
+    let plan = compile_dir(&im.kept, &opts, &mut |_, _| {}).unwrap().plan;
+    let mut entries = std::collections::BTreeSet::new();
+    for kp in &plan.keys {
+        for op in &kp.ops {
+            let quantized = op.args.get(1).is_some_and(|a| a.ty.storage.is_some());
+            match &op.lowering {
+                kiln_ir::plan::Lowering::Kernels(ls) if quantized => {
+                    for l in ls {
+                        assert_eq!(l.module, "qgemv", "{}", op.kernel);
+                        entries.insert(l.entry.clone());
+                    }
+                    // The weight operand is sized for the GPU layout.
+                    let w = &op.args[1].ty;
+                    let [n, k] = w.shape.dims() else { panic!() };
+                    let gpu = w
+                        .storage
+                        .unwrap()
+                        .gpu_bytes(u64::from(*n), u64::from(*k))
+                        .unwrap();
+                    assert!(op.args[1].buf.bytes >= gpu, "{}", op.kernel);
+                }
+                other if quantized => panic!("{} lowered to {other:?}", op.kernel),
+                _ => {}
+            }
+        }
+    }
+    // The b1 and b8 GEMVs over Q4_K matrices and the Q6_K embedding/lm_head.
+    for e in [
+        "qgemv_q4k_t1_bf16_bf16",
+        "qgemv_q4k_t8_bf16_bf16",
+        "qgather_q6k_bf16",
+    ] {
+        assert!(entries.contains(e), "{e} missing from {entries:?}");
+    }
+    kiln_ir::validate(&plan).unwrap();
+}
