@@ -34,7 +34,7 @@ pub const MAGIC: [u8; 8] = *b"KILNPLAN";
 
 /// Version of the encoding this build writes and reads. Bump it whenever a
 /// plan type changes shape (a serde field added, removed or reordered).
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 24;
@@ -303,6 +303,7 @@ mod tests {
                 code: vec![1, 2, 3, 250],
             }],
             kernel_abi: 0x0123_4567_89ab_cdef,
+            tp: 1,
         }
     }
 

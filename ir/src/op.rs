@@ -251,6 +251,21 @@ pub enum Op {
     /// the activation dtype, as HF rounds it) and final logit softcapping
     /// (`factor` 1 on f32 logits).
     Scale { factor: f32, softcap: Option<f32> },
+    // Tensor-parallel collectives (`kiln compile --tp N`). Every rank of a
+    // plan runs the same program; `ranks` is the plan's rank count.
+    /// `all_reduce(x: D[..]) -> D[..]`: the elementwise sum of `x` over the
+    /// `ranks` ranks, accumulated in f32 in the fixed order rank 0 + rank 1
+    /// + ... and rounded to D once, so every rank holds the same bits.
+    /// May run in place. With `ranks` 1 it is the identity.
+    AllReduce { ranks: u32 },
+    /// `sharded_argmax(x: F[R, Vs]) -> i32[R]`: the argmax of each row of the
+    /// rank-order concatenation of every rank's `x` (rank `r` holds columns
+    /// `r*Vs .. (r+1)*Vs` of the full row): the global index of the first
+    /// maximum, exactly the unsharded `argmax` of the full row. Each rank
+    /// contributes its (max, global index) pair; the pairs are reduced in
+    /// rank order, a later rank winning only with a strictly larger value.
+    /// With `ranks` 1 it is `argmax`.
+    ShardedArgmax { ranks: u32 },
 }
 
 /// Why an op's operands do not type-check. The verifier adds the location.
@@ -278,11 +293,13 @@ impl Op {
             Op::Sample => "sample",
             Op::FusedMatMul { .. } => "fused_matmul",
             Op::Scale { .. } => "scale",
+            Op::AllReduce { .. } => "all_reduce",
+            Op::ShardedArgmax { .. } => "sharded_argmax",
         }
     }
 
     /// All mnemonics, for error messages ("expected one of ...").
-    pub const MNEMONICS: [&'static str; 18] = [
+    pub const MNEMONICS: [&'static str; 20] = [
         "embedding",
         "rms_norm",
         "add_rms_norm",
@@ -301,6 +318,8 @@ impl Op {
         "sample",
         "fused_matmul",
         "scale",
+        "all_reduce",
+        "sharded_argmax",
     ];
 
     /// Accepted argument counts.
@@ -326,6 +345,7 @@ impl Op {
             Op::AcceptGreedy { .. } => &[2],
             Op::Sample => &[3],
             Op::Scale { .. } => &[1],
+            Op::AllReduce { .. } | Op::ShardedArgmax { .. } => &[1],
             Op::FusedMatMul { .. } => match self.fused_arg_count() {
                 2 => &[2],
                 3 => &[3],
@@ -367,6 +387,7 @@ impl Op {
             Op::HeadRmsNorm { .. } => &[(0, 0)],
             Op::SiluMul | Op::GeluTanhMul => &[(0, 0)],
             Op::Scale { .. } => &[(0, 0)],
+            Op::AllReduce { .. } => &[(0, 0)],
             _ => &[],
         }
     }
@@ -851,6 +872,25 @@ impl Op {
             Op::Scale { .. } => {
                 float(0, "x")?;
                 Ok(vec![args[0].clone()])
+            }
+            Op::AllReduce { ranks } => {
+                float(0, "x")?;
+                want(*ranks > 0, "ranks must be at least 1".into())?;
+                Ok(vec![args[0].clone()])
+            }
+            Op::ShardedArgmax { ranks } => {
+                float(0, "x")?;
+                let x = rank(0, 2, "x")?;
+                want(*ranks > 0, "ranks must be at least 1".into())?;
+                want(x[1] > 0, "rows must not be empty".into())?;
+                want(
+                    wide(x[1]) * wide(*ranks) <= i32::MAX as u64,
+                    format!(
+                        "the full row ({} ranks * {}) must fit an i32 index",
+                        ranks, x[1]
+                    ),
+                )?;
+                Ok(vec![tt(DType::I32, vec![x[0]])])
             }
         }
     }

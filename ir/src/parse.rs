@@ -1062,6 +1062,12 @@ impl<'a> Parser<'a> {
                 factor: a.f32("factor")?,
                 softcap: a.opt_f32("softcap")?,
             },
+            "all_reduce" => Op::AllReduce {
+                ranks: a.u32("ranks")?,
+            },
+            "sharded_argmax" => Op::ShardedArgmax {
+                ranks: a.u32("ranks")?,
+            },
             other => {
                 return Err(ParseError {
                     pos: m_span.start,

@@ -180,6 +180,7 @@ fn plan(target: Target) -> Plan {
             vec![]
         },
         kernel_abi: 0,
+        tp: 1,
     }
 }
 
