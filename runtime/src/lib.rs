@@ -31,6 +31,7 @@ pub mod loader;
 pub mod policy;
 pub mod seq;
 pub mod spec;
+pub mod tp;
 pub mod text;
 pub mod weights;
 
