@@ -253,11 +253,13 @@ pub enum Op {
     Scale { factor: f32, softcap: Option<f32> },
     // Tensor-parallel collectives (`kiln compile --tp N`). Every rank of a
     // plan runs the same program; `ranks` is the plan's rank count.
-    /// `all_reduce(x: D[..]) -> D[..]`: the elementwise sum of `x` over the
+    /// `all_reduce(x: F[..]) -> out[..]`: the elementwise sum of `x` over the
     /// `ranks` ranks, accumulated in f32 in the fixed order rank 0 + rank 1
-    /// + ... and rounded to D once, so every rank holds the same bits.
-    /// May run in place. With `ranks` 1 it is the identity.
-    AllReduce { ranks: u32 },
+    /// + ... and rounded to `out` once, so every rank holds the same bits.
+    /// The shard pass feeds it f32 partial products, so the row-parallel
+    /// matmul's sum is rounded once, as the unsharded matmul's is. May run
+    /// in place when `out` is x's dtype. With `ranks` 1 it is a conversion.
+    AllReduce { ranks: u32, out: DType },
     /// `sharded_argmax(x: F[R, Vs]) -> i32[R]`: the argmax of each row of the
     /// rank-order concatenation of every rank's `x` (rank `r` holds columns
     /// `r*Vs .. (r+1)*Vs` of the full row): the global index of the first
@@ -387,7 +389,6 @@ impl Op {
             Op::HeadRmsNorm { .. } => &[(0, 0)],
             Op::SiluMul | Op::GeluTanhMul => &[(0, 0)],
             Op::Scale { .. } => &[(0, 0)],
-            Op::AllReduce { .. } => &[(0, 0)],
             _ => &[],
         }
     }
@@ -873,10 +874,14 @@ impl Op {
                 float(0, "x")?;
                 Ok(vec![args[0].clone()])
             }
-            Op::AllReduce { ranks } => {
+            Op::AllReduce { ranks, out } => {
                 float(0, "x")?;
                 want(*ranks > 0, "ranks must be at least 1".into())?;
-                Ok(vec![args[0].clone()])
+                want(
+                    out.is_float(),
+                    format!("result dtype must be float, got {out}"),
+                )?;
+                Ok(vec![tt(*out, args[0].shape.dims().to_vec())])
             }
             Op::ShardedArgmax { ranks } => {
                 float(0, "x")?;

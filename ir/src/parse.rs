@@ -1064,6 +1064,7 @@ impl<'a> Parser<'a> {
             },
             "all_reduce" => Op::AllReduce {
                 ranks: a.u32("ranks")?,
+                out: a.dtype("out")?,
             },
             "sharded_argmax" => Op::ShardedArgmax {
                 ranks: a.u32("ranks")?,

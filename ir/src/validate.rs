@@ -640,7 +640,7 @@ pub fn validate_tp(plan: &Plan) -> Result<(), PlanError> {
     }
     for kp in &plan.keys {
         for (o, op) in kp.ops.iter().enumerate() {
-            if let Op::AllReduce { ranks } | Op::ShardedArgmax { ranks } = op.op {
+            if let Op::AllReduce { ranks, .. } | Op::ShardedArgmax { ranks } = op.op {
                 if ranks != plan.tp {
                     return err(
                         format!("keys[{}].ops[{o}].op", kp.key),

@@ -451,7 +451,13 @@ impl Backend for CpuBackend {
         self.forbid_in_capture(|| format!("replay(graph {})", graph.0))?;
         let (_, launches) = self.graphs.get(graph)?;
         for l in launches {
-            execute(&self.mem, self.kernels, &mut self.scratch, l, self.exchange.as_ref())?;
+            execute(
+                &self.mem,
+                self.kernels,
+                &mut self.scratch,
+                l,
+                self.exchange.as_ref(),
+            )?;
         }
         self.stats
             .executed_ops

@@ -31,8 +31,8 @@ pub mod loader;
 pub mod policy;
 pub mod seq;
 pub mod spec;
-pub mod tp;
 pub mod text;
+pub mod tp;
 pub mod weights;
 
 pub use backend::{Backend, BackendError, DeviceInfo};

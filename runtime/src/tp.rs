@@ -204,9 +204,7 @@ impl TpBackend {
         let results: Vec<Result<T>> = std::thread::scope(|s| {
             let mut it = self.ranks.iter_mut().enumerate();
             let (_, first) = it.next().expect("at least one rank");
-            let handles: Vec<_> = it
-                .map(|(r, b)| s.spawn(move || f(r, b.as_mut())))
-                .collect();
+            let handles: Vec<_> = it.map(|(r, b)| s.spawn(move || f(r, b.as_mut()))).collect();
             let mut out = vec![f(0, first.as_mut())];
             for h in handles {
                 out.push(h.join().unwrap_or_else(|_| {
@@ -273,7 +271,9 @@ impl Backend for TpBackend {
         Ok(())
     }
     fn upload(&mut self, dst: DevPtr, data: &[u8]) -> Result<()> {
-        let dsts: Vec<DevPtr> = (0..self.ranks.len()).map(|r| self.translate(r, dst)).collect();
+        let dsts: Vec<DevPtr> = (0..self.ranks.len())
+            .map(|r| self.translate(r, dst))
+            .collect();
         self.each(|r, b| b.upload(dsts[r], data))
     }
     fn upload_rank(&mut self, rank: u32, dst: DevPtr, data: &[u8]) -> Result<()> {
@@ -318,11 +318,15 @@ impl Backend for TpBackend {
         }
     }
     fn prepare(&mut self, launch: &Launch) -> Result<()> {
-        let per: Vec<Launch> = (0..self.ranks.len()).map(|r| self.launch_for(r, launch)).collect();
+        let per: Vec<Launch> = (0..self.ranks.len())
+            .map(|r| self.launch_for(r, launch))
+            .collect();
         self.each(|r, b| b.prepare(&per[r]))
     }
     fn launch(&mut self, launch: &Launch) -> Result<()> {
-        let per: Vec<Launch> = (0..self.ranks.len()).map(|r| self.launch_for(r, launch)).collect();
+        let per: Vec<Launch> = (0..self.ranks.len())
+            .map(|r| self.launch_for(r, launch))
+            .collect();
         if kiln_ir::validate::is_collective(&launch.op) {
             // Every rank must reach the collective at once.
             self.concurrently(|r, b| b.launch(&per[r]))

@@ -426,7 +426,13 @@ pub fn bind_random(
 /// Rank `rank`'s share of `part`'s bytes `src` under `Sharded { axis,
 /// ranks }` (shapes were checked at open): a run of rows, or each row's
 /// run of columns.
-pub fn shard_slice(src: &[u8], part: &TensorRef, axis: ShardAxis, ranks: u32, rank: u32) -> Vec<u8> {
+pub fn shard_slice(
+    src: &[u8],
+    part: &TensorRef,
+    axis: ShardAxis,
+    ranks: u32,
+    rank: u32,
+) -> Vec<u8> {
     let d = part.shape.dims();
     let es = part.dtype.size();
     let rows = d[0] as usize;

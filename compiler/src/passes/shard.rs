@@ -72,7 +72,13 @@ enum Role {
 }
 
 fn role_of(name: &str, vocab_name: bool) -> Option<Role> {
-    const COL: [&str; 5] = [".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj."];
+    const COL: [&str; 5] = [
+        ".q_proj.",
+        ".k_proj.",
+        ".v_proj.",
+        ".gate_proj.",
+        ".up_proj.",
+    ];
     const ROW: [&str; 2] = [".o_proj.", ".down_proj."];
     if COL.iter().any(|r| name.contains(r)) {
         Some(Role::Column)
@@ -123,9 +129,9 @@ pub fn shard(g: &Graph, manifest: &mut WeightManifest, o: &ShardOptions) -> Resu
     }
     // Weights are declared lazily, in first-use order, sharded or not.
     let weight = |out: &mut Graph,
-                      manifest: &mut WeightManifest,
-                      v: ValueId,
-                      axis: Option<ShardAxis>|
+                  manifest: &mut WeightManifest,
+                  v: ValueId,
+                  axis: Option<ShardAxis>|
      -> Result<ValueId, String> {
         let ValueDef::Weight(name) = &g.value(v).def else {
             return Err(format!("{v} is not a weight"));
@@ -163,9 +169,9 @@ pub fn shard(g: &Graph, manifest: &mut WeightManifest, o: &ShardOptions) -> Resu
                 },
             );
         }
-        Ok(out.weight(&sname).unwrap_or_else(|| {
-            out.add_weight(sname, TensorType::new(entry.dtype, shape))
-        }))
+        Ok(out
+            .weight(&sname)
+            .unwrap_or_else(|| out.add_weight(sname, TensorType::new(entry.dtype, shape))))
     };
     let vocab_names = ["lm_head.weight", "model.embed_tokens.weight"];
     // Whether the lm_head was split: its argmax becomes `sharded_argmax`.
@@ -235,10 +241,20 @@ pub fn shard(g: &Graph, manifest: &mut WeightManifest, o: &ShardOptions) -> Resu
                 *heads = div(*heads, "attention heads")?;
                 *kv_heads = div(*kv_heads, "KV heads")?;
             }
-            Op::Argmax if node.args.iter().any(|a| flows_from_vocab(g, *a, &vocab_values)) => {
+            Op::Argmax
+                if node
+                    .args
+                    .iter()
+                    .any(|a| flows_from_vocab(g, *a, &vocab_values)) =>
+            {
                 op = Op::ShardedArgmax { ranks: n };
             }
-            Op::Sample if node.args.iter().any(|a| flows_from_vocab(g, *a, &vocab_values)) => {
+            Op::Sample
+                if node
+                    .args
+                    .iter()
+                    .any(|a| flows_from_vocab(g, *a, &vocab_values)) =>
+            {
                 return Err("in-graph sampling over a vocabulary split across ranks is not supported; the lm_head stays replicated for --sampling plans".into());
             }
             _ => {}
@@ -246,19 +262,29 @@ pub fn shard(g: &Graph, manifest: &mut WeightManifest, o: &ShardOptions) -> Resu
         let tys: Vec<TensorType> = args.iter().map(|&a| out.ty(a).clone()).collect();
         op.infer(&tys)
             .map_err(|e| format!("sharded `{}` does not type-check: {e}", op.mnemonic()))?;
+        // A row-parallel matmul's partial products stay f32; the
+        // all_reduce rounds their sum once, as the unsharded matmul rounds.
+        let act = match &op {
+            Op::MatMul { out, .. } if row_parallel => {
+                let d = *out;
+                op = Op::MatMul {
+                    bias: false,
+                    out: kiln_ir::DType::F32,
+                };
+                Some(d)
+            }
+            _ => None,
+        };
         let results = out.push(op, &args);
         for (old, new) in node.results.iter().zip(&results) {
             map.insert(*old, *new);
         }
-        if row_parallel {
-            let r = out.push1(Op::AllReduce { ranks: n }, &[results[0]]);
+        if let Some(d) = act {
+            let r = out.push1(Op::AllReduce { ranks: n, out: d }, &[results[0]]);
             map.insert(node.results[0], r);
         }
         // Values derived from split logits stay split (gather_last, scale).
-        if node
-            .args
-            .first()
-            .is_some_and(|a| vocab_values.contains(a))
+        if node.args.first().is_some_and(|a| vocab_values.contains(a))
             && matches!(node.op, Op::GatherLast { .. } | Op::Scale { .. })
         {
             vocab_values.push(node.results[0]);

@@ -94,7 +94,7 @@ pub unsafe fn execute_collective(
     results: &[RawTensor],
     exchange: Option<&dyn Exchange>,
 ) -> Result<()> {
-    let (Op::AllReduce { ranks } | Op::ShardedArgmax { ranks }) = op else {
+    let (Op::AllReduce { ranks, .. } | Op::ShardedArgmax { ranks }) = op else {
         return Err(operands(op, "not a collective"));
     };
     let (rank, have) = exchange.map_or((0, 1), |e| (e.rank(), e.ranks()));
@@ -114,8 +114,11 @@ pub unsafe fn execute_collective(
     let local = super::to_f32(x.ty.dtype, bytes);
     match op {
         Op::AllReduce { .. } => {
-            if y.ty != x.ty {
-                return Err(operands(op, format!("result {} must be {}", y.ty, x.ty)));
+            if y.ty.shape != x.ty.shape {
+                return Err(operands(
+                    op,
+                    format!("result {} must have the shape of {}", y.ty, x.ty),
+                ));
             }
             let mut sum = vec![0f32; local.len()];
             match exchange {
@@ -123,7 +126,7 @@ pub unsafe fn execute_collective(
                 Some(e) => e.all_gather(&local, &mut |parts| sum_in_rank_order(parts, &mut sum)),
             }
             let out = super::from_f32(y.ty.dtype, &sum);
-            std::ptr::copy(out.as_ptr(), y.ptr, out.len());
+            std::ptr::copy_nonoverlapping(out.as_ptr(), y.ptr, out.len());
         }
         _ => {
             let d = x.ty.shape.dims();
@@ -186,8 +189,7 @@ mod tests {
         for row in rows {
             for ranks in [1usize, 2, 3, 6] {
                 let v = row.len() / ranks;
-                let cands =
-                    (0..ranks).map(|r| local_best(&row[r * v..(r + 1) * v], r * v));
+                let cands = (0..ranks).map(|r| local_best(&row[r * v..(r + 1) * v], r * v));
                 assert_eq!(
                     reduce_best(cands),
                     super::super::reduce::argmax_row(row),

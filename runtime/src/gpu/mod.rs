@@ -535,7 +535,7 @@ impl<D: GpuDriver> GpuBackend<D> {
                 let (x, y) = (&launch.args[0], &launch.results[0]);
                 let stream = self.stream;
                 self.driver
-                    .all_reduce_sum(x.ptr, y.ptr, x.ty.numel(), x.ty.dtype, stream)
+                    .all_reduce_sum(x.ptr, y.ptr, x.ty.numel(), (x.ty.dtype, y.ty.dtype), stream)
                     .map_err(|e| BackendError::Device(e.description))
             }
             LaunchBody::Kernels(ks) => ks.iter().try_for_each(|k| self.launch_kernel(k, capturing)),
