@@ -68,7 +68,7 @@ impl WeightSource {
             ShardAxis::Rows => 0,
             ShardAxis::Cols => 1,
         };
-        if ranks == 0 || d.len() <= i || d.len() > 2 || d[i] % ranks != 0 {
+        if ranks == 0 || d.len() <= i || d.len() > 2 || !d[i].is_multiple_of(ranks) {
             return Err(format!(
                 "a {part} tensor cannot be split {ranks} ways along {}",
                 if i == 0 { "rows" } else { "columns" }

@@ -254,11 +254,12 @@ pub enum Op {
     // Tensor-parallel collectives (`kiln compile --tp N`). Every rank of a
     // plan runs the same program; `ranks` is the plan's rank count.
     /// `all_reduce(x: F[..]) -> out[..]`: the elementwise sum of `x` over the
-    /// `ranks` ranks, accumulated in f32 in the fixed order rank 0 + rank 1
-    /// + ... and rounded to `out` once, so every rank holds the same bits.
+    /// `ranks` ranks, accumulated in f32 in the fixed order `rank 0 + rank 1
+    /// + ...` (left to right) and rounded to `out` once, so every rank holds
+    /// the same bits.
     /// The shard pass feeds it f32 partial products, so the row-parallel
-    /// matmul's sum is rounded once, as the unsharded matmul's is. May run
-    /// in place when `out` is x's dtype. With `ranks` 1 it is a conversion.
+    /// matmul's sum is rounded once, as the unsharded matmul's is.
+    /// With `ranks` 1 it is a conversion.
     AllReduce { ranks: u32, out: DType },
     /// `sharded_argmax(x: F[R, Vs]) -> i32[R]`: the argmax of each row of the
     /// rank-order concatenation of every rank's `x` (rank `r` holds columns

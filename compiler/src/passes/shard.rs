@@ -51,11 +51,11 @@ pub fn check_heads(ranks: u32, heads: u32, kv_heads: u32) -> Result<(), String> 
     if ranks == 0 {
         return Err("--tp must be at least 1".into());
     }
-    if heads % ranks == 0 && kv_heads % ranks == 0 {
+    if heads.is_multiple_of(ranks) && kv_heads.is_multiple_of(ranks) {
         return Ok(());
     }
     let ok: Vec<String> = (1..=kv_heads.min(heads))
-        .filter(|d| heads % d == 0 && kv_heads % d == 0)
+        .filter(|d| heads.is_multiple_of(*d) && kv_heads.is_multiple_of(*d))
         .map(|d| d.to_string())
         .collect();
     Err(format!(
@@ -108,7 +108,7 @@ pub fn shard(g: &Graph, manifest: &mut WeightManifest, o: &ShardOptions) -> Resu
     let mut out = Graph::new(g.name.clone());
     let mut map: HashMap<ValueId, ValueId> = HashMap::new();
     let div = |x: u32, what: &str| -> Result<u32, String> {
-        if x % n == 0 {
+        if x.is_multiple_of(n) {
             Ok(x / n)
         } else {
             Err(format!("--tp {n} does not divide the {what} ({x})"))
@@ -203,7 +203,7 @@ pub fn shard(g: &Graph, manifest: &mut WeightManifest, o: &ShardOptions) -> Resu
                         row_parallel = true;
                         (Some(ShardAxis::Cols), None)
                     }
-                    Role::Vocab if o.split_vocab && o.vocab_size % n == 0 => {
+                    Role::Vocab if o.split_vocab && o.vocab_size.is_multiple_of(n) => {
                         (Some(ShardAxis::Rows), Some(ShardAxis::Rows))
                     }
                     Role::Vocab => (None, None),
