@@ -125,6 +125,10 @@ pub struct CompileOptions {
     /// it stays opt-in until its kernels beat what they replace. The CPU
     /// target always runs the pass (its reference is the unfused sequence).
     pub fused_gemv: bool,
+    /// Tensor-parallel ranks (`kiln compile --tp N`; 1: none). The shard
+    /// pass (`passes::shard`) rewrites every traced key for one rank before
+    /// the fusions; the plan holds every rank (SPMD).
+    pub tp: u32,
 }
 
 impl Default for CompileOptions {
@@ -140,6 +144,7 @@ impl Default for CompileOptions {
             attn_target_blocks: kiln_kernels::gpu::ATTN_TARGET_BLOCKS,
             tuning: None,
             fused_gemv: false,
+            tp: 1,
         }
     }
 }
@@ -420,9 +425,40 @@ pub fn compile_traced<E: Display>(
     progress: &mut dyn FnMut(Stage, Key),
 ) -> Result<Compiled, CompileError> {
     let keys = normalize_keys(&opts.keys)?;
+    let tp = opts.tp;
+    if tp == 0 {
+        return Err(CompileError::Options("--tp must be at least 1".into()));
+    }
+    if tp > 1 {
+        passes::shard::check_heads(tp, meta.info.num_heads, meta.info.num_kv_heads)
+            .map_err(CompileError::Options)?;
+        if let Some(e) = manifest.entries.iter().find(|e| e.storage.is_some()) {
+            return Err(CompileError::Options(format!(
+                "--tp {tp} with weights kept quantized (`{}` is {}) is not supported: \
+                 import the model without --keep-quant, or compile with --tp 1",
+                e.name,
+                e.storage.map_or("", |q| q.name())
+            )));
+        }
+    }
     let (kv, max_context) = kv_layout(&meta.info, &opts.kv, &keys)?;
     meta.info.max_context = max_context;
     meta.target = opts.target.clone();
+    // Each rank's KV cache holds its KV heads; the tracer sees the model's.
+    let rank_kv = KvLayout {
+        kv_heads: kv.kv_heads / tp,
+        ..kv.clone()
+    };
+    let shard_opts = passes::shard::ShardOptions {
+        ranks: tp,
+        num_heads: meta.info.num_heads,
+        num_kv_heads: meta.info.num_kv_heads,
+        vocab_size: meta.info.vocab_size,
+        // The cross-rank argmax runs on the CPU backend; GPU targets, plans
+        // that sample in the graph and plans that output logits keep the
+        // lm_head replicated (see the shard pass's docs).
+        split_vocab: matches!(opts.target, Target::Cpu) && !opts.sampling && !opts.logits,
+    };
 
     let mut graphs = Vec::with_capacity(keys.len());
     let mut stats = Vec::with_capacity(keys.len());
@@ -437,6 +473,25 @@ pub fn compile_traced<E: Display>(
             key,
             message: e.to_string(),
         })?;
+        let g = if tp > 1 {
+            let g = passes::shard::shard(&g, &mut manifest, &shard_opts).map_err(|message| {
+                CompileError::Trace {
+                    key,
+                    message: format!("shard pass (--tp {tp}): {message}"),
+                }
+            })?;
+            // The verifier runs on the shard pass's output, naming it.
+            if let Err(e) = kiln_ir::verify(&g, Some(&manifest)) {
+                return Err(CompileError::Pass(PassError::Failed {
+                    pass: Pass::Dce,
+                    graph: g.name.clone(),
+                    message: format!("the shard pass produced a malformed graph: {e}"),
+                }));
+            }
+            g
+        } else {
+            g
+        };
         let (g, info, s) =
             passes::run_pipeline_for(g, &mut manifest, &pipeline, opts.verify, &opts.target)?;
         graphs.push((g, info));
@@ -456,6 +511,7 @@ pub fn compile_traced<E: Display>(
         lower.tuned = tuned;
         notes = stale;
     }
+    let kv = rank_kv;
     let ctx = PlanContext {
         manifest: &manifest,
         kv: &kv,
@@ -494,6 +550,7 @@ pub fn compile_traced<E: Display>(
         keys: key_plans,
         kernel_abi: 0,
         kernels: Vec::new(),
+        tp,
     };
     check_plan_bytes(&plan)?;
     // Only the modules the launch lists use are compiled.
@@ -632,6 +689,11 @@ pub struct CompileArgs {
     /// `CompileOptions::fused_gemv`).
     #[arg(long)]
     pub fused_gemv: bool,
+    /// Tensor parallelism: shard the plan over N ranks (one GPU each, or N
+    /// CPU threads), Megatron-style; N must divide the attention heads and
+    /// the KV heads. One plan file holds every rank.
+    #[arg(long, default_value_t = 1)]
+    pub tp: u32,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -667,6 +729,7 @@ impl CompileArgs {
             attn_target_blocks: self.attn_target_blocks,
             tuning: None,
             fused_gemv: self.fused_gemv,
+            tp: self.tp,
         }
     }
 }

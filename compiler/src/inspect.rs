@@ -194,6 +194,13 @@ fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
         "  kv          {} layers x {} blocks (null block {}) x {} tokens, {} kv_heads x {} head_dim {}, {} blocks/seq, {} bytes per cache",
         kv.layers, kv.num_blocks, kv.null_block, kv.block_size, kv.kv_heads, kv.head_dim, kv.dtype, kv.max_blocks_per_seq, kv.cache_bytes()
     );
+    if plan.tp > 1 {
+        let _ = writeln!(
+            o,
+            "  ranks       {} (tensor parallel: every rank runs this program on its shard; kv, arena, workspace and counters are per rank)",
+            plan.tp
+        );
+    }
     let _ = writeln!(o, "  arena       {} bytes", plan.arena_bytes);
     let _ = writeln!(o, "  workspace   {} bytes", plan.workspace_bytes);
     let _ = writeln!(o, "  counters    {} bytes", plan.counter_bytes);
@@ -219,6 +226,18 @@ fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
             WeightSource::Tensor(t) => format!("{}:{}", t.file, t.tensor),
             WeightSource::ConcatRows(parts) => format!(
                 "concat_rows({})",
+                parts
+                    .iter()
+                    .map(|t| t.tensor.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            WeightSource::Sharded { parts, axis, ranks } => format!(
+                "shard_{}({}, ranks {ranks})",
+                match axis {
+                    kiln_ir::ShardAxis::Rows => "rows",
+                    kiln_ir::ShardAxis::Cols => "cols",
+                },
                 parts
                     .iter()
                     .map(|t| t.tensor.as_str())
@@ -297,6 +316,9 @@ fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
                 match &op.lowering {
                     Lowering::Reference => {
                         let _ = writeln!(o, "{head} reference");
+                    }
+                    Lowering::Collective => {
+                        let _ = writeln!(o, "{head} collective (nccl)");
                     }
                     Lowering::Kernels(ls) => {
                         for (n, l) in ls.iter().enumerate() {
@@ -399,6 +421,7 @@ fn json_ops(kp: &KeyPlan) -> Vec<JsonOp> {
         .map(|op| {
             let (lowering, gemm, gemm_kind, launches) = match &op.lowering {
                 Lowering::Reference => ("reference", None, None, vec![]),
+                Lowering::Collective => ("collective", None, None, vec![]),
                 Lowering::Kernels(ls) => {
                     ("kernels", None, None, ls.iter().map(json_launch).collect())
                 }

@@ -304,6 +304,7 @@ mod tests {
                 code: vec![1, 2, 3, 250],
             }],
             kernel_abi: 0x0123_4567_89ab_cdef,
+            tp: 1,
         }
     }
 

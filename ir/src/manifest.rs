@@ -29,6 +29,26 @@ pub enum WeightSource {
     Tensor(TensorRef),
     /// Tensors concatenated along axis 0 (rows), in order.
     ConcatRows(Vec<TensorRef>),
+    /// One rank's share of a tensor-parallel weight: of each part of
+    /// `parts` (concatenated along rows afterwards, as `ConcatRows`), rank
+    /// `r` of `ranks` takes slice `r` of `ranks` equal slices along `axis`.
+    /// Every rank's entry is this same description; the binder supplies the
+    /// rank. Rows shard a column-parallel matmul (q/k/v, gate/up, lm_head)
+    /// and 1-D biases; columns a row-parallel one (o_proj, down_proj).
+    Sharded {
+        parts: Vec<TensorRef>,
+        axis: ShardAxis,
+        ranks: u32,
+    },
+}
+
+/// The axis a [`WeightSource::Sharded`] weight is split along.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ShardAxis {
+    /// Axis 0 (output features of a `[out, in]` matmul weight).
+    Rows,
+    /// Axis 1 (input features); 2-D tensors only.
+    Cols,
 }
 
 impl WeightSource {
@@ -36,7 +56,26 @@ impl WeightSource {
         match self {
             WeightSource::Tensor(t) => std::slice::from_ref(t),
             WeightSource::ConcatRows(v) => v,
+            WeightSource::Sharded { parts, .. } => parts,
         }
+    }
+
+    /// The shape rank `r`'s share of `part` has under `Sharded { axis,
+    /// ranks }`, or why it has none (the axis does not divide).
+    pub fn shard_shape(part: &Shape, axis: ShardAxis, ranks: u32) -> Result<Shape, String> {
+        let mut d = part.dims().to_vec();
+        let i = match axis {
+            ShardAxis::Rows => 0,
+            ShardAxis::Cols => 1,
+        };
+        if ranks == 0 || d.len() <= i || d.len() > 2 || !d[i].is_multiple_of(ranks) {
+            return Err(format!(
+                "a {part} tensor cannot be split {ranks} ways along {}",
+                if i == 0 { "rows" } else { "columns" }
+            ));
+        }
+        d[i] /= ranks;
+        Ok(Shape(d))
     }
 }
 

@@ -251,6 +251,24 @@ pub enum Op {
     /// the activation dtype, as HF rounds it) and final logit softcapping
     /// (`factor` 1 on f32 logits).
     Scale { factor: f32, softcap: Option<f32> },
+    // Tensor-parallel collectives (`kiln compile --tp N`). Every rank of a
+    // plan runs the same program; `ranks` is the plan's rank count.
+    /// `all_reduce(x: F[..]) -> out[..]`: the elementwise sum of `x` over the
+    /// `ranks` ranks, accumulated in f32 in the fixed order `rank 0 + rank 1
+    /// + ...` (left to right) and rounded to `out` once, so every rank holds
+    /// the same bits.
+    /// The shard pass feeds it f32 partial products, so the row-parallel
+    /// matmul's sum is rounded once, as the unsharded matmul's is.
+    /// With `ranks` 1 it is a conversion.
+    AllReduce { ranks: u32, out: DType },
+    /// `sharded_argmax(x: F[R, Vs]) -> i32[R]`: the argmax of each row of the
+    /// rank-order concatenation of every rank's `x` (rank `r` holds columns
+    /// `r*Vs .. (r+1)*Vs` of the full row): the global index of the first
+    /// maximum, exactly the unsharded `argmax` of the full row. Each rank
+    /// contributes its (max, global index) pair; the pairs are reduced in
+    /// rank order, a later rank winning only with a strictly larger value.
+    /// With `ranks` 1 it is `argmax`.
+    ShardedArgmax { ranks: u32 },
 }
 
 /// Why an op's operands do not type-check. The verifier adds the location.
@@ -278,11 +296,13 @@ impl Op {
             Op::Sample => "sample",
             Op::FusedMatMul { .. } => "fused_matmul",
             Op::Scale { .. } => "scale",
+            Op::AllReduce { .. } => "all_reduce",
+            Op::ShardedArgmax { .. } => "sharded_argmax",
         }
     }
 
     /// All mnemonics, for error messages ("expected one of ...").
-    pub const MNEMONICS: [&'static str; 18] = [
+    pub const MNEMONICS: [&'static str; 20] = [
         "embedding",
         "rms_norm",
         "add_rms_norm",
@@ -301,6 +321,8 @@ impl Op {
         "sample",
         "fused_matmul",
         "scale",
+        "all_reduce",
+        "sharded_argmax",
     ];
 
     /// Accepted argument counts.
@@ -326,6 +348,7 @@ impl Op {
             Op::AcceptGreedy { .. } => &[2],
             Op::Sample => &[3],
             Op::Scale { .. } => &[1],
+            Op::AllReduce { .. } | Op::ShardedArgmax { .. } => &[1],
             Op::FusedMatMul { .. } => match self.fused_arg_count() {
                 2 => &[2],
                 3 => &[3],
@@ -851,6 +874,29 @@ impl Op {
             Op::Scale { .. } => {
                 float(0, "x")?;
                 Ok(vec![args[0].clone()])
+            }
+            Op::AllReduce { ranks, out } => {
+                float(0, "x")?;
+                want(*ranks > 0, "ranks must be at least 1".into())?;
+                want(
+                    out.is_float(),
+                    format!("result dtype must be float, got {out}"),
+                )?;
+                Ok(vec![tt(*out, args[0].shape.dims().to_vec())])
+            }
+            Op::ShardedArgmax { ranks } => {
+                float(0, "x")?;
+                let x = rank(0, 2, "x")?;
+                want(*ranks > 0, "ranks must be at least 1".into())?;
+                want(x[1] > 0, "rows must not be empty".into())?;
+                want(
+                    wide(x[1]) * wide(*ranks) <= i32::MAX as u64,
+                    format!(
+                        "the full row ({} ranks * {}) must fit an i32 index",
+                        ranks, x[1]
+                    ),
+                )?;
+                Ok(vec![tt(DType::I32, vec![x[0]])])
             }
         }
     }

@@ -1079,6 +1079,13 @@ impl<'a> Parser<'a> {
                 factor: a.f32("factor")?,
                 softcap: a.opt_f32("softcap")?,
             },
+            "all_reduce" => Op::AllReduce {
+                ranks: a.u32("ranks")?,
+                out: a.dtype("out")?,
+            },
+            "sharded_argmax" => Op::ShardedArgmax {
+                ranks: a.u32("ranks")?,
+            },
             other => {
                 return Err(ParseError {
                     pos: m_span.start,

@@ -288,6 +288,10 @@ pub enum Lowering {
     Reference,
     /// Kernel launches in stream order.
     Kernels(Vec<KernelLaunch>),
+    /// A collective over the plan's ranks (`all_reduce`, `sharded_argmax`)
+    /// on a GPU target: the collective library's call (NCCL) on the rank's
+    /// stream over `PlanOp::args` / `results`, captured into the graph.
+    Collective,
     /// A GEMM, run as `kind` (decided at compile time: the target's default
     /// rule or a `kiln tune` table; see `kiln_kernels::gpu::choose_gemm`).
     /// `kernel` is the launch of kiln's kernel for `Gemv` and `Skinny`
@@ -357,7 +361,7 @@ impl Lowering {
     /// Kernels (or library calls) this op costs per step.
     pub fn launches(&self) -> u32 {
         match self {
-            Lowering::Reference | Lowering::Gemm { .. } => 1,
+            Lowering::Reference | Lowering::Gemm { .. } | Lowering::Collective => 1,
             Lowering::Kernels(k) => k.len() as u32,
         }
     }
@@ -442,6 +446,13 @@ pub struct Plan {
     /// images were compiled under; 0 for `Target::Cpu`. A runtime with other
     /// kernels refuses the plan as stale.
     pub kernel_abi: u64,
+    /// Ranks of a tensor-parallel plan (`kiln compile --tp N`; 1 otherwise).
+    /// One program serves every rank (SPMD): the keys, the KV layout (each
+    /// rank's own heads) and the memory plan are each rank's, the same for
+    /// all; [`crate::WeightSource::Sharded`] entries give each rank its
+    /// slice at load; collectives (`all_reduce`, `sharded_argmax`) take the
+    /// rank from the runtime.
+    pub tp: u32,
 }
 
 impl KeyPlan {

@@ -359,6 +359,10 @@ pub(crate) fn attrs(op: &Op) -> String {
             ("factor", fmt_f32(*factor)),
             ("softcap", fmt_opt_f32(*softcap)),
         ],
+        Op::AllReduce { ranks, out } => {
+            vec![("ranks", ranks.to_string()), ("out", out.to_string())]
+        }
+        Op::ShardedArgmax { ranks } => vec![("ranks", ranks.to_string())],
     };
     debug_assert_eq!(
         pairs.iter().map(|p| p.0).collect::<Vec<_>>(),

@@ -145,6 +145,8 @@ pub(crate) fn attr_names(mnemonic: &str) -> &'static [&'static str] {
         "accept_greedy" => &["spec"],
         "fused_matmul" => &["bias", "out", "norm", "unit_offset", "epilogue"],
         "scale" => &["factor", "softcap"],
+        "all_reduce" => &["ranks", "out"],
+        "sharded_argmax" => &["ranks"],
         _ => &[],
     }
 }

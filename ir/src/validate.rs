@@ -43,7 +43,11 @@
 //! 10. kernel images: none for `Cpu`; for `Cuda` every module the launch
 //!     lists use is in `plan.kernels`; for `Hip` at least one image (one
 //!     translation unit holds every module);
-//! 11. `launches` of each key is the sum of its ops' [`Lowering::launches`].
+//! 11. `launches` of each key is the sum of its ops' [`Lowering::launches`];
+//! 12. tensor parallelism: `tp` is at least 1, every collective op
+//!     (`all_reduce`, `sharded_argmax`) and every `Sharded` weight names
+//!     exactly `tp` ranks (checked by [`validate_tp`] before any key), and on
+//!     GPU targets collectives lower to `Collective` and nothing else does.
 //!
 //! Not here: whether two live arena buffers overlap or how good a placement
 //! is (the compiler's checker), weight files against the manifest (the
@@ -157,7 +161,7 @@ pub fn modules_used(plan: &Plan) -> BTreeSet<String> {
 /// Every kernel launch of a lowering (a GEMM's kiln kernel included).
 pub fn kernel_launches(l: &Lowering) -> Vec<&KernelLaunch> {
     match l {
-        Lowering::Reference => vec![],
+        Lowering::Reference | Lowering::Collective => vec![],
         Lowering::Kernels(k) => k.iter().collect(),
         Lowering::Gemm { kernel, .. } => kernel.iter().collect(),
     }
@@ -261,6 +265,7 @@ fn inside(outer: &BufRef, inner: &BufRef) -> bool {
 
 /// Checks every invariant of the module docs; see [`PlanInfo`].
 pub fn validate(plan: &Plan) -> Result<PlanInfo, PlanError> {
+    validate_tp(plan)?;
     let kv = &plan.kv;
     let info = &plan.meta.info;
     if kv.block_size == 0 || kv.num_blocks < 2 || kv.null_block >= kv.num_blocks {
@@ -621,6 +626,49 @@ fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo
     })
 }
 
+/// Invariant 12: one rank count across the plan. The program is each
+/// rank's (SPMD), so checking it once checks every rank.
+pub fn validate_tp(plan: &Plan) -> Result<(), PlanError> {
+    if plan.tp == 0 {
+        return err("tp", "a plan has at least one rank");
+    }
+    for (i, e) in plan.manifest.entries.iter().enumerate() {
+        if let crate::WeightSource::Sharded { ranks, .. } = &e.source {
+            if *ranks != plan.tp {
+                return err(
+                    format!("manifest.entries[{i}].source"),
+                    format!(
+                        "weight `{}` is sharded {ranks} ways in a plan of {} ranks",
+                        e.name, plan.tp
+                    ),
+                );
+            }
+        }
+    }
+    for kp in &plan.keys {
+        for (o, op) in kp.ops.iter().enumerate() {
+            if let Op::AllReduce { ranks, .. } | Op::ShardedArgmax { ranks } = op.op {
+                if ranks != plan.tp {
+                    return err(
+                        format!("keys[{}].ops[{o}].op", kp.key),
+                        format!(
+                            "`{}` over {ranks} ranks in a plan of {} ranks",
+                            op.op.mnemonic(),
+                            plan.tp
+                        ),
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether `op` is a collective over the plan's ranks.
+pub fn is_collective(op: &Op) -> bool {
+    matches!(op, Op::AllReduce { .. } | Op::ShardedArgmax { .. })
+}
+
 /// Checks one buffer's bounds and alignment; the field is named lazily.
 type BufCheck<'a> = dyn FnMut(&dyn Fn() -> String, &BufRef) -> Result<(), PlanError> + 'a;
 
@@ -649,6 +697,14 @@ fn validate_lowering(
                 field,
                 "a cpu plan runs the reference kernels: `Reference` only",
             )
+        }
+        (Lowering::Collective, true) => {
+            if !is_collective(&op.op) {
+                return err(field, "only collectives lower to `Collective`");
+            }
+        }
+        (_, true) if is_collective(&op.op) => {
+            return err(field, "a collective lowers to `Collective`");
         }
         (
             Lowering::Gemm {

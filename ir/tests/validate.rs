@@ -181,6 +181,7 @@ fn plan(target: Target) -> Plan {
             vec![]
         },
         kernel_abi: 0,
+        tp: 1,
     }
 }
 

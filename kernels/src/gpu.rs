@@ -631,6 +631,8 @@ pub enum Lowered {
     },
     /// One BLAS call.
     Gemm(GemmCall),
+    /// One collective-library call (NCCL) over the plan's ranks.
+    Collective,
 }
 
 impl Lowered {
@@ -638,7 +640,7 @@ impl Lowered {
     pub fn launches(&self) -> u32 {
         match self {
             Lowered::Kernels { calls, .. } => calls.len() as u32,
-            Lowered::Gemm(_) => 1,
+            Lowered::Gemm(_) | Lowered::Collective => 1,
         }
     }
 }
@@ -941,6 +943,18 @@ pub fn lower_symbolic(
         counters: 0,
     };
     Ok(match op {
+        // NCCL sums bf16/f16 in the dtype (not f32 once), so a GPU rank's
+        // bits may differ from the CPU reference in the last place; the
+        // ranks still agree with each other (NCCL's ring order is fixed).
+        Op::AllReduce { .. } => {
+            float_suffix(m, args[0].dtype)?;
+            Lowered::Collective
+        }
+        Op::ShardedArgmax { .. } => {
+            return Err(unsupported(
+                "the cross-rank argmax has no GPU lowering yet; GPU tensor-parallel plans keep the lm_head replicated (the shard pass does so for GPU targets)".into(),
+            ))
+        }
         Op::Embedding => {
             let s = float_suffix(m, args[1].dtype)?;
             let (vocab, h) = two(&dims(&args[1]))?;
@@ -1478,7 +1492,7 @@ pub fn op_needs(
             scratch_bytes,
             counters,
         },
-        Lowered::Gemm(_) => OpNeeds::default(),
+        Lowered::Gemm(_) | Lowered::Collective => OpNeeds::default(),
     })
 }
 
@@ -1676,6 +1690,7 @@ pub fn lower_op(
             }
             Lowering::Kernels(calls.into_iter().map(resolve).collect::<Result<_, _>>()?)
         }
+        Lowered::Collective => Lowering::Collective,
         Lowered::Gemm(shape) => {
             let kind = choose_gemm(&shape, opts);
             Lowering::Gemm {
@@ -1738,7 +1753,7 @@ mod tests {
             Lowered::Kernels { calls, .. } => {
                 calls.iter().map(|c| (c.entry.clone(), c.module)).collect()
             }
-            Lowered::Gemm(_) => vec![],
+            Lowered::Gemm(_) | Lowered::Collective => vec![],
         }
     }
 

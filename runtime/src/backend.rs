@@ -59,6 +59,9 @@ pub enum LaunchBody {
     Reference,
     /// Kernel launches in stream order.
     Kernels(Vec<ResolvedKernel>),
+    /// A collective over the plan's ranks (`all_reduce`): the collective
+    /// library's call on the rank's stream over `args` / `results`.
+    Collective,
     /// A GEMM over `args` (x, w, bias) and `results[0]`, run as the plan's
     /// `kind` decided it: one BLAS-Lt call with `Launch::workspace`
     /// (`Blas`, `kernel` is `None`) or kiln's `kernel` (`Gemv`, `Skinny`).
@@ -218,6 +221,33 @@ pub trait Backend {
     fn copy_bandwidth(&mut self, bytes: u64, reps: u32) -> Result<Option<f64>> {
         let _ = (bytes, reps);
         Ok(None)
+    }
+
+    // Tensor parallelism (`crate::tp`): a backend driving several ranks
+    // says how many; everything else it broadcasts to every rank.
+    /// Ranks this backend drives (1 for a single device).
+    fn ranks(&self) -> u32 {
+        1
+    }
+    /// Host to device copy into rank `rank`'s memory only (a weight
+    /// shard); `dst` as for [`Backend::upload`]. Before capture.
+    fn upload_rank(&mut self, rank: u32, dst: DevPtr, data: &[u8]) -> Result<()> {
+        if rank == 0 {
+            self.upload(dst, data)
+        } else {
+            Err(BackendError::Device(format!(
+                "rank {rank} does not exist on a single-device backend; load tensor-parallel plans on a tp backend (one device per rank)"
+            )))
+        }
+    }
+    /// Device to host copy from rank `rank`'s memory; see
+    /// [`Backend::download`].
+    fn download_rank(&mut self, rank: u32, src: DevPtr, out: &mut [u8]) -> Result<()> {
+        if rank == 0 {
+            self.download(src, out)
+        } else {
+            self.upload_rank(rank, src, &[])
+        }
     }
 }
 

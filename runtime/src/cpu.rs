@@ -29,6 +29,7 @@ use crate::backend::{
 use crate::capture::{CaptureState, GraphTable};
 use kiln_ir::plan::KernelImage;
 use kiln_ir::{Key, Op};
+use kiln_kernels::cpu::collective::{self, Exchange};
 use kiln_kernels::cpu::{KernelError, RawTensor};
 use std::alloc::Layout;
 use std::collections::BTreeMap;
@@ -201,12 +202,29 @@ fn fill_raw(mem: &AddressSpace, ops: &[DevOperand], out: &mut Vec<RawTensor>) ->
     Ok(())
 }
 
+/// This rank's view of the other ranks, for collectives (`crate::tp`).
+pub type SharedExchange = Arc<dyn Exchange + Send + Sync>;
+
 /// Resolves every operand of `l` against current memory and runs its kernel.
-fn execute(mem: &AddressSpace, kernels: KernelFn, scratch: &mut Scratch, l: &Launch) -> Result<()> {
+fn execute(
+    mem: &AddressSpace,
+    kernels: KernelFn,
+    scratch: &mut Scratch,
+    l: &Launch,
+    exchange: Option<&SharedExchange>,
+) -> Result<()> {
     fill_raw(mem, &l.args, &mut scratch.args)?;
     fill_raw(mem, &l.results, &mut scratch.results)?;
     if let Some((ws, bytes)) = l.workspace {
         mem.resolve(ws.0, bytes)?;
+    }
+    if let (Some(ex), true) = (exchange, kiln_ir::validate::is_collective(&l.op)) {
+        // SAFETY: as below; the exchange copies the operand before any
+        // other rank reads it.
+        return unsafe {
+            collective::execute_collective(&l.op, &scratch.args, &scratch.results, Some(&**ex))
+        }
+        .map_err(|e| BackendError::Device(format!("kernel `{}`: {e}", l.kernel)));
     }
     // SAFETY: every pointer was resolved inside a live allocation for its
     // tensor's full size and checked for dtype alignment; the allocations are
@@ -227,6 +245,9 @@ pub struct CpuBackend {
     workspace: Option<(DevPtr, u64)>,
     scratch: Scratch,
     stats: Arc<CpuStats>,
+    /// The other ranks of a tensor-parallel plan (`crate::tp`); `None`:
+    /// one rank.
+    exchange: Option<SharedExchange>,
 }
 
 // SAFETY: the raw pointers are owned host allocations that nothing else
@@ -256,7 +277,15 @@ impl CpuBackend {
             workspace: None,
             scratch: Scratch::default(),
             stats: Arc::new(CpuStats::default()),
+            exchange: None,
         }
+    }
+
+    /// This backend as one rank of a tensor-parallel group: collectives
+    /// go through `exchange` (see `crate::tp::TpBackend::cpu`).
+    pub fn with_exchange(mut self, exchange: SharedExchange) -> CpuBackend {
+        self.exchange = Some(exchange);
+        self
     }
 
     /// Caps the bytes that may be live at once (allocations beyond it are
@@ -389,7 +418,13 @@ impl Backend for CpuBackend {
             self.stats.recorded_ops.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        execute(&self.mem, self.kernels, &mut self.scratch, launch)?;
+        execute(
+            &self.mem,
+            self.kernels,
+            &mut self.scratch,
+            launch,
+            self.exchange.as_ref(),
+        )?;
         self.stats.executed_ops.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -419,7 +454,13 @@ impl Backend for CpuBackend {
         self.forbid_in_capture(|| format!("replay(graph {})", graph.0))?;
         let (_, launches) = self.graphs.get(graph)?;
         for l in launches {
-            execute(&self.mem, self.kernels, &mut self.scratch, l)?;
+            execute(
+                &self.mem,
+                self.kernels,
+                &mut self.scratch,
+                l,
+                self.exchange.as_ref(),
+            )?;
         }
         self.stats
             .executed_ops

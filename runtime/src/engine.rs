@@ -330,6 +330,7 @@ impl Regions {
         };
         match l {
             Lowering::Reference => LaunchBody::Reference,
+            Lowering::Collective => LaunchBody::Collective,
             Lowering::Kernels(ks) => LaunchBody::Kernels(ks.iter().map(kernel).collect()),
             Lowering::Gemm {
                 shape,
@@ -373,6 +374,14 @@ impl Engine {
         // before its (other target's) lowering is judged.
         let info = backend.info();
         check_target(&plan.meta.target, &info)?;
+        if backend.ranks() != plan.tp {
+            return Err(EngineError::BadPlan(format!(
+                "the plan is tensor-parallel over {} rank(s) but the backend drives {}; load it on `kiln_runtime::tp::TpBackend` with one device (or CPU rank) per plan rank (`--tp {}` where the CLI offers it)",
+                plan.tp,
+                backend.ranks(),
+                plan.tp
+            )));
+        }
         validate_plan(&plan)?;
         check_kernel_abi(&plan)?;
         let decision = GraphDecision::decide(options.graphs, options.graphs_supported, &info)?;

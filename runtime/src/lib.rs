@@ -32,6 +32,7 @@ pub mod policy;
 pub mod seq;
 pub mod spec;
 pub mod text;
+pub mod tp;
 pub mod weights;
 
 pub use backend::{Backend, BackendError, DeviceInfo};

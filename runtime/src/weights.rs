@@ -18,7 +18,7 @@
 use crate::backend::{Backend, DevPtr};
 use crate::error::EngineError;
 use kiln_ir::plan::Plan;
-use kiln_ir::{DType, TensorRef, WeightEntry, WeightSource};
+use kiln_ir::{DType, ShardAxis, TensorRef, WeightEntry, WeightSource};
 use memmap2::Mmap;
 use safetensors::tensor::Metadata;
 use safetensors::{Dtype, SafeTensors};
@@ -317,6 +317,27 @@ impl WeightSet {
                     return bad(format!("parts have {rows} rows in all"));
                 }
             }
+            WeightSource::Sharded { parts, axis, ranks } => {
+                let d = entry.shape.dims();
+                let mut rows = 0u64;
+                for p in parts {
+                    let sd = match WeightSource::shard_shape(&p.shape, *axis, *ranks) {
+                        Ok(s) => s,
+                        Err(e) => return bad(format!("part `{}`: {e}", p.tensor)),
+                    };
+                    let sd = sd.dims();
+                    if d.is_empty() || sd[1..] != d[1..] {
+                        return bad(format!(
+                            "a rank's share {:?} of `{}` does not share the trailing dimensions",
+                            sd, p.tensor
+                        ));
+                    }
+                    rows += sd[0] as u64;
+                }
+                if parts.is_empty() || rows != d[0] as u64 {
+                    return bad(format!("a rank's shares have {rows} rows in all"));
+                }
+            }
         }
         Ok(())
     }
@@ -339,6 +360,24 @@ impl WeightSet {
                 let data = self.quantized(entry, q)?;
                 let data = repack_for_device(plan, q, data, entry)?;
                 backend.upload(ptr, &data)?;
+                continue;
+            }
+            if let WeightSource::Sharded { parts, axis, ranks } = &entry.source {
+                // Each rank binds its own slices: `ranks` is the plan's tp,
+                // which the engine checked against the backend's ranks.
+                for rank in 0..*ranks {
+                    scratch.clear();
+                    let mut at = 0usize;
+                    for part in parts {
+                        let src = self.files[&part.file].bytes(&part.tensor);
+                        let slice = shard_slice(src, part, *axis, *ranks, rank);
+                        let n = slice.len() / part.dtype.size() * entry.dtype.size();
+                        scratch.resize(at + n, 0);
+                        convert(&slice, part.dtype, &mut scratch[at..at + n], entry.dtype);
+                        at += n;
+                    }
+                    backend.upload_rank(rank, ptr, &scratch)?;
+                }
                 continue;
             }
             let parts = entry.source.parts();
@@ -493,6 +532,38 @@ pub fn bind_random(
         out.push((ptr, size));
     }
     Ok(out)
+}
+
+/// Rank `rank`'s share of `part`'s bytes `src` under `Sharded { axis,
+/// ranks }` (shapes were checked at open): a run of rows, or each row's
+/// run of columns.
+pub fn shard_slice(
+    src: &[u8],
+    part: &TensorRef,
+    axis: ShardAxis,
+    ranks: u32,
+    rank: u32,
+) -> Vec<u8> {
+    let d = part.shape.dims();
+    let es = part.dtype.size();
+    let rows = d[0] as usize;
+    let cols = d.get(1).map_or(1, |&c| c as usize);
+    match axis {
+        ShardAxis::Rows => {
+            let per = rows / ranks as usize * cols * es;
+            src[rank as usize * per..(rank as usize + 1) * per].to_vec()
+        }
+        ShardAxis::Cols => {
+            let per = cols / ranks as usize * es;
+            let row = cols * es;
+            let mut out = Vec::with_capacity(rows * per);
+            for r in 0..rows {
+                let at = r * row + rank as usize * per;
+                out.extend_from_slice(&src[at..at + per]);
+            }
+            out
+        }
+    }
 }
 
 fn read_f32(src: &[u8], dtype: DType, i: usize) -> f32 {

@@ -27,6 +27,7 @@
 
 mod editor;
 mod fuse;
+pub mod shard;
 #[doc(hidden)]
 pub mod synth;
 pub mod verify;

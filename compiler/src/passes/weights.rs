@@ -59,6 +59,35 @@ pub fn concat_rows(
         );
     }
     let first = &entries[0];
+    // Rank-sharded parts (the shard pass ran first) stack into one sharded
+    // entry: each rank's rows of every part, in order.
+    let shard = match &first.source {
+        WeightSource::Sharded {
+            axis: kiln_ir::ShardAxis::Rows,
+            ranks,
+            ..
+        } => Some(*ranks),
+        _ => None,
+    };
+    for e in &entries {
+        let this = match &e.source {
+            WeightSource::Sharded {
+                axis: kiln_ir::ShardAxis::Rows,
+                ranks,
+                ..
+            } => Some(*ranks),
+            WeightSource::Sharded { .. } => {
+                return Err(format!("cannot stack `{}`: it is split by columns", e.name))
+            }
+            _ => None,
+        };
+        if this != shard {
+            return Err(format!(
+                "cannot stack `{}` with `{}`: one is split across ranks and the other is not",
+                e.name, first.name
+            ));
+        }
+    }
     let mut rows = 0u32;
     let mut sources = Vec::new();
     for e in &entries {
@@ -96,7 +125,14 @@ pub fn concat_rows(
         dtype: first.dtype,
         shape: Shape(dims),
         storage: first.storage,
-        source: WeightSource::ConcatRows(sources),
+        source: match shard {
+            Some(ranks) => WeightSource::Sharded {
+                parts: sources,
+                axis: kiln_ir::ShardAxis::Rows,
+                ranks,
+            },
+            None => WeightSource::ConcatRows(sources),
+        },
     };
     match manifest.get(name) {
         Some(existing) if *existing == entry => {}

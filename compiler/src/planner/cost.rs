@@ -83,6 +83,8 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
                 + epilogue
         }
         Op::Scale { softcap, .. } => numel(0) * if softcap.is_some() { 10 } else { 1 },
+        Op::AllReduce { ranks, .. } => numel(0) * (*ranks as u64).saturating_sub(1),
+        Op::ShardedArgmax { .. } => numel(0),
     }
 }
 

@@ -500,12 +500,26 @@ impl<'a> Gen<'a> {
             }
             15 => {
                 let x = self.any_act();
-                let op = Op::Scale {
-                    factor: self.float(),
-                    softcap: self.opt_float(),
-                };
-                let y = self.g.push1(op, &[x]);
-                self.acts.push(y);
+                let ranks = self.rng.range(1, 4);
+                match self.rng.range(0, 4) {
+                    // The tensor-parallel collectives.
+                    0 => {
+                        let out = self.g.value(x).ty.dtype;
+                        let y = self.g.push1(Op::AllReduce { ranks, out }, &[x]);
+                        self.acts.push(y);
+                    }
+                    1 => {
+                        self.g.push1(Op::ShardedArgmax { ranks }, &[x]);
+                    }
+                    _ => {
+                        let op = Op::Scale {
+                            factor: self.float(),
+                            softcap: self.opt_float(),
+                        };
+                        let y = self.g.push1(op, &[x]);
+                        self.acts.push(y);
+                    }
+                }
             }
             _ => {
                 if self.spec == 0 || self.q != self.spec + 1 {

@@ -53,6 +53,7 @@ compile_error!("kiln's CPU kernels assume a little-endian host");
 
 pub mod attention;
 mod buf;
+pub mod collective;
 pub mod convert;
 pub mod dot;
 pub mod elementwise;
@@ -240,6 +241,9 @@ pub unsafe fn execute(
         Op::Sample => {
             sample::sample(a[0], a[1], a[2], d2(0), r[0]);
             Ok(())
+        }
+        Op::AllReduce { .. } | Op::ShardedArgmax { .. } => {
+            collective::execute_collective(op, args, results, None)
         }
         Op::FusedMatMul {
             bias, pre, post, ..

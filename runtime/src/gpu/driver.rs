@@ -225,4 +225,23 @@ pub trait GpuDriver {
     ) -> DriverResult<()>;
     /// Releases the handle and every descriptor and algorithm made with it.
     fn blas_destroy(&mut self, blas: Handle);
+
+    /// Enqueues the sum over every rank's `count` elements of `from` at
+    /// `src` into `dst` as `to` on `stream`: the collective library's
+    /// all-reduce (NCCL), capturable, then the rounding to `to`. Drivers
+    /// without a communicator refuse it; the default does.
+    fn all_reduce_sum(
+        &mut self,
+        src: DevPtr,
+        dst: DevPtr,
+        count: u64,
+        (from, to): (kiln_ir::DType, kiln_ir::DType),
+        stream: Handle,
+    ) -> DriverResult<()> {
+        let _ = (src, dst, count, from, to, stream);
+        Err(DriverError::other(
+            -1,
+            "this GPU driver has no collective communicator: tensor-parallel plans need the CUDA driver with NCCL (one device per rank)",
+        ))
+    }
 }

@@ -531,6 +531,13 @@ impl<D: GpuDriver> GpuBackend<D> {
         self.check_operands(&launch.results)?;
         match &launch.body {
             LaunchBody::Reference => Err(self.not_lowered(launch)),
+            LaunchBody::Collective => {
+                let (x, y) = (&launch.args[0], &launch.results[0]);
+                let stream = self.stream;
+                self.driver
+                    .all_reduce_sum(x.ptr, y.ptr, x.ty.numel(), (x.ty.dtype, y.ty.dtype), stream)
+                    .map_err(|e| BackendError::Device(e.description))
+            }
             LaunchBody::Kernels(ks) => ks.iter().try_for_each(|k| self.launch_kernel(k, capturing)),
             LaunchBody::Gemm { shape, .. } => {
                 let shape = *shape;
@@ -695,6 +702,7 @@ impl<D: GpuDriver> Backend for GpuBackend<D> {
         }
         match &launch.body {
             LaunchBody::Reference => Err(self.not_lowered(launch)),
+            LaunchBody::Collective => Ok(()),
             LaunchBody::Kernels(ks) => ks.iter().try_for_each(|k| {
                 self.resolve(&k.module, &k.entry)?;
                 self.check_params(k)

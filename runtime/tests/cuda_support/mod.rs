@@ -209,6 +209,9 @@ pub fn reference(op: &Op, args: &[HT], result_tys: &[TensorType]) -> Vec<HT> {
     let d = args[0].ty.dtype;
     let dims = |t: &HT| t.ty.shape.dims().to_vec();
     match op {
+        Op::AllReduce { .. } | Op::ShardedArgmax { .. } => {
+            panic!("collectives need several ranks; runtime/tests/cuda_tp.rs tests them")
+        }
         Op::Embedding => {
             let tab = &args[1];
             let (v, h) = (dims(tab)[0] as i32, dims(tab)[1] as usize);

@@ -136,6 +136,7 @@ pub fn lower_as<B: Backend>(
     .unwrap_or_else(|e| panic!("{}: {e}", launch.kernel));
     launch.body = match lowering {
         Lowering::Reference => LaunchBody::Reference,
+        Lowering::Collective => LaunchBody::Collective,
         Lowering::Kernels(ks) => LaunchBody::Kernels(ks.iter().map(resolve).collect()),
         Lowering::Gemm {
             shape,
@@ -182,6 +183,7 @@ pub fn body(launch: &Launch, pdl: bool) -> LaunchBody {
     .unwrap_or_else(|e| panic!("{}: {e}", launch.kernel));
     match lowering {
         Lowering::Reference => LaunchBody::Reference,
+        Lowering::Collective => LaunchBody::Collective,
         Lowering::Kernels(ks) => LaunchBody::Kernels(ks.iter().map(resolve).collect()),
         Lowering::Gemm {
             shape,

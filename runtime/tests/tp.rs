@@ -1,0 +1,171 @@
+//! Tensor parallelism on the CPU backend: `kiln compile --tp N` plans run on
+//! `TpBackend::cpu(N)` (ranks as threads, in-process all-reduce) and give
+//! the tokens of the unsharded plan, with graphs replayed on every rank.
+
+use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
+use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
+use kiln_ir::{Key, Op};
+use kiln_runtime::tp::TpBackend;
+use kiln_runtime::{CpuBackend, Engine, EngineOptions, GraphMode};
+use std::path::Path;
+
+fn compile(dir: &Path, tp: u32, logits: bool) -> Result<kiln_ir::plan::Plan, String> {
+    let opts = CompileOptions {
+        keys: vec![Key::new(1, 1, 0), Key::new(2, 1, 0), Key::new(1, 4, 0)],
+        logits,
+        kv: KvOptions {
+            block_size: 4,
+            kv_blocks: Some(48),
+            max_context: Some(64),
+            ..KvOptions::default()
+        },
+        tp,
+        ..CompileOptions::default()
+    };
+    compile_dir(dir, &opts, &mut |_, _| {})
+        .map(|c| c.plan)
+        .map_err(|e| e.to_string())
+}
+
+fn options() -> EngineOptions {
+    EngineOptions {
+        graphs: GraphMode::On,
+        log: false,
+        keep_logits: true,
+        max_new_tokens: 1000,
+        ..EngineOptions::default()
+    }
+}
+
+/// Greedy tokens (and each step's logits when the plan outputs them) of
+/// two sequences stepped together.
+fn run(e: &mut Engine, prompts: &[Vec<u32>], n: usize) -> (Vec<Vec<u32>>, Vec<Vec<f32>>) {
+    let ids: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            e.add_sequence_with(
+                p,
+                kiln_runtime::SeqOptions {
+                    max_new_tokens: n as u32,
+                    stop_on_eos: false,
+                },
+            )
+            .unwrap()
+        })
+        .collect();
+    let mut logits = Vec::new();
+    while e.has_work() {
+        e.step().unwrap();
+        for &id in &ids {
+            if let Some(l) = e.last_logits(id) {
+                logits.push(l.to_vec());
+            }
+        }
+    }
+    let toks = ids
+        .iter()
+        .map(|&id| {
+            let all = e.remove_sequence(id).unwrap();
+            all[all.len() - n..].to_vec()
+        })
+        .collect();
+    (toks, logits)
+}
+
+fn prompts(vocab: u32, seed: u32) -> Vec<Vec<u32>> {
+    vec![
+        (0..5).map(|i| (i * 37 + seed * 11 + 3) % vocab).collect(),
+        (0..9).map(|i| (i * 53 + seed * 7 + 1) % vocab).collect(),
+    ]
+}
+
+fn check_family(family: Family, spec: TinySpec, tp: u32) {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), family, &spec).unwrap();
+    for logits in [false, true] {
+        let one = compile(dir.path(), 1, logits).unwrap();
+        let many = compile(dir.path(), tp, logits).unwrap();
+        assert_eq!(many.tp, tp);
+        // The sharded program really is sharded: collectives in every key,
+        // the cross-rank argmax exactly when the vocabulary is split (no
+        // logits output on the CPU target).
+        for kp in &many.keys {
+            let n = |f: fn(&Op) -> bool| kp.ops.iter().filter(|o| f(&o.op)).count();
+            assert_eq!(
+                n(|o| matches!(o, Op::AllReduce { .. })),
+                2 * spec.layers as usize,
+                "{family:?} {}",
+                kp.key
+            );
+            let split = !logits && spec.vocab.is_multiple_of(tp);
+            assert_eq!(n(|o| matches!(o, Op::ShardedArgmax { .. })) > 0, split);
+        }
+        assert_eq!(many.kv.kv_heads * tp, one.kv.kv_heads);
+        let bytes = kiln_ir::artifact::encode(&many);
+        let back = kiln_ir::artifact::decode(&bytes).unwrap();
+        assert_eq!(back, many);
+
+        let mut e1 = Engine::new(one, dir.path(), Box::new(CpuBackend::new()), options()).unwrap();
+        let (be, stats) = TpBackend::cpu_with_stats(tp);
+        let mut en = Engine::new(many, dir.path(), Box::new(be), options()).unwrap();
+        for seed in 0..2 {
+            let p = prompts(spec.vocab, seed);
+            let (t1, l1) = run(&mut e1, &p, 6);
+            let (tn, ln) = run(&mut en, &p, 6);
+            assert_eq!(t1, tn, "{family:?} tp={tp} tokens differ from tp=1");
+            assert_eq!(l1.len(), ln.len());
+            // Bound: the sharded sums regroup the dot products (per-rank
+            // partial sums rounded to bf16, then summed in f32 once), so
+            // logits move by a few bf16 ulps of the hidden state.
+            let worst = l1
+                .iter()
+                .flatten()
+                .zip(ln.iter().flatten())
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(worst <= 0.05, "{family:?} logits differ by {worst}");
+        }
+        for (r, s) in stats.iter().enumerate() {
+            let replays = kiln_runtime::cpu::CpuStats::get(&s.replays);
+            assert!(replays >= 12, "rank {r} replayed {replays} graphs");
+        }
+        assert!(en.total_counters().replays >= 12);
+    }
+}
+
+#[test]
+fn tp2_plans_of_the_tiny_families_give_the_tp1_tokens_with_graphs_replayed() {
+    for family in [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Gemma3] {
+        check_family(family, TinySpec::for_family(family), 2);
+    }
+}
+
+#[test]
+fn tp3_of_a_smollm2_shaped_model_gives_the_tp1_tokens() {
+    check_family(Family::Llama, TinySpec::smollm2(), 3);
+}
+
+#[test]
+fn tp2_of_a_model_with_nine_heads_is_refused_naming_the_head_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), Family::Llama, &TinySpec::smollm2()).unwrap();
+    let err = compile(dir.path(), 2, false).unwrap_err();
+    assert!(err.contains("9 attention heads"), "{err}");
+    assert!(err.contains("3 KV heads"), "{err}");
+    assert!(err.contains("--tp 1, 3"), "{err}");
+}
+
+#[test]
+fn a_tp_plan_on_a_single_rank_backend_is_refused_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), Family::Llama, &TinySpec::default()).unwrap();
+    let plan = compile(dir.path(), 2, false).unwrap();
+    let err = Engine::new(plan, dir.path(), Box::new(CpuBackend::new()), options())
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("2 rank(s)") && err.contains("drives 1"),
+        "{err}"
+    );
+}
