@@ -38,7 +38,7 @@
 //!
 //! Performance (H200, `bench_quantized_gemv_on_llama3_8b_shapes`, results in
 //! `bench/results/gpu-2026-12-01-qgemv/`): at one token the 4/5/6-bit
-//! kernels stream 1.3-2.0 TB/s of weights and Q8_0/FP8 2.2-3.2 TB/s; at 8
+//! kernels stream 1.5-2.2 TB/s of weights and Q8_0/FP8 2.2-3.2 TB/s; at 8
 //! tokens they are compute-bound (about 0.25-0.55 TB/s). The decode is ALU
 //! bound, not byte bound: next steps are x converted once per block (shared
 //! memory) instead of once per row, more rows per warp at T > 1, and integer
