@@ -151,31 +151,48 @@ if [[ " $stages " == *" serve "* && -n "$last" ]]; then
 fi
 
 if [[ " $stages " == *" ncu "* && -n "$last" ]]; then
-  plan=/tmp/plans-$last/qwen3-0.6b.kiln
-  timeout 300 ncu --csv --launch-count "${KILN_NCU_KERNELS:-600}" --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-    "$B/kiln-$last" bench "$plan" --device cuda --keys b1q1s0 --steps 1 --context 512 \
-    > "$OUT/logs/ncu.csv" 2> "$OUT/logs/ncu-stderr.txt"
-  echo "ncu: rc=$?" >> "$S"
-  python3 - "$OUT/logs/ncu.csv" >> "$S" 2>&1 <<'PY'
+  # Per variant and key (KILN_NCU_VARIANTS, default the last; KILN_NCU_KEYS,
+  # default b1q1s0; KILN_NCU_MODEL, default qwen3-0.6b): one profiled step.
+  metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,lts__t_bytes.sum,launch__registers_per_thread,smsp__sass_inst_executed_op_local_ld.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size
+  for v in ${KILN_NCU_VARIANTS:-$last}; do
+    for key in ${KILN_NCU_KEYS:-b1q1s0}; do
+      plan=/tmp/plans-$v/${KILN_NCU_MODEL:-qwen3-0.6b}.kiln
+      csv="$OUT/logs/ncu-$v-$key.csv"
+      timeout 300 ncu --csv --launch-count "${KILN_NCU_KERNELS:-600}" --metrics "$metrics" \
+        "$B/kiln-$v" bench "$plan" --device cuda --keys "$key" --steps 1 --context 512 \
+        > "$csv" 2> "$OUT/logs/ncu-stderr-$v-$key.txt"
+      echo "ncu $v $key: rc=$?" >> "$S"
+      python3 - "$csv" >> "$S" 2>&1 <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
 if not rows:
     print("ncu: no rows"); sys.exit()
 h = rows[0]
-ki, mi, vi = h.index("Kernel Name"), h.index("Metric Name"), h.index("Metric Value")
-t = collections.defaultdict(float); n = collections.Counter(); bw = collections.defaultdict(list)
+ki, mi, vi, ii = h.index("Kernel Name"), h.index("Metric Name"), h.index("Metric Value"), h.index("ID")
+per = collections.defaultdict(dict)
+names = {}
 for r in rows[1:]:
-    name = r[ki].split("(")[0].split("<")[0]
-    v = float(r[vi].replace(",", "") or 0)
-    if r[mi] == "gpu__time_duration.sum":
-        t[name] += v; n[name] += 1
-    else:
-        bw[name].append(v)
-tot = sum(t.values())
-print(f"{'kernel':40} {'count':>6} {'us total':>9} {'share':>6} {'dram %':>7}")
-for k, v in sorted(t.items(), key=lambda x: -x[1])[:20]:
-    print(f"{k[:40]:40} {n[k]:>6} {v / 1e3:>9.1f} {v / tot:>6.1%} {sum(bw[k]) / max(1, len(bw[k])):>7.1f}")
+    names[r[ii]] = r[ki].split("(")[0].split("<")[0]
+    try:
+        per[r[ii]][r[mi]] = float(r[vi].replace(",", "") or 0)
+    except ValueError:
+        pass
+agg = collections.defaultdict(lambda: collections.defaultdict(float)); n = collections.Counter()
+for i, m in per.items():
+    k = names[i]; n[k] += 1
+    for a, b in m.items():
+        agg[k][a] += b
+tot = sum(a["gpu__time_duration.sum"] for a in agg.values())
+print(f"launches profiled: {sum(n.values())}, kernel time {tot/1e3:.1f} us")
+print(f"{'kernel':34} {'n':>4} {'us tot':>7} {'share':>6} {'us/call':>7} {'dram%':>6} {'DRAM KB':>8} {'L2 KB':>8} {'regs':>5} {'lcl ld':>7} {'occ%':>5} {'grid':>6}")
+for k, a in sorted(agg.items(), key=lambda x: -x[1]["gpu__time_duration.sum"])[:24]:
+    c = n[k]; t = a["gpu__time_duration.sum"]
+    print(f"{k[:34]:34} {c:>4} {t/1e3:>7.1f} {t/tot:>6.1%} {t/c/1e3:>7.2f} {a['dram__throughput.avg.pct_of_peak_sustained_elapsed']/c:>6.1f} "
+          f"{a['dram__bytes_read.sum']/c/1e3:>8.0f} {a['lts__t_bytes.sum']/c/1e3:>8.0f} {a['launch__registers_per_thread']/c:>5.0f} "
+          f"{a['smsp__sass_inst_executed_op_local_ld.sum']/c:>7.0f} {a['sm__warps_active.avg.pct_of_peak_sustained_active']/c:>5.1f} {a['launch__grid_size']/c:>6.0f}")
 PY
+    done
+  done
 fi
 
 tar czf "$OUT/00-all.tgz" -C "$OUT" logs

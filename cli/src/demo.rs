@@ -499,7 +499,14 @@ pub fn run(
             gguf.display(),
             model_dir.display()
         ));
-        import_gguf(&gguf, &model_dir, &ImportOptions { force: true })?;
+        import_gguf(
+            &gguf,
+            &model_dir,
+            &ImportOptions {
+                force: true,
+                ..Default::default()
+            },
+        )?;
         if opts.source == ModelSource::Gemma3 && ChatTemplate::from_model_dir(&model_dir).is_err() {
             let path = model_dir.join("chat_template.jinja");
             log(&format!(

@@ -46,6 +46,11 @@ enum Cmd {
         /// Replace the output directory if it exists.
         #[arg(long)]
         force: bool,
+        /// Keep 2-D weights of types Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K and
+        /// Q6_K as stored (the plan reads the blocks); norms, biases and
+        /// other types are written as bf16. Default: everything as bf16.
+        #[arg(long)]
+        keep_quant: bool,
     },
     /// Load a plan and its weights, generate from a prompt and stream the
     /// text; ends with statistics (tokens/s, replays, eager steps) on stderr.
@@ -90,10 +95,16 @@ fn main() -> anyhow::Result<()> {
             }
         }
         Cmd::BenchCompile(a) => print!("{}", kiln_compiler::compile_bench::run(&a)?),
-        Cmd::Import { gguf, out, force } => {
+        Cmd::Import {
+            gguf,
+            out,
+            force,
+            keep_quant,
+        } => {
             // `--force` replaces the output: it may never be, hold or lie in the input.
             kiln_compiler::outpath::check_output(&out, &[&gguf])?;
-            let report = import::import_gguf(&gguf, &out, &import::ImportOptions { force })
+            let opts = import::ImportOptions { force, keep_quant };
+            let report = import::import_gguf(&gguf, &out, &opts)
                 .with_context(|| format!("importing {}", gguf.display()))?;
             for p in &report.stale.cleaned {
                 eprintln!("removed {} (left by a killed import)", p.display());
@@ -106,14 +117,26 @@ fn main() -> anyhow::Result<()> {
                 .iter()
                 .map(|(t, n)| format!("{n} {t}"))
                 .collect();
+            let written = if report.kept_quant.is_empty() {
+                "written as bf16".to_string()
+            } else {
+                let kept: Vec<String> = report
+                    .kept_quant
+                    .iter()
+                    .map(|(q, n)| format!("{n} {q}"))
+                    .collect();
+                format!("kept as stored: {}; the rest bf16", kept.join(", "))
+            };
             println!(
-                "imported {} -> {}\n  {} tensors ({}), {} parameters, written as bf16\n  \
+                "imported {} -> {}\n  {} tensors ({}), {} parameters, {}, {} weight bytes\n  \
                  vocab {} tokens, {} special, chat template: {}, tied embeddings: {}",
                 gguf.display(),
                 report.out_dir.display(),
                 report.tensors_written,
                 types.join(", "),
                 report.parameters,
+                written,
+                report.weight_bytes,
                 report.tokenizer_vocab,
                 report.special_token_ids.len(),
                 if report.has_chat_template {

@@ -10,10 +10,17 @@
 //!
 //! On the way every tensor is dequantized to f32 (see `gguf::dequant`),
 //! GGML's reversed dims become `[out, in]`, and the values are stored as
-//! bf16. Two things llama.cpp's converter did to the weights are undone:
+//! bf16. With `--keep-quant` ([`ImportOptions::keep_quant`]) the 2-D
+//! weights of a block type kiln's kernels read are instead written as
+//! stored: `U8 [N, row_bytes]` plus `__metadata__["kiln.quant.<tensor>"] =
+//! "<storage>:<N>:<K>"`, the format the frontend reads
+//! (`frontend::QUANT_META_PREFIX`). The writer is kiln's own streaming one
+//! (one tensor in memory at a time), not the safetensors crate's, which
+//! needs every tensor's bytes at once. Two things llama.cpp's converter did to the weights are undone:
 //! - `attn_q`/`attn_k` rows are put back into Hugging Face's rotate-half
 //!   order (see `gguf::permute`) for llama and mistral only; llama.cpp
 //!   permutes only those (Qwen and Gemma use NEOX-style RoPE, unpermuted).
+//!   A kept-quant tensor's rows move the same way: blocks lie inside rows.
 //! - Gemma-3's RMSNorm scales by `1 + w`; llama.cpp's converter stores
 //!   `w + 1` in every `*norm.weight` tensor (`Gemma3Model.norm_shift`) so
 //!   that its plain RMSNorm applies. kiln subtracts the 1 again, so the
@@ -218,6 +225,11 @@ fn io_err(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> I
 pub struct ImportOptions {
     /// Replace an existing output directory.
     pub force: bool,
+    /// Keep 2-D weights of a block type kiln's kernels read (Q8_0, Q4_0,
+    /// Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) as stored instead of dequantizing them
+    /// to bf16 (see [`crate::frontend::QUANT_META_PREFIX`]). Norms, biases
+    /// and tensors of other types are converted to bf16 either way.
+    pub keep_quant: bool,
 }
 
 /// The Hugging Face `config.json` kiln import writes: the fields every
@@ -268,6 +280,10 @@ pub struct ImportReport {
     pub source_types: BTreeMap<GgmlType, usize>,
     /// Tensors written to `model.safetensors`.
     pub tensors_written: usize,
+    /// Of those, the tensors written as stored (`--keep-quant`), by storage.
+    pub kept_quant: BTreeMap<kiln_ir::QuantType, usize>,
+    /// Bytes of tensor data in `model.safetensors`.
+    pub weight_bytes: u64,
     pub parameters: u64,
     /// Tokens in the tokenizer vocabulary (may be below `config.vocab_size`
     /// when the embedding is padded).
@@ -559,6 +575,34 @@ struct Plan<'a> {
     hf_name: String,
     shape: Vec<u64>,
     transform: Transform,
+    /// `Some` when the tensor is written as stored (`--keep-quant`): its
+    /// GGML blocks, rows moved back by an [`Transform::Unpermute`].
+    keep: Option<kiln_ir::QuantType>,
+}
+
+impl Plan<'_> {
+    /// Bytes of this tensor in `model.safetensors`.
+    fn bytes(&self) -> u64 {
+        match self.keep {
+            Some(q) => self.shape[0] * q.row_bytes(self.shape[1] as usize).unwrap_or(0) as u64,
+            None => self.info.n_elements * 2,
+        }
+    }
+}
+
+/// The storage a tensor keeps under `--keep-quant`: a 2-D weight (every
+/// 2-D tensor of the mapping is a matmul or embedding weight) of a block
+/// type the kernels read, whose transform is at most a row permutation
+/// (blocks lie inside rows, so moving rows moves whole blocks).
+fn kept_storage(
+    info: &TensorInfo,
+    shape: &[u64],
+    transform: Transform,
+) -> Option<kiln_ir::QuantType> {
+    let q = dequant::quant_type(info.ggml_type)?;
+    let row_ok = shape.len() == 2 && q.row_bytes(shape[1] as usize).is_some();
+    let transform_ok = matches!(transform, Transform::None | Transform::Unpermute(_));
+    (row_ok && transform_ok).then_some(q)
 }
 
 struct Layout<'a> {
@@ -568,7 +612,11 @@ struct Layout<'a> {
     rope_scaling: Option<Value>,
 }
 
-fn plan_tensors<'a>(g: &'a GgufFile, h: &Hparams) -> Result<Layout<'a>, ImportError> {
+fn plan_tensors<'a>(
+    g: &'a GgufFile,
+    h: &Hparams,
+    keep_quant: bool,
+) -> Result<Layout<'a>, ImportError> {
     let arch = h.arch;
     let mut rope_scaling = h.rope_scaling.clone();
     let rope_freqs = g.tensor("rope_freqs.weight");
@@ -706,11 +754,17 @@ fn plan_tensors<'a>(g: &'a GgufFile, h: &Hparams) -> Result<Layout<'a>, ImportEr
                 found: info.shape(),
             });
         }
+        let keep = if keep_quant {
+            kept_storage(info, &shape, transform)
+        } else {
+            None
+        };
         plans.push(Plan {
             info,
             hf_name,
             shape,
             transform,
+            keep,
         });
     }
     plans.sort_by(|a, b| a.hf_name.cmp(&b.hf_name));
@@ -722,8 +776,38 @@ fn plan_tensors<'a>(g: &'a GgufFile, h: &Hparams) -> Result<Layout<'a>, ImportEr
     })
 }
 
-/// The bf16 bytes of one converted tensor.
+/// The bytes of one converted tensor: bf16, or the stored blocks of a
+/// kept tensor.
 fn convert(g: &GgufFile, p: &Plan<'_>) -> Result<Vec<u8>, ImportError> {
+    if let Some(q) = p.keep {
+        let data = g.tensor_bytes(p.info);
+        let rows = p.shape[0] as usize;
+        let row_bytes = q.row_bytes(p.shape[1] as usize).unwrap_or(0);
+        if Some(data.len()) != rows.checked_mul(row_bytes) {
+            // The reader sized the slice from the same block table, so this
+            // cannot happen for a parsed file; report it anyway.
+            return Err(GgufError::Corrupt {
+                what: format!(
+                    "tensor {:?} holds {} bytes, not the {rows} rows of {row_bytes} bytes of a {q} {:?}",
+                    p.info.name,
+                    data.len(),
+                    p.shape
+                ),
+            }
+            .into());
+        }
+        return match p.transform {
+            Transform::Unpermute(heads) => {
+                permute::unpermute_rows(data, rows, row_bytes, heads as usize).map_err(|source| {
+                    ImportError::Permute {
+                        name: p.info.name.clone(),
+                        source,
+                    }
+                })
+            }
+            _ => Ok(data.to_vec()),
+        };
+    }
     let mut values = g.dequantize(&p.info.name)?;
     match p.transform {
         Transform::None => {}
@@ -756,19 +840,33 @@ fn write_safetensors(
     source_name: &str,
 ) -> Result<(), ImportError> {
     let mut header = serde_json::Map::new();
-    header.insert(
-        "__metadata__".into(),
-        json!({"format": "pt", "source": source_name, "converted_by": "kiln import"}),
-    );
+    let mut meta = serde_json::Map::new();
+    meta.insert("format".into(), json!("pt"));
+    meta.insert("source".into(), json!(source_name));
+    meta.insert("converted_by".into(), json!("kiln import"));
     let mut offset = 0u64;
+    let mut entries = Vec::with_capacity(plans.len());
     for p in plans {
-        let bytes = p.info.n_elements * 2;
-        header.insert(
+        let bytes = p.bytes();
+        let (dtype, shape) = match p.keep {
+            Some(q) => {
+                let (n, k) = (p.shape[0], p.shape[1]);
+                meta.insert(
+                    format!("{}{}", crate::frontend::QUANT_META_PREFIX, p.hf_name),
+                    json!(format!("{}:{n}:{k}", q.name())),
+                );
+                ("U8", vec![n, bytes / n.max(1)])
+            }
+            None => ("BF16", p.shape.clone()),
+        };
+        entries.push((
             p.hf_name.clone(),
-            json!({"dtype": "BF16", "shape": p.shape, "data_offsets": [offset, offset + bytes]}),
-        );
+            json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes]}),
+        ));
         offset += bytes;
     }
+    header.insert("__metadata__".into(), Value::Object(meta));
+    header.extend(entries);
     let mut head = serde_json::to_vec(&Value::Object(header)).expect("a JSON map serializes");
     // The data section starts 8-byte aligned; the format pads with spaces.
     while !head.len().is_multiple_of(8) {
@@ -931,7 +1029,7 @@ pub fn import_gguf(
     }
     let g = GgufFile::open(gguf_path)?;
     let h = read_hparams(&g)?;
-    let layout = plan_tensors(&g, &h)?;
+    let layout = plan_tensors(&g, &h, opts.keep_quant)?;
     let vocab = layout.vocab;
     let tok = tokenizer_build::build_tokenizer(&g, Some(h.context))?;
     if tok.vocab_size as u64 > vocab {
@@ -980,9 +1078,15 @@ pub fn import_gguf(
     for t in g.tensors() {
         *source_types.entry(t.ggml_type).or_insert(0) += 1;
     }
+    let mut kept_quant = BTreeMap::new();
+    for q in plans.iter().filter_map(|p| p.keep) {
+        *kept_quant.entry(q).or_insert(0) += 1;
+    }
     Ok(ImportReport {
         out_dir: out_dir.to_path_buf(),
         arch: h.arch,
+        kept_quant,
+        weight_bytes: plans.iter().map(Plan::bytes).sum(),
         parameters: plans.iter().map(|p| p.info.n_elements).sum(),
         tensors_written: plans.len(),
         source_types,

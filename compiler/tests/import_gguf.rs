@@ -307,7 +307,15 @@ fn an_existing_output_directory_is_kept_unless_force_is_given() {
     assert!(err.to_string().contains("--force"), "{err}");
     assert!(case.out.join("marker").exists());
 
-    import::import_gguf(&case.gguf, &case.out, &ImportOptions { force: true }).unwrap();
+    import::import_gguf(
+        &case.gguf,
+        &case.out,
+        &ImportOptions {
+            force: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     assert!(!case.out.join("marker").exists());
     assert!(case.out.join("model.safetensors").exists());
     assert_no_temp_dirs(&case.out);
@@ -927,8 +935,15 @@ fn a_running_imports_staging_is_left_alone() {
     assert!(dir.join("model.safetensors").exists() && lock.exists());
     drop(held);
     // Once that import is gone, the next import cleans up.
-    let report =
-        import::import_gguf(&case.gguf, &case.out, &ImportOptions { force: true }).unwrap();
+    let report = import::import_gguf(
+        &case.gguf,
+        &case.out,
+        &ImportOptions {
+            force: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     assert_eq!(report.stale.cleaned, vec![dir]);
     assert_no_temp_dirs(&case.out);
 }

@@ -38,6 +38,7 @@ fn random_graph(seed: u64) -> Built {
             name: name.clone(),
             dtype: DType::BF16,
             shape: shape.clone(),
+            storage: None,
             source: WeightSource::Tensor(TensorRef {
                 file: "model.safetensors".into(),
                 tensor: name.clone(),

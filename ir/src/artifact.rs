@@ -34,7 +34,7 @@ pub const MAGIC: [u8; 8] = *b"KILNPLAN";
 
 /// Version of the encoding this build writes and reads. Bump it whenever a
 /// plan type changes shape (a serde field added, removed or reordered).
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 24;
@@ -266,6 +266,7 @@ mod tests {
                     name: "w".into(),
                     dtype: DType::BF16,
                     shape: Shape::new([6, 5]),
+                    storage: None,
                     source: WeightSource::ConcatRows(vec![t.clone(), t]),
                 }],
             },

@@ -46,6 +46,8 @@ pub use parse::{
     Pos, SourceMap, Span, TextError,
 };
 pub use print::{print, print_with_map};
-pub use types::{DType, Shape, TensorType};
+pub use types::{DType, QuantLayout, QuantType, Shape, TensorType};
 pub use validate::{validate, PlanInfo};
-pub use verify::{verify, GraphInfo, Location, VerifyError, VerifyErrorKind, VerifyErrors};
+pub use verify::{
+    quantized_operand, verify, GraphInfo, Location, VerifyError, VerifyErrorKind, VerifyErrors,
+};

@@ -5,7 +5,7 @@
 //! tensor (q/k/v concatenated, gate/up concatenated) record a transform here
 //! and the runtime's weight binder applies it at load.
 
-use crate::types::{DType, Shape};
+use crate::types::{DType, QuantType, Shape, TensorType};
 use serde::{Deserialize, Serialize};
 
 /// A tensor inside one of the model's safetensors files.
@@ -51,6 +51,29 @@ pub struct WeightEntry {
     pub dtype: DType,
     pub shape: Shape,
     pub source: WeightSource,
+    /// `Some` when the plan keeps the weight quantized (see
+    /// [`QuantType`] for the byte layout). `dtype`/`shape` stay the logical
+    /// ones. The source is then either a tensor already in that storage
+    /// (`kiln import --keep-quant`: a `U8` safetensors tensor of
+    /// `[N, row_bytes]`) or a dense float tensor the weight binder
+    /// quantizes at load (`kiln compile --quantize fp8`).
+    #[serde(default)]
+    pub storage: Option<QuantType>,
+}
+
+impl WeightEntry {
+    /// The entry's type as the graph sees it (logical dtype and shape, and
+    /// the storage).
+    pub fn ty(&self) -> TensorType {
+        let mut t = TensorType::new(self.dtype, self.shape.clone());
+        t.storage = self.storage;
+        t
+    }
+    /// Bytes the entry occupies once bound (stored bytes for a quantized
+    /// weight).
+    pub fn stored_bytes(&self) -> u64 {
+        self.ty().stored_bytes()
+    }
 }
 
 /// All weights of a model, in a deterministic order.
@@ -67,9 +90,6 @@ impl WeightManifest {
         self.entries.iter().position(|e| e.name == name)
     }
     pub fn total_bytes(&self) -> u64 {
-        self.entries
-            .iter()
-            .map(|e| e.shape.numel() * e.dtype.size() as u64)
-            .sum()
+        self.entries.iter().map(WeightEntry::stored_bytes).sum()
     }
 }

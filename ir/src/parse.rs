@@ -43,7 +43,7 @@ use crate::manifest::WeightManifest;
 use crate::op::{Epilogue, Op, PreNorm, Rope, RopeScaling};
 use crate::text::attr_names;
 pub use crate::text::{NodeSpans, Pos, SourceMap, Span};
-use crate::types::{DType, Shape, TensorType};
+use crate::types::{DType, QuantType, Shape, TensorType};
 use crate::verify::{verify, GraphInfo, VerifyError};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -71,6 +71,8 @@ pub enum ParseErrorKind {
     UnknownRole { name: String },
     #[error("unknown dtype `{name}`; expected one of bf16, f16, f32, i32")]
     UnknownDType { name: String },
+    #[error("unknown storage type `{name}`; expected one of q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k, fp8_e4m3")]
+    UnknownStorage { name: String },
     #[error("`{op}` has no attribute `{name}`; {}", valid_attrs(valid))]
     UnknownAttr {
         op: String,
@@ -879,11 +881,26 @@ impl<'a> Parser<'a> {
             }
         }
         let close = self.expect_punct(']', "`,` and another dimension, or `]`")?;
+        let mut ty = TensorType::new(dtype, Shape(dims));
+        let mut end = close.span.end;
+        if matches!(&self.peek()?.tok, Tok::Ident(w) if w == "stored") {
+            self.bump()?;
+            let (qname, qspan) =
+                self.expect_ident("a storage type after `stored`, e.g. q4_k or fp8_e4m3")?;
+            let Some(q) = QuantType::from_name(&qname) else {
+                return Err(ParseError {
+                    pos: qspan.start,
+                    kind: ParseErrorKind::UnknownStorage { name: qname },
+                });
+            };
+            ty = ty.stored(q);
+            end = qspan.end;
+        }
         Ok((
-            TensorType::new(dtype, Shape(dims)),
+            ty,
             Span {
                 start: span.start,
-                end: close.span.end,
+                end,
             },
         ))
     }

@@ -32,8 +32,9 @@
 //!    largest counters extent of any key;
 //! 7. within a key no two ops share counter bytes;
 //! 8. the lowering matches the target: `Reference` for every op iff the
-//!    target is `Cpu`; on GPU targets `Gemm` exactly for matmuls (with the
-//!    shape its operands imply) and a non-empty kernel list otherwise; a
+//!    target is `Cpu`; on GPU targets `Gemm` exactly for matmuls over dense
+//!    weights (with the shape its operands imply) and a non-empty kernel
+//!    list otherwise (a matmul over a quantized weight included); a
 //!    GEMM's recorded implementation ([`GemmKind`]) can run its shape on the
 //!    target (token limit, dtypes, K, `skinny` only on sm_80+ or HIP) and
 //!    carries exactly the launch of its module (`blas`: none);
@@ -109,7 +110,13 @@ pub fn region_size(plan: &Plan, kp: &KeyPlan, r: Region) -> Option<u64> {
             .entries
             .get(i as usize)
             // `validate` refuses sizes that overflow before any key.
-            .map(|e| dense_bytes(&e.shape, e.dtype).unwrap_or(u64::MAX)),
+            .map(|e| match e.storage {
+                // The allocation (`TensorType::size_bytes`: the stored or the
+                // GPU layout, whichever is larger); rows that are not whole
+                // blocks make no region at all.
+                Some(_) => dense_bytes(&e.shape, e.dtype).map_or(u64::MAX, |_| e.ty().size_bytes()),
+                None => dense_bytes(&e.shape, e.dtype).unwrap_or(u64::MAX),
+            }),
         Region::KCache(l) | Region::VCache(l) => {
             (l < plan.kv.layers).then(|| kv_cache_bytes(&plan.kv).unwrap_or(u64::MAX))
         }
@@ -624,7 +631,10 @@ fn validate_lowering(
     check: &mut BufCheck<'_>,
 ) -> Result<(), PlanError> {
     let field = format!("{of}.lowering");
-    let is_gemm = matches!(op.op, Op::MatMul { .. });
+    // A matmul over a weight stored quantized runs kiln's quantized GEMV
+    // launches (the weight stays compressed), never a BLAS GEMM.
+    let quantized = op.args.get(1).is_some_and(|w| w.ty.storage.is_some());
+    let is_gemm = matches!(op.op, Op::MatMul { .. }) && !quantized;
     let gpu = *target != Target::Cpu;
     match (&op.lowering, gpu) {
         (Lowering::Reference, false) => return Ok(()),

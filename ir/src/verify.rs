@@ -32,7 +32,12 @@
 //! 5. **Outputs.** At least one output; names are unique; each refers to a
 //!    declared value.
 //! 6. **Manifest** (when one is given). Every weight's name is in the
-//!    manifest, with the manifest entry's dtype and shape.
+//!    manifest, with the manifest entry's dtype, shape and storage.
+//! 7. **Quantized storage.** A value whose type has a
+//!    [`storage`](crate::TensorType::storage) is a weight of rank 2 whose row
+//!    length is a whole number of the storage's blocks, and it is only the
+//!    weight operand of an op whose kernels read that storage
+//!    ([`quantized_operand`]: `matmul`, `fused_matmul`, `embedding`).
 //!
 //! Not here: anything about how a graph runs (memory, kernels, aliasing
 //! legality beyond [`Op::aliases`](crate::Op::aliases) being a typing matter), and dead-code
@@ -104,6 +109,26 @@ pub enum VerifyErrorKind {
     DuplicateOutput(String),
     #[error("weight {0} is not in the weight manifest; add it there or fix the name")]
     NotInManifest(String),
+    #[error("{value} is stored {storage} but only weights of rank 2 may be stored quantized, got {ty}; keep it dense")]
+    StorageNotWeight {
+        value: ValueId,
+        storage: crate::types::QuantType,
+        ty: TensorType,
+    },
+    #[error("weight {value} is stored {storage} with rows of {k} elements, not a whole number of {block}-element blocks; keep this tensor dense (import without --keep-quant for it)")]
+    StorageBlocks {
+        value: ValueId,
+        storage: crate::types::QuantType,
+        k: u32,
+        block: usize,
+    },
+    #[error("argument {index} ({value}) of `{op}` is stored {storage}, but `{op}` cannot read quantized storage (only the weight of matmul, fused_matmul and embedding can); keep that weight dense")]
+    StorageOperand {
+        op: &'static str,
+        index: usize,
+        value: ValueId,
+        storage: crate::types::QuantType,
+    },
     #[error("weight {name} is {graph} in the graph but {manifest} in the manifest")]
     ManifestMismatch {
         name: String,
@@ -121,6 +146,18 @@ fn cycle_text(nodes: &[NodeId]) -> String {
         "{} each need a value the next one defines",
         parts.join(" -> ")
     )
+}
+
+/// The argument of `op` that may be a weight kept in quantized storage
+/// (invariant 7): the weight of `matmul` / `fused_matmul` and the table of
+/// `embedding`, whose CPU kernels (`kiln_kernels::cpu`) and GPU kernels read
+/// the blocks directly. Every other operand must be dense.
+pub fn quantized_operand(op: &crate::op::Op) -> Option<usize> {
+    use crate::op::Op;
+    match op {
+        Op::MatMul { .. } | Op::FusedMatMul { .. } | Op::Embedding => Some(1),
+        _ => None,
+    }
 }
 
 /// One broken invariant: where, a short description of the thing (context),
@@ -703,15 +740,75 @@ pub fn verify(g: &Graph, manifest: Option<&WeightManifest>) -> Result<GraphInfo,
                     Location::Weight(i),
                     VerifyErrorKind::NotInManifest(quote(name)),
                 ),
-                Some(e) if e.dtype != data.ty.dtype || e.shape != data.ty.shape => c.err(
-                    Location::Weight(i),
-                    VerifyErrorKind::ManifestMismatch {
-                        name: quote(name),
-                        graph: data.ty.clone(),
-                        manifest: TensorType::new(e.dtype, e.shape.clone()),
-                    },
-                ),
+                Some(e)
+                    if e.dtype != data.ty.dtype
+                        || e.shape != data.ty.shape
+                        || e.storage != data.ty.storage =>
+                {
+                    let mut manifest = TensorType::new(e.dtype, e.shape.clone());
+                    manifest.storage = e.storage;
+                    c.err(
+                        Location::Weight(i),
+                        VerifyErrorKind::ManifestMismatch {
+                            name: quote(name),
+                            graph: data.ty.clone(),
+                            manifest,
+                        },
+                    )
+                }
                 Some(_) => {}
+            }
+        }
+    }
+
+    // 7. Quantized storage.
+    for (v, data) in g.values.iter().enumerate() {
+        let Some(q) = data.ty.storage else { continue };
+        let value = ValueId(v as u32);
+        let weight = g.weights.iter().position(|&w| w == value);
+        let loc = weight.map_or(Location::Graph, Location::Weight);
+        let dims = data.ty.shape.dims();
+        if weight.is_none() || dims.len() != 2 {
+            c.err(
+                loc,
+                VerifyErrorKind::StorageNotWeight {
+                    value,
+                    storage: q,
+                    ty: data.ty.clone(),
+                },
+            );
+            continue;
+        }
+        if q.row_bytes(dims[1] as usize).is_none() {
+            c.err(
+                loc,
+                VerifyErrorKind::StorageBlocks {
+                    value,
+                    storage: q,
+                    k: dims[1],
+                    block: q.block_elems(),
+                },
+            );
+        }
+    }
+    for (n, node) in g.nodes.iter().enumerate() {
+        for (index, a) in node.args.iter().enumerate() {
+            let Some(q) = g.values.get(a.index()).and_then(|d| d.ty.storage) else {
+                continue;
+            };
+            if quantized_operand(&node.op) != Some(index) {
+                c.err(
+                    Location::Arg {
+                        node: NodeId(n as u32),
+                        arg: index,
+                    },
+                    VerifyErrorKind::StorageOperand {
+                        op: node.op.mnemonic(),
+                        index,
+                        value: *a,
+                        storage: q,
+                    },
+                );
             }
         }
     }

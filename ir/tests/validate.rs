@@ -152,6 +152,7 @@ fn plan(target: Target) -> Plan {
                 name: "emb".into(),
                 dtype: DType::BF16,
                 shape: Shape::new([8, 4]),
+                storage: None,
                 source: WeightSource::Tensor(TensorRef {
                     file: "m.safetensors".into(),
                     tensor: "emb".into(),

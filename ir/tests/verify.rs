@@ -32,6 +32,7 @@ fn manifest_of(g: &Graph) -> WeightManifest {
                     name: name.clone(),
                     dtype: ty.dtype,
                     shape: ty.shape.clone(),
+                    storage: None,
                     source: WeightSource::Tensor(TensorRef {
                         file: "model.safetensors".into(),
                         tensor: name.clone(),

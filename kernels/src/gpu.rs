@@ -220,6 +220,12 @@ pub fn fused_matmul_call(
 ) -> Result<KernelCall, CatalogError> {
     let m = "fused_matmul";
     let unsupported = |why: String| CatalogError::Unsupported { op: m, why };
+    if let Some(q) = args.get(1).and_then(|w| w.storage) {
+        return Err(unsupported(format!(
+            "the fused GEMV reads dense weights; a {} weight runs as a quantized matmul",
+            q.name()
+        )));
+    }
     let Op::FusedMatMul {
         bias,
         out,
@@ -1476,6 +1482,85 @@ pub fn op_needs(
     })
 }
 
+/// A `matmul` or `embedding` whose weight (argument 1) is stored quantized
+/// becomes the `qgemv` module's launches ([`crate::quant_gpu`]): the weight
+/// stays compressed in device memory in the repacked layout the runtime
+/// writes at load, and is dequantized in registers. `None` for every other
+/// op. FP8 weights carry their per-row f32 scales after the `[N][K]` bytes
+/// of the same weight buffer (the repacked layout's second region).
+fn lower_quantized(
+    op: &Op,
+    args: &[Operand],
+    results: &[Operand],
+    weight_args: u32,
+    opts: &LowerOptions,
+) -> Result<Option<Lowering>, CatalogError> {
+    use crate::quant_gpu as qg;
+    let m = op.mnemonic();
+    let Some(q) = args.get(1).and_then(|a| a.ty.storage) else {
+        return Ok(None);
+    };
+    let refuse = |why: String| CatalogError::Unsupported { op: m, why };
+    let (n, k) = match args[1].ty.shape.dims() {
+        [n, k] => (*n as u64, *k as u64),
+        d => {
+            return Err(refuse(format!(
+                "a quantized weight must be rank 2, got {d:?}"
+            )))
+        }
+    };
+    let out = results.first().ok_or_else(|| refuse("no result".into()))?;
+    let w = args[1].buf;
+    let scale = (q == kiln_ir::QuantType::Fp8E4M3).then(|| {
+        // The codes are `[n][k]` bytes (k a multiple of 16), the scales next.
+        let at = n * k;
+        BufRef {
+            region: w.region,
+            offset: w.offset + at,
+            bytes: w.bytes.saturating_sub(at),
+        }
+    });
+    let launches = match op {
+        Op::MatMul { bias, out: od } => {
+            if args[0].ty.dtype != DType::BF16 {
+                return Err(refuse(format!(
+                    "quantized weights take bf16 activations, got {}",
+                    args[0].ty.dtype
+                )));
+            }
+            let t = args[0].ty.numel() / k.max(1);
+            let bufs = qg::QGemvBufs {
+                x: args[0].buf,
+                w,
+                scale,
+                bias: if *bias {
+                    args.get(2).map(|a| a.buf)
+                } else {
+                    None
+                },
+                residual: None,
+                out: out.buf,
+            };
+            qg::lower_qgemv(q, n, k, t, *od, &bufs, weight_args & 2 != 0, opts.pdl)
+                .map_err(|e| refuse(e.to_string()))?
+        }
+        Op::Embedding => {
+            let t = args[0].ty.numel();
+            vec![
+                qg::lower_qgather(q, n, k, t, args[0].buf, w, scale, out.buf, opts.pdl)
+                    .map_err(|e| refuse(e.to_string()))?,
+            ]
+        }
+        _ => {
+            return Err(refuse(format!(
+                "kiln's GPU kernels read a {} weight only in matmul and embedding",
+                q.name()
+            )))
+        }
+    };
+    Ok(Some(Lowering::Kernels(launches)))
+}
+
 /// Lowers one planned op for a GPU target: its complete launch list with
 /// every buffer parameter a planned [`BufRef`] (an operand, `scratch`,
 /// `counters`), or a GEMM with kiln's skinny-GEMM alternative. `weight_args`
@@ -1492,6 +1577,9 @@ pub fn lower_op(
     opts: &LowerOptions,
 ) -> Result<Lowering, CatalogError> {
     let m = op.mnemonic();
+    if let Some(l) = lower_quantized(op, args, results, weight_args, opts)? {
+        return Ok(l);
+    }
     let lowered = match op {
         // The fused GEMV prefetches its weight before the dependency wait
         // when the weight operand is a weight, as the plain GEMV does.

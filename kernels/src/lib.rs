@@ -11,5 +11,6 @@ pub mod hip;
 pub mod image_cache;
 #[cfg(feature = "nvrtc")]
 pub mod nvrtc;
+pub mod quant;
 pub mod quant_gpu;
 pub mod tuning;

@@ -54,48 +54,24 @@
 use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam};
 use kiln_ir::DType;
 
-// replaced by kiln_ir::types::QuantType at merge (q1's IR change): the same
-// variants, `block_elems`, `block_bytes` and `row_bytes`.
-/// How a quantized weight is stored.
-#[allow(non_camel_case_types)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum QuantType {
-    Q8_0,
-    Q4_0,
-    Q4_1,
-    Q5_0,
-    Q4K,
-    Q5K,
-    Q6K,
-    Fp8E4M3,
+pub use kiln_ir::QuantType;
+
+/// `q`'s block geometry in the u64 arithmetic this module sizes with.
+trait Geometry {
+    fn elems(self) -> u64;
+    fn bytes(self) -> u64;
+    fn row(self, k: u64) -> u64;
 }
 
-// replaced by kiln_ir::types::QuantType at merge
-impl QuantType {
-    /// Elements per block.
-    pub fn block_elems(self) -> u64 {
-        match self {
-            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 => 32,
-            QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => 256,
-            QuantType::Fp8E4M3 => 1,
-        }
+impl Geometry for QuantType {
+    fn elems(self) -> u64 {
+        self.block_elems() as u64
     }
-    /// Bytes per block (ggml's layout; FP8: one byte per weight).
-    pub fn block_bytes(self) -> u64 {
-        match self {
-            QuantType::Q8_0 => 34,
-            QuantType::Q4_0 => 18,
-            QuantType::Q4_1 => 20,
-            QuantType::Q5_0 => 22,
-            QuantType::Q4K => 144,
-            QuantType::Q5K => 176,
-            QuantType::Q6K => 210,
-            QuantType::Fp8E4M3 => 1,
-        }
+    fn bytes(self) -> u64 {
+        self.block_bytes() as u64
     }
-    /// Bytes of one row of `k` weights (`k` a multiple of the block).
-    pub fn row_bytes(self, k: u64) -> u64 {
-        k / self.block_elems() * self.block_bytes()
+    fn row(self, k: u64) -> u64 {
+        k / self.elems() * self.bytes()
     }
 }
 
@@ -153,24 +129,13 @@ pub enum QuantError {
 
 /// The K multiple `q` requires: its block, and 16 for FP8's vectors.
 pub fn k_multiple(q: QuantType) -> u64 {
-    q.block_elems().max(16)
+    q.k_multiple()
 }
 
-/// Where the regions of a repacked `[n, k]` weight lie.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct QLayout {
-    /// Byte offsets of regions 1..=3 (0 for an absent region), the `off1`,
-    /// `off2`, `off3` kernel parameters.
-    pub offsets: [u64; 3],
-    /// Bytes of regions 0..=3.
-    pub sizes: [u64; 4],
-    /// Total bytes (16-byte multiple).
-    pub total: u64,
-}
-
-fn align16(v: u64) -> u64 {
-    v.div_ceil(16) * 16
-}
+/// Where the regions of a repacked `[n, k]` weight lie (the arithmetic is
+/// `kiln_ir::QuantType::gpu_layout`, which the planner and the plan
+/// validator size weight buffers with).
+pub type QLayout = kiln_ir::QuantLayout;
 
 /// The repacked layout of an `[n, k]` weight of `q` (see the module doc).
 pub fn layout(q: QuantType, n: u64, k: u64) -> Result<QLayout, QuantError> {
@@ -181,31 +146,8 @@ pub fn layout(q: QuantType, n: u64, k: u64) -> Result<QLayout, QuantError> {
     if n == 0 {
         return Err(QuantError::NoRows { q, n, k });
     }
-    let (g, sb) = (k / 32, k / 256);
-    let sizes = match q {
-        QuantType::Q8_0 => [n * k, n * g * 2, 0, 0],
-        QuantType::Q4_0 => [n * k / 2, n * g * 2, 0, 0],
-        QuantType::Q4_1 => [n * k / 2, n * g * 4, 0, 0],
-        QuantType::Q5_0 => [n * k / 2, n * g * 2, n * g * 4, 0],
-        QuantType::Q4K => [n * k / 2, n * sb * 4, n * (k / 64) * 4, 0],
-        QuantType::Q5K => [n * k / 2, n * sb * 4, n * (k / 64) * 4, n * g * 4],
-        QuantType::Q6K => [n * k / 2, n * sb * 2, n * g * 2, n * g * 8],
-        QuantType::Fp8E4M3 => [n * k, 0, 0, 0],
-    };
-    let mut offsets = [0u64; 3];
-    let mut end = sizes[0];
-    for r in 1..4 {
-        if sizes[r] > 0 {
-            let at = align16(end);
-            offsets[r - 1] = at;
-            end = at + sizes[r];
-        }
-    }
-    Ok(QLayout {
-        offsets,
-        sizes,
-        total: align16(end),
-    })
+    q.gpu_layout(n, k)
+        .ok_or(QuantError::BadK { q, n, k, multiple })
 }
 
 /// Bytes of the repacked `[n, k]` weight (what the planner allocates).
@@ -215,7 +157,7 @@ pub fn repacked_bytes(q: QuantType, n: u64, k: u64) -> Result<u64, QuantError> {
 
 fn check_src(q: QuantType, src: &[u8], n: u64, k: u64) -> Result<QLayout, QuantError> {
     let l = layout(q, n, k)?;
-    let expected = n * q.row_bytes(k);
+    let expected = n * q.row(k);
     if src.len() as u64 != expected {
         return Err(QuantError::WrongLength {
             q,
@@ -247,7 +189,7 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
 pub fn repack(q: QuantType, src: &[u8], n: u64, k: u64) -> Result<Vec<u8>, QuantError> {
     let l = check_src(q, src, n, k)?;
     let mut out = vec![0u8; l.total as usize];
-    let bb = q.block_bytes() as usize;
+    let bb = q.bytes() as usize;
     let (ku, nvu) = (k as usize, (k / 32) as usize);
     let [o1, o2, o3] = l.offsets.map(|o| o as usize);
     let put = |out: &mut Vec<u8>, at: usize, bytes: &[u8]| {
@@ -266,7 +208,7 @@ pub fn repack(q: QuantType, src: &[u8], n: u64, k: u64) -> Result<Vec<u8>, Quant
         return Ok(out);
     }
     for row in 0..n as usize {
-        let rsrc = &src[row * (q.row_bytes(k) as usize)..(row + 1) * (q.row_bytes(k) as usize)];
+        let rsrc = &src[row * (q.row(k) as usize)..(row + 1) * (q.row(k) as usize)];
         for (b, blk) in rsrc.chunks_exact(bb).enumerate() {
             match q {
                 QuantType::Q8_0 => {
@@ -834,11 +776,8 @@ mod tests {
                     QuantType::Q6K => n * k / 256 * 2,
                     _ => 0,
                 };
-                assert!(
-                    l.total <= n * q.row_bytes(k) + extra + 48,
-                    "{q:?} [{n},{k}]"
-                );
-                assert!(l.total >= n * q.row_bytes(k), "{q:?} [{n},{k}]");
+                assert!(l.total <= n * q.row(k) + extra + 48, "{q:?} [{n},{k}]");
+                assert!(l.total >= n * q.row(k), "{q:?} [{n},{k}]");
             }
         }
     }

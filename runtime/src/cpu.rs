@@ -188,6 +188,9 @@ fn fill_raw(mem: &AddressSpace, ops: &[DevOperand], out: &mut Vec<RawTensor>) ->
             r.ptr = ptr;
             r.ty.dtype = o.ty.dtype;
             r.ty.shape.0.clone_from(&o.ty.shape.0);
+            // A reused slot may have held a quantized weight of another
+            // launch: the storage travels with the operand too.
+            r.ty.storage = o.ty.storage;
         } else {
             out.push(RawTensor {
                 ptr,

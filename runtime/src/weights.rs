@@ -225,6 +225,36 @@ impl WeightSet {
             ))
         })?;
         let found_shape: Vec<u64> = info.shape.iter().map(|&d| d as u64).collect();
+        if let Some(q) = entry.storage {
+            if info.dtype == Dtype::U8 {
+                // A tensor kept quantized: U8 [N, row_bytes(K)] holding the
+                // logical [N, K] part (see `kiln_ir::QuantType`).
+                let d = part.shape.dims();
+                let rb = (d.len() == 2).then(|| q.row_bytes(d[1] as usize)).flatten();
+                let want = rb.map(|rb| vec![d[0] as u64, rb as u64]);
+                let bytes = file.bytes(&part.tensor).len();
+                let expected =
+                    q.tensor_bytes(d[0] as usize, d.get(1).copied().unwrap_or(0) as usize);
+                if want.as_ref() != Some(&found_shape) || expected != Some(bytes) {
+                    return Err(EngineError::mismatch(format!(
+                        "quantized tensor `{}` in {} is U8{:?} ({bytes} bytes) but a {q} {} needs U8{:?} ({} bytes); the file is damaged: import the model again",
+                        part.tensor,
+                        file.path.display(),
+                        info.shape,
+                        part.shape,
+                        want.unwrap_or_default(),
+                        expected.unwrap_or(0),
+                    )));
+                }
+                return Ok(());
+            }
+            if q != kiln_ir::QuantType::Fp8E4M3 {
+                return Err(EngineError::BadPlan(format!(
+                    "weight `{}` is stored {q} but tensor `{}` is dense; only fp8_e4m3 is quantized at load",
+                    entry.name, part.tensor
+                )));
+            }
+        }
         let want_shape: Vec<u64> = part.shape.dims().iter().map(|&d| d as u64).collect();
         let found_dtype = dtype_of(info.dtype);
         if found_dtype != Some(part.dtype) || found_shape != want_shape {
@@ -301,9 +331,16 @@ impl WeightSet {
         let mut out = Vec::with_capacity(plan.manifest.entries.len());
         let mut scratch: Vec<u8> = Vec::new();
         for entry in &plan.manifest.entries {
-            let bytes = entry.shape.numel() * entry.dtype.size() as u64;
+            // The allocation fits the stored and the GPU layout alike.
+            let bytes = entry.ty().size_bytes();
             let ptr = backend.alloc(bytes, &format!("weight {}", entry.name))?;
             out.push((ptr, bytes));
+            if let Some(q) = entry.storage {
+                let data = self.quantized(entry, q)?;
+                let data = repack_for_device(plan, q, data, entry)?;
+                backend.upload(ptr, &data)?;
+                continue;
+            }
             let parts = entry.source.parts();
             if let [part] = parts {
                 if part.dtype == entry.dtype {
@@ -324,6 +361,66 @@ impl WeightSet {
         }
         Ok(out)
     }
+}
+
+impl WeightSet {
+    /// The bytes of a weight kept quantized, in `q`'s CPU storage layout:
+    /// the parts' blocks concatenated row-wise, or, for a dense source of
+    /// an FP8 entry (`kiln compile --quantize fp8`), the parts converted to
+    /// f32, concatenated and quantized per output row.
+    fn quantized(
+        &self,
+        entry: &WeightEntry,
+        q: kiln_ir::QuantType,
+    ) -> Result<Vec<u8>, EngineError> {
+        let d = entry.shape.dims();
+        let (n, k) = (d[0] as usize, d.get(1).copied().unwrap_or(0) as usize);
+        let parts = entry.source.parts();
+        let file_dtype = |p: &TensorRef| self.files[&p.file].meta.info(&p.tensor).map(|i| i.dtype);
+        let mut data = Vec::new();
+        if parts.iter().all(|p| file_dtype(p) == Some(Dtype::U8)) {
+            for p in parts {
+                data.extend_from_slice(self.files[&p.file].bytes(&p.tensor));
+            }
+        } else {
+            let mut f = Vec::with_capacity(n * k * 4);
+            for p in parts {
+                let src = self.files[&p.file].bytes(&p.tensor);
+                let mut dst = vec![0u8; p.shape.numel() as usize * 4];
+                convert(src, p.dtype, &mut dst, DType::F32);
+                f.extend_from_slice(&dst);
+            }
+            let vals: Vec<f32> = f
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            data = kiln_kernels::quant::quantize_fp8_rows(&vals, n, k);
+        }
+        kiln_kernels::quant::check_tensor_len(q, data.len(), n, k)
+            .map_err(|e| EngineError::mismatch(format!("weight `{}`: {e}", entry.name)))?;
+        Ok(data)
+    }
+}
+
+/// The device bytes of a quantized weight: the stored layout as is for a
+/// CPU plan, and for a GPU plan the layout the `qgemv` kernels read
+/// (`kiln_kernels::quant_gpu::repack`; FP8 codes and row scales stay as
+/// stored). The plan's target decides, so the bytes always match the
+/// launches the compiler lowered.
+fn repack_for_device(
+    plan: &Plan,
+    q: kiln_ir::QuantType,
+    data: Vec<u8>,
+    entry: &WeightEntry,
+) -> Result<Vec<u8>, EngineError> {
+    if matches!(plan.meta.target, kiln_ir::plan::Target::Cpu) || q == kiln_ir::QuantType::Fp8E4M3 {
+        return Ok(data);
+    }
+    let d = entry.shape.dims();
+    let (n, k) = (u64::from(d[0]), u64::from(d.get(1).copied().unwrap_or(0)));
+    kiln_kernels::quant_gpu::repack(q, &data, n, k).map_err(|e| EngineError::WeightsMismatch {
+        message: format!("weight `{}`: {e}; import the model again", entry.name),
+    })
 }
 
 /// Where an engine's weights come from.
@@ -348,6 +445,16 @@ fn next_random(state: &mut u64) -> u64 {
 /// The random values of one entry in its plan dtype: uniform in
 /// `[0.9, 1.1)` for rank-1 entries (norm weights), `[-0.05, 0.05)` otherwise.
 pub fn random_entry(entry: &WeightEntry, seed: u64) -> Vec<u8> {
+    if let Some(q) = entry.storage {
+        let d = entry.shape.dims();
+        let k = d.get(1).copied().unwrap_or(0) as usize;
+        return kiln_kernels::quant::random_tensor(
+            q,
+            d.first().copied().unwrap_or(0) as usize,
+            k,
+            seed,
+        );
+    }
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let n = entry.shape.numel() as usize;
     let norm_like = entry.shape.rank() == 1;
@@ -376,10 +483,14 @@ pub fn bind_random(
 ) -> Result<Vec<(DevPtr, u64)>, EngineError> {
     let mut out = Vec::with_capacity(plan.manifest.entries.len());
     for (i, entry) in plan.manifest.entries.iter().enumerate() {
-        let bytes = random_entry(entry, seed.wrapping_add(i as u64));
-        let ptr = backend.alloc(bytes.len() as u64, &format!("weight {}", entry.name))?;
+        let mut bytes = random_entry(entry, seed.wrapping_add(i as u64));
+        if let Some(q) = entry.storage {
+            bytes = repack_for_device(plan, q, bytes, entry)?;
+        }
+        let size = entry.ty().size_bytes().max(bytes.len() as u64);
+        let ptr = backend.alloc(size, &format!("weight {}", entry.name))?;
         backend.upload(ptr, &bytes)?;
-        out.push((ptr, bytes.len() as u64));
+        out.push((ptr, size));
     }
     Ok(out)
 }

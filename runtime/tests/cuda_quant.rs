@@ -78,7 +78,7 @@ fn weight_as(
 ) -> DevWeight {
     let (src, scale) = match ggml(q) {
         Some(t) => (
-            random_blocks(t, (n * k / q.block_elems()) as usize, seed),
+            random_blocks(t, (n * k / q.block_elems() as u64) as usize, seed),
             None,
         ),
         None => {

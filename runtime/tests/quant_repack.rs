@@ -37,7 +37,7 @@ const GGUF_TYPES: [QuantType; 7] = [
 fn repacked_blocks_decode_bitwise_equal_to_gguf_dequantization_for_every_type() {
     let mut seed = 1;
     for q in GGUF_TYPES {
-        let be = q.block_elems();
+        let be = q.block_elems() as u64;
         // One block, a few, many; N not a multiple of the kernels' 16 rows.
         for (n, k) in [(1u64, be), (3, 2 * be), (17, 7 * be), (5, 4096)] {
             if k % be != 0 {
@@ -74,7 +74,7 @@ fn repacked_blocks_decode_bitwise_equal_to_gguf_dequantization_for_every_type() 
 fn a_changed_source_byte_changes_the_repacked_decoding() {
     // Guards the comparison above against a repack that ignores its input.
     for q in GGUF_TYPES {
-        let k = q.block_elems() * 2;
+        let k = q.block_elems() as u64 * 2;
         let mut src = random_blocks(ggml(q), 2, 99);
         let before = dequantize_repacked(q, &repack(q, &src, 1, k).unwrap(), None, 1, k).unwrap();
         let last = src.len() - q.block_bytes() as usize - 1; // a quant byte of block 0

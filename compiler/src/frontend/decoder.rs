@@ -175,7 +175,7 @@ pub fn trace(
         manifest: manifest
             .entries
             .iter()
-            .map(|e| (e.name.as_str(), TensorType::new(e.dtype, e.shape.clone())))
+            .map(|e| (e.name.as_str(), e.ty()))
             .collect(),
         added: HashMap::new(),
     };

@@ -112,6 +112,12 @@ pub enum FrontendError {
         file: String,
         found: StDtype,
     },
+    #[error("quantized tensor `{tensor}` in {file}: {problem}")]
+    QuantTensor {
+        tensor: String,
+        file: String,
+        problem: String,
+    },
     #[error("invalid key: {0}")]
     InvalidKey(#[from] KeyError),
     #[error("key {key} cannot be traced: {problem}")]
@@ -346,6 +352,87 @@ impl TensorStore {
     }
 }
 
+/// Metadata key prefix of a tensor kept quantized in a model directory
+/// (`kiln import --keep-quant`): `__metadata__["kiln.quant.<tensor>"] =
+/// "<storage>:<N>:<K>"` (e.g. `q4_k:576:1536`) marks the `U8` tensor
+/// `<tensor>` of shape `[N, row_bytes(K)]` as the ggml blocks of a logical
+/// `[N, K]` weight.
+pub const QUANT_META_PREFIX: &str = "kiln.quant.";
+
+/// The manifest entry of a weight stored quantized, `None` for a dense one.
+fn quantized_entry(
+    store: &TensorStore,
+    file: &str,
+    name: &str,
+    stored_as: &str,
+    info: &crate::safetensors_header::TensorInfo,
+    shape: &[u32],
+) -> Result<Option<WeightEntry>, FrontendError> {
+    let Some(meta) = store
+        .files
+        .get(file)
+        .and_then(|h| h.metadata.get(&format!("{QUANT_META_PREFIX}{stored_as}")))
+    else {
+        return Ok(None);
+    };
+    let bad = |problem: String| FrontendError::QuantTensor {
+        tensor: name.to_string(),
+        file: file.to_string(),
+        problem,
+    };
+    let mut parts = meta.split(':');
+    let (q, n, k) = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some(q), Some(n), Some(k), None) => (q, n, k),
+        _ => return Err(bad(format!("metadata `{meta}` is not `<storage>:<N>:<K>`"))),
+    };
+    let q = kiln_ir::QuantType::from_name(q)
+        .filter(|q| *q != kiln_ir::QuantType::Fp8E4M3)
+        .ok_or_else(|| {
+            bad(format!(
+                "unknown block storage `{q}` (known: q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k)"
+            ))
+        })?;
+    let (n, k): (u32, u32) = match (n.parse(), k.parse()) {
+        (Ok(n), Ok(k)) => (n, k),
+        _ => return Err(bad(format!("metadata `{meta}` has a non-numeric extent"))),
+    };
+    if shape.len() != 2 || [n, k] != [shape[0], shape[1]] {
+        return Err(bad(format!(
+            "metadata says [{n}, {k}] but the model needs {}",
+            Shape(shape.to_vec())
+        )));
+    }
+    let rb = q.row_bytes(k as usize).ok_or_else(|| {
+        bad(format!(
+            "rows of {k} elements are not whole {q} blocks of {}",
+            q.block_elems()
+        ))
+    })?;
+    if info.dtype != crate::safetensors_header::StDtype::U8
+        || info.shape != [u64::from(n), rb as u64]
+    {
+        return Err(bad(format!(
+            "a {q} [{n}, {k}] tensor must be U8 [{n}, {rb}], found {}{:?}; the file is damaged: import the model again",
+            info.dtype, info.shape
+        )));
+    }
+    let shape = Shape(shape.to_vec());
+    Ok(Some(WeightEntry {
+        name: name.to_string(),
+        dtype: decoder::ACT,
+        shape: shape.clone(),
+        storage: Some(q),
+        // A quantized source records the logical dtype and shape; the file
+        // holds `U8 [N, row_bytes]` (the runtime's binder checks both).
+        source: WeightSource::Tensor(TensorRef {
+            file: file.to_string(),
+            tensor: stored_as.to_string(),
+            dtype: decoder::ACT,
+            shape,
+        }),
+    }))
+}
+
 fn build_manifest(
     c: &DecoderConfig,
     family: Family,
@@ -369,6 +456,13 @@ fn build_manifest(
                 .find_map(|alias| store.find(alias, &hint).ok())
                 .ok_or(missing)?,
         };
+        let stored_as = store
+            .tensor_name(file, &name, family)
+            .unwrap_or_else(|| name.clone());
+        if let Some(entry) = quantized_entry(store, file, &name, &stored_as, info, &shape)? {
+            entries.push(entry);
+            continue;
+        }
         let dtype = match info.dtype.to_ir() {
             Some(d) if d.is_float() => d,
             _ => {
@@ -390,13 +484,11 @@ fn build_manifest(
             });
         }
         let shape = Shape(shape);
-        let stored_as = store
-            .tensor_name(file, &name, family)
-            .unwrap_or_else(|| name.clone());
         entries.push(WeightEntry {
             name: name.clone(),
             dtype: decoder::ACT,
             shape: shape.clone(),
+            storage: None,
             source: WeightSource::Tensor(TensorRef {
                 file: file.to_string(),
                 tensor: stored_as,

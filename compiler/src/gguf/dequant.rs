@@ -108,20 +108,6 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 /// K-quant super-block size.
 pub const QK_K: usize = 256;
 
-/// Scale and min `j` (0..8) of the 12 packed 6-bit scale bytes of Q4_K and
-/// Q5_K: pairs 0..4 are the low six bits of bytes `j` and `j+4`; pairs 4..8
-/// take their low four bits from byte `j+4` and their top two from the top
-/// bits of bytes `j−4` and `j`.
-fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
-    if j < 4 {
-        (f32::from(q[j] & 63), f32::from(q[j + 4] & 63))
-    } else {
-        let sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-        let m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        (f32::from(sc), f32::from(m))
-    }
-}
-
 fn dequant_q2k(b: &[u8], y: &mut [f32]) {
     let (scales, qs) = (&b[0..16], &b[16..80]);
     let d = f16_at(b, 80);
@@ -181,55 +167,6 @@ fn dequant_q3k(b: &[u8], y: &mut [f32]) {
     }
 }
 
-fn dequant_q45k(b: &[u8], y: &mut [f32], five: bool) {
-    let d = f16_at(b, 0);
-    let dmin = f16_at(b, 2);
-    let scales = &b[4..16];
-    let (qh, ql): (&[u8], &[u8]) = if five {
-        (&b[16..48], &b[48..176])
-    } else {
-        (&[], &b[16..144])
-    };
-    for chunk in 0..4 {
-        let q = &ql[32 * chunk..32 * chunk + 32];
-        for (nib, sub) in [(0u8, 2 * chunk), (4u8, 2 * chunk + 1)] {
-            let (sc, m) = scale_min_k4(sub, scales);
-            let (dl, ml) = (d * sc, dmin * m);
-            let out = &mut y[32 * sub..32 * sub + 32];
-            for l in 0..32 {
-                let mut v = (q[l] >> nib) & 0x0f;
-                if five && qh[l] & (1 << sub) != 0 {
-                    v += 16;
-                }
-                out[l] = dl * f32::from(v) - ml;
-            }
-        }
-    }
-}
-
-fn dequant_q6k(b: &[u8], y: &mut [f32]) {
-    let (ql, qh) = (&b[0..128], &b[128..192]);
-    let scales = &b[192..208];
-    let d = f16_at(b, 208);
-    for half in 0..2 {
-        let (ql, qh) = (&ql[64 * half..], &qh[32 * half..]);
-        let sc = &scales[8 * half..];
-        let y = &mut y[128 * half..];
-        for l in 0..32 {
-            let is = l / 16;
-            let q1 = i32::from((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) - 32;
-            let q2 = i32::from((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            let q3 = i32::from((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            let q4 = i32::from((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            let s = |k: usize| f32::from(sc[is + 2 * k] as i8);
-            y[l] = d * s(0) * q1 as f32;
-            y[l + 32] = d * s(1) * q2 as f32;
-            y[l + 64] = d * s(2) * q3 as f32;
-            y[l + 96] = d * s(3) * q4 as f32;
-        }
-    }
-}
-
 /// `blocks` random blocks of `ty` whose f16 scales are finite and small
 /// (every other byte is uniform), for tests of the dequantizers and for
 /// fixtures of types [`quantize`] cannot encode. Deterministic in `seed`.
@@ -264,6 +201,23 @@ pub fn byte_len(ty: GgmlType, n: usize) -> Option<usize> {
     let block = ty.block_size() as usize;
     n.is_multiple_of(block)
         .then(|| n / block * ty.block_bytes() as usize)
+}
+
+/// The kept-quant storage type of a GGUF tensor type: the types `kiln import
+/// --keep-quant` keeps as stored and whose decoders live in
+/// `kiln_kernels::quant`. `None` for every other type.
+pub fn quant_type(ty: GgmlType) -> Option<kiln_ir::QuantType> {
+    use kiln_ir::QuantType as Q;
+    Some(match ty {
+        GgmlType::Q8_0 => Q::Q8_0,
+        GgmlType::Q4_0 => Q::Q4_0,
+        GgmlType::Q4_1 => Q::Q4_1,
+        GgmlType::Q5_0 => Q::Q5_0,
+        GgmlType::Q4K => Q::Q4K,
+        GgmlType::Q5K => Q::Q5K,
+        GgmlType::Q6K => Q::Q6K,
+        _ => return None,
+    })
 }
 
 /// Decodes `n` elements of type `ty` from `data` to f32.
@@ -301,67 +255,43 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n: usize) -> Result<Vec<f32>, Dequa
                 *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
-        GgmlType::Q8_0 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(data.chunks_exact(34)) {
-                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                for (x, &q) in o.iter_mut().zip(&b[2..34]) {
-                    *x = f32::from(q as i8) * d;
+        GgmlType::Q2K | GgmlType::Q3K => {
+            for (o, b) in out
+                .chunks_exact_mut(QK_K)
+                .zip(data.chunks_exact(ty.block_bytes() as usize))
+            {
+                if ty == GgmlType::Q2K {
+                    dequant_q2k(b, o)
+                } else {
+                    dequant_q3k(b, o)
                 }
             }
         }
-        GgmlType::Q4_0 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(data.chunks_exact(18)) {
-                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                let (lo, hi) = o.split_at_mut(QK / 2);
-                for (j, &q) in b[2..18].iter().enumerate() {
-                    lo[j] = (i32::from(q & 0x0f) - 8) as f32 * d;
-                    hi[j] = (i32::from(q >> 4) - 8) as f32 * d;
-                }
-            }
-        }
-        GgmlType::Q4_1 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(data.chunks_exact(20)) {
-                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                let m = f16::from_le_bytes([b[2], b[3]]).to_f32();
-                let (lo, hi) = o.split_at_mut(QK / 2);
-                for (j, &q) in b[4..20].iter().enumerate() {
-                    lo[j] = f32::from(q & 0x0f) * d + m;
-                    hi[j] = f32::from(q >> 4) * d + m;
-                }
-            }
-        }
-        GgmlType::Q5_0 | GgmlType::Q5_1 => {
-            let one = ty == GgmlType::Q5_1;
-            let bytes = ty.block_bytes() as usize;
-            for (o, b) in out.chunks_exact_mut(QK).zip(data.chunks_exact(bytes)) {
+        GgmlType::Q5_1 => {
+            for (o, b) in out.chunks_exact_mut(QK).zip(data.chunks_exact(24)) {
                 let d = f16_at(b, 0);
-                let (m, at) = if one { (f16_at(b, 2), 4) } else { (0.0, 2) };
-                let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-                let offset = if one { 0 } else { 16 };
+                let m = f16_at(b, 2);
+                let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
                 let (lo, hi) = o.split_at_mut(QK / 2);
-                for (j, &q) in b[at + 4..at + 20].iter().enumerate() {
+                for (j, &q) in b[8..24].iter().enumerate() {
                     let h0 = ((qh >> j) & 1) << 4;
                     let h1 = ((qh >> (j + 16)) & 1) << 4;
-                    let x0 = (u32::from(q & 0x0f) | h0) as i32 - offset;
-                    let x1 = (u32::from(q >> 4) | h1) as i32 - offset;
-                    lo[j] = x0 as f32 * d + m;
-                    hi[j] = x1 as f32 * d + m;
+                    lo[j] = (u32::from(q & 0x0f) | h0) as f32 * d + m;
+                    hi[j] = (u32::from(q >> 4) | h1) as f32 * d + m;
                 }
             }
         }
-        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
-            let bytes = ty.block_bytes() as usize;
-            for (o, b) in out.chunks_exact_mut(QK_K).zip(data.chunks_exact(bytes)) {
-                match ty {
-                    GgmlType::Q2K => dequant_q2k(b, o),
-                    GgmlType::Q3K => dequant_q3k(b, o),
-                    GgmlType::Q4K => dequant_q45k(b, o, false),
-                    GgmlType::Q5K => dequant_q45k(b, o, true),
-                    _ => dequant_q6k(b, o),
-                }
+        _ => {
+            // The storage types the CPU and GPU kernels read: one decoder,
+            // in kiln_kernels::quant.
+            let q = quant_type(ty).expect("is_supported admitted a kept-quant type");
+            for (o, b) in out
+                .chunks_exact_mut(q.block_elems())
+                .zip(data.chunks_exact(q.block_bytes()))
+            {
+                kiln_kernels::quant::dequantize_block(q, b, o);
             }
         }
-        _ => unreachable!("is_supported admitted {ty}"),
     }
     Ok(out)
 }

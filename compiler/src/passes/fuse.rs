@@ -120,11 +120,18 @@ fn stacked_matmul(
     {
         return Ok(None);
     }
-    let anchor = parts.iter().map(|p| p.node).min().unwrap();
     let wnames: Vec<&str> = parts.iter().map(|p| p.weight.as_str()).collect();
+    // Weights kept in different storages (a Q4_K_M file mixes Q4_K, Q6_K
+    // and Q5_0 within a layer) cannot share one stacked tensor: the
+    // projections stay separate matmuls.
+    let storage = |n: &str| manifest.get(n).map(|e| e.storage);
+    if wnames.iter().any(|n| storage(n) != storage(wnames[0])) {
+        return Ok(None);
+    }
+    let anchor = parts.iter().map(|p| p.node).min().unwrap();
     let wname = fused_name(&wnames, roles, fused_role);
     let w = concat_rows(manifest, &wname, &wnames)?;
-    let wv = ed.weight_value(&wname, TensorType::new(w.dtype, w.shape.clone()));
+    let wv = ed.weight_value(&wname, w.ty());
     let mut args = vec![first.x, wv];
     if first.bias.is_some() {
         let bnames: Vec<&str> = parts.iter().map(|p| p.bias.as_deref().unwrap()).collect();
@@ -482,7 +489,9 @@ impl Fusable {
         match target {
             Target::Cpu => true,
             Target::Cuda { .. } | Target::Hip { .. } => {
-                kiln_kernels::gpu::fused_matmul_call(&self.op(), &tys, true).is_ok()
+                let tokens = tys.first().and_then(|x| x.shape.dims().first().copied());
+                tokens.is_some_and(|t| t <= GPU_FUSE_MAX_TOKENS)
+                    && kiln_kernels::gpu::fused_matmul_call(&self.op(), &tys, true).is_ok()
             }
         }
     }
@@ -495,6 +504,13 @@ impl Fusable {
         Ok(r[0])
     }
 }
+
+/// The most tokens a GPU key fuses its GEMVs for. The fused kernels run up
+/// to [`kiln_kernels::gpu::FUSED_MAX_TOKENS`], but measured on the H200
+/// (bench/results/gpu-2026-12-01-s7/) a fused T=8 GEMV is 2-4x slower per
+/// step than the unfused ops with cuBLASLt (the GEMV is ALU-bound at 8
+/// tokens), so only one-token keys fuse; larger keys keep cuBLASLt.
+pub(crate) const GPU_FUSE_MAX_TOKENS: u32 = 1;
 
 /// What [`fuse_matmul`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

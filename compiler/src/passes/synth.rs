@@ -139,6 +139,7 @@ impl SynthSpec {
                     name: name.clone(),
                     dtype: self.dtype,
                     shape: Shape(shape.clone()),
+                    storage: None,
                     source: WeightSource::Tensor(TensorRef {
                         file: "model.safetensors".into(),
                         tensor: name,

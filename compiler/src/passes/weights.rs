@@ -68,6 +68,15 @@ pub fn concat_rows(
                 e.name, e.dtype, first.name, first.dtype
             ));
         }
+        // Quantized rows concatenate as bytes (blocks lie inside rows), so
+        // parts stack when they share one storage; FP8 entries are
+        // quantized at load after the concatenation.
+        if e.storage != first.storage {
+            return Err(format!(
+                "cannot stack `{}` (stored {:?}) with `{}` (stored {:?}): storages differ",
+                e.name, e.storage, first.name, first.storage
+            ));
+        }
         let d = e.shape.dims();
         if d.is_empty() || d[1..] != first.shape.dims()[1..] {
             return Err(format!(
@@ -86,6 +95,7 @@ pub fn concat_rows(
         name: name.to_string(),
         dtype: first.dtype,
         shape: Shape(dims),
+        storage: first.storage,
         source: WeightSource::ConcatRows(sources),
     };
     match manifest.get(name) {

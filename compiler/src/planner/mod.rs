@@ -236,7 +236,7 @@ pub fn plan_key(
                 name: name.clone(),
             })?;
         let e = &ctx.manifest.entries[idx];
-        let want = TensorType::new(e.dtype, e.shape.clone());
+        let want = e.ty();
         if *graph.ty(v) != want {
             return Err(PlanError::WeightType {
                 key,

@@ -19,7 +19,7 @@
 
 use super::buf::Buf;
 use super::elementwise::{self, Gate};
-use super::{matmul, norm, operands, Result};
+use super::{matmul, norm, operands, qmatmul, Result};
 use kiln_ir::{DType, Epilogue, Op, PreNorm};
 
 /// An f32-aligned scratch tensor of `len` elements of `dtype`.
@@ -51,10 +51,20 @@ impl Scratch {
 pub(crate) struct Operands {
     pub x: Buf,
     pub w: Buf,
+    /// The weight's storage and bytes when it is kept quantized.
+    pub wq: Option<(kiln_ir::QuantType, *const u8)>,
     pub bias: Option<Buf>,
     /// The prologue's norm weight, with its attributes.
     pub norm: Option<(Buf, PreNorm)>,
     pub residual: Option<Buf>,
+}
+
+/// The matmul of the fused op, dense or over the quantized weight.
+unsafe fn mm(o: &Operands, x: Buf, (t, k, n): (usize, usize, usize), out: Buf) {
+    match o.wq {
+        Some((q, w)) => qmatmul::matmul(q, x, w, o.bias, (t, k, n), out),
+        None => matmul::matmul(x, o.w, o.bias, t, k, n, out),
+    }
 }
 
 /// `fused_matmul` over `t` rows of `k` inputs and `n` weight rows.
@@ -82,17 +92,17 @@ pub(crate) unsafe fn fused_matmul(
     let mut y = Scratch::new(d, if post == Epilogue::None { 0 } else { t * n });
     let yb = y.buf();
     match (post, o.residual) {
-        (Epilogue::None, _) => matmul::matmul(x, o.w, o.bias, t, k, n, out),
+        (Epilogue::None, _) => mm(&o, x, (t, k, n), out),
         (Epilogue::SiluMul, _) => {
-            matmul::matmul(x, o.w, o.bias, t, k, n, yb);
+            mm(&o, x, (t, k, n), yb);
             elementwise::gated_mul_packed(Gate::Silu, yb, t, n / 2, out)
         }
         (Epilogue::GeluTanhMul, _) => {
-            matmul::matmul(x, o.w, o.bias, t, k, n, yb);
+            mm(&o, x, (t, k, n), yb);
             elementwise::gated_mul_packed(Gate::GeluTanh, yb, t, n / 2, out)
         }
         (Epilogue::Residual, Some(r)) => {
-            matmul::matmul(x, o.w, o.bias, t, k, n, yb);
+            mm(&o, x, (t, k, n), yb);
             elementwise::add(yb, r, out)
         }
         (Epilogue::Residual, None) => {

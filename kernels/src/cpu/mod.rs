@@ -63,6 +63,7 @@ pub mod math;
 pub mod matmul;
 pub mod norm;
 mod par;
+mod qmatmul;
 pub mod reduce;
 pub mod rope;
 pub mod sample;
@@ -138,6 +139,11 @@ pub unsafe fn execute(
         }
     }
     let a: Vec<Buf> = args.iter().map(Buf::of).collect();
+    // A weight kept quantized (argument 1 of the ops that read one; the
+    // checks refused it anywhere else): its bytes, read by `qmatmul`.
+    let wq = args
+        .get(1)
+        .and_then(|w| w.ty.storage.map(|q| (q, w.ptr as *const u8)));
     let r: Vec<Buf> = results.iter().map(Buf::of).collect();
     let dims = |i: usize| args[i].ty.shape.dims().iter().map(|&d| d as usize);
     let d2 = |i: usize| {
@@ -145,7 +151,10 @@ pub unsafe fn execute(
         (it.next().unwrap_or(1), it.next().unwrap_or(1))
     };
     match op {
-        Op::Embedding => gather::embedding(op, a[0], a[1], d2(1), r[0]),
+        Op::Embedding => match wq {
+            Some((q, table)) => qmatmul::embedding(op, q, a[0], table, d2(1), r[0]),
+            None => gather::embedding(op, a[0], a[1], d2(1), r[0]),
+        },
         Op::RmsNorm { eps, unit_offset } => {
             norm::rms_norm(a[0], a[1], d2(0), *eps, *unit_offset, r[0]);
             Ok(())
@@ -157,7 +166,10 @@ pub unsafe fn execute(
         Op::MatMul { bias, .. } => {
             let (t, k) = d2(0);
             let (n, _) = d2(1);
-            matmul::matmul(a[0], a[1], bias.then(|| a[2]), t, k, n, r[0]);
+            match wq {
+                Some((q, w)) => qmatmul::matmul(q, a[0], w, bias.then(|| a[2]), (t, k, n), r[0]),
+                None => matmul::matmul(a[0], a[1], bias.then(|| a[2]), t, k, n, r[0]),
+            }
             Ok(())
         }
         Op::HeadRmsNorm {
@@ -243,6 +255,7 @@ pub unsafe fn execute(
             let o = fused::Operands {
                 x: a[0],
                 w: a[1],
+                wq,
                 bias: next(*bias),
                 norm: next(pre.is_some()).zip(*pre),
                 residual: next(*post == kiln_ir::Epilogue::Residual),
@@ -276,6 +289,30 @@ fn check_operands(op: &Op, args: &[RawTensor], results: &[RawTensor]) -> Result<
                 format!("result {i} must be {w} for these arguments, got {}", r.ty),
             ));
         }
+    }
+    for (i, t) in args.iter().enumerate() {
+        if let Some(q) = t.ty.storage {
+            if kiln_ir::quantized_operand(op) != Some(i) {
+                return Err(operands(
+                    op,
+                    format!("argument {i} ({}) is stored {q}, but this op reads only dense operands there", t.ty),
+                ));
+            }
+            if q.row_bytes(t.ty.shape.dims().get(1).copied().unwrap_or(0) as usize)
+                .is_none()
+            {
+                return Err(operands(
+                    op,
+                    format!(
+                        "argument {i} ({}) is not a whole number of {q} blocks per row",
+                        t.ty
+                    ),
+                ));
+            }
+        }
+    }
+    if results.iter().any(|r| r.ty.storage.is_some()) {
+        return Err(operands(op, "results are never stored quantized"));
     }
     let named = args
         .iter()

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Fills .device-carry/ for scripts/gpu-final.sh (see its header) from builds
+# made here, so one device call runs everything.
+#
+#   scripts/pack-device-carry.sh VARIANT KILN_BINARY "COMPILE FLAGS" [MODEL...]
+#       compiles plans of the shaped models (scripts/make-shaped-model.py) with
+#       KILN_BINARY and the flags, into .device-carry/bench/VARIANT/
+#   scripts/pack-device-carry.sh --test BINARY...
+#       adds test executables (stripped, xz'd) to bin/ and tests.txt
+#   scripts/pack-device-carry.sh --bin BINARY...
+#       adds tools (kiln, oracle_run) to bin/
+# Keys come from KILN_PACK_KEYS (default b1q1s0,b8q1s0,b32q1s0).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+C="$root/.device-carry"
+mkdir -p "$C/bin" "$C/bench"
+touch "$C/tests.txt"
+pack_bin() {
+  local src=$1 name=$2
+  strip -o "/tmp/pack-$name" "$src"
+  xz -T2 -6 -c "/tmp/pack-$name" > "$C/bin/$name.xz"
+  rm -f "/tmp/pack-$name"
+}
+case "${1:-}" in
+  --test)
+    shift
+    for t in "$@"; do
+      name=$(basename "$t" | sed 's/-[0-9a-f]\{16\}$//')
+      pack_bin "$t" "$name"
+      grep -qx "$name" "$C/tests.txt" || echo "$name" >> "$C/tests.txt"
+    done ;;
+  --bin)
+    shift
+    for t in "$@"; do pack_bin "$t" "$(basename "$t")"; done ;;
+  *)
+    v=$1 kiln=$2 flags=$3
+    shift 3
+    models=("$@")
+    [[ ${#models[@]} -gt 0 ]] || models=(smollm2-135m qwen3-0.6b llama-3.2-1b)
+    d="/tmp/pack-plans-$v"
+    rm -rf "$d" && mkdir -p "$d" "$C/bench/$v"
+    for m in "${models[@]}"; do
+      [[ -f "/tmp/shapes/$m/config.json" ]] || python3 "$root/scripts/make-shaped-model.py" "$m" "/tmp/shapes/$m"
+      # shellcheck disable=SC2086
+      "$kiln" compile "/tmp/shapes/$m" --target cuda:sm_90 --keys "${KILN_PACK_KEYS:-b1q1s0,b8q1s0,b32q1s0}" \
+        $flags -o "$d/$m.kiln" > /dev/null
+    done
+    tar czf "$C/bench/$v/plans.tgz" -C "$d" .
+    strip -o "/tmp/pack-kiln-$v" "$kiln"
+    xz -T2 -6 -c "/tmp/pack-kiln-$v" > "$C/bench/$v/kiln.xz"
+    rm -f "/tmp/pack-kiln-$v"
+    ;;
+esac
+du -sh "$C"

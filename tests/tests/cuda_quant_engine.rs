@@ -1,0 +1,237 @@
+//! Quantized weights kept compressed on CUDA, end to end (feature `cuda`, a
+//! GPU): a tiny random GGUF imported with `--keep-quant`, compiled for the
+//! device's SM (matmuls and the embedding become the `qgemv` module's
+//! launches over weights repacked at load), run by the real engine with
+//! graphs, against the CPU engine on the bf16 import of the same file.
+//!
+//! The GPU kernels dequantize each weight exactly and multiply it with the
+//! bf16 activations in f32, so the kept plan on CUDA computes what the bf16
+//! import computes up to summation order and the bf16 rounding of the
+//! dequantized weights: teacher-forced logits within the CUDA-vs-CPU bound
+//! of the dense tests (1.5% of the row's range), and every greedy token
+//! equal unless the CPU's top two logits are a near-tie (margin under twice
+//! that difference). The replay counter is the witness that graphs ran.
+//!
+//! Without a CUDA device every test prints SKIPPED and passes, unless
+//! `KILN_REQUIRE_CUDA=1` (the GPU machine's runs) makes that a failure.
+#![cfg(feature = "cuda")]
+
+use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
+use kiln_compiler::gguf::fixture::TinyLlama;
+use kiln_compiler::gguf::GgmlType;
+use kiln_compiler::import::{import_gguf, ImportOptions};
+use kiln_ir::plan::{Lowering, Plan, Target};
+use kiln_ir::Key;
+use kiln_runtime::cuda::CudaBackend;
+use kiln_runtime::{Backend, CpuBackend, Engine, EngineOptions, GraphMode, SeqOptions};
+use std::path::Path;
+
+const NEW_TOKENS: u32 = 12;
+const LOGIT_REL: f32 = 1.5e-2;
+
+fn gpu() -> Option<u32> {
+    if !CudaBackend::available() {
+        if std::env::var("KILN_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
+            panic!("KILN_REQUIRE_CUDA=1 but no CUDA device is usable");
+        }
+        eprintln!("SKIPPED: no CUDA driver or device on this machine");
+        return None;
+    }
+    Some(CudaBackend::new(0).expect("open CUDA device 0").sm())
+}
+
+fn opts(target: Target) -> CompileOptions {
+    CompileOptions {
+        keys: vec![Key::new(1, 1, 0), Key::new(1, 8, 0)],
+        target,
+        kv: KvOptions {
+            block_size: 16,
+            kv_blocks: Some(16),
+            max_context: Some(64),
+            ..KvOptions::default()
+        },
+        logits: true,
+        ..CompileOptions::default()
+    }
+}
+
+fn engine(plan: &Plan, dir: &Path, backend: Box<dyn Backend + Send>) -> Engine {
+    let opts = EngineOptions {
+        graphs: GraphMode::On,
+        log: false,
+        ..EngineOptions::default()
+    };
+    Engine::new(plan.clone(), dir, backend, opts).unwrap()
+}
+
+fn backend(cuda: bool) -> Box<dyn Backend + Send> {
+    if cuda {
+        Box::new(CudaBackend::new(0).unwrap())
+    } else {
+        Box::new(CpuBackend::new())
+    }
+}
+
+/// Greedy tokens and, teacher-forced with `forced` when given, the logits of
+/// every generated position; the engine's replays.
+fn run(
+    plan: &Plan,
+    dir: &Path,
+    cuda: bool,
+    prompt: &[u32],
+    forced: Option<&[u32]>,
+) -> (Vec<u32>, Vec<Vec<f32>>, u64) {
+    let mut e = engine(plan, dir, backend(cuda));
+    e.set_keep_logits(true);
+    let n = forced.map_or(NEW_TOKENS, |f| f.len() as u32);
+    let id = e
+        .add_sequence_with(
+            prompt,
+            SeqOptions {
+                max_new_tokens: n,
+                stop_on_eos: false,
+            },
+        )
+        .unwrap();
+    let mut rows = Vec::new();
+    while e.has_work() {
+        e.step().unwrap();
+        let s = e.sequence(id).unwrap();
+        let n = s.generated.len();
+        let finished = s.finished.is_some();
+        if n > rows.len() {
+            rows.push(e.last_logits(id).unwrap().to_vec());
+            if let Some(f) = forced {
+                if !finished {
+                    e.replace_last_token(id, f[n - 1]).unwrap();
+                }
+            }
+        }
+    }
+    let tokens = e.sequence(id).unwrap().generated.to_vec();
+    (tokens, rows, e.total_counters().replays)
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn check(matrix: GgmlType, embed: GgmlType) -> Result<String, String> {
+    let sm = gpu().expect("checked by the caller");
+    let model = TinyLlama {
+        hidden: 256,
+        ffn: 256,
+        matrix_type: matrix,
+        embed_type: embed,
+        ..TinyLlama::default()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = tmp.path().join("tiny.gguf");
+    model.build().unwrap().writer.write(&gguf).unwrap();
+    let (dense, kept) = (tmp.path().join("dense"), tmp.path().join("kept"));
+    import_gguf(&gguf, &dense, &ImportOptions::default()).unwrap();
+    let keep = ImportOptions {
+        keep_quant: true,
+        ..ImportOptions::default()
+    };
+    import_gguf(&gguf, &kept, &keep).unwrap();
+    let cpu_plan = compile_dir(&dense, &opts(Target::Cpu), &mut |_, _| {})
+        .unwrap()
+        .plan;
+    let gpu_plan = compile_dir(&kept, &opts(Target::Cuda { sm }), &mut |_, _| {})
+        .unwrap()
+        .plan;
+    // The kept plan really runs quantized kernels.
+    let qlaunches = gpu_plan
+        .keys
+        .iter()
+        .flat_map(|k| &k.ops)
+        .filter_map(|op| match &op.lowering {
+            Lowering::Kernels(ls) => Some(ls),
+            _ => None,
+        })
+        .flatten()
+        .filter(|l| l.module == "qgemv")
+        .count();
+    if qlaunches == 0 {
+        return Err(format!("{matrix}/{embed}: no qgemv launch in the plan"));
+    }
+    let mut worst = 0f32;
+    let mut ties = 0;
+    let mut replays = 0;
+    for prompt in [
+        vec![1u32, 40, 72, 101],
+        vec![1, 200, 7, 7, 9, 33, 250],
+        vec![5],
+    ] {
+        let (want, _, _) = run(&cpu_plan, &dense, false, &prompt, None);
+        let (_, lc, _) = run(&cpu_plan, &dense, false, &prompt, Some(&want));
+        let (_, lg, r) = run(&gpu_plan, &kept, true, &prompt, Some(&want));
+        let got: Vec<u32> = lg.iter().map(|r| argmax(r)).collect();
+        replays += r;
+        if lc.len() != lg.len() {
+            return Err(format!(
+                "{matrix}/{embed}: {} vs {} logit rows",
+                lc.len(),
+                lg.len()
+            ));
+        }
+        for (i, (a, b)) in lc.iter().zip(&lg).enumerate() {
+            let (lo, hi) = a
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(l, h), v| (l.min(*v), h.max(*v)));
+            let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            worst = worst.max(d / (hi - lo));
+            if got.get(i) != want.get(i) {
+                let mut s = a.clone();
+                s.sort_by(|x, y| y.total_cmp(x));
+                if s[0] - s[1] > 2.0 * d {
+                    return Err(format!(
+                        "{matrix}/{embed} prompt {prompt:?} step {i}: CUDA {:?} vs CPU {:?} with a margin of {} over a logit difference of {d}",
+                        got.get(i),
+                        want.get(i),
+                        s[0] - s[1]
+                    ));
+                }
+                ties += 1;
+            }
+        }
+    }
+    if worst > LOGIT_REL {
+        return Err(format!(
+            "{matrix}/{embed}: logits differ by {worst:.3e} of their range (bound {LOGIT_REL})"
+        ));
+    }
+    if replays == 0 {
+        return Err(format!("{matrix}/{embed}: no graph replays"));
+    }
+    Ok(format!(
+        "{matrix}/{embed}: worst relative logit difference {worst:.2e}, {ties} near-tie(s), {qlaunches} qgemv launches, {replays} replays"
+    ))
+}
+
+#[test]
+fn kept_quantized_weights_on_cuda_decode_what_the_bf16_import_decodes_on_the_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut errs = Vec::new();
+    for (matrix, embed) in [
+        (GgmlType::Q4_1, GgmlType::Q8_0),
+        (GgmlType::Q4_0, GgmlType::Q4K),
+        (GgmlType::Q5K, GgmlType::Q5_0),
+        (GgmlType::Q6K, GgmlType::Q4_0),
+    ] {
+        match check(matrix, embed) {
+            Ok(m) => eprintln!("{m}"),
+            Err(e) => errs.push(e),
+        }
+    }
+    assert!(errs.is_empty(), "{}", errs.join("\n"));
+}

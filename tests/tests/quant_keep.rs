@@ -1,0 +1,384 @@
+//! Quantized weights kept as stored, end to end on the CPU backend: a tiny
+//! random GGUF (llama, so q/k rows are permuted by llama.cpp's converter)
+//! imported with `--keep-quant` keeps the GGUF blocks (rows moved back),
+//! compiles into a plan whose matmul and embedding weights are stored
+//! quantized, and decodes the same greedy tokens as the bf16 import of the
+//! same file. A damaged kept tensor is refused at load, by name.
+
+use half::bf16;
+use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
+use kiln_compiler::gguf::fixture::TinyLlama;
+use kiln_compiler::gguf::{dequant, GgmlType, GgufFile};
+use kiln_compiler::import::{import_gguf, ImportOptions};
+use kiln_ir::Key;
+use kiln_runtime::{CpuBackend, Engine, EngineOptions, GraphMode, SeqOptions};
+use safetensors::SafeTensors;
+use std::path::Path;
+
+const NEW_TOKENS: u32 = 10;
+
+fn opts() -> CompileOptions {
+    CompileOptions {
+        keys: vec![Key::new(1, 1, 0), Key::new(1, 8, 0)],
+        kv: KvOptions {
+            block_size: 16,
+            kv_blocks: Some(16),
+            max_context: Some(64),
+            ..KvOptions::default()
+        },
+        logits: true,
+        ..CompileOptions::default()
+    }
+}
+
+fn engine(plan: &kiln_ir::plan::Plan, dir: &Path) -> Result<Engine, kiln_runtime::EngineError> {
+    let opts = EngineOptions {
+        graphs: GraphMode::On,
+        log: false,
+        ..EngineOptions::default()
+    };
+    Engine::new(plan.clone(), dir, Box::new(CpuBackend::new()), opts)
+}
+
+fn greedy(plan: &kiln_ir::plan::Plan, dir: &Path, prompt: &[u32]) -> Vec<u32> {
+    let mut e = engine(plan, dir).unwrap();
+    let id = e
+        .add_sequence_with(
+            prompt,
+            SeqOptions {
+                max_new_tokens: NEW_TOKENS,
+                stop_on_eos: false,
+            },
+        )
+        .unwrap();
+    while e.has_work() {
+        e.step().unwrap();
+    }
+    e.sequence(id).unwrap().generated.to_vec()
+}
+
+/// The logits row of every generated position when the sequence is forced
+/// to continue with `forced` (teacher forcing), so two plans are compared
+/// on the same inputs even where their greedy choices part.
+fn forced_logits(
+    plan: &kiln_ir::plan::Plan,
+    dir: &Path,
+    prompt: &[u32],
+    forced: &[u32],
+) -> Vec<Vec<f32>> {
+    let mut e = engine(plan, dir).unwrap();
+    e.set_keep_logits(true);
+    let id = e
+        .add_sequence_with(
+            prompt,
+            SeqOptions {
+                max_new_tokens: forced.len() as u32,
+                stop_on_eos: false,
+            },
+        )
+        .unwrap();
+    let mut rows = Vec::new();
+    while e.has_work() {
+        e.step().unwrap();
+        let n = e.sequence(id).unwrap().generated.len();
+        if n > rows.len() {
+            rows.push(e.last_logits(id).unwrap().to_vec());
+            if !e.sequence(id).unwrap().finished.is_some() {
+                e.replace_last_token(id, forced[n - 1]).unwrap();
+            }
+        }
+    }
+    rows
+}
+
+/// The largest logit difference relative to the bf16 row's range, over
+/// every position of every prompt, under teacher forcing with the bf16
+/// plan's greedy tokens. Two argmaxes can only part where the bf16 margin
+/// is at most twice the largest difference (a near-tie), so a small bound
+/// here makes every differing greedy token a documented near-tie.
+fn worst_relative_logit_error(
+    a: (&kiln_ir::plan::Plan, &Path),
+    b: (&kiln_ir::plan::Plan, &Path),
+) -> f32 {
+    let mut worst = 0f32;
+    for p in prompts() {
+        let tokens = greedy(a.0, a.1, &p);
+        let la = forced_logits(a.0, a.1, &p, &tokens);
+        let lb = forced_logits(b.0, b.1, &p, &tokens);
+        assert_eq!(la.len(), tokens.len());
+        assert_eq!(lb.len(), tokens.len());
+        for (ra, rb) in la.iter().zip(&lb) {
+            let (lo, hi) = ra
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(l, h), v| (l.min(*v), h.max(*v)));
+            let d = ra
+                .iter()
+                .zip(rb)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            worst = worst.max(d / (hi - lo));
+        }
+    }
+    worst
+}
+
+struct Imported {
+    _tmp: tempfile::TempDir,
+    gguf: std::path::PathBuf,
+    dense: std::path::PathBuf,
+    kept: std::path::PathBuf,
+}
+
+fn import_both(model: &TinyLlama) -> Imported {
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = tmp.path().join("tiny.gguf");
+    model.build().unwrap().writer.write(&gguf).unwrap();
+    let dense = tmp.path().join("dense");
+    let kept = tmp.path().join("kept");
+    import_gguf(&gguf, &dense, &ImportOptions::default()).unwrap();
+    let report = import_gguf(
+        &gguf,
+        &kept,
+        &ImportOptions {
+            keep_quant: true,
+            ..ImportOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(!report.kept_quant.is_empty(), "nothing was kept");
+    Imported {
+        _tmp: tmp,
+        gguf,
+        dense,
+        kept,
+    }
+}
+
+/// Every kept tensor is U8 `[N, row_bytes]` with its `kiln.quant.*` entry,
+/// and its blocks decode to exactly the bf16 import's values (rounded to
+/// bf16): the blocks are the GGUF's, with q/k rows moved back.
+fn assert_kept_blocks_match_the_dense_import(im: &Imported, expect_kept: usize) {
+    let kept_bytes = std::fs::read(im.kept.join("model.safetensors")).unwrap();
+    let dense_bytes = std::fs::read(im.dense.join("model.safetensors")).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&kept_bytes).unwrap();
+    let meta = meta.metadata().clone().unwrap_or_default();
+    let kept = SafeTensors::deserialize(&kept_bytes).unwrap();
+    let dense = SafeTensors::deserialize(&dense_bytes).unwrap();
+    let g = GgufFile::open(&im.gguf).unwrap();
+    let mut seen = 0;
+    for (name, view) in kept.tensors() {
+        let d = dense.tensor(&name).unwrap();
+        let Some(m) = meta.get(&format!("kiln.quant.{name}")) else {
+            assert_eq!(view.dtype(), safetensors::Dtype::BF16, "{name}");
+            assert_eq!(view.data(), d.data(), "{name} differs from the bf16 import");
+            continue;
+        };
+        seen += 1;
+        assert_eq!(view.dtype(), safetensors::Dtype::U8, "{name}");
+        let (n, k) = (d.shape()[0], d.shape()[1]);
+        let storage = m.split(':').next().unwrap();
+        assert_eq!(m, &format!("{storage}:{n}:{k}"), "{name}");
+        let ty = [
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+        ]
+        .into_iter()
+        .find(|t| dequant::quant_type(*t).is_some_and(|q| q.name() == storage))
+        .unwrap();
+        let rb = dequant::byte_len(ty, k).unwrap();
+        assert_eq!(view.shape(), [n, rb], "{name}");
+        let values = dequant::dequantize(ty, view.data(), n * k).unwrap();
+        let want: Vec<u8> = values
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        assert!(
+            want == d.data(),
+            "{name}: kept blocks decode to other values"
+        );
+    }
+    assert_eq!(seen, expect_kept);
+    // The q/k rows really moved: the kept q_proj is not the GGUF's bytes.
+    let q = kept
+        .tensor("model.layers.0.self_attn.q_proj.weight")
+        .unwrap();
+    let raw = g.tensor_bytes(g.tensor("blk.0.attn_q.weight").unwrap());
+    assert_eq!(q.data().len(), raw.len());
+    assert_ne!(q.data(), raw, "q rows were not un-permuted");
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![1, 40, 72, 101],
+        vec![1, 200, 7, 7, 9, 33, 250],
+        vec![5],
+    ]
+}
+
+fn assert_same_greedy_tokens(im: &Imported) {
+    let dense_plan = compile_dir(&im.dense, &opts(), &mut |_, _| {})
+        .unwrap()
+        .plan;
+    let kept_plan = compile_dir(&im.kept, &opts(), &mut |_, _| {}).unwrap().plan;
+    let stored: Vec<_> = kept_plan
+        .manifest
+        .entries
+        .iter()
+        .filter(|e| e.storage.is_some())
+        .collect();
+    assert!(!stored.is_empty(), "the kept plan has no quantized weight");
+    assert!(kept_plan.manifest.total_bytes() < dense_plan.manifest.total_bytes());
+    for p in prompts() {
+        let a = greedy(&dense_plan, &im.dense, &p);
+        let b = greedy(&kept_plan, &im.kept, &p);
+        assert_eq!(a.len(), NEW_TOKENS as usize);
+        assert_eq!(a, b, "prompt {p:?}: bf16 import vs kept blocks");
+    }
+}
+
+#[test]
+fn a_q4_1_gguf_imported_with_keep_quant_keeps_its_blocks_and_decodes_like_the_bf16_import() {
+    let model = TinyLlama::default();
+    let im = import_both(&model);
+    // 7 matrices per layer and the (tied) Q8_0 embedding.
+    assert_kept_blocks_match_the_dense_import(&im, 7 * model.layers + 1);
+    assert_same_greedy_tokens(&im);
+}
+
+#[test]
+fn k_quant_and_q5_0_weights_are_kept_and_decode_like_the_bf16_import() {
+    for (matrix, embed) in [
+        // Q4_K as the tied embedding (so the lm_head matmul reads it too).
+        // As every projection of this random model, Q4_K's random
+        // per-sub-block minimums make the network so sensitive that int8
+        // activations move the logits by ~20% of their range: the real
+        // Q4_K_M Gemma-3 test (gemma3_real.rs) is the check there.
+        (GgmlType::Q4_0, GgmlType::Q4K),
+        (GgmlType::Q5K, GgmlType::Q5_0),
+        (GgmlType::Q6K, GgmlType::Q4_0),
+    ] {
+        let model = TinyLlama {
+            hidden: 256,
+            ffn: 256,
+            matrix_type: matrix,
+            embed_type: embed,
+            ..TinyLlama::default()
+        };
+        let im = import_both(&model);
+        assert_kept_blocks_match_the_dense_import(&im, 7 * model.layers + 1);
+        let dense_plan = compile_dir(&im.dense, &opts(), &mut |_, _| {})
+            .unwrap()
+            .plan;
+        let kept_plan = compile_dir(&im.kept, &opts(), &mut |_, _| {}).unwrap().plan;
+        let err = worst_relative_logit_error((&dense_plan, &im.dense), (&kept_plan, &im.kept));
+        let mut same = 0;
+        for p in prompts() {
+            let a = greedy(&dense_plan, &im.dense, &p);
+            let b = greedy(&kept_plan, &im.kept, &p);
+            same += a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+        }
+        eprintln!(
+            "{matrix}/{embed}: worst relative logit error {err}, {same} leading tokens equal"
+        );
+        assert!(
+            err < 0.1,
+            "{matrix}/{embed}: logits differ by {err} of their range"
+        );
+    }
+}
+
+#[test]
+fn a_kept_tensor_of_the_wrong_byte_length_is_refused_at_load_naming_it() {
+    let im = import_both(&TinyLlama::default());
+    let plan = compile_dir(&im.kept, &opts(), &mut |_, _| {}).unwrap().plan;
+    let path = im.kept.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let victim = "model.layers.1.mlp.down_proj.weight";
+    let mut views = Vec::new();
+    let mut cut: Vec<u8> = Vec::new();
+    for (name, v) in st.tensors() {
+        if name == victim {
+            // One row short: the length no longer matches [N, row_bytes].
+            let (n, rb) = (v.shape()[0], v.shape()[1]);
+            cut = v.data()[..(n - 1) * rb].to_vec();
+            continue;
+        }
+        views.push((name, v));
+    }
+    let rb = st.tensor(victim).unwrap().shape()[1];
+    let n = st.tensor(victim).unwrap().shape()[0];
+    let short = safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![n - 1, rb], &cut)
+        .unwrap();
+    views.push((victim.to_string(), short));
+    let out = safetensors::serialize(views, meta.metadata().clone()).unwrap();
+    std::fs::write(&path, &out).unwrap();
+    // The plan's fingerprint of the file alone would refuse it; record the
+    // damaged file's so the binder's own length check is what answers.
+    let mut plan = plan;
+    let sf = &mut plan.meta.files[0];
+    sf.size = out.len() as u64;
+    sf.header_sha256 = kiln_runtime::weights::header_sha256(&out).unwrap();
+    let err = engine(&plan, &im.kept)
+        .err()
+        .expect("a damaged tensor loaded");
+    let msg = err.to_string();
+    assert!(msg.contains(victim), "{msg}");
+    assert!(msg.contains("import the model again"), "{msg}");
+}
+
+#[test]
+fn a_kept_plan_for_a_gpu_lowers_its_quantized_weights_to_qgemv_launches_over_repacked_buffers() {
+    let model = TinyLlama {
+        hidden: 256,
+        ffn: 256,
+        matrix_type: GgmlType::Q4K,
+        embed_type: GgmlType::Q6K,
+        ..TinyLlama::default()
+    };
+    let im = import_both(&model);
+    let opts = CompileOptions {
+        target: kiln_ir::plan::Target::Cuda { sm: 90 },
+        ..opts()
+    };
+    let plan = compile_dir(&im.kept, &opts, &mut |_, _| {}).unwrap().plan;
+    let mut entries = std::collections::BTreeSet::new();
+    for kp in &plan.keys {
+        for op in &kp.ops {
+            let quantized = op.args.get(1).is_some_and(|a| a.ty.storage.is_some());
+            match &op.lowering {
+                kiln_ir::plan::Lowering::Kernels(ls) if quantized => {
+                    for l in ls {
+                        assert_eq!(l.module, "qgemv", "{}", op.kernel);
+                        entries.insert(l.entry.clone());
+                    }
+                    // The weight operand is sized for the GPU layout.
+                    let w = &op.args[1].ty;
+                    let [n, k] = w.shape.dims() else { panic!() };
+                    let gpu = w
+                        .storage
+                        .unwrap()
+                        .gpu_bytes(u64::from(*n), u64::from(*k))
+                        .unwrap();
+                    assert!(op.args[1].buf.bytes >= gpu, "{}", op.kernel);
+                }
+                other if quantized => panic!("{} lowered to {other:?}", op.kernel),
+                _ => {}
+            }
+        }
+    }
+    // The b1 and b8 GEMVs over Q4_K matrices and the Q6_K embedding/lm_head.
+    for e in [
+        "qgemv_q4k_t1_bf16_bf16",
+        "qgemv_q4k_t8_bf16_bf16",
+        "qgather_q6k_bf16",
+    ] {
+        assert!(entries.contains(e), "{e} missing from {entries:?}");
+    }
+    kiln_ir::validate(&plan).unwrap();
+}
