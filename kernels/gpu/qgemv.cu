@@ -297,37 +297,67 @@ KILN_DEV void qgemv_rows(const kbf16* __restrict__ x, const unsigned char* __res
       const int cc = c + u * KILN_WARP;
       if (cc >= nv) break;
       const int xa = q_xa<Q>(cc);
-      // One row's decoded vector is live at a time (x is re-read per row
-      // from L1): fewer registers, more warps per SM.
+      if (TT == 1) {
+        // One token: x's 32 values are unpacked once and shared by the
+        // rows, each row decoded in turn.
+        float xfa[16], xfb[16], sxa = 0.0f, sxb = 0.0f;
+        q_x16(x, xa, xfa);
+        if (EPV == 32) q_x16(x, xa + q_xb_gap<Q>(), xfb);
+        if (QHasMin<Q>::v) {
 #pragma unroll
-      for (int r = 0; r < KILN_QROWS; ++r) {
-        float a[16], b[16], da, ma, db, mb;
-        q_decode<Q>(qr[r][u], mr[r][u], a, b, da, ma, db, mb);
+          for (int i = 0; i < 16; ++i) {
+            sxa += xfa[i];
+            sxb += xfb[i];
+          }
+        }
 #pragma unroll
-        for (int t = 0; t < TT; ++t) {
-          if (t < tokens) {
-            float xf[16];
-            q_x16(x, (i64)t * k + xa, xf);
-            float s = 0.0f, sx = 0.0f;
+        for (int r = 0; r < KILN_QROWS; ++r) {
+          float a[16], b[16], da, ma, db, mb;
+          q_decode<Q>(qr[r][u], mr[r][u], a, b, da, ma, db, mb);
+          float s = 0.0f, s2 = 0.0f;
 #pragma unroll
-            for (int i = 0; i < 16; ++i) s += xf[i] * a[i];
-            if (QHasMin<Q>::v) {
+          for (int i = 0; i < 16; ++i) s += xfa[i] * a[i];
+          float yv = da * s + ma * sxa;
+          if (EPV == 32) {
 #pragma unroll
-              for (int i = 0; i < 16; ++i) sx += xf[i];
-            }
-            float yv = da * s + ma * sx;
-            if (EPV == 32) {
-              q_x16(x, (i64)t * k + xa + q_xb_gap<Q>(), xf);
-              float s2 = 0.0f, sy = 0.0f;
+            for (int i = 0; i < 16; ++i) s2 += xfb[i] * b[i];
+            yv += db * s2 + mb * sxb;
+          }
+          acc[r][0] += yv;
+        }
+      } else {
+        // One row's decoded vector is live at a time (x is re-read per row
+        // from L1): fewer registers, more warps per SM.
 #pragma unroll
-              for (int i = 0; i < 16; ++i) s2 += xf[i] * b[i];
+        for (int r = 0; r < KILN_QROWS; ++r) {
+          float a[16], b[16], da, ma, db, mb;
+          q_decode<Q>(qr[r][u], mr[r][u], a, b, da, ma, db, mb);
+#pragma unroll
+          for (int t = 0; t < TT; ++t) {
+            if (t < tokens) {
+              float xf[16];
+              q_x16(x, (i64)t * k + xa, xf);
+              float s = 0.0f, sx = 0.0f;
+#pragma unroll
+              for (int i = 0; i < 16; ++i) s += xf[i] * a[i];
               if (QHasMin<Q>::v) {
 #pragma unroll
-                for (int i = 0; i < 16; ++i) sy += xf[i];
+                for (int i = 0; i < 16; ++i) sx += xf[i];
               }
-              yv += db * s2 + mb * sy;
+              float yv = da * s + ma * sx;
+              if (EPV == 32) {
+                q_x16(x, (i64)t * k + xa + q_xb_gap<Q>(), xf);
+                float s2 = 0.0f, sy = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 16; ++i) s2 += xf[i] * b[i];
+                if (QHasMin<Q>::v) {
+#pragma unroll
+                  for (int i = 0; i < 16; ++i) sy += xf[i];
+                }
+                yv += db * s2 + mb * sy;
+              }
+              acc[r][t] += yv;
             }
-            acc[r][t] += yv;
           }
         }
       }
