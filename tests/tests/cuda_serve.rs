@@ -235,7 +235,7 @@ fn write_gemma3_270m_shape(dir: &Path) {
     scale_bf16_tensor(
         &dir.join("model.safetensors"),
         "model.embed_tokens.weight",
-        0.05,
+        0.02,
     );
 }
 
