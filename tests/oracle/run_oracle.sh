@@ -162,7 +162,12 @@ PY
     fi
 fi
 names=()
-for d in "$WORK"/models/*/; do names+=("$(basename "$d")"); done
+if [[ -n $models ]]; then
+    # Only the models asked for (others may be left in $WORK from earlier runs).
+    names=("${model_args[@]}")
+else
+    for d in "$WORK"/models/*/; do names+=("$(basename "$d")"); done
+fi
 say "models: ${names[*]}"
 
 # 2. HF reference.
