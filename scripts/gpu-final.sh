@@ -14,6 +14,8 @@
 #   bench   `kiln bench` of every variant's plans, variants interleaved per
 #           model so all see the same machine state; a comparison table
 #   oracle  tests/oracle/run_oracle.sh on CUDA with the carried kiln/oracle_run
+#           (KILN_ORACLE_MODELS: battery models to run, default all of them;
+#           e.g. "gemma-3-270m-window16"; KILN_ORACLE_ARGS: more arguments)
 #   serve   `kiln serve --device cuda` on the new Qwen3-0.6B plan driven by
 #           scripts/bench-serve.py at concurrency 1, 8, 32
 #   ncu     Nsight Compute summary of one b1 step of the new Qwen3-0.6B plan
@@ -33,7 +35,10 @@ done
 export LD_LIBRARY_PATH="${libdirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export KILN_CACHE=/tmp/kiln-cache
 stages="${KILN_FINAL_STAGES:-tests bench}"
-models="${KILN_BENCH_MODELS:-smollm2-135m qwen3-0.6b llama-3.2-1b qwen3-1.7b qwen3-4b llama-3-8b}"
+# Every name is a scripts/make-shaped-model.py shape; its plan is
+# .device-carry/bench/<variant>/<name>.kiln (a model without one is reported
+# as "no plan" and skipped).
+models="${KILN_BENCH_MODELS:-smollm2-135m qwen3-0.6b llama-3.2-1b qwen3-1.7b qwen3-4b llama-3-8b gemma3-270m}"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; } >> "$S" 2>&1
 
 B=/tmp/kbin
@@ -118,8 +123,12 @@ if [[ " $stages " == *" oracle "* ]]; then
   mkdir -p "$B/oracle"
   cp "$B/kiln" "$B/oracle_run" "$B/oracle/" 2>/dev/null
   start=$(date +%s)
-  OUT="$OUT/logs/oracle" KILN_BIN_DIR="$B/oracle" ORACLE_DEVICES=cuda SMOLLM2_GGUF=/nonexistent \
-    timeout "${KILN_ORACLE_TIMEOUT:-300}" bash "$root/tests/oracle/run_oracle.sh" ${KILN_ORACLE_ARGS:-} \
+  oracle_models=()
+  [[ -n "${KILN_ORACLE_MODELS:-}" ]] && oracle_models=(--models "$KILN_ORACLE_MODELS")
+  OUT="$OUT/logs/oracle" KILN_BIN_DIR="$B/oracle" ORACLE_DEVICES="${KILN_ORACLE_DEVICES:-cuda}" \
+    SMOLLM2_GGUF=/nonexistent GEMMA3_GGUF=/nonexistent \
+    timeout "${KILN_ORACLE_TIMEOUT:-300}" bash "$root/tests/oracle/run_oracle.sh" \
+    ${oracle_models[@]+"${oracle_models[@]}"} ${KILN_ORACLE_ARGS:-} \
     > "$OUT/logs/oracle-stdout.txt" 2>&1
   echo "oracle: rc=$? ($(( $(date +%s) - start )) s)" >> "$S"
   grep -E "PASS|FAIL" "$OUT/logs/oracle/oracle-report.md" 2>/dev/null | head -30 >> "$S"

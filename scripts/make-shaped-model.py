@@ -21,6 +21,9 @@ SHAPES = {
     "llama-3-8b": dict(arch="LlamaForCausalLM", model_type="llama", hidden=4096, layers=32, heads=32, kv=8, head_dim=128, inter=14336, vocab=128256, tied=False, theta=5e5, max_pos=8192, eps=1e-5),
     "llama-3.2-1b": dict(arch="LlamaForCausalLM", model_type="llama", hidden=2048, layers=16, heads=32, kv=8, head_dim=64, inter=8192, vocab=128256, tied=True, theta=5e5, max_pos=131072, eps=1e-5,
                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # google/gemma-3-270m: (1+w) sandwich norms, q/k norm, GELU-tanh, 5 local
+    # (window 512, rope base 1e4) : 1 global (1e6) layers; see gemma3_config.
+    "gemma3-270m": dict(arch="Gemma3ForCausalLM", model_type="gemma3_text", hidden=640, layers=18, heads=4, kv=1, head_dim=256, inter=2048, vocab=262144, tied=True, theta=1e6, max_pos=32768, eps=1e-6),
     "smollm2-135m": dict(arch="LlamaForCausalLM", model_type="llama", hidden=576, layers=30, heads=9, kv=3, head_dim=64, inter=1536, vocab=49152, tied=True, theta=1e5, max_pos=8192, eps=1e-5),
 }
 
@@ -41,6 +44,18 @@ def write_tokenizer(out, vocab):
     os.replace(path + ".tmp", path)
 
 
+def gemma3_config(cfg, s):
+    """The Gemma-3 fields of google/gemma-3-270m's published config.json."""
+    cfg.pop("hidden_act")
+    cfg.update({
+        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": s["head_dim"],
+        "sliding_window": 512, "rope_local_base_freq": 10000.0, "rope_scaling": None,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(s["layers"])],
+        "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False,
+        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+    })
+
+
 def main():
     name, out = sys.argv[1], sys.argv[2]
     s = SHAPES[name]
@@ -57,6 +72,9 @@ def main():
     }
     if "rope_scaling" in s:
         cfg["rope_scaling"] = s["rope_scaling"]
+    gemma = s["model_type"] == "gemma3_text"
+    if gemma:
+        gemma3_config(cfg, s)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     h, hd, kv, heads = s["hidden"], s["head_dim"], s["kv"], s["heads"]
@@ -74,8 +92,10 @@ def main():
             (p + "mlp.up_proj.weight", [s["inter"], h]),
             (p + "mlp.down_proj.weight", [h, s["inter"]]),
         ]
-        if s["model_type"] == "qwen3":
+        if s["model_type"] == "qwen3" or gemma:
             tensors += [(p + "self_attn.q_norm.weight", [hd]), (p + "self_attn.k_norm.weight", [hd])]
+        if gemma:
+            tensors += [(p + "pre_feedforward_layernorm.weight", [h]), (p + "post_feedforward_layernorm.weight", [h])]
     tensors.append(("model.norm.weight", [h]))
     if not s["tied"]:
         tensors.append(("lm_head.weight", [s["vocab"], h]))

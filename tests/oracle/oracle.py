@@ -123,6 +123,9 @@ def cmd_reference(a) -> None:
             prompts = read_json(own)["prompts"]
         else:
             prompts = hf.make_prompts(vocab, PROMPT_SEED, PROMPT_LENGTHS)
+        if a.prompts:
+            # A shorter run (a slow machine): the battery's first N prompts.
+            prompts = prompts[: a.prompts]
         write_json(
             os.path.join(wd, "prompts.json"),
             {"model": name, "vocab_size": vocab, "new_tokens": a.new_tokens, "prompts": prompts},
@@ -318,6 +321,7 @@ def main() -> None:
     p.add_argument("--models", nargs="*")
     p.add_argument("--device", default="cpu")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    p.add_argument("--prompts", type=int, default=0, help="only the first N prompts (0: all)")
     p.add_argument("--threads", type=int, default=0)
     p.set_defaults(fn=cmd_reference)
     p = sub.add_parser("compare", help="score kiln's runs and write the report")

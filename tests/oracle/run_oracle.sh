@@ -2,6 +2,11 @@
 # kiln vs Hugging Face transformers: the whole oracle in one command.
 #
 #   tests/oracle/run_oracle.sh [--cpu-only] [--models "name ..."] [--runs "b1 b8 spec"]
+#                              [--prompts N] [--new-tokens N]
+#
+# --prompts N keeps each model's first N prompts and --new-tokens N decodes N
+# tokens instead of 32: a shorter run for a slow or busy machine (the report
+# records the command line).
 #
 # Builds the random-weight battery (tests/oracle/models.py) and, when a
 # SmolLM2 GGUF is at hand, imports it with `kiln import`; runs HF greedy
@@ -36,12 +41,16 @@ cmdline="tests/oracle/run_oracle.sh${*:+ $*}"
 cpu_only=0
 models=""
 runs="b1 b8 spec"
+nprompts=0
+new_tokens=32
 while [[ $# -gt 0 ]]; do
     case $1 in
         --cpu-only) cpu_only=1 ;;
         --models) models=$2; shift ;;
         --runs) runs=$2; shift ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        --prompts) nprompts=$2; shift ;;
+        --new-tokens) new_tokens=$2; shift ;;
+        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
         *) echo "run_oracle.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -153,11 +162,17 @@ PY
     fi
 fi
 names=()
-for d in "$WORK"/models/*/; do names+=("$(basename "$d")"); done
+if [[ -n $models ]]; then
+    # Only the models asked for (others may be left in $WORK from earlier runs).
+    names=("${model_args[@]}")
+else
+    for d in "$WORK"/models/*/; do names+=("$(basename "$d")"); done
+fi
 say "models: ${names[*]}"
 
 # 2. HF reference.
-"$PY" "$here/oracle.py" reference --work "$WORK" --device "$hf_device" "${threads[@]}" --models "${names[@]}"
+"$PY" "$here/oracle.py" reference --work "$WORK" --device "$hf_device" ${threads[@]+"${threads[@]}"} \
+    --prompts "$nprompts" --new-tokens "$new_tokens" --models "${names[@]}"
 
 # 3. kiln: compile and run.
 keys=b1q1s0,b8q1s0,b1q8s0,b8q8s0,b1q3s2
@@ -171,7 +186,7 @@ for name in "${names[@]}"; do
         "$KILN" compile "$WORK/models/$name" --keys "$keys" --target "$target" --logits \
             --max-context 128 --kv-blocks 64 --quiet -o "$plan"
         common=(--plan "$plan" --weights "$WORK/models/$name" --device "$dev"
-                --prompts "$wd/prompts.json" --new-tokens 32)
+                --prompts "$wd/prompts.json" --new-tokens "$new_tokens")
         for r in $runs; do
             case $r in
                 b1) "$ORUN" "${common[@]}" --batch 1 --out "$wd/kiln-$dev-b1.json" ;;
