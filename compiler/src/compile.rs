@@ -32,6 +32,11 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 /// Context cap when none is given (the model's own limit applies too).
 pub const DEFAULT_MAX_CONTEXT: u32 = 4096;
+/// `(token, count)` pairs per row of a sampling plan's penalties input when
+/// none is given: covers every request with `max_tokens <= 256` (a row's
+/// distinct generated tokens never exceed its generated tokens). Staged
+/// every step: `8 * slots + 8` bytes per row.
+pub const DEFAULT_PENALTY_SLOTS: u32 = 256;
 
 /// The largest shapes `kiln compile` accepts, checked before anything is
 /// traced or sized from them. Each is far above what a decode step of a
@@ -107,6 +112,12 @@ pub struct CompileOptions {
     /// parameters staged each step) instead of `argmax` in non-speculative
     /// keys; greedy rows stay bit-identical to argmax.
     pub sampling: bool,
+    /// With `sampling`: the `(token, count)` pairs each row of the
+    /// `sample_penalties` input holds, so presence/frequency penalties are
+    /// applied in the graph for sequences that generate at most this many
+    /// distinct tokens (`kiln compile --penalty-slots`; 0: no penalties
+    /// input, at most `kiln_ir::op::MAX_PENALTY_SLOTS`).
+    pub penalty_slots: u32,
     /// Verify every graph before and after each pass, and check every plan.
     pub verify: bool,
     pub passes: Vec<Pass>,
@@ -135,6 +146,7 @@ impl Default for CompileOptions {
             kv: KvOptions::default(),
             logits: false,
             sampling: false,
+            penalty_slots: DEFAULT_PENALTY_SLOTS,
             verify: true,
             passes: DEFAULT_PIPELINE.to_vec(),
             attn_target_blocks: kiln_kernels::gpu::ATTN_TARGET_BLOCKS,
@@ -540,6 +552,14 @@ pub fn compile_model(
     opts: &CompileOptions,
     progress: &mut dyn FnMut(Stage, Key),
 ) -> Result<Compiled, CompileError> {
+    let max_slots = kiln_ir::op::MAX_PENALTY_SLOTS;
+    if opts.sampling && opts.penalty_slots > max_slots {
+        return Err(CompileError::Options(format!(
+            "--penalty-slots {} is above the limit of {max_slots} (token, count) pairs per row; \
+             pass a smaller --penalty-slots (or 0 for no in-graph penalties)",
+            opts.penalty_slots
+        )));
+    }
     let meta = ModelMeta {
         architecture: model.architecture().to_string(),
         files: model.source_files().to_vec(),
@@ -550,6 +570,7 @@ pub fn compile_model(
     let trace_opts = TraceOptions {
         logits: opts.logits,
         sampling: opts.sampling,
+        penalty_slots: opts.penalty_slots,
     };
     compile_traced(
         meta,
@@ -611,6 +632,12 @@ pub struct CompileArgs {
     /// stay the default.
     #[arg(long)]
     pub sampling: bool,
+    /// With --sampling: `(token, count)` pairs per row for presence and
+    /// frequency penalties applied inside the graph (a request generating
+    /// more distinct tokens than this is penalised on the host); 0 leaves
+    /// them out.
+    #[arg(long, default_value_t = DEFAULT_PENALTY_SLOTS, value_parser = clap::value_parser!(u32).range(0..=kiln_ir::op::MAX_PENALTY_SLOTS as i64))]
+    pub penalty_slots: u32,
     /// Skip graph verification between passes (the final graph is still
     /// verified before planning) and the independent plan checker.
     #[arg(long)]
@@ -660,6 +687,7 @@ impl CompileArgs {
             },
             logits: self.logits,
             sampling: self.sampling,
+            penalty_slots: self.penalty_slots,
             verify: !self.no_verify,
             passes: DEFAULT_PIPELINE.to_vec(),
             attn_target_blocks: self.attn_target_blocks,
