@@ -252,10 +252,7 @@ async fn generate(s: Shared, kind: Kind, body: Bytes) -> Response {
     };
     let (req, prompt) = r;
     let prompt_len = prompt.len() as u32;
-    let max_new_tokens = req
-        .max_tokens
-        .unwrap_or(u32::MAX)
-        .min(s.info.max_context - prompt_len);
+    let max_new_tokens = max_new_tokens(&s.info, &req, prompt_len);
     let (etx, erx) = unbounded_channel();
     let stream = req.stream;
     let sub = Submission {
@@ -306,32 +303,6 @@ fn prepare(s: &AppState, kind: Kind, body: &[u8]) -> Result<(GenRequest, Vec<u32
     } else {
         "prompt"
     };
-    if req.needs_logits_on(s.info.in_graph_sampling) && !s.info.has_logits {
-        let param = if req.logprobs.is_some() {
-            "logprobs"
-        } else if req.sampling.has_penalties() {
-            if req.sampling.presence_penalty != 0.0 {
-                "presence_penalty"
-            } else {
-                "frequency_penalty"
-            }
-        } else {
-            "temperature"
-        };
-        let serves = if s.info.in_graph_sampling {
-            "it samples in the graph but has no logits for logprobs or penalties"
-        } else {
-            "it serves greedy requests only (temperature 0, no penalties, no logprobs)"
-        };
-        return Err(ApiError::invalid(
-            param,
-            format!(
-                "`{param}` needs the model's logits, but this plan does not output them, so \
-                 {serves}; recompile the plan with `kiln compile --logits` (and `--sampling` \
-                 to sample in the graph)"
-            ),
-        ));
-    }
     let prompt = match &req.prompt {
         Prompt::Tokens(t) => {
             if let Some(&bad) = t.iter().find(|&&t| t >= s.info.vocab_size) {
@@ -389,7 +360,43 @@ fn prepare(s: &AppState, kind: Kind, body: &[u8]) -> Result<(GenRequest, Vec<u32
             ),
         ));
     }
+    let graph = s.info.graph_samples(&req.sampling, max_new_tokens(&s.info, &req, len));
+    if req.needs_logits_on(graph) && !s.info.has_logits {
+        let param = if req.logprobs.is_some() {
+            "logprobs"
+        } else if req.sampling.has_penalties() {
+            if req.sampling.presence_penalty != 0.0 {
+                "presence_penalty"
+            } else {
+                "frequency_penalty"
+            }
+        } else {
+            "temperature"
+        };
+        let serves = if s.info.in_graph_sampling {
+            "it samples in the graph but has no logits for logprobs, or for penalties on \
+             requests allowed more new tokens than its penalty slots"
+        } else {
+            "it serves greedy requests only (temperature 0, no penalties, no logprobs)"
+        };
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "`{param}` needs the model's logits, but this plan does not output them, so \
+                 {serves}; recompile the plan with `kiln compile --logits` (and `--sampling` \
+                 to sample in the graph)"
+            ),
+        ));
+    }
     Ok((req, prompt))
+}
+
+/// The most tokens a request may generate: its `max_tokens`, capped by the
+/// context left after its prompt.
+fn max_new_tokens(info: &ModelInfo, req: &GenRequest, prompt_len: u32) -> u32 {
+    req.max_tokens
+        .unwrap_or(u32::MAX)
+        .min(info.max_context.saturating_sub(prompt_len))
 }
 
 fn encode(s: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
