@@ -420,7 +420,10 @@ fn penalties_move_the_distribution_exactly_as_presence_and_frequency_say() {
         // (where no filter cuts a token one of the two keeps).
         if k == 0 && top_p == 1.0 {
             let (chi0, crit0) = chi_square(&got, &expected(&x, t, 0, 1.0, 0.0), n as u64);
-            assert!(chi0 > crit0, "{chi0} <= {crit0}: penalties {p} {f} changed nothing");
+            assert!(
+                chi0 > crit0,
+                "{chi0} <= {crit0}: penalties {p} {f} changed nothing"
+            );
         }
     }
 }
@@ -495,12 +498,21 @@ fn the_penalty_list_ends_at_the_first_pair_out_of_range_or_out_of_order() {
         penalize(&mut y, &words(pairs));
         y.iter().map(|&v| (v != 0.0) as u8).collect::<Vec<_>>()
     };
-    assert_eq!(apply(&[(1, 1), (3, 2), (9, 1)]), [0, 1, 0, 1, 0, 0, 0, 0, 0, 1]);
-    assert_eq!(apply(&[(1, 1), (10, 1), (3, 1)]), [0, 1, 0, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(
+        apply(&[(1, 1), (3, 2), (9, 1)]),
+        [0, 1, 0, 1, 0, 0, 0, 0, 0, 1]
+    );
+    assert_eq!(
+        apply(&[(1, 1), (10, 1), (3, 1)]),
+        [0, 1, 0, 0, 0, 0, 0, 0, 0, 0]
+    );
     assert_eq!(apply(&[(4, 1), (2, 1)]), [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]);
     assert_eq!(apply(&[(4, 1), (4, 1)]), [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]);
     assert_eq!(apply(&[(-1, 0), (2, 1)]), [0; 10]);
-    assert_eq!(apply(&[(2, 0), (5, -3), (6, 1)]), [0, 0, 0, 0, 0, 0, 1, 0, 0, 0]);
+    assert_eq!(
+        apply(&[(2, 0), (5, -3), (6, 1)]),
+        [0, 0, 0, 0, 0, 0, 1, 0, 0, 0]
+    );
     // penalty_row refuses lists that do not fit or are not sorted.
     let mut row = vec![0; penalty_width(2) as usize];
     assert!(penalty_row(&mut row, 1.0, 0.0, &[(1, 1), (2, 1), (3, 1)]).is_none());

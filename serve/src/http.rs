@@ -360,7 +360,9 @@ fn prepare(s: &AppState, kind: Kind, body: &[u8]) -> Result<(GenRequest, Vec<u32
             ),
         ));
     }
-    let graph = s.info.graph_samples(&req.sampling, max_new_tokens(&s.info, &req, len));
+    let graph = s
+        .info
+        .graph_samples(&req.sampling, max_new_tokens(&s.info, &req, len));
     if req.needs_logits_on(graph) && !s.info.has_logits {
         let param = if req.logprobs.is_some() {
             "logprobs"

@@ -383,17 +383,20 @@ impl Scheduler {
                         // draws what it would have drawn; the engine counts
                         // the generated tokens (the recomputed ones too)
                         // for the penalties.
-                        let set = self.engine.set_sampling(seq, params.in_graph()).and_then(|()| {
-                            if params.has_penalties() {
-                                self.engine.set_penalties(
-                                    seq,
-                                    params.presence_penalty,
-                                    params.frequency_penalty,
-                                )
-                            } else {
-                                Ok(())
-                            }
-                        });
+                        let set = self
+                            .engine
+                            .set_sampling(seq, params.in_graph())
+                            .and_then(|()| {
+                                if params.has_penalties() {
+                                    self.engine.set_penalties(
+                                        seq,
+                                        params.presence_penalty,
+                                        params.frequency_penalty,
+                                    )
+                                } else {
+                                    Ok(())
+                                }
+                            });
                         if let Err(e) = set {
                             let _ = self.engine.remove_sequence(seq);
                             let _ = w.sub.events.send(Event::Error(e.to_string()));
