@@ -386,6 +386,21 @@ impl Engine {
             Weights::Random { seed } => Err(seed),
         };
 
+        // The plan must fit what the device has free: asked before the
+        // first allocation, so a plan too large for it is refused with both
+        // figures instead of failing part-way through loading.
+        let need = plan.device_memory();
+        if let Some(free) = backend.free_memory()? {
+            if need.total() > free {
+                return Err(EngineError::DeviceTooSmall {
+                    device: format!("{} {}", info.backend, info.name),
+                    need: need.to_string(),
+                    need_bytes: need.total(),
+                    free,
+                });
+            }
+        }
+
         // Everything below allocates; nothing below is a user error any more
         // except running out of memory.
         let mut allocations = Vec::new();
