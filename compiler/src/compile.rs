@@ -136,6 +136,11 @@ pub struct CompileOptions {
     /// it stays opt-in until its kernels beat what they replace. The CPU
     /// target always runs the pass (its reference is the unfused sequence).
     pub fused_gemv: bool,
+    /// Device memory the plan must fit (`kiln compile --device-memory`):
+    /// a plan needing more (weights, KV cache, arena, workspace, counters
+    /// and staging, [`Plan::device_memory`]) is refused at compile. `None`
+    /// checks at load only, against what the device reports free.
+    pub device_memory: Option<u64>,
 }
 
 impl Default for CompileOptions {
@@ -152,6 +157,7 @@ impl Default for CompileOptions {
             attn_target_blocks: kiln_kernels::gpu::ATTN_TARGET_BLOCKS,
             tuning: None,
             fused_gemv: false,
+            device_memory: None,
         }
     }
 }
@@ -219,6 +225,46 @@ pub fn efficiency(lower_bound: u64, peak: u64) -> f64 {
     } else {
         lower_bound as f64 / peak as f64
     }
+}
+
+/// A byte count with an optional unit: `B`, `KB`/`MB`/`GB`/`TB` (powers
+/// of 1000) or `KiB`/`MiB`/`GiB`/`TiB` (powers of 1024), case-insensitive,
+/// an optional space between; a fraction is allowed with a unit (`1.5GiB`).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = (&t[..split], t[split..].trim());
+    let bad = || {
+        format!("`{s}` is not a size: write a byte count or a number with a unit, e.g. 141GiB, 80GB, 512MiB")
+    };
+    let scale: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        _ => return Err(bad()),
+    };
+    if num.is_empty() {
+        return Err(bad());
+    }
+    if let Ok(n) = num.parse::<u64>() {
+        return n
+            .checked_mul(scale)
+            .ok_or_else(|| format!("`{s}` is more than 2^64 bytes"));
+    }
+    let x: f64 = num.parse().map_err(|_| bad())?;
+    let bytes = x * scale as f64;
+    if scale == 1 || !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(bad());
+    }
+    Ok(bytes as u64)
 }
 
 /// Sorted, deduplicated, validated keys.
@@ -572,13 +618,33 @@ pub fn compile_model(
         sampling: opts.sampling,
         penalty_slots: opts.penalty_slots,
     };
-    compile_traced(
+    let compiled = compile_traced(
         meta,
         model.manifest().clone(),
         opts,
         |key, kv| model.trace(key, kv, &trace_opts),
         progress,
-    )
+    )?;
+    check_device_memory(&compiled.plan, opts.device_memory)?;
+    Ok(compiled)
+}
+
+/// Refuses a plan that needs more device memory than `budget` (`kiln
+/// compile --device-memory`), naming both figures and each region.
+pub fn check_device_memory(plan: &Plan, budget: Option<u64>) -> Result<(), CompileError> {
+    let Some(budget) = budget else {
+        return Ok(());
+    };
+    let need = plan.device_memory();
+    if need.total() > budget {
+        return Err(CompileError::Options(format!(
+            "the plan needs {need} of device memory, more than the {budget} bytes --device-memory \
+             allows ({} too many); compile with fewer KV blocks (--kv-blocks / --max-tokens), a \
+             shorter --max-context, or fewer or smaller keys",
+            need.total() - budget
+        )));
+    }
+    Ok(())
 }
 
 /// Opens the model directory `dir` and compiles it.
@@ -657,6 +723,14 @@ pub struct CompileArgs {
     /// not yet faster than the unfused ops (see `CompileOptions::fused_gemv`).
     #[arg(long)]
     pub fused_gemv: bool,
+    /// Device memory the plan must fit, e.g. `141GiB` (an H200), `80GB`,
+    /// `512MiB` or a byte count: a plan needing more (weights, KV cache,
+    /// arena, BLAS workspace, counters, staging) is refused here instead of
+    /// at load. Leave headroom for the driver's context and libraries.
+    /// Without it, the runtime checks at load against the device's free
+    /// memory.
+    #[arg(long, value_parser = parse_size)]
+    pub device_memory: Option<u64>,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -693,6 +767,7 @@ impl CompileArgs {
             attn_target_blocks: self.attn_target_blocks,
             tuning: None,
             fused_gemv: self.fused_gemv,
+            device_memory: self.device_memory,
         }
     }
 }

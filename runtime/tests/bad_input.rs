@@ -136,10 +136,7 @@ fn out_of_memory_at_load_names_what_did_not_fit() {
         Err(e) => e,
     };
     // Refused before allocating, with the needed and the free bytes.
-    assert!(
-        err.to_string().contains("has 50000 bytes free"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("has 50000 bytes free"), "{err}");
 }
 
 #[test]

@@ -46,7 +46,10 @@ fn a_plan_larger_than_the_cpu_backends_memory_is_refused_before_any_allocation()
             msg.contains(&need.to_string()) && msg.contains(&limit.to_string()),
             "{msg}"
         );
-        assert!(msg.contains("--kv-blocks"), "the message names a fix: {msg}");
+        assert!(
+            msg.contains("--kv-blocks"),
+            "the message names a fix: {msg}"
+        );
         assert_eq!(CpuStats::get(&stats.allocs), 0, "a refused plan allocated");
     }
     // Exactly enough loads, and uses all of it.
@@ -87,7 +90,10 @@ fn a_plan_larger_than_the_simulated_devices_free_memory_is_refused_before_any_al
     let driver = SimDriver::new(cfg);
     let journal = driver.journal();
     let mut be = GpuBackend::with_driver(driver, 0).unwrap();
-    let free = be.free_memory().unwrap().expect("the simulated driver tells");
+    let free = be
+        .free_memory()
+        .unwrap()
+        .expect("the simulated driver tells");
     assert!(free <= need - 100 && free + 4096 > need - 100, "{free}");
     let mallocs = || {
         let log = journal.read().log;
