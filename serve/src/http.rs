@@ -46,6 +46,8 @@ pub struct AppState {
     /// The model's chat template, or why there is none.
     pub template: Result<ChatTemplate, String>,
     pub metrics: Arc<Mutex<Metrics>>,
+    /// How long a client has to send a request body (`--body-timeout-secs`).
+    pub body_timeout: std::time::Duration,
     pub created: u64,
     pub next_id: AtomicU64,
 }
@@ -225,20 +227,58 @@ fn body_error(s: &AppState, kind: Kind, e: BytesRejection) -> Response {
     error_response(&e)
 }
 
-async fn chat_completions(
-    State(s): State<Shared>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match body {
-        Ok(body) => generate(s, Kind::Chat, body).await,
-        Err(e) => body_error(&s, Kind::Chat, e),
+/// A request body read within the server's body timeout: the bytes, the
+/// rejection (too large, or the client stopped sending), or `Err(None)`
+/// when the client took longer than the timeout.
+struct TimedBody(Result<Bytes, Option<BytesRejection>>);
+
+impl axum::extract::FromRequest<Shared> for TimedBody {
+    type Rejection = Infallible;
+    async fn from_request(req: axum::extract::Request, s: &Shared) -> Result<Self, Infallible> {
+        let read = <Bytes as axum::extract::FromRequest<Shared>>::from_request(req, s);
+        Ok(TimedBody(
+            match tokio::time::timeout(s.body_timeout, read).await {
+                Ok(r) => r.map_err(Some),
+                Err(_) => Err(None),
+            },
+        ))
     }
 }
 
-async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+/// A body that took longer than the body timeout: 408, named as such.
+fn body_timeout(s: &AppState, kind: Kind) -> Response {
+    let e = ApiError {
+        status: 408,
+        message: format!(
+            "the request body did not arrive within {} s; send it at once (or restart kiln \
+             serve with a larger --body-timeout-secs)",
+            s.body_timeout.as_secs_f64()
+        ),
+        param: None,
+        kind: "invalid_request_error",
+    };
+    count(s, kind.endpoint(), e.status);
+    let mut r = error_response(&e);
+    r.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    r
+}
+
+async fn chat_completions(State(s): State<Shared>, TimedBody(body): TimedBody) -> Response {
+    match body {
+        Ok(body) => generate(s, Kind::Chat, body).await,
+        Err(Some(e)) => body_error(&s, Kind::Chat, e),
+        Err(None) => body_timeout(&s, Kind::Chat),
+    }
+}
+
+async fn completions(State(s): State<Shared>, TimedBody(body): TimedBody) -> Response {
     match body {
         Ok(body) => generate(s, Kind::Completion, body).await,
-        Err(e) => body_error(&s, Kind::Completion, e),
+        Err(Some(e)) => body_error(&s, Kind::Completion, e),
+        Err(None) => body_timeout(&s, Kind::Completion),
     }
 }
 
