@@ -325,13 +325,16 @@ fn the_draw_walks_the_kept_tokens_in_index_order() {
     );
 }
 
-/// The `sample` op with a penalties operand: each row's presence,
-/// frequency and `(token, count)` list in `slots` pairs.
+/// One row's presence, frequency and `(token, count)` list.
+type RowPenalties = (f32, f32, Vec<(u32, u32)>);
+
+/// The `sample` op with a penalties operand: each row's [`RowPenalties`]
+/// in `slots` pairs.
 fn sample_penalised(
     rows: &[Vec<f32>],
     rs: &[RowSampling],
     counters: &[u32],
-    pens: &[(f32, f32, Vec<(u32, u32)>)],
+    pens: &[RowPenalties],
     slots: u32,
 ) -> Vec<i32> {
     let v = rows[0].len() as u32;
@@ -443,7 +446,7 @@ fn zero_penalties_and_empty_lists_leave_every_draw_bit_identical() {
     for step in 0..20u32 {
         let counters: Vec<u32> = (0..6).map(|i| step * 7 + i).collect();
         let counts = random_counts(&mut rng, 3000, 30);
-        let pens: Vec<(f32, f32, Vec<(u32, u32)>)> = (0..6)
+        let pens: Vec<RowPenalties> = (0..6)
             .map(|i| match i % 2 {
                 0 => (0.0, 0.0, counts.clone()),
                 _ => (1.5, 0.5, Vec::new()),
@@ -462,7 +465,7 @@ fn greedy_rows_with_penalties_are_the_argmax_of_the_penalised_logits() {
     let mut moved = 0;
     for _ in 0..50 {
         let x = rng.vec(500, -4.0, 4.0);
-        let best = argmax(&[x.clone()])[0] as u32;
+        let best = argmax(std::slice::from_ref(&x))[0] as u32;
         // Penalise the best token and a few others.
         let mut counts = random_counts(&mut rng, 500, 5);
         counts.retain(|&(t, _)| t != best);
@@ -470,7 +473,7 @@ fn greedy_rows_with_penalties_are_the_argmax_of_the_penalised_logits() {
         counts.sort_unstable();
         let (p, f) = (rng.uniform(0.5, 1.5), rng.uniform(0.0, 1.0));
         let got = sample_penalised(
-            &[x.clone()],
+            std::slice::from_ref(&x),
             &[RowSampling::GREEDY],
             &[0],
             &[(p, f, counts.clone())],
