@@ -20,7 +20,8 @@
 //!    advances (so a long prompt never stalls running sequences for its
 //!    whole prefill);
 //! 5. steps, samples on the host the rows the graph cannot sample
-//!    ([`crate::sampler`]: penalties, or an argmax-only plan), checks EOS,
+//!    ([`crate::sampler`]: an argmax-only plan, or penalties on a request
+//!    allowed more new tokens than the plan's penalty slots), checks EOS,
 //!    stop strings and lengths, and sends text.
 //!
 //! Not here: prefix caching, priorities, fairness beyond arrival order,
@@ -677,4 +678,53 @@ impl Scheduler {
 
 fn text_event(text: String, logprobs: Vec<TokenLogprob>) -> Event {
     Event::Text { text, logprobs }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(in_graph_sampling: bool, penalty_slots: Option<u32>) -> ModelInfo {
+        ModelInfo {
+            name: "t".into(),
+            max_context: 1024,
+            vocab_size: 100,
+            has_logits: true,
+            in_graph_sampling,
+            penalty_slots,
+            usable_kv_blocks: 64,
+            kv_block_size: 16,
+            max_running: 4,
+        }
+    }
+
+    fn params(temperature: f32, presence: f32, frequency: f32) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+            ..SamplingParams::greedy()
+        }
+    }
+
+    #[test]
+    fn penalised_rows_sample_in_the_graph_only_when_their_tokens_fit_the_penalty_slots() {
+        let slots = info(true, Some(256));
+        for p in [params(0.0, 0.0, 0.0), params(0.8, 0.0, 0.0)] {
+            assert!(slots.graph_samples(&p, 5000), "{p:?}");
+            assert!(!p.needs_host(slots.graph_samples(&p, 5000)));
+        }
+        for p in [params(0.0, 0.5, 0.0), params(0.8, 0.0, 0.3)] {
+            assert!(slots.graph_samples(&p, 256), "{p:?}");
+            assert!(!p.needs_host(true));
+            assert!(!slots.graph_samples(&p, 257), "{p:?}");
+            assert!(p.needs_host(slots.graph_samples(&p, 257)));
+            // No penalties input, or argmax only: the host samples.
+            assert!(!info(true, None).graph_samples(&p, 1));
+            assert!(!info(false, Some(256)).graph_samples(&p, 1));
+        }
+        // Greedy rows without penalties never need the host, whatever the plan.
+        let g = params(0.0, 0.0, 0.0);
+        assert!(!g.needs_host(info(false, None).graph_samples(&g, 1)));
+    }
 }
