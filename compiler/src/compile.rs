@@ -32,6 +32,11 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 /// Context cap when none is given (the model's own limit applies too).
 pub const DEFAULT_MAX_CONTEXT: u32 = 4096;
+/// `(token, count)` pairs per row of a sampling plan's penalties input when
+/// none is given: covers every request with `max_tokens <= 256` (a row's
+/// distinct generated tokens never exceed its generated tokens). Staged
+/// every step: `8 * slots + 8` bytes per row.
+pub const DEFAULT_PENALTY_SLOTS: u32 = 256;
 
 /// The largest shapes `kiln compile` accepts, checked before anything is
 /// traced or sized from them. Each is far above what a decode step of a
@@ -107,6 +112,12 @@ pub struct CompileOptions {
     /// parameters staged each step) instead of `argmax` in non-speculative
     /// keys; greedy rows stay bit-identical to argmax.
     pub sampling: bool,
+    /// With `sampling`: the `(token, count)` pairs each row of the
+    /// `sample_penalties` input holds, so presence/frequency penalties are
+    /// applied in the graph for sequences that generate at most this many
+    /// distinct tokens (`kiln compile --penalty-slots`; 0: no penalties
+    /// input, at most `kiln_ir::op::MAX_PENALTY_SLOTS`).
+    pub penalty_slots: u32,
     /// Verify every graph before and after each pass, and check every plan.
     pub verify: bool,
     pub passes: Vec<Pass>,
@@ -129,6 +140,11 @@ pub struct CompileOptions {
     /// pass (`passes::shard`) rewrites every traced key for one rank before
     /// the fusions; the plan holds every rank (SPMD).
     pub tp: u32,
+    /// Device memory the plan must fit (`kiln compile --device-memory`):
+    /// a plan needing more (weights, KV cache, arena, workspace, counters
+    /// and staging, [`Plan::device_memory`]) is refused at compile. `None`
+    /// checks at load only, against what the device reports free.
+    pub device_memory: Option<u64>,
 }
 
 impl Default for CompileOptions {
@@ -139,12 +155,14 @@ impl Default for CompileOptions {
             kv: KvOptions::default(),
             logits: false,
             sampling: false,
+            penalty_slots: DEFAULT_PENALTY_SLOTS,
             verify: true,
             passes: DEFAULT_PIPELINE.to_vec(),
             attn_target_blocks: kiln_kernels::gpu::ATTN_TARGET_BLOCKS,
             tuning: None,
             fused_gemv: false,
             tp: 1,
+            device_memory: None,
         }
     }
 }
@@ -212,6 +230,46 @@ pub fn efficiency(lower_bound: u64, peak: u64) -> f64 {
     } else {
         lower_bound as f64 / peak as f64
     }
+}
+
+/// A byte count with an optional unit: `B`, `KB`/`MB`/`GB`/`TB` (powers
+/// of 1000) or `KiB`/`MiB`/`GiB`/`TiB` (powers of 1024), case-insensitive,
+/// an optional space between; a fraction is allowed with a unit (`1.5GiB`).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = (&t[..split], t[split..].trim());
+    let bad = || {
+        format!("`{s}` is not a size: write a byte count or a number with a unit, e.g. 141GiB, 80GB, 512MiB")
+    };
+    let scale: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        _ => return Err(bad()),
+    };
+    if num.is_empty() {
+        return Err(bad());
+    }
+    if let Ok(n) = num.parse::<u64>() {
+        return n
+            .checked_mul(scale)
+            .ok_or_else(|| format!("`{s}` is more than 2^64 bytes"));
+    }
+    let x: f64 = num.parse().map_err(|_| bad())?;
+    let bytes = x * scale as f64;
+    if scale == 1 || !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(bad());
+    }
+    Ok(bytes as u64)
 }
 
 /// Sorted, deduplicated, validated keys.
@@ -597,6 +655,14 @@ pub fn compile_model(
     opts: &CompileOptions,
     progress: &mut dyn FnMut(Stage, Key),
 ) -> Result<Compiled, CompileError> {
+    let max_slots = kiln_ir::op::MAX_PENALTY_SLOTS;
+    if opts.sampling && opts.penalty_slots > max_slots {
+        return Err(CompileError::Options(format!(
+            "--penalty-slots {} is above the limit of {max_slots} (token, count) pairs per row; \
+             pass a smaller --penalty-slots (or 0 for no in-graph penalties)",
+            opts.penalty_slots
+        )));
+    }
     let meta = ModelMeta {
         architecture: model.architecture().to_string(),
         files: model.source_files().to_vec(),
@@ -607,14 +673,35 @@ pub fn compile_model(
     let trace_opts = TraceOptions {
         logits: opts.logits,
         sampling: opts.sampling,
+        penalty_slots: opts.penalty_slots,
     };
-    compile_traced(
+    let compiled = compile_traced(
         meta,
         model.manifest().clone(),
         opts,
         |key, kv| model.trace(key, kv, &trace_opts),
         progress,
-    )
+    )?;
+    check_device_memory(&compiled.plan, opts.device_memory)?;
+    Ok(compiled)
+}
+
+/// Refuses a plan that needs more device memory than `budget` (`kiln
+/// compile --device-memory`), naming both figures and each region.
+pub fn check_device_memory(plan: &Plan, budget: Option<u64>) -> Result<(), CompileError> {
+    let Some(budget) = budget else {
+        return Ok(());
+    };
+    let need = plan.device_memory();
+    if need.total() > budget {
+        return Err(CompileError::Options(format!(
+            "the plan needs {need} of device memory, more than the {budget} bytes --device-memory \
+             allows ({} too many); compile with fewer KV blocks (--kv-blocks / --max-tokens), a \
+             shorter --max-context, or fewer or smaller keys",
+            need.total() - budget
+        )));
+    }
+    Ok(())
 }
 
 /// Opens the model directory `dir` and compiles it.
@@ -668,6 +755,12 @@ pub struct CompileArgs {
     /// stay the default.
     #[arg(long)]
     pub sampling: bool,
+    /// With --sampling: `(token, count)` pairs per row for presence and
+    /// frequency penalties applied inside the graph (a request generating
+    /// more distinct tokens than this is penalised on the host); 0 leaves
+    /// them out.
+    #[arg(long, default_value_t = DEFAULT_PENALTY_SLOTS, value_parser = clap::value_parser!(u32).range(0..=kiln_ir::op::MAX_PENALTY_SLOTS as i64))]
+    pub penalty_slots: u32,
     /// Skip graph verification between passes (the final graph is still
     /// verified before planning) and the independent plan checker.
     #[arg(long)]
@@ -694,6 +787,14 @@ pub struct CompileArgs {
     /// the KV heads. One plan file holds every rank.
     #[arg(long, default_value_t = 1)]
     pub tp: u32,
+    /// Device memory the plan must fit, e.g. `141GiB` (an H200), `80GB`,
+    /// `512MiB` or a byte count: a plan needing more (weights, KV cache,
+    /// arena, BLAS workspace, counters, staging) is refused here instead of
+    /// at load. Leave headroom for the driver's context and libraries.
+    /// Without it, the runtime checks at load against the device's free
+    /// memory.
+    #[arg(long, value_parser = parse_size)]
+    pub device_memory: Option<u64>,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -724,12 +825,14 @@ impl CompileArgs {
             },
             logits: self.logits,
             sampling: self.sampling,
+            penalty_slots: self.penalty_slots,
             verify: !self.no_verify,
             passes: DEFAULT_PIPELINE.to_vec(),
             attn_target_blocks: self.attn_target_blocks,
             tuning: None,
             fused_gemv: self.fused_gemv,
             tp: self.tp,
+            device_memory: self.device_memory,
         }
     }
 }

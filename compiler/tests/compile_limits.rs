@@ -3,7 +3,8 @@
 //! it, and the message names the flag, the offending value and the limit.
 
 use kiln_compiler::compile::{
-    compile_dir, kv_layout, normalize_keys, CompileError, CompileOptions, KvOptions, COMPILE_LIMITS,
+    compile_dir, kv_layout, normalize_keys, parse_size, CompileError, CompileOptions, KvOptions,
+    COMPILE_LIMITS,
 };
 use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
 use kiln_ir::plan::ModelInfo;
@@ -160,4 +161,50 @@ fn compiling_a_tiny_model_with_an_absurd_key_fails_fast_with_the_limit() {
         ..CompileOptions::default()
     };
     compile_dir(dir.path(), &opts, &mut |_, _| {}).unwrap();
+}
+
+#[test]
+fn a_plan_larger_than_device_memory_is_refused_at_compile_with_both_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), Family::Llama, &TinySpec::default()).unwrap();
+    let fits = compile_dir(dir.path(), &CompileOptions::default(), &mut |_, _| {}).unwrap();
+    let need = fits.plan.device_memory().total();
+    // Exactly enough compiles to the same plan.
+    let opts = CompileOptions {
+        device_memory: Some(need),
+        ..CompileOptions::default()
+    };
+    let at = compile_dir(dir.path(), &opts, &mut |_, _| {}).unwrap();
+    assert_eq!(at.plan.device_memory(), fits.plan.device_memory());
+    for budget in [need - 1, need / 3] {
+        let opts = CompileOptions {
+            device_memory: Some(budget),
+            ..CompileOptions::default()
+        };
+        match compile_dir(dir.path(), &opts, &mut |_, _| {}) {
+            Err(CompileError::Options(m)) => {
+                assert!(
+                    m.contains(&format!("needs {need} bytes"))
+                        && m.contains(&format!("the {budget} bytes --device-memory"))
+                        && m.contains(&format!("({} too many)", need - budget)),
+                    "{m}"
+                );
+                assert!(m.contains("--kv-blocks"), "{m}");
+            }
+            other => panic!("budget {budget} of {need}: {:?}", other.map(|_| ())),
+        }
+    }
+}
+
+#[test]
+fn device_memory_sizes_parse_in_decimal_and_binary_units() {
+    assert_eq!(parse_size("141GiB"), Ok(141 << 30));
+    assert_eq!(parse_size("80GB"), Ok(80_000_000_000));
+    assert_eq!(parse_size("512 mib"), Ok(512 << 20));
+    assert_eq!(parse_size("1.5KiB"), Ok(1536));
+    assert_eq!(parse_size("4096"), Ok(4096));
+    for bad in ["", "GiB", "12 parsecs", "1.5", "-3GB", "99999999999TiB"] {
+        let e = parse_size(bad).unwrap_err();
+        assert!(e.contains(bad.trim()) || e.contains("2^64"), "{bad}: {e}");
+    }
 }

@@ -65,6 +65,10 @@ pub enum InputRole {
     KCache(u32),
     /// `D[S, kvh*hd]`: layer `l`'s value cache.
     VCache(u32),
+    /// `i32[B, 2 + 2P]`: each row's presence and frequency penalties (f32
+    /// bits) and `P` `(token, count)` pairs of its generated tokens, for
+    /// `sample`. Last in the enum so older plans decode unchanged.
+    SamplePenalties,
 }
 
 impl InputRole {
@@ -83,6 +87,7 @@ impl InputRole {
             InputRole::DraftTokens => "draft_tokens".into(),
             InputRole::SampleParams => "sample_params".into(),
             InputRole::SampleSeeds => "sample_seeds".into(),
+            InputRole::SamplePenalties => "sample_penalties".into(),
             InputRole::KCache(l) => format!("k_cache.{l}"),
             InputRole::VCache(l) => format!("v_cache.{l}"),
         }
@@ -97,6 +102,7 @@ impl InputRole {
             "draft_tokens" => InputRole::DraftTokens,
             "sample_params" => InputRole::SampleParams,
             "sample_seeds" => InputRole::SampleSeeds,
+            "sample_penalties" => InputRole::SamplePenalties,
             _ => {
                 let (kind, l) = s.split_once('.')?;
                 if l.is_empty() || !l.bytes().all(|c| c.is_ascii_digit()) {

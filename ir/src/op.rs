@@ -132,6 +132,10 @@ impl Epilogue {
     }
 }
 
+/// The most `(token, count)` pairs a row of `sample`'s penalties operand
+/// may carry (the GPU kernel holds a row's list in shared memory).
+pub const MAX_PENALTY_SLOTS: u32 = 1024;
+
 /// One operation. See the module docs for the notation of the typing rules.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Op {
@@ -221,8 +225,12 @@ pub enum Op {
     /// top-k, top-p and min-p, with a Philox4x32-10 uniform keyed by the row's
     /// seed and counter; `params` row `[temperature, top_p, min_p, 0]`, `seeds`
     /// row `[top_k, seed_lo, seed_hi, counter]`. A row with `temperature <= 0`
-    /// is exactly `argmax`. The normative algorithm is in kiln-kernels
-    /// (`cpu::sample`).
+    /// is exactly `argmax`. An optional fourth operand
+    /// `penalties: i32[R, 2 + 2P]` carries each row's presence and
+    /// frequency penalties (f32 bits) and up to `P` `(token, count)` pairs
+    /// (sorted by token, padded with `-1`), applied to the logits first:
+    /// `x - presence - frequency * count`. The normative algorithm is in
+    /// kiln-kernels (`cpu::sample`).
     Sample,
     /// A matmul with an RMSNorm prologue and/or an epilogue, the unfused
     /// sequence computed by one kernel (formed by the `fuse-matmul` pass):
@@ -346,7 +354,7 @@ impl Op {
             Op::GatherLast { .. } => &[1],
             Op::Argmax => &[1],
             Op::AcceptGreedy { .. } => &[2],
-            Op::Sample => &[3],
+            Op::Sample => &[3, 4],
             Op::Scale { .. } => &[1],
             Op::AllReduce { .. } | Op::ShardedArgmax { .. } => &[1],
             Op::FusedMatMul { .. } => match self.fused_arg_count() {
@@ -792,6 +800,27 @@ impl Op {
                         format!(
                             "{what} (argument {i}) must be {dtype}[{}, 4] (one row per logits row), got {}",
                             x[0], args[i]
+                        ),
+                    )?;
+                }
+                if args.len() == 4 {
+                    let d = rank(3, 2, "penalties")?;
+                    want(
+                        args[3].dtype == DType::I32
+                            && d[0] == x[0]
+                            && d[1] >= 4
+                            && d[1] % 2 == 0
+                            && d[1] <= 2 + 2 * MAX_PENALTY_SLOTS,
+                        format!(
+                            "penalties (argument 3) must be i32[{}, 2 + 2P] with 1 <= P <= {MAX_PENALTY_SLOTS} (presence, frequency, then P (token, count) pairs), got {}",
+                            x[0], args[3]
+                        ),
+                    )?;
+                    want(
+                        x[1] <= i32::MAX as u32,
+                        format!(
+                            "a vocabulary of {} does not fit the penalties' i32 tokens",
+                            x[1]
                         ),
                     )?;
                 }

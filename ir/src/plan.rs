@@ -474,6 +474,82 @@ impl Plan {
     pub fn key_plan(&self, key: Key) -> Option<&KeyPlan> {
         self.keys.iter().find(|k| k.key == key)
     }
+
+    /// The device memory the runtime allocates for this plan, region by
+    /// region (saturating: a damaged plan's figure is huge, not wrapped).
+    /// Kernel images, the driver's context and library handles are not in
+    /// it: they are the headroom a device needs beyond these bytes.
+    pub fn device_memory(&self) -> DeviceMemory {
+        let weights = self
+            .manifest
+            .entries
+            .iter()
+            .map(|e| e.shape.numel().saturating_mul(e.dtype.size() as u64))
+            .fold(0u64, u64::saturating_add);
+        let kv_cache = self
+            .kv
+            .cache_bytes()
+            .saturating_mul(2)
+            .saturating_mul(self.kv.layers as u64);
+        let staging = self
+            .keys
+            .iter()
+            .map(|k| k.io_bytes.max(1))
+            .fold(0u64, u64::saturating_add);
+        DeviceMemory {
+            weights,
+            kv_cache,
+            arena: self.arena_bytes,
+            workspace: self.workspace_bytes,
+            counters: self.counter_bytes,
+            staging,
+        }
+    }
+}
+
+/// [`Plan::device_memory`]: bytes per region.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub weights: u64,
+    /// K and V of every layer.
+    pub kv_cache: u64,
+    pub arena: u64,
+    pub workspace: u64,
+    pub counters: u64,
+    /// Every key's Io region (staging inputs and outputs).
+    pub staging: u64,
+}
+
+impl DeviceMemory {
+    pub fn total(&self) -> u64 {
+        [
+            self.weights,
+            self.kv_cache,
+            self.arena,
+            self.workspace,
+            self.counters,
+            self.staging,
+        ]
+        .into_iter()
+        .fold(0, u64::saturating_add)
+    }
+}
+
+impl fmt::Display for DeviceMemory {
+    /// `1234567 bytes (weights 1000000, KV cache 200000, ...)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} bytes (weights {}, KV cache {}, arena {}, BLAS workspace {}, counters {}, staging {})",
+            self.total(),
+            self.weights,
+            self.kv_cache,
+            self.arena,
+            self.workspace,
+            self.counters,
+            self.staging
+        )
+    }
 }
 
 #[cfg(test)]

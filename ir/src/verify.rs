@@ -565,7 +565,7 @@ pub fn verify(g: &Graph, manifest: Option<&WeightManifest>) -> Result<GraphInfo,
                 data.ty.dtype == DType::F32 && data.ty.shape.rank() == 2,
                 "f32 of rank 2",
             ),
-            InputRole::SampleSeeds => (
+            InputRole::SampleSeeds | InputRole::SamplePenalties => (
                 data.ty.dtype == DType::I32 && data.ty.shape.rank() == 2,
                 "i32 of rank 2",
             ),

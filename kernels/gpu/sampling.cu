@@ -181,12 +181,41 @@ KILN_DEV u64 block_sum_u64(u64 v, u64* cell) {
   return t;
 }
 
+// (0) penalties: a row's (token, count) list, sorted by token, in shared
+// memory (n = 0: no penalties, every value is the logit as loaded).
+struct SamplePen {
+  const int* tok;
+  const int* cnt;
+  int n;
+  float presence, frequency;
+};
+
+// The row's value at index i after penalties: (x - presence) -
+// frequency * count for a listed token with count > 0 (rounded after each
+// operation, no fma, as the CPU reference).
+template <typename T>
+KILN_DEV float sample_ld(const T* __restrict__ r, int i, const SamplePen& pen) {
+  const float v = ld(r[i]);
+  if (pen.n == 0) return v;
+  int lo = 0, hi = pen.n;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (pen.tok[mid] < i)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  if (lo < pen.n && pen.tok[lo] == i && pen.cnt[lo] > 0)
+    return __fsub_rn(__fsub_rn(v, pen.presence), __fmul_rn(pen.frequency, (float)pen.cnt[lo]));
+  return v;
+}
+
 // The largest bit pattern b of p among tokens with bits >= lo such that the
 // tokens with bits >= b weigh at least `target` (weights: 1 each, or w).
 template <typename T>
-KILN_DEV unsigned sample_select(const T* __restrict__ r, int vocab, float m, float t, unsigned lo,
-                                bool by_mass, u64 target, u64* hist, unsigned* sh_prefix,
-                                u64* sh_above) {
+KILN_DEV unsigned sample_select(const T* __restrict__ r, const SamplePen& pen, int vocab, float m,
+                                float t, unsigned lo, bool by_mass, u64 target, u64* hist,
+                                unsigned* sh_prefix, u64* sh_above) {
   unsigned prefix = 0;
   u64 above = 0;
   for (int shift = 24; shift >= 0; shift -= 8) {
@@ -194,7 +223,7 @@ KILN_DEV unsigned sample_select(const T* __restrict__ r, int vocab, float m, flo
     __syncthreads();
     const unsigned hi_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-      const float p = sample_prob(ld(r[i]), m, t);
+      const float p = sample_prob(sample_ld(r, i, pen), m, t);
       const unsigned bits = __float_as_uint(p);
       if (bits >= lo && (bits & hi_mask) == prefix)
         atomicAdd(&hist[(bits >> shift) & 255u], by_mass ? sample_weight(p) : (u64)1);
@@ -220,7 +249,9 @@ KILN_DEV unsigned sample_select(const T* __restrict__ r, int vocab, float m, flo
 
 template <typename T>
 KILN_DEV void sample_rows(const T* __restrict__ x, const float* __restrict__ params,
-                          const int* __restrict__ seeds, int* __restrict__ out, int vocab) {
+                          const int* __restrict__ seeds, const int* __restrict__ pens,
+                          int pen_width, int* __restrict__ ptok, int* __restrict__ pcnt,
+                          int* __restrict__ out, int vocab) {
   KILN_PROLOGUE();
   __shared__ u64 hist[256];
   __shared__ u64 scan[KILN_SAMPLE_THREADS];
@@ -234,11 +265,31 @@ KILN_DEV void sample_rows(const T* __restrict__ x, const float* __restrict__ par
   const float t = params[row * 4], top_p = params[row * 4 + 1], min_p = params[row * 4 + 2];
   const int top_k = seeds[row * 4];
 
+  // (0) the penalty list: pairs up to the first one out of range or order.
+  SamplePen pen = {ptok, pcnt, 0, 0.0f, 0.0f};
+  if (pens != nullptr) {
+    __shared__ int sh_n;
+    const int* pr = pens + (i64)row * pen_width;
+    const int slots = (pen_width - 2) / 2;
+    pen.presence = __int_as_float(pr[0]);
+    pen.frequency = __int_as_float(pr[1]);
+    if (threadIdx.x == 0) sh_n = slots;
+    __syncthreads();
+    for (int j = threadIdx.x; j < slots; j += blockDim.x) {
+      const int tj = pr[2 + 2 * j];
+      ptok[j] = tj;
+      pcnt[j] = pr[3 + 2 * j];
+      if (tj < 0 || tj >= vocab || (j > 0 && tj <= pr[2 * j])) atomicMin(&sh_n, j);
+    }
+    __syncthreads();
+    if (!(pen.presence == 0.0f && pen.frequency == 0.0f)) pen.n = sh_n;
+  }
+
   // (1) max and argmax under argmax's NaN rule.
   float best = -KILN_INF;
   int bi = 0x7fffffff;
   for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-    const float v = ld(r[i]);
+    const float v = sample_ld(r, i, pen);
     if (v > best || (bi == 0x7fffffff && v == best)) {
       best = v;
       bi = i;
@@ -259,18 +310,18 @@ KILN_DEV void sample_rows(const T* __restrict__ x, const float* __restrict__ par
   // (3) thresholds on the bits of p.
   unsigned tk = 0;
   if (top_k > 0 && top_k < vocab)
-    tk = sample_select(r, vocab, m, t, 0u, false, (u64)top_k, hist, &sh_prefix, &sh_above);
+    tk = sample_select(r, pen, vocab, m, t, 0u, false, (u64)top_k, hist, &sh_prefix, &sh_above);
   unsigned tp = 0;
   if (top_p < 1.0f) {
     u64 local = 0;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-      const float p = sample_prob(ld(r[i]), m, t);
+      const float p = sample_prob(sample_ld(r, i, pen), m, t);
       if (__float_as_uint(p) >= tk) local += sample_weight(p);
     }
     const u64 zk = block_sum_u64(local, &cell);
     u64 target = (u64)__dmul_rn((double)fmaxf(top_p, 0.0f), __ull2double_rn(zk));
     if (target < 1) target = 1;
-    tp = sample_select(r, vocab, m, t, tk, true, target, hist, &sh_prefix, &sh_above);
+    tp = sample_select(r, pen, vocab, m, t, tk, true, target, hist, &sh_prefix, &sh_above);
   }
   const unsigned tm = min_p > 0.0f ? __float_as_uint(fminf(min_p, 1.0f)) : 0u;
   const unsigned thr = max(tk, max(tp, tm));
@@ -280,7 +331,7 @@ KILN_DEV void sample_rows(const T* __restrict__ x, const float* __restrict__ par
   const int begin = min(vocab, (int)threadIdx.x * per), end = min(vocab, begin + per);
   u64 seg = 0;
   for (int i = begin; i < end; ++i) {
-    const float p = sample_prob(ld(r[i]), m, t);
+    const float p = sample_prob(sample_ld(r, i, pen), m, t);
     if (__float_as_uint(p) >= thr) seg += sample_weight(p);
   }
   scan[threadIdx.x] = seg;
@@ -300,7 +351,7 @@ KILN_DEV void sample_rows(const T* __restrict__ x, const float* __restrict__ par
   if (excl <= target && target < incl) {
     u64 cum = excl;
     for (int i = begin; i < end; ++i) {
-      const float p = sample_prob(ld(r[i]), m, t);
+      const float p = sample_prob(sample_ld(r, i, pen), m, t);
       if (__float_as_uint(p) >= thr) cum += sample_weight(p);
       if (cum > target) {
         out[row] = i;
@@ -310,9 +361,20 @@ KILN_DEV void sample_rows(const T* __restrict__ x, const float* __restrict__ par
   }
 }
 
+// The penalised variant (sample_pen_*) takes the i32[R, pen_width]
+// penalties operand; its row's list lives in shared memory (at most
+// KILN_MAX_PENALTY_SLOTS pairs, kiln_ir::op::MAX_PENALTY_SLOTS).
+#define KILN_MAX_PENALTY_SLOTS 1024
 #define KILN_SAMPLE_ENTRIES(T, S)                                                              \
   KILN_GLOBAL void __launch_bounds__(KILN_SAMPLE_THREADS)                                      \
       sample_##S(const T* x, const float* params, const int* seeds, int* out, int vocab) {      \
-    sample_rows<T>(x, params, seeds, out, vocab);                                              \
+    sample_rows<T>(x, params, seeds, nullptr, 0, nullptr, nullptr, out, vocab);                \
+  }                                                                                            \
+  KILN_GLOBAL void __launch_bounds__(KILN_SAMPLE_THREADS)                                      \
+      sample_pen_##S(const T* x, const float* params, const int* seeds, const int* pens,       \
+                     int pen_width, int* out, int vocab) {                                     \
+    __shared__ int ptok[KILN_MAX_PENALTY_SLOTS];                                               \
+    __shared__ int pcnt[KILN_MAX_PENALTY_SLOTS];                                               \
+    sample_rows<T>(x, params, seeds, pens, pen_width, ptok, pcnt, out, vocab);                 \
   }
 KILN_FOR_FLOATS(KILN_SAMPLE_ENTRIES)

@@ -545,7 +545,7 @@ pub fn entry_points(module: &str) -> Vec<String> {
             per_float(&mut v, &["argmax_chunk"]);
             v.push("argmax_final".into());
             v.push("accept_greedy".into());
-            per_float(&mut v, &["sample"]);
+            per_float(&mut v, &["sample", "sample_pen"]);
         }
         crate::quant_gpu::MODULE => v = crate::quant_gpu::entry_points(),
         _ => {}
@@ -1362,18 +1362,40 @@ pub fn lower_symbolic(
         Op::Sample => {
             let s = float_suffix(m, args[0].dtype)?;
             let (rows, vocab) = two(&x)?;
+            let vocab = Param::I32(to_i32(m, "vocab", vocab as u64)?);
+            let (entry, params) = match args.get(3) {
+                None => (
+                    format!("sample_{s}"),
+                    vec![
+                        Param::Arg(0),
+                        Param::Arg(1),
+                        Param::Arg(2),
+                        Param::Result(0),
+                        vocab,
+                    ],
+                ),
+                Some(p) => {
+                    let (_, width) = two(&dims(p))?;
+                    (
+                        format!("sample_pen_{s}"),
+                        vec![
+                            Param::Arg(0),
+                            Param::Arg(1),
+                            Param::Arg(2),
+                            Param::Arg(3),
+                            Param::I32(to_i32(m, "penalty width", width as u64)?),
+                            Param::Result(0),
+                            vocab,
+                        ],
+                    )
+                }
+            };
             calls(vec![call(
                 "sampling",
-                format!("sample_{s}"),
+                entry,
                 [rows.max(1), 1, 1],
                 SAMPLE_THREADS,
-                vec![
-                    Param::Arg(0),
-                    Param::Arg(1),
-                    Param::Arg(2),
-                    Param::Result(0),
-                    Param::I32(to_i32(m, "vocab", vocab as u64)?),
-                ],
+                params,
             )])
         }
         Op::FusedMatMul { .. } => calls(vec![fused_matmul_call(op, args, false)?]),

@@ -8,7 +8,8 @@ mod common;
 use common::*;
 use kiln_ir::{DType, Op};
 use kiln_kernels::cpu::sample::{
-    exp_nonpositive, philox4x32_10, sample_row, sample_row_with, uniform24, RowSampling,
+    exp_nonpositive, penalize, penalty_row, penalty_width, philox4x32_10, sample_row,
+    sample_row_with, uniform24, RowSampling,
 };
 use kiln_kernels::cpu::to_i32;
 
@@ -322,4 +323,203 @@ fn the_draw_walks_the_kept_tokens_in_index_order() {
         sample_row_with(&x, [1.0, 1.0, 0.0, 0.0], 0, (1 << 24) - 1),
         1
     );
+}
+
+/// One row's presence, frequency and `(token, count)` list.
+type RowPenalties = (f32, f32, Vec<(u32, u32)>);
+
+/// The `sample` op with a penalties operand: each row's [`RowPenalties`]
+/// in `slots` pairs.
+fn sample_penalised(
+    rows: &[Vec<f32>],
+    rs: &[RowSampling],
+    counters: &[u32],
+    pens: &[RowPenalties],
+    slots: u32,
+) -> Vec<i32> {
+    let v = rows[0].len() as u32;
+    let r = rows.len() as u32;
+    let params: Vec<f32> = rs.iter().flat_map(|s| s.params()).collect();
+    let seeds: Vec<i32> = rs
+        .iter()
+        .zip(counters)
+        .flat_map(|(s, &c)| s.seeds(c))
+        .collect();
+    let w = penalty_width(slots) as usize;
+    let mut pen = vec![0i32; r as usize * w];
+    for (row, (p, f, counts)) in pen.chunks_exact_mut(w).zip(pens) {
+        penalty_row(row, *p, *f, counts).expect("the list fits");
+    }
+    let out = run(
+        &Op::Sample,
+        &[
+            float(DType::F32, &[r, v], &rows.concat()),
+            float(DType::F32, &[r, 4], &params),
+            ints(&[r, 4], &seeds),
+            ints(&[r, w as u32], &pen),
+        ],
+    );
+    to_i32(&out[0])
+}
+
+/// OpenAI's formula, written out independently of `penalize`.
+fn penalised(x: &[f32], presence: f32, frequency: f32, counts: &[(u32, u32)]) -> Vec<f32> {
+    let mut y = x.to_vec();
+    for &(t, c) in counts {
+        if c > 0 {
+            let once = y[t as usize] - presence;
+            y[t as usize] = once - frequency * c as f32;
+        }
+    }
+    y
+}
+
+/// A random sorted, distinct `(token, count)` list over `v` tokens.
+fn random_counts(rng: &mut Rng, v: u32, n: usize) -> Vec<(u32, u32)> {
+    let mut toks: Vec<u32> = (0..n).map(|_| rng.below(v as usize) as u32).collect();
+    toks.sort_unstable();
+    toks.dedup();
+    toks.into_iter()
+        .map(|t| (t, 1 + rng.below(4) as u32))
+        .collect()
+}
+
+#[test]
+fn penalties_move_the_distribution_exactly_as_presence_and_frequency_say() {
+    let mut rng = Rng::new(210);
+    let n = 40_000;
+    for (t, p, f, k, top_p) in [
+        (1.0, 0.8, 0.0, 0, 1.0),
+        (0.7, 0.0, 0.5, 0, 1.0),
+        (1.2, 0.4, 0.3, 10, 0.95),
+        (0.9, -0.5, 0.2, 0, 1.0),
+    ] {
+        let x = rng.vec(24, -2.0, 2.0);
+        let counts = random_counts(&mut rng, 24, 8);
+        let rs = RowSampling {
+            temperature: t,
+            top_k: k,
+            top_p,
+            seed: 31,
+            ..RowSampling::GREEDY
+        };
+        let mut got = vec![0u64; x.len()];
+        // Many counters in one batch of rows, so the op's operand layout
+        // is exercised, not just the reference row function.
+        let batch = 200u32;
+        for c0 in (0..n).step_by(batch as usize) {
+            let rows = vec![x.clone(); batch as usize];
+            let counters: Vec<u32> = (c0..c0 + batch).collect();
+            let pens = vec![(p, f, counts.clone()); batch as usize];
+            let rss = vec![rs; batch as usize];
+            for tok in sample_penalised(&rows, &rss, &counters, &pens, 16) {
+                got[tok as usize] += 1;
+            }
+        }
+        let y = penalised(&x, p, f, &counts);
+        let (chi, crit) = chi_square(&got, &expected(&y, t, k, top_p, 0.0), n as u64);
+        assert!(chi < crit, "chi-square {chi:.2} >= {crit:.2} for {p} {f}");
+        // And the check can fail: the unpenalised distribution is rejected
+        // (where no filter cuts a token one of the two keeps).
+        if k == 0 && top_p == 1.0 {
+            let (chi0, crit0) = chi_square(&got, &expected(&x, t, 0, 1.0, 0.0), n as u64);
+            assert!(
+                chi0 > crit0,
+                "{chi0} <= {crit0}: penalties {p} {f} changed nothing"
+            );
+        }
+    }
+}
+
+#[test]
+fn zero_penalties_and_empty_lists_leave_every_draw_bit_identical() {
+    let mut rng = Rng::new(211);
+    let rows: Vec<Vec<f32>> = (0..6).map(|_| rng.vec(3000, -8.0, 8.0)).collect();
+    let rs: Vec<RowSampling> = (0..6)
+        .map(|i| RowSampling {
+            temperature: if i % 3 == 0 { 0.0 } else { 0.9 },
+            top_p: 0.9,
+            seed: 1000 + i,
+            ..RowSampling::GREEDY
+        })
+        .collect();
+    for step in 0..20u32 {
+        let counters: Vec<u32> = (0..6).map(|i| step * 7 + i).collect();
+        let counts = random_counts(&mut rng, 3000, 30);
+        let pens: Vec<RowPenalties> = (0..6)
+            .map(|i| match i % 2 {
+                0 => (0.0, 0.0, counts.clone()),
+                _ => (1.5, 0.5, Vec::new()),
+            })
+            .collect();
+        assert_eq!(
+            sample_penalised(&rows, &rs, &counters, &pens, 32),
+            sample(&rows, &rs, &counters)
+        );
+    }
+}
+
+#[test]
+fn greedy_rows_with_penalties_are_the_argmax_of_the_penalised_logits() {
+    let mut rng = Rng::new(212);
+    let mut moved = 0;
+    for _ in 0..50 {
+        let x = rng.vec(500, -4.0, 4.0);
+        let best = argmax(std::slice::from_ref(&x))[0] as u32;
+        // Penalise the best token and a few others.
+        let mut counts = random_counts(&mut rng, 500, 5);
+        counts.retain(|&(t, _)| t != best);
+        counts.push((best, 1 + rng.below(3) as u32));
+        counts.sort_unstable();
+        let (p, f) = (rng.uniform(0.5, 1.5), rng.uniform(0.0, 1.0));
+        let got = sample_penalised(
+            std::slice::from_ref(&x),
+            &[RowSampling::GREEDY],
+            &[0],
+            &[(p, f, counts.clone())],
+            8,
+        );
+        let y = penalised(&x, p, f, &counts);
+        assert_eq!(got, argmax(&[y]));
+        moved += (got[0] as u32 != best) as u32;
+    }
+    assert!(moved > 10, "only {moved} of 50 penalised best tokens lost");
+}
+
+#[test]
+fn the_penalty_list_ends_at_the_first_pair_out_of_range_or_out_of_order() {
+    let x = vec![0.0f32; 10];
+    let words = |pairs: &[(i32, i32)]| {
+        let mut w = vec![1.0f32.to_bits() as i32, 0];
+        for &(t, c) in pairs {
+            w.extend([t, c]);
+        }
+        w
+    };
+    let apply = |pairs: &[(i32, i32)]| {
+        let mut y = x.clone();
+        penalize(&mut y, &words(pairs));
+        y.iter().map(|&v| (v != 0.0) as u8).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        apply(&[(1, 1), (3, 2), (9, 1)]),
+        [0, 1, 0, 1, 0, 0, 0, 0, 0, 1]
+    );
+    assert_eq!(
+        apply(&[(1, 1), (10, 1), (3, 1)]),
+        [0, 1, 0, 0, 0, 0, 0, 0, 0, 0]
+    );
+    assert_eq!(apply(&[(4, 1), (2, 1)]), [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]);
+    assert_eq!(apply(&[(4, 1), (4, 1)]), [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]);
+    assert_eq!(apply(&[(-1, 0), (2, 1)]), [0; 10]);
+    assert_eq!(
+        apply(&[(2, 0), (5, -3), (6, 1)]),
+        [0, 0, 0, 0, 0, 0, 1, 0, 0, 0]
+    );
+    // penalty_row refuses lists that do not fit or are not sorted.
+    let mut row = vec![0; penalty_width(2) as usize];
+    assert!(penalty_row(&mut row, 1.0, 0.0, &[(1, 1), (2, 1), (3, 1)]).is_none());
+    assert!(penalty_row(&mut row, 1.0, 0.0, &[(2, 1), (1, 1)]).is_none());
+    assert!(penalty_row(&mut row, 1.0, 0.0, &[(1, 1)]).is_some());
+    assert_eq!(&row[2..], &[1, 1, -1, 0]);
 }

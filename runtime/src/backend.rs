@@ -171,6 +171,12 @@ pub trait Backend {
     fn info(&self) -> DeviceInfo;
     /// Allocates `bytes` (zeroed). Error inside a capture.
     fn alloc(&mut self, bytes: u64, what: &str) -> Result<DevPtr>;
+    /// Bytes this backend could allocate now, when it can tell: the
+    /// engine refuses a plan that needs more before allocating anything.
+    /// `None` (the default) is unknown, and nothing is checked.
+    fn free_memory(&mut self) -> Result<Option<u64>> {
+        Ok(None)
+    }
     /// Frees an allocation. Error inside a capture.
     fn free(&mut self, ptr: DevPtr) -> Result<()>;
     /// Host to device copy; stream-ordered. Allowed inside a capture only as a

@@ -260,6 +260,15 @@ impl Default for CpuBackend {
     }
 }
 
+/// `MemAvailable` from /proc/meminfo, in bytes (Linux; `None` elsewhere or
+/// when it cannot be read).
+fn host_available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 impl CpuBackend {
     /// A backend running `kiln_kernels::cpu::execute`.
     pub fn new() -> CpuBackend {
@@ -321,6 +330,16 @@ impl Backend for CpuBackend {
             ),
             arch: std::env::consts::ARCH.to_string(),
         }
+    }
+
+    /// With a memory limit, what is left of it; otherwise the host's
+    /// available memory (`MemAvailable` in /proc/meminfo), unknown where
+    /// that cannot be read.
+    fn free_memory(&mut self) -> Result<Option<u64>> {
+        Ok(match self.mem.limit {
+            Some(limit) => Some(limit.saturating_sub(self.mem.live_bytes)),
+            None => host_available_memory(),
+        })
     }
 
     fn alloc(&mut self, bytes: u64, what: &str) -> Result<DevPtr> {

@@ -46,7 +46,7 @@ use crate::weights::{WeightSet, Weights};
 use kiln_ir::graph::InputRole;
 use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Lowering, Plan, Region};
 use kiln_ir::{DType, Key};
-use kiln_kernels::cpu::sample::RowSampling;
+use kiln_kernels::cpu::sample::{penalty_row, RowSampling, PENALTY_HEADER};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -185,6 +185,8 @@ struct Seq {
     finished: Option<FinishReason>,
     logits: Vec<f32>,
     sampling: RowSampling,
+    /// `(presence, frequency)` penalties, applied in the graph.
+    penalties: (f32, f32),
 }
 
 /// A read-only view of a sequence.
@@ -254,6 +256,8 @@ struct KeyRt {
     drafts: Option<Staged>,
     sample_params: Option<Staged>,
     sample_seeds: Option<Staged>,
+    /// The penalties input and its i32 words per row.
+    sample_penalties: Option<(Staged, usize)>,
     next_tokens: Output,
     accepted: Option<Output>,
     logits: Option<Output>,
@@ -391,6 +395,21 @@ impl Engine {
             Weights::Random { seed } => Err(seed),
         };
 
+        // The plan must fit what the device has free: asked before the
+        // first allocation, so a plan too large for it is refused with both
+        // figures instead of failing part-way through loading.
+        let need = plan.device_memory();
+        if let Some(free) = backend.free_memory()? {
+            if need.total() > free {
+                return Err(EngineError::DeviceTooSmall {
+                    device: format!("{} {}", info.backend, info.name),
+                    need: need.to_string(),
+                    need_bytes: need.total(),
+                    free,
+                });
+            }
+        }
+
         // Everything below allocates; nothing below is a user error any more
         // except running out of memory.
         let mut allocations = Vec::new();
@@ -497,6 +516,14 @@ impl Engine {
                 drafts: staged(InputRole::DraftTokens),
                 sample_params: staged(InputRole::SampleParams),
                 sample_seeds: staged(InputRole::SampleSeeds),
+                sample_penalties: staged(InputRole::SamplePenalties).map(|p| {
+                    let bytes = kp
+                        .inputs
+                        .iter()
+                        .find(|(r, _)| *r == InputRole::SamplePenalties)
+                        .map_or(0, |(_, b)| b.bytes);
+                    (p, (bytes / 4 / kp.key.batch.max(1) as u64) as usize)
+                }),
                 next_tokens: output("next_tokens").expect("validated"),
                 accepted: output("accepted"),
                 logits: output("logits"),
@@ -642,6 +669,7 @@ impl Engine {
                 },
                 logits: Vec::new(),
                 sampling: RowSampling::GREEDY,
+                penalties: (0.0, 0.0),
             },
         );
         if opts.max_new_tokens == 0 {
@@ -745,6 +773,54 @@ impl Engine {
             .get_mut(&id)
             .ok_or(EngineError::UnknownSequence(id))?;
         s.sampling = sampling;
+        Ok(())
+    }
+
+    /// The `(token, count)` pairs every non-speculative key's penalties
+    /// input holds per row (`kiln compile --penalty-slots`); `None` when
+    /// some key has none, so penalties cannot be applied in the graph.
+    pub fn penalty_slots(&self) -> Option<u32> {
+        self.keys
+            .iter()
+            .filter(|k| k.key.spec == 0)
+            .map(|k| {
+                k.sample_penalties
+                    .map(|(_, w)| w.saturating_sub(PENALTY_HEADER as usize) as u32 / 2)
+            })
+            .min()
+            .flatten()
+    }
+
+    /// Sets sequence `id`'s presence and frequency penalties (0 and 0 until
+    /// set), applied inside the graph to the logits of the tokens it has
+    /// generated: `x - presence * [count > 0] - frequency * count`. Refused
+    /// on a plan without a penalties input, and for a sequence allowed more
+    /// new tokens than a row's pairs hold (it could generate more distinct
+    /// tokens than the graph can be told about).
+    pub fn set_penalties(
+        &mut self,
+        id: SeqId,
+        presence: f32,
+        frequency: f32,
+    ) -> Result<(), EngineError> {
+        let slots = self.penalty_slots();
+        let s = self
+            .seqs
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownSequence(id))?;
+        if presence != 0.0 || frequency != 0.0 {
+            let max_new_tokens = s.opts.max_new_tokens;
+            match slots {
+                Some(slots) if max_new_tokens <= slots => {}
+                _ => {
+                    return Err(EngineError::PenaltiesUnavailable {
+                        max_new_tokens,
+                        slots: slots.unwrap_or(0),
+                    })
+                }
+            }
+        }
+        s.penalties = (presence, frequency);
         Ok(())
     }
 
@@ -927,6 +1003,7 @@ impl Engine {
         let m = self.plan.kv.max_blocks_per_seq as usize;
         let kv = &self.kv;
         let null_slot = kv.null_slot() as i32;
+        let (mut sorted, mut counts) = (Vec::new(), Vec::<(u32, u32)>::new());
         for r in 0..k.key.batch as usize {
             let seq = rows.get(r).map(|id| &self.seqs[id]);
             for i in 0..q {
@@ -985,6 +1062,31 @@ impl Engine {
             }
             if let Some(p) = k.sample_seeds {
                 k.io_host[p.at + r * 4..p.at + r * 4 + 4].copy_from_slice(&sampling.seeds(counter));
+            }
+            if let Some((p, w)) = k.sample_penalties {
+                let row = &mut k.io_host[p.at + r * w..p.at + (r + 1) * w];
+                let (presence, frequency) = seq.map_or((0.0, 0.0), |s| s.penalties);
+                counts.clear();
+                if let Some(s) = seq.filter(|_| presence != 0.0 || frequency != 0.0) {
+                    // The tokens generated before the one this row draws.
+                    let end = (counter as usize).min(s.tokens.len());
+                    let start = (s.prompt_len as usize).min(end);
+                    sorted.clear();
+                    sorted.extend_from_slice(&s.tokens[start..end]);
+                    sorted.sort_unstable();
+                    for &t in sorted.iter() {
+                        match counts.last_mut() {
+                            Some((last, c)) if *last == t => *c += 1,
+                            _ => counts.push((t, 1)),
+                        }
+                    }
+                }
+                // set_penalties keeps a sequence's distinct generated
+                // tokens within the slots; a list that could not fit is
+                // staged empty rather than cut.
+                if penalty_row(row, presence, frequency, &counts).is_none() {
+                    penalty_row(row, 0.0, 0.0, &[]);
+                }
             }
         }
     }

@@ -73,6 +73,15 @@ pub enum EngineError {
     UnknownSequence(SeqId),
     #[error("the plan draws next tokens with argmax only, so a row cannot sample (temperature {temperature}); recompile it with `kiln compile --sampling`")]
     SamplingUnavailable { temperature: f32 },
+    #[error("presence/frequency penalties in the graph need a plan compiled with `kiln compile --sampling --penalty-slots N` where N is at least the sequence's new-token limit ({max_new_tokens}); this plan holds {slots} (token, count) pairs per row: lower the limit, recompile with more slots, or apply the penalties on the host from the logits")]
+    PenaltiesUnavailable { max_new_tokens: u32, slots: u32 },
+    #[error("the plan needs {need} of device memory but {device} has {free} bytes free ({short} too few); compile it with fewer KV blocks (--kv-blocks / --max-tokens), fewer or smaller keys, or use a device with more memory (plans can be checked at compile time with `kiln compile --device-memory`)", short = need_bytes - free)]
+    DeviceTooSmall {
+        device: String,
+        need: String,
+        need_bytes: u64,
+        free: u64,
+    },
     #[error("no compiled key fits a step of {rows} row(s) with query {query}, spec {spec} (largest compiled batch for that shape: {largest}) and the policy forbids eager steps; compile a larger key (kiln compile --keys b{rows}q{query}s{spec}) or allow eager fallback")]
     NoKeyFits {
         rows: u32,

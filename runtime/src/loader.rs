@@ -143,6 +143,19 @@ fn validate_key(plan: &Plan, kp: &KeyPlan) -> Result<(), EngineError> {
             InputRole::ContextLens => b,
             InputRole::DraftTokens => b * s,
             InputRole::SampleParams | InputRole::SampleSeeds => b * 4,
+            InputRole::SamplePenalties => {
+                // i32[b, 2 + 2P]: any P the IR's typing accepted.
+                let w = buf.bytes / (4 * b.max(1));
+                let max_w = 2 + 2 * kiln_ir::op::MAX_PENALTY_SLOTS as u64;
+                if w < 4 || w % 2 != 0 || w > max_w {
+                    return bad(format!(
+                        "input sample_penalties has {} bytes, not i32[{b}, 2 + 2P] with 1 <= P <= {}",
+                        buf.bytes,
+                        kiln_ir::op::MAX_PENALTY_SLOTS
+                    ));
+                }
+                b * w
+            }
             InputRole::KCache(_) | InputRole::VCache(_) => unreachable!(),
         };
         if buf.bytes != elems * 4 {

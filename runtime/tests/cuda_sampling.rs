@@ -2,7 +2,9 @@
 //! for the same logits, parameters, seeds and counters (greedy rows are
 //! argmax), the empirical distribution against softmax(logits / T) after
 //! top-k/top-p/min-p (chi-square at significance 0.001), and replay of a
-//! captured graph with parameters that change every step.
+//! captured graph with parameters that change every step; with a
+//! penalties operand, the same token as the CPU reference applied to the
+//! penalised logits.
 //!
 //! Skips without a CUDA device unless `KILN_REQUIRE_CUDA=1`.
 #![cfg(feature = "cuda")]
@@ -11,7 +13,7 @@ mod cuda_support;
 
 use cuda_support::*;
 use kiln_ir::{DType, Key, Op, TensorType};
-use kiln_kernels::cpu::sample::{sample_row, RowSampling};
+use kiln_kernels::cpu::sample::{penalize, penalty_row, penalty_width, sample_row, RowSampling};
 use kiln_runtime::backend::{Backend, Launch};
 use kiln_runtime::cuda::CudaBackend;
 
@@ -245,4 +247,73 @@ fn a_captured_sample_replays_with_parameters_that_change_every_step() {
     seen.dedup();
     assert!(seen.len() > 6, "replay ignored the refreshed parameters");
     b.destroy_graph(g).unwrap();
+}
+
+/// A penalties operand of `slots` pairs per row: rows alternate between
+/// no penalties, presence+frequency over a random sorted list, and a list
+/// that ends early (a pair out of order), so the kernel's list handling is
+/// compared with the reference, not just its arithmetic.
+fn penalties(r: &mut Rng, rows: usize, v: usize, slots: u32) -> Vec<i32> {
+    let w = penalty_width(slots) as usize;
+    let mut out = vec![0i32; rows * w];
+    for (i, row) in out.chunks_exact_mut(w).enumerate() {
+        let mut toks: Vec<u32> = (0..slots / 2)
+            .map(|_| (r.next_u64() % v as u64) as u32)
+            .collect();
+        toks.sort_unstable();
+        toks.dedup();
+        let counts: Vec<(u32, u32)> = toks
+            .iter()
+            .map(|&t| (t, 1 + (r.next_u64() % 5) as u32))
+            .collect();
+        let (p, f) = match i % 3 {
+            0 => (0.0, 0.0),
+            _ => (0.3 + i as f32 * 0.2, 0.25),
+        };
+        penalty_row(row, p, f, &counts).unwrap();
+        if i % 3 == 2 && counts.len() > 2 {
+            // Out of order: the list ends after the first pair.
+            row[2 + 2] = row[2];
+        }
+    }
+    out
+}
+
+#[test]
+fn cuda_sample_with_penalties_picks_the_cpu_references_token() {
+    let Some(mut b) = gpu() else { return };
+    let mut r = Rng::new(302);
+    for (v, slots) in [(1000usize, 16u32), (151_936, 256), (262_144, 1024)] {
+        let rows: Vec<Vec<f32>> = (0..6).map(|i| logits(&mut r, v, 3.0 + i as f32)).collect();
+        let rs: Vec<RowSampling> = (0..6)
+            .map(|i| RowSampling {
+                temperature: [0.0, 0.8, 1.2, 0.0, 0.7, 1.0][i],
+                top_p: [1.0, 0.9, 1.0, 1.0, 0.95, 1.0][i],
+                top_k: [0, 0, 50, 0, 0, 200][i],
+                min_p: 0.0,
+                seed: r.next_u64(),
+            })
+            .collect();
+        for step in 0..4u32 {
+            let counters: Vec<u32> = (0..6).map(|i| step * 6 + i).collect();
+            let pens = penalties(&mut r, 6, v, slots);
+            let w = penalty_width(slots);
+            let [x, p, s] = inputs(&rows, &rs, &counters);
+            let args = [x, p, s, HT::ints(&[6, w], pens.clone())];
+            let got = run_op(&mut b, &Op::Sample, &args);
+            let want: Vec<i32> = (0..6)
+                .map(|i| {
+                    let mut y = rows[i].clone();
+                    penalize(&mut y, &pens[i * w as usize..(i + 1) * w as usize]);
+                    sample_row(&y, rs[i].params(), rs[i].seeds(counters[i])) as i32
+                })
+                .collect();
+            assert_eq!(got[0].i, want, "V {v} slots {slots} step {step}");
+            // Rows without penalties are exactly the unpenalised kernel's.
+            let plain = run_op(&mut b, &Op::Sample, &args[..3]);
+            for i in [0, 3] {
+                assert_eq!(got[0].i[i], plain[0].i[i], "row {i} has no penalties");
+            }
+        }
+    }
 }

@@ -688,6 +688,9 @@ mod sim {
     }
 
     impl HipDriver for SimHip {
+        fn mem_free(&mut self) -> Result<u64, DriverError> {
+            Ok(u64::MAX)
+        }
         fn device_count(&mut self) -> u32 {
             self.cfg.devices.len() as u32
         }

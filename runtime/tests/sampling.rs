@@ -219,3 +219,68 @@ fn an_argmax_plan_refuses_sampled_rows_and_names_the_flag() {
     assert!(matches!(err, EngineError::SamplingUnavailable { .. }));
     assert!(err.to_string().contains("--sampling"), "{err}");
 }
+
+#[test]
+fn penalised_rows_draw_from_the_logits_less_presence_and_frequency_over_generated_tokens() {
+    let model = TinyModel::default();
+    let (_dir, mut e) = sampling_engine(&model, GraphMode::On);
+    let slots = e
+        .penalty_slots()
+        .expect("sampling plans carry penalty slots");
+    let mut rng = Rng::new(41);
+    // (sampling, presence, frequency): a greedy row with a presence penalty
+    // large enough that it never repeats a token, a sampled penalised row,
+    // and an unpenalised row next to them.
+    let cases = [
+        (RowSampling::GREEDY, 1000.0f32, 0.0f32),
+        (hot(5), 0.7, 0.4),
+        (hot(6), 0.0, 0.0),
+    ];
+    let n = 10;
+    let rows: Vec<(SeqId, usize)> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, &(s, p, f))| {
+            let pr = prompt(&mut rng, model.vocab, 4 + i);
+            let id = e.add_sequence_with(&pr, opts(n)).unwrap();
+            e.set_sampling(id, s).unwrap();
+            e.set_penalties(id, p, f).unwrap();
+            (id, pr.len())
+        })
+        .collect();
+    let mut checked = 0;
+    while e.has_work() {
+        for (id, toks) in e.step().unwrap() {
+            let i = rows.iter().position(|r| r.0 == id).unwrap();
+            let (s, p, f) = cases[i];
+            let seq = e.sequence(id).unwrap();
+            let before = &seq.generated[..seq.generated.len() - 1];
+            let mut y = e.last_logits(id).unwrap().to_vec();
+            for (t, v) in y.iter_mut().enumerate() {
+                let c = before.iter().filter(|&&g| g as usize == t).count();
+                if c > 0 {
+                    *v = (*v - p) - f * c as f32;
+                }
+            }
+            let index = rows[i].1 + before.len();
+            let want = sample_row(&y, s.params(), s.seeds(index as u32));
+            assert_eq!(toks, vec![want as u32], "row {i} token {index}");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 3 * n);
+    let greedy = e.sequence(rows[0].0).unwrap().generated.to_vec();
+    let mut distinct = greedy.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(
+        distinct.len(),
+        greedy.len(),
+        "presence 1000 repeats: {greedy:?}"
+    );
+    // More new tokens than the slots could name is refused, naming the flag.
+    let id = e.add_sequence_with(&[1, 2], opts(slots + 1)).unwrap();
+    let err = e.set_penalties(id, 0.5, 0.0).unwrap_err();
+    assert!(err.to_string().contains("--penalty-slots"), "{err}");
+    e.set_penalties(id, 0.0, 0.0).unwrap();
+}

@@ -113,8 +113,9 @@ impl GenRequest {
     pub fn needs_logits(&self) -> bool {
         self.needs_logits_on(false)
     }
-    /// The row needs the plan's logits on a plan that does (`in_graph`) or
-    /// does not sample in the graph: logprobs, or host-side sampling.
+    /// The row needs the plan's logits when the graph does (`in_graph`) or
+    /// does not draw its tokens (penalties included): logprobs, or
+    /// host-side sampling.
     pub fn needs_logits_on(&self, in_graph: bool) -> bool {
         self.sampling.needs_host(in_graph) || self.logprobs.is_some()
     }

@@ -46,6 +46,8 @@ pub struct AppState {
     /// The model's chat template, or why there is none.
     pub template: Result<ChatTemplate, String>,
     pub metrics: Arc<Mutex<Metrics>>,
+    /// How long a client has to send a request body (`--body-timeout-secs`).
+    pub body_timeout: std::time::Duration,
     pub created: u64,
     pub next_id: AtomicU64,
 }
@@ -225,20 +227,58 @@ fn body_error(s: &AppState, kind: Kind, e: BytesRejection) -> Response {
     error_response(&e)
 }
 
-async fn chat_completions(
-    State(s): State<Shared>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match body {
-        Ok(body) => generate(s, Kind::Chat, body).await,
-        Err(e) => body_error(&s, Kind::Chat, e),
+/// A request body read within the server's body timeout: the bytes, the
+/// rejection (too large, or the client stopped sending), or `Err(None)`
+/// when the client took longer than the timeout.
+struct TimedBody(Result<Bytes, Option<BytesRejection>>);
+
+impl axum::extract::FromRequest<Shared> for TimedBody {
+    type Rejection = Infallible;
+    async fn from_request(req: axum::extract::Request, s: &Shared) -> Result<Self, Infallible> {
+        let read = <Bytes as axum::extract::FromRequest<Shared>>::from_request(req, s);
+        Ok(TimedBody(
+            match tokio::time::timeout(s.body_timeout, read).await {
+                Ok(r) => r.map_err(Some),
+                Err(_) => Err(None),
+            },
+        ))
     }
 }
 
-async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
+/// A body that took longer than the body timeout: 408, named as such.
+fn body_timeout(s: &AppState, kind: Kind) -> Response {
+    let e = ApiError {
+        status: 408,
+        message: format!(
+            "the request body did not arrive within {} s; send it at once (or restart kiln \
+             serve with a larger --body-timeout-secs)",
+            s.body_timeout.as_secs_f64()
+        ),
+        param: None,
+        kind: "invalid_request_error",
+    };
+    count(s, kind.endpoint(), e.status);
+    let mut r = error_response(&e);
+    r.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    r
+}
+
+async fn chat_completions(State(s): State<Shared>, TimedBody(body): TimedBody) -> Response {
+    match body {
+        Ok(body) => generate(s, Kind::Chat, body).await,
+        Err(Some(e)) => body_error(&s, Kind::Chat, e),
+        Err(None) => body_timeout(&s, Kind::Chat),
+    }
+}
+
+async fn completions(State(s): State<Shared>, TimedBody(body): TimedBody) -> Response {
     match body {
         Ok(body) => generate(s, Kind::Completion, body).await,
-        Err(e) => body_error(&s, Kind::Completion, e),
+        Err(Some(e)) => body_error(&s, Kind::Completion, e),
+        Err(None) => body_timeout(&s, Kind::Completion),
     }
 }
 
@@ -252,10 +292,7 @@ async fn generate(s: Shared, kind: Kind, body: Bytes) -> Response {
     };
     let (req, prompt) = r;
     let prompt_len = prompt.len() as u32;
-    let max_new_tokens = req
-        .max_tokens
-        .unwrap_or(u32::MAX)
-        .min(s.info.max_context - prompt_len);
+    let max_new_tokens = max_new_tokens(&s.info, &req, prompt_len);
     let (etx, erx) = unbounded_channel();
     let stream = req.stream;
     let sub = Submission {
@@ -306,32 +343,6 @@ fn prepare(s: &AppState, kind: Kind, body: &[u8]) -> Result<(GenRequest, Vec<u32
     } else {
         "prompt"
     };
-    if req.needs_logits_on(s.info.in_graph_sampling) && !s.info.has_logits {
-        let param = if req.logprobs.is_some() {
-            "logprobs"
-        } else if req.sampling.has_penalties() {
-            if req.sampling.presence_penalty != 0.0 {
-                "presence_penalty"
-            } else {
-                "frequency_penalty"
-            }
-        } else {
-            "temperature"
-        };
-        let serves = if s.info.in_graph_sampling {
-            "it samples in the graph but has no logits for logprobs or penalties"
-        } else {
-            "it serves greedy requests only (temperature 0, no penalties, no logprobs)"
-        };
-        return Err(ApiError::invalid(
-            param,
-            format!(
-                "`{param}` needs the model's logits, but this plan does not output them, so \
-                 {serves}; recompile the plan with `kiln compile --logits` (and `--sampling` \
-                 to sample in the graph)"
-            ),
-        ));
-    }
     let prompt = match &req.prompt {
         Prompt::Tokens(t) => {
             if let Some(&bad) = t.iter().find(|&&t| t >= s.info.vocab_size) {
@@ -389,7 +400,45 @@ fn prepare(s: &AppState, kind: Kind, body: &[u8]) -> Result<(GenRequest, Vec<u32
             ),
         ));
     }
+    let graph = s
+        .info
+        .graph_samples(&req.sampling, max_new_tokens(&s.info, &req, len));
+    if req.needs_logits_on(graph) && !s.info.has_logits {
+        let param = if req.logprobs.is_some() {
+            "logprobs"
+        } else if req.sampling.has_penalties() {
+            if req.sampling.presence_penalty != 0.0 {
+                "presence_penalty"
+            } else {
+                "frequency_penalty"
+            }
+        } else {
+            "temperature"
+        };
+        let serves = if s.info.in_graph_sampling {
+            "it samples in the graph but has no logits for logprobs, or for penalties on \
+             requests allowed more new tokens than its penalty slots"
+        } else {
+            "it serves greedy requests only (temperature 0, no penalties, no logprobs)"
+        };
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "`{param}` needs the model's logits, but this plan does not output them, so \
+                 {serves}; recompile the plan with `kiln compile --logits` (and `--sampling` \
+                 to sample in the graph)"
+            ),
+        ));
+    }
     Ok((req, prompt))
+}
+
+/// The most tokens a request may generate: its `max_tokens`, capped by the
+/// context left after its prompt.
+fn max_new_tokens(info: &ModelInfo, req: &GenRequest, prompt_len: u32) -> u32 {
+    req.max_tokens
+        .unwrap_or(u32::MAX)
+        .min(info.max_context.saturating_sub(prompt_len))
 }
 
 fn encode(s: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {

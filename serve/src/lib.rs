@@ -13,13 +13,15 @@
 //! surface and validation), [`http`] (routes and response shapes),
 //! [`scheduler`] (the engine thread: queue, admission, continuous batching,
 //! preemption), [`sampler`] (host-side sampling behind the `Sampler` trait),
-//! [`stream`] (detokenization, stop strings), [`metrics`].
+//! [`stream`] (detokenization, stop strings), [`metrics`], [`conn`] (the
+//! connection limit and the header, idle and body timeouts).
 //!
 //! Not here: multiple models per process, LoRA, tools/function calling,
 //! auth/TLS, tensor-parallel serving.
 
 pub mod api;
 pub mod cli;
+pub mod conn;
 pub mod http;
 pub mod metrics;
 pub mod sampler;
@@ -54,6 +56,8 @@ pub struct ServeConfig {
     pub model_name: Option<String>,
     pub max_body_bytes: usize,
     pub scheduler: SchedulerConfig,
+    /// Connections at once, and the header (idle) and body timeouts.
+    pub limits: conn::ConnLimits,
 }
 
 impl ServeConfig {
@@ -67,6 +71,7 @@ impl ServeConfig {
             model_name: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             scheduler: SchedulerConfig::default(),
+            limits: conn::ConnLimits::default(),
         }
     }
 }
@@ -151,7 +156,8 @@ impl Server {
             info: info.clone(),
             tok,
             template,
-            metrics,
+            metrics: metrics.clone(),
+            body_timeout: config.limits.body_timeout,
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
@@ -159,13 +165,8 @@ impl Server {
         });
         let app = http::router(state, config.max_body_bytes);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let http = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async {
-                    let _ = stop_rx.await;
-                })
-                .await
-        });
+        let limits = config.limits;
+        let http = tokio::spawn(conn::serve(listener, app, limits, metrics, stop_rx));
         tracing::info!(
             "serving {} on http://{addr} (context {}, {} sequences at once, logits: {}, sampling in the graph: {})",
             info.name,

@@ -82,6 +82,9 @@ pub struct Metrics {
     pub steps: u64,
     pub preemptions: u64,
     pub disconnects: u64,
+    /// Connections being served now, and those refused (over the limit).
+    pub connections_open: u64,
+    pub connections_refused: u64,
     pub kv_blocks_free: u64,
     pub kv_blocks_total: u64,
     pub keys: BTreeMap<String, KeyStats>,
@@ -103,6 +106,8 @@ impl Default for Metrics {
             steps: 0,
             preemptions: 0,
             disconnects: 0,
+            connections_open: 0,
+            connections_refused: 0,
             kv_blocks_free: 0,
             kv_blocks_total: 0,
             keys: BTreeMap::new(),
@@ -211,6 +216,20 @@ impl Metrics {
             c,
             "Requests whose client went away before the end.",
             self.disconnects,
+        );
+        scalar(
+            &mut out,
+            "kiln_connections_open",
+            g,
+            "HTTP connections being served.",
+            self.connections_open,
+        );
+        scalar(
+            &mut out,
+            "kiln_connections_refused_total",
+            c,
+            "Connections refused with a 503: the server was at --max-connections.",
+            self.connections_refused,
         );
         scalar(
             &mut out,

@@ -5,12 +5,15 @@
 //! draws each row's token inside the graph (the `sample` op: temperature,
 //! top-k, top-p, min-p and a Philox stream keyed by the request's seed, the
 //! counter being the token's index in the sequence); the scheduler hands
-//! those rows their [`SamplingParams::in_graph`] parameters and takes the
-//! graph's token as is. This host sampler remains for what the graph does
-//! not do: rows with presence/frequency penalties, and any sampled row on
-//! an argmax-only plan (both read the row's logits). Greedy rows without
-//! penalties never come here: they keep the graph's argmax token, bit for
-//! bit.
+//! those rows their [`SamplingParams::in_graph`] parameters (and their
+//! presence/frequency penalties, which the engine turns into each row's
+//! `(token, count)` list staged for the graph) and takes the graph's token
+//! as is. This host sampler remains only for what the graph cannot do:
+//! any sampled row on an argmax-only plan, and penalised rows allowed more
+//! new tokens than the plan's penalty slots (`kiln compile
+//! --penalty-slots`) or on a plan compiled with none (all read the row's
+//! logits). Rows the graph samples never come here: greedy rows keep the
+//! graph's argmax token, bit for bit.
 //!
 //! The random numbers are counter-based: the uniform for a row's `step`-th
 //! token is a pure function of `(seed, step)` (a splitmix64 finalizer over
@@ -62,10 +65,11 @@ impl SamplingParams {
     pub fn argmax_suffices(&self) -> bool {
         self.is_greedy() && !self.has_penalties()
     }
-    /// The row must be sampled here, from its logits, on a plan that does
-    /// (`in_graph`) or does not sample in the graph.
+    /// The row must be sampled here, from its logits, when the graph
+    /// cannot draw it (`in_graph` false: see
+    /// [`crate::scheduler::ModelInfo::graph_samples`]).
     pub fn needs_host(&self, in_graph: bool) -> bool {
-        !self.argmax_suffices() && (!in_graph || self.has_penalties())
+        !self.argmax_suffices() && !in_graph
     }
     /// The parameters of the graph's `sample` op for this row.
     pub fn in_graph(&self) -> kiln_runtime::RowSampling {

@@ -20,7 +20,8 @@
 //!    advances (so a long prompt never stalls running sequences for its
 //!    whole prefill);
 //! 5. steps, samples on the host the rows the graph cannot sample
-//!    ([`crate::sampler`]: penalties, or an argmax-only plan), checks EOS,
+//!    ([`crate::sampler`]: an argmax-only plan, or penalties on a request
+//!    allowed more new tokens than the plan's penalty slots), checks EOS,
 //!    stop strings and lengths, and sends text.
 //!
 //! Not here: prefix caching, priorities, fairness beyond arrival order,
@@ -29,7 +30,7 @@
 
 use crate::api::GenRequest;
 use crate::metrics::{KeyStats, Metrics};
-use crate::sampler::{logprobs, Sampler};
+use crate::sampler::{logprobs, Sampler, SamplingParams};
 use crate::stream::{Detokenizer, StopMatcher, StopOutcome};
 use kiln_runtime::text::TextTokenizer;
 use kiln_runtime::{Engine, EngineError, FinishReason, PrefillMode, SeqId, SeqOptions};
@@ -48,6 +49,11 @@ pub struct ModelInfo {
     /// The plan samples in the graph (`kiln compile --sampling`): sampled
     /// rows without penalties need no logits.
     pub in_graph_sampling: bool,
+    /// `(token, count)` pairs the plan's penalties input holds per row
+    /// (`kiln compile --penalty-slots`), `None` without one: penalised
+    /// requests allowed at most this many new tokens are penalised in the
+    /// graph, others on the host from the logits.
+    pub penalty_slots: Option<u32>,
     pub usable_kv_blocks: u32,
     pub kv_block_size: u32,
     /// Sequences admitted at once: the largest compiled decode batch.
@@ -70,10 +76,23 @@ impl ModelInfo {
             vocab_size: plan.meta.info.vocab_size,
             has_logits: engine.has_logits_output(),
             in_graph_sampling: engine.has_in_graph_sampling(),
+            penalty_slots: engine.penalty_slots(),
             usable_kv_blocks: engine.usable_kv_blocks(),
             kv_block_size: plan.kv.block_size,
             max_running,
         }
+    }
+}
+
+impl ModelInfo {
+    /// Whether the graph draws this request's tokens itself (penalties
+    /// included), so it needs no logits unless it asks for logprobs: an
+    /// in-graph sampling plan, and no penalties or few enough new tokens
+    /// for the penalty slots (distinct generated tokens never exceed
+    /// generated tokens).
+    pub fn graph_samples(&self, p: &SamplingParams, max_new_tokens: u32) -> bool {
+        self.in_graph_sampling
+            && (!p.has_penalties() || self.penalty_slots.is_some_and(|n| max_new_tokens <= n))
     }
 }
 
@@ -275,11 +294,11 @@ impl Scheduler {
             PrefillMode::Chunked
         };
         self.engine.set_prefill_mode(mode);
-        let in_graph = self.info.in_graph_sampling;
-        let logits = self
-            .running
-            .iter()
-            .any(|r| r.sub.req.needs_logits_on(in_graph));
+        let info = &self.info;
+        let logits = self.running.iter().any(|r| {
+            let graph = info.graph_samples(&r.sub.req.sampling, r.sub.max_new_tokens);
+            r.sub.req.needs_logits_on(graph)
+        });
         self.engine.set_keep_logits(logits && self.info.has_logits);
         let rows = self.running.len() as u64;
         match self.engine.step() {
@@ -359,11 +378,27 @@ impl Scheduler {
             match self.engine.add_sequence_with(&prompt, opts) {
                 Ok(seq) => {
                     let params = &w.sub.req.sampling;
-                    if self.info.in_graph_sampling && !params.needs_host(true) {
+                    if self.info.graph_samples(params, w.sub.max_new_tokens) {
                         // Greedy rows stay greedy (the default); the counter
                         // is the token index, so a recomputed sequence
-                        // draws what it would have drawn.
-                        if let Err(e) = self.engine.set_sampling(seq, params.in_graph()) {
+                        // draws what it would have drawn; the engine counts
+                        // the generated tokens (the recomputed ones too)
+                        // for the penalties.
+                        let set = self
+                            .engine
+                            .set_sampling(seq, params.in_graph())
+                            .and_then(|()| {
+                                if params.has_penalties() {
+                                    self.engine.set_penalties(
+                                        seq,
+                                        params.presence_penalty,
+                                        params.frequency_penalty,
+                                    )
+                                } else {
+                                    Ok(())
+                                }
+                            });
+                        if let Err(e) = set {
                             let _ = self.engine.remove_sequence(seq);
                             let _ = w.sub.events.send(Event::Error(e.to_string()));
                             continue;
@@ -516,7 +551,7 @@ impl Scheduler {
         let r = &mut self.running[i];
         let params = &r.sub.req.sampling;
         let step = r.gen.generated.len() as u64;
-        let in_graph = self.info.in_graph_sampling;
+        let in_graph = self.info.graph_samples(params, r.sub.max_new_tokens);
         let logits = if r.sub.req.needs_logits_on(in_graph) {
             match self.engine.last_logits(r.seq) {
                 Some(l) => Some(l.to_vec()),
@@ -643,4 +678,53 @@ impl Scheduler {
 
 fn text_event(text: String, logprobs: Vec<TokenLogprob>) -> Event {
     Event::Text { text, logprobs }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(in_graph_sampling: bool, penalty_slots: Option<u32>) -> ModelInfo {
+        ModelInfo {
+            name: "t".into(),
+            max_context: 1024,
+            vocab_size: 100,
+            has_logits: true,
+            in_graph_sampling,
+            penalty_slots,
+            usable_kv_blocks: 64,
+            kv_block_size: 16,
+            max_running: 4,
+        }
+    }
+
+    fn params(temperature: f32, presence: f32, frequency: f32) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+            ..SamplingParams::greedy()
+        }
+    }
+
+    #[test]
+    fn penalised_rows_sample_in_the_graph_only_when_their_tokens_fit_the_penalty_slots() {
+        let slots = info(true, Some(256));
+        for p in [params(0.0, 0.0, 0.0), params(0.8, 0.0, 0.0)] {
+            assert!(slots.graph_samples(&p, 5000), "{p:?}");
+            assert!(!p.needs_host(slots.graph_samples(&p, 5000)));
+        }
+        for p in [params(0.0, 0.5, 0.0), params(0.8, 0.0, 0.3)] {
+            assert!(slots.graph_samples(&p, 256), "{p:?}");
+            assert!(!p.needs_host(true));
+            assert!(!slots.graph_samples(&p, 257), "{p:?}");
+            assert!(p.needs_host(slots.graph_samples(&p, 257)));
+            // No penalties input, or argmax only: the host samples.
+            assert!(!info(true, None).graph_samples(&p, 1));
+            assert!(!info(false, Some(256)).graph_samples(&p, 1));
+        }
+        // Greedy rows without penalties never need the host, whatever the plan.
+        let g = params(0.0, 0.0, 0.0);
+        assert!(!g.needs_host(info(false, None).graph_samples(&g, 1)));
+    }
 }

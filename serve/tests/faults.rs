@@ -4,8 +4,11 @@
 //! and stalled clients, clients that disconnect mid-stream, more concurrent
 //! requests than the plan runs at once (queued, all served), unknown routes
 //! and wrong methods, prompts longer than the context and absurd
-//! `max_tokens`. Each gets the right status and an OpenAI-style error body,
-//! and after each the server still answers a good request.
+//! `max_tokens`, more connections than `--max-connections`, slow headers,
+//! idle keep-alive connections and bodies that never arrive. Each gets the
+//! right status and an OpenAI-style error body (or, for a client too slow
+//! to send its headers, a closed connection), and after each the server
+//! still answers a good request.
 
 use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
 use kiln_compiler::testing::{write_byte_tokenizer, write_tiny_model, Family, TinySpec};
@@ -14,7 +17,7 @@ use kiln_serve::{ServeConfig, Server};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const MAX_BODY: usize = 64 << 10;
 const CONTEXT: u32 = 64;
@@ -118,10 +121,16 @@ fn still_serves(addr: SocketAddr) {
 }
 
 fn with_server(test: impl FnOnce(SocketAddr)) {
+    with_server_using(|_| {}, test)
+}
+
+/// [`with_server`] with `tweak` applied to the configuration.
+fn with_server_using(tweak: impl FnOnce(&mut ServeConfig), test: impl FnOnce(SocketAddr)) {
     let (dir, plan) = model();
     let mut cfg = ServeConfig::new(plan, dir.path().to_path_buf());
     cfg.port = 0;
     cfg.max_body_bytes = MAX_BODY;
+    tweak(&mut cfg);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -358,4 +367,159 @@ fn more_concurrent_requests_than_the_plan_runs_are_queued_and_all_served() {
             }
         }
     });
+}
+
+/// Reads until the server closes the connection or `limit` passes; true
+/// when it closed (EOF or reset) in time.
+fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
+    let start = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    while start.elapsed() < limit {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+/// The value of `/metrics` line `name`.
+fn metric(addr: SocketAddr, name: &str) -> u64 {
+    let (status, _, text) = request(addr, "GET", "/metrics", "");
+    assert_eq!(status, 200, "{text}");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+}
+
+#[test]
+fn connections_over_the_limit_get_a_503_and_are_served_again_once_others_close() {
+    with_server_using(
+        |c| c.limits.max_connections = 4,
+        |addr| {
+            let idle: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+            std::thread::sleep(Duration::from_millis(300));
+            let start = Instant::now();
+            let body = json!({"prompt": "ab", "max_tokens": 3}).to_string();
+            let (status, head, text) = request(addr, "POST", "/v1/completions", &body);
+            assert_eq!(status, 503, "{head}\n{text}");
+            assert!(
+                head.to_ascii_lowercase().contains("retry-after: 1"),
+                "{head}"
+            );
+            let (msg, _) = openai_error(&text);
+            assert!(
+                msg.contains("maximum of 4 connections") && msg.contains("--max-connections"),
+                "{msg}"
+            );
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "the refusal was not prompt"
+            );
+            drop(idle);
+            // The permits come back as the server sees the closes.
+            let start = Instant::now();
+            loop {
+                let (status, _, _) = request(addr, "GET", "/health", "");
+                if status == 200 {
+                    break;
+                }
+                assert!(
+                    start.elapsed() < Duration::from_secs(5),
+                    "still refusing after the idle clients left"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            assert!(metric(addr, "kiln_connections_refused_total") >= 1);
+        },
+    );
+}
+
+#[test]
+fn slow_headers_and_idle_keep_alive_connections_are_closed_after_the_header_timeout() {
+    with_server_using(
+        |c| {
+            c.limits.max_connections = 4;
+            c.limits.header_timeout = Duration::from_secs(1);
+        },
+        |addr| {
+            // Slowloris: a header byte every 200 ms, holding every connection.
+            let mut slow: Vec<TcpStream> =
+                (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+            for s in &mut slow {
+                s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                    .unwrap();
+            }
+            let start = Instant::now();
+            let mut alive = vec![true; slow.len()];
+            while alive.contains(&true) && start.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(200));
+                for (s, a) in slow.iter_mut().zip(&mut alive) {
+                    if *a
+                        && (s.write_all(b"a").is_err()
+                            || closed_within(s, Duration::from_millis(1)))
+                    {
+                        *a = false;
+                    }
+                }
+            }
+            let open = alive.iter().filter(|&&a| a).count();
+            assert_eq!(open, 0, "slow clients still held connections after 5 s");
+            assert!(
+                start.elapsed() >= Duration::from_millis(800),
+                "closed before the timeout"
+            );
+            still_serves(addr);
+            // An idle keep-alive connection: one request, then silence.
+            let mut s = TcpStream::connect(addr).unwrap();
+            write!(s, "GET /health HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+            let mut first = [0u8; 256];
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let n = s.read(&mut first).unwrap();
+            assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+            let start = Instant::now();
+            assert!(
+                closed_within(&mut s, Duration::from_secs(5)),
+                "the idle connection stayed open"
+            );
+            assert!(
+                start.elapsed() >= Duration::from_millis(500),
+                "closed before the timeout"
+            );
+        },
+    );
+}
+
+#[test]
+fn a_body_that_does_not_arrive_in_time_is_a_408_with_an_openai_error() {
+    with_server_using(
+        |c| c.limits.body_timeout = Duration::from_secs(1),
+        |addr| {
+            let start = Instant::now();
+            let (status, _, text) = raw(
+                addr,
+                format!(
+                    "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: \
+                     application/json\r\nContent-Length: 100\r\n\r\n{{\"messages\""
+                )
+                .as_bytes(),
+            );
+            assert_eq!(status, 408, "{text}");
+            let (msg, _) = openai_error(&text);
+            assert!(msg.contains("--body-timeout-secs"), "{msg}");
+            let took = start.elapsed();
+            assert!(
+                took >= Duration::from_millis(900) && took < Duration::from_secs(10),
+                "{took:?}"
+            );
+        },
+    );
 }

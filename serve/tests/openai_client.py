@@ -142,6 +142,25 @@ check("a seeded sampled request repeated gives the same text", a == b and a, f"{
 others = {sampled(s) for s in (1, 2, 3)}
 check("other seeds give other texts", len(others | {a}) > 1, str(others))
 
+# --- penalties, applied in the graph (max_tokens within the plan's slots) ---
+def penalised(seed, temperature, **pen):
+    # A prompt that makes greedy decoding repeat itself, so penalties on
+    # the generated tokens have something to push against.
+    r = client.completions.create(
+        model=MODEL, prompt="sea sea sea sea sea sea sea sea sea sea sea sea",
+        temperature=temperature, seed=seed, max_tokens=24, **pen)
+    return r.choices[0].text
+
+plain = penalised(7, 0)
+heavy = penalised(7, 0, presence_penalty=2.0, frequency_penalty=1.0)
+check("penalties change a greedy reply", heavy != plain, f"{plain!r} vs {heavy!r}")
+check("a penalised greedy reply repeats", heavy == penalised(7, 0, presence_penalty=2.0,
+      frequency_penalty=1.0), heavy)
+pa = penalised(99, 0.9, presence_penalty=0.5, frequency_penalty=0.5)
+pb = penalised(99, 0.9, presence_penalty=0.5, frequency_penalty=0.5)
+check("a seeded penalised sampled request repeated gives the same text", pa == pb and pa,
+      f"{pa!r} vs {pb!r}")
+
 # --- stop strings ---------------------------------------------------------
 full, _ = complete("Once upon a time", max_tokens=16)
 words = full.split()

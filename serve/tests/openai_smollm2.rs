@@ -3,8 +3,8 @@
 //! (`openai_client.py` next to this file; its checks are listed there).
 //!
 //! The test imports the GGUF, compiles a plan with decode keys b1/b2/b4/b8,
-//! prefill-chunk keys, in-graph sampling (`--sampling`) and a logits output
-//! (for logprobs and penalties, sampled on the host), starts the
+//! prefill-chunk keys, in-graph sampling and penalties (`--sampling`, the
+//! default penalty slots) and a logits output (for logprobs), starts the
 //! binary on 127.0.0.1 with an ephemeral port, runs the client script with a
 //! time limit, and stops the server with SIGTERM: it must exit cleanly and
 //! never panic. Skips (saying so) without the model or the `openai` package,

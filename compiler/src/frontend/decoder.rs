@@ -193,6 +193,12 @@ pub fn trace(
                 TensorType::new(DType::F32, vec![b, 4]),
             ),
             g.add_input(InputRole::SampleSeeds, i32t(vec![b, 4])),
+            (opts.penalty_slots > 0).then(|| {
+                g.add_input(
+                    InputRole::SamplePenalties,
+                    i32t(vec![b, 2 + 2 * opts.penalty_slots]),
+                )
+            }),
         )
     });
     let cache_ty = TensorType::new(
@@ -328,7 +334,8 @@ pub fn trace(
         );
     }
     let next = match sampling {
-        Some((params, seeds)) => g.push1(Op::Sample, &[logits, params, seeds]),
+        Some((params, seeds, None)) => g.push1(Op::Sample, &[logits, params, seeds]),
+        Some((params, seeds, Some(pens))) => g.push1(Op::Sample, &[logits, params, seeds, pens]),
         None => g.push1(Op::Argmax, &[logits]),
     };
     g.add_output("next_tokens", next);

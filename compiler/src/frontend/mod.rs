@@ -46,6 +46,10 @@ pub struct TraceOptions {
     /// Non-speculative keys draw `next_tokens` with `sample` over the
     /// `sample_params` / `sample_seeds` inputs instead of `argmax`.
     pub sampling: bool,
+    /// With `sampling`: `(token, count)` pairs per row of the
+    /// `sample_penalties` input (presence/frequency penalties applied in
+    /// the graph); 0 traces no penalties input.
+    pub penalty_slots: u32,
 }
 
 /// Why a model directory cannot be compiled, or a key traced. Each message

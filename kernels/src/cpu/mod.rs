@@ -239,7 +239,7 @@ pub unsafe fn execute(
             Ok(())
         }
         Op::Sample => {
-            sample::sample(a[0], a[1], a[2], d2(0), r[0]);
+            sample::sample(a[0], a[1], a[2], a.get(3).copied(), d2(0), r[0]);
             Ok(())
         }
         Op::AllReduce { .. } | Op::ShardedArgmax { .. } => {

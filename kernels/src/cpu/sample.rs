@@ -13,7 +13,18 @@
 //! # Semantics (normative; the GPU kernel follows it step by step)
 //! Per row with logits `x[0..V]` (loaded to f32), parameters
 //! `params = [temperature, top_p, min_p, 0]` (f32) and
-//! `seeds = [top_k, seed_lo, seed_hi, counter]` (i32):
+//! `seeds = [top_k, seed_lo, seed_hi, counter]` (i32), and, in plans
+//! compiled with penalty slots, the row's `penalties` (i32, `2 + 2P` words:
+//! presence and frequency as f32 bits, then `P` pairs `(token, count)`):
+//! 0. **Penalties** ([`penalize`]): the pairs are a list sorted by token;
+//!    it ends at the first pair whose token is outside `[0, V)` or not
+//!    greater than the previous pair's (padding is token `-1`). Each listed
+//!    token with `count > 0` becomes
+//!    `(x - presence) - frequency * (count as f32)`, rounded in f32 after
+//!    each operation (no fma), everything else stays as it is. When
+//!    presence and frequency are both 0 nothing changes, so a row without
+//!    penalties is bit for bit what it is in a plan without them. Every
+//!    later step, greedy included, sees the penalised logits.
 //! 1. **Greedy**: when `temperature` is not `> 0`, or the row has no finite
 //!    maximum (all NaN, or its maximum is infinite), the result is
 //!    [`super::reduce::argmax_row`], bit for bit the `argmax` op.
@@ -34,7 +45,6 @@
 //!    * min-p (`min_p > 0`): `tm = min(min_p, 1)`, i.e. `p >= min_p * p_max`.
 //!
 //!    Kept: `p >= max(tk, tp, tm)`; the top token always is.
-//!    Penalties are not applied here: a server adjusts such rows on the host.
 //! 4. **Draw**: `r = philox(seed, counter)[0] >> 8` (24 bits), `Z = sum w`
 //!    over the kept tokens, `target = floor(Z * r / 2^24)`; the token is the
 //!    first kept index `i` (in index order) whose inclusive prefix sum of
@@ -53,8 +63,10 @@
 //! token only where two tokens' prefix sums straddle `target` within that
 //! difference (a floating-point near-tie).
 //!
-//! Not here: repetition/presence/frequency penalties, logit bias, beam
-//! search, logprobs (a host reads logits for those).
+//! Not here: the repetition penalty (multiplicative, over the prompt too),
+//! logit bias, beam search, logprobs (a host reads logits for those). The
+//! penalty list is built by the host (the runtime's engine counts the
+//! tokens each sequence generated): the graph keeps no per-sequence state.
 
 use super::buf::Buf;
 use super::reduce::argmax_row;
@@ -64,6 +76,12 @@ use kiln_ir::DType;
 pub const PARAMS: u32 = 4;
 /// i32 parameters per row: `[top_k, seed_lo, seed_hi, counter]`.
 pub const SEEDS: u32 = 4;
+/// i32 words before a row's `(token, count)` pairs in the penalties
+/// operand: presence and frequency, as f32 bits.
+pub const PENALTY_HEADER: u32 = 2;
+/// The most `(token, count)` pairs a row may carry (the GPU kernel holds a
+/// row's list in shared memory).
+pub const MAX_PENALTY_SLOTS: u32 = kiln_ir::op::MAX_PENALTY_SLOTS;
 /// Weights are `trunc(p * 2^WEIGHT_BITS)`.
 pub const WEIGHT_BITS: u32 = 40;
 /// Below this scaled logit `prob` is 0 (keeps results normal on every device).
@@ -110,6 +128,73 @@ impl RowSampling {
             (self.seed >> 32) as u32 as i32,
             counter as i32,
         ]
+    }
+}
+
+/// i32 words per row of a penalties operand with `slots` pairs.
+pub const fn penalty_width(slots: u32) -> u32 {
+    PENALTY_HEADER + 2 * slots
+}
+
+/// Writes one row of the penalties operand: `presence`, `frequency` and
+/// the `(token, count)` pairs of `counts` (sorted by token, distinct),
+/// padded with `(-1, 0)`. `None` when `counts` has more pairs than `row`
+/// holds or is not strictly increasing by token.
+pub fn penalty_row(
+    row: &mut [i32],
+    presence: f32,
+    frequency: f32,
+    counts: &[(u32, u32)],
+) -> Option<()> {
+    let slots = row.len().checked_sub(PENALTY_HEADER as usize)? / 2;
+    if counts.len() > slots || counts.windows(2).any(|w| w[0].0 >= w[1].0) {
+        return None;
+    }
+    row[0] = presence.to_bits() as i32;
+    row[1] = frequency.to_bits() as i32;
+    for (j, pair) in row[PENALTY_HEADER as usize..]
+        .chunks_exact_mut(2)
+        .enumerate()
+    {
+        let (t, c) = counts.get(j).map_or((-1, 0), |&(t, c)| {
+            (t.min(i32::MAX as u32) as i32, c.min(i32::MAX as u32) as i32)
+        });
+        pair[0] = t;
+        pair[1] = c;
+    }
+    Some(())
+}
+
+/// The listed prefix of a penalties row (step 0 of the module docs): pairs
+/// up to the first one out of range or out of order.
+pub fn penalty_list(pen: &[i32], vocab: usize) -> &[i32] {
+    let pairs = pen.get(PENALTY_HEADER as usize..).unwrap_or(&[]);
+    let mut n = 0;
+    while 2 * n + 1 < pairs.len() {
+        let t = pairs[2 * n];
+        if t < 0 || t as usize >= vocab || (n > 0 && t <= pairs[2 * n - 2]) {
+            break;
+        }
+        n += 1;
+    }
+    &pairs[..2 * n]
+}
+
+/// Step 0 of the module docs: applies a penalties row to logits `x`.
+pub fn penalize(x: &mut [f32], pen: &[i32]) {
+    if pen.len() < PENALTY_HEADER as usize {
+        return;
+    }
+    let presence = f32::from_bits(pen[0] as u32);
+    let frequency = f32::from_bits(pen[1] as u32);
+    if presence == 0.0 && frequency == 0.0 {
+        return;
+    }
+    for pair in penalty_list(pen, x.len()).chunks_exact(2) {
+        let (t, c) = (pair[0] as usize, pair[1]);
+        if c > 0 {
+            x[t] = (x[t] - presence) - frequency * c as f32;
+        }
     }
 }
 
@@ -296,16 +381,29 @@ pub fn sample_row(x: &[f32], params: [f32; 4], seeds: [i32; 4]) -> usize {
     sample_row_with(x, params, seeds[0], uniform24(seed, seeds[3] as u32))
 }
 
-/// `sample(logits: F[R, V], params: f32[R, 4], seeds: i32[R, 4]) -> i32[R]`.
-pub(crate) unsafe fn sample(x: Buf, params: Buf, seeds: Buf, (rows, v): (usize, usize), out: Buf) {
+/// `sample(logits: F[R, V], params: f32[R, 4], seeds: i32[R, 4]
+/// [, penalties: i32[R, 2 + 2P]]) -> i32[R]`.
+pub(crate) unsafe fn sample(
+    x: Buf,
+    params: Buf,
+    seeds: Buf,
+    penalties: Option<Buf>,
+    (rows, v): (usize, usize),
+    out: Buf,
+) {
     let mut row = vec![0f32; v];
     let mut prm = [0f32; 4];
     let seeds = seeds.ints();
+    let pens = penalties.map(|p| p.ints());
+    let width = pens.map_or(0, |p| p.len() / rows.max(1));
     for r in 0..rows {
         if x.dtype == DType::F32 {
             row.copy_from_slice(&x.f32s()[r * v..(r + 1) * v]);
         } else {
             x.load(r * v, &mut row);
+        }
+        if let Some(p) = pens {
+            penalize(&mut row, &p[r * width..(r + 1) * width]);
         }
         params.load(r * 4, &mut prm);
         let s = [

@@ -352,6 +352,13 @@ impl GpuDriver for CudaDriver {
         Ok(DevPtr(d))
     }
 
+    fn mem_free(&mut self) -> DriverResult<u64> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers; a context is current (set_device).
+        ok(unsafe { cu::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        Ok(free as u64)
+    }
+
     fn free(&mut self, ptr: DevPtr) -> DriverResult<()> {
         // SAFETY: an allocation from cuMemAlloc, freed once.
         ok(unsafe { cu::cuMemFree_v2(ptr.0) })

@@ -148,6 +148,8 @@ pub trait GpuDriver {
     fn stream_synchronize(&mut self, stream: Handle) -> DriverResult<()>;
 
     fn malloc(&mut self, bytes: u64) -> DriverResult<DevPtr>;
+    /// Free bytes on the current device (`cuMemGetInfo`, `hipMemGetInfo`).
+    fn mem_free(&mut self) -> DriverResult<u64>;
     fn free(&mut self, ptr: DevPtr) -> DriverResult<()>;
     fn memset_zero(&mut self, ptr: DevPtr, bytes: u64, stream: Handle) -> DriverResult<()>;
     /// Stream-ordered host-to-device copy; `src` may be reused once the

@@ -190,6 +190,10 @@ impl<H: HipDriver> GpuDriver for HipGpuDriver<H> {
         self.hip.malloc(bytes).map_err(lift)
     }
 
+    fn mem_free(&mut self) -> DriverResult<u64> {
+        self.hip.mem_free().map_err(lift)
+    }
+
     fn free(&mut self, ptr: DevPtr) -> DriverResult<()> {
         self.hip.free(ptr).map_err(lift)
     }

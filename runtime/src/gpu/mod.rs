@@ -581,6 +581,14 @@ impl<D: GpuDriver> Backend for GpuBackend<D> {
         self.info.clone()
     }
 
+    fn free_memory(&mut self) -> Result<Option<u64>> {
+        self.bind()?;
+        self.driver
+            .mem_free()
+            .map(Some)
+            .map_err(|e| e.during("reading the device's free memory"))
+    }
+
     fn alloc(&mut self, bytes: u64, what: &str) -> Result<DevPtr> {
         self.capture
             .forbid_with(|| format!("alloc({bytes} bytes for {what})"))?;

@@ -76,6 +76,8 @@ pub trait HipDriver {
     fn stream_synchronize(&mut self, stream: Handle) -> Result<(), DriverError>;
 
     fn malloc(&mut self, bytes: u64) -> Result<DevPtr, DriverError>;
+    /// Free bytes on the current device (`hipMemGetInfo`).
+    fn mem_free(&mut self) -> Result<u64, DriverError>;
     fn free(&mut self, ptr: DevPtr) -> Result<(), DriverError>;
     fn memset_zero(&mut self, ptr: DevPtr, bytes: u64, stream: Handle) -> Result<(), DriverError>;
     /// Stream-ordered host-to-device copy (the caller synchronizes).

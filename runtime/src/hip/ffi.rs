@@ -62,6 +62,7 @@ extern "C" {
     pub fn hipStreamSynchronize(stream: Stream) -> HipError;
 
     pub fn hipMalloc(ptr: *mut *mut c_void, size: usize) -> HipError;
+    pub fn hipMemGetInfo(free: *mut usize, total: *mut usize) -> HipError;
     pub fn hipFree(ptr: *mut c_void) -> HipError;
     pub fn hipMemsetAsync(dst: *mut c_void, value: c_int, size: usize, stream: Stream) -> HipError;
     pub fn hipMemcpyHtoDAsync(

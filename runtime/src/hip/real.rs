@@ -109,6 +109,13 @@ impl HipDriver for RealHip {
         Ok(DevPtr(p as u64))
     }
 
+    fn mem_free(&mut self) -> Result<u64, DriverError> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: out-pointers to locals.
+        rc(unsafe { ffi::hipMemGetInfo(&mut free, &mut total) })?;
+        Ok(free as u64)
+    }
+
     fn free(&mut self, p: DevPtr) -> Result<(), DriverError> {
         // SAFETY: the backend frees each allocation of malloc once.
         rc(unsafe { ffi::hipFree(ptr(p.0)) })
