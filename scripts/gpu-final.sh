@@ -5,7 +5,9 @@
 # (the device tool's carry limit is 64 MiB a call, so binaries travel
 # xz-compressed):
 #   .device-carry/bin/*.xz          test binaries and tools (kiln, oracle_run, ...)
-#   .device-carry/tests.txt         test binaries to run, one per line
+#   .device-carry/tests.txt         test binaries to run, one per line, each
+#                                   optionally followed by libtest arguments
+#                                   (filters, --skip NAME)
 #   .device-carry/cubins/           prebuilt kernel images (sm_80 and sm_90)
 #   .device-carry/bench/<variant>/  kiln.xz + plans.tgz per variant to compare
 #                                   (e.g. old = a baseline commit, new = HEAD)
@@ -50,11 +52,11 @@ for f in "$C"/bin/*.xz; do
 done
 
 if [[ " $stages " == *" tests "* ]]; then
-  while read -r t; do
+  while read -r t targs; do
     [[ -z "$t" ]] && continue
     [[ -x "$B/$t" ]] || { echo "test $t: binary missing" >> "$S"; continue; }
     start=$(date +%s)
-    KILN_REQUIRE_CUDA=1 KILN_CUBIN_DIR="$C/cubins" timeout "${KILN_TEST_TIMEOUT:-200}" "$B/$t" \
+    KILN_REQUIRE_CUDA=1 KILN_CUBIN_DIR="$C/cubins" timeout "${KILN_TEST_TIMEOUT:-200}" "$B/$t" ${targs:-} \
       --test-threads=1 > "$OUT/logs/test-$t.txt" 2>&1
     rc=$?
     echo "test $t: rc=$rc $(grep -E '^test result' "$OUT/logs/test-$t.txt" | tail -1) ($(( $(date +%s) - start )) s)" >> "$S"

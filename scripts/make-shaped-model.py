@@ -8,6 +8,11 @@ shapes without downloading weights. `kiln compile` reads headers only;
 
 --tokenizer also writes a synthetic word-level tokenizer.json of the shape's
 vocabulary size (for `kiln serve` on a shaped model).
+
+--quant TYPE (q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k) stores every 2-D
+weight as kept-quantized blocks (`kiln import --keep-quant`'s format: U8
+[N, row_bytes] plus `__metadata__["kiln.quant.<tensor>"] = "TYPE:N:K"`), for
+benchmarking quantized plans at real shapes; norms stay bf16.
 """
 import json
 import os
@@ -99,13 +104,29 @@ def main():
     tensors.append(("model.norm.weight", [h]))
     if not s["tied"]:
         tensors.append(("lm_head.weight", [s["vocab"], h]))
-    header, off = {}, 0
+    quant = None
+    if "--quant" in sys.argv[3:]:
+        quant = sys.argv[sys.argv.index("--quant") + 1]
+    blocks = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22),
+              "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+    if quant is not None and quant not in blocks:
+        sys.exit(f"--quant {quant}: expected one of {', '.join(blocks)}")
+    header, meta, off = {}, {}, 0
     for n, shape in tensors:
-        size = 2
-        for d in shape:
-            size *= d
-        header[n] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + size]}
+        if quant is not None and len(shape) == 2 and shape[1] % blocks[quant][0] == 0:
+            be, bb = blocks[quant]
+            stored = [shape[0], shape[1] // be * bb]
+            size = stored[0] * stored[1]
+            header[n] = {"dtype": "U8", "shape": stored, "data_offsets": [off, off + size]}
+            meta[f"kiln.quant.{n}"] = f"{quant}:{shape[0]}:{shape[1]}"
+        else:
+            size = 2
+            for d in shape:
+                size *= d
+            header[n] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + size]}
         off += size
+    if meta:
+        header["__metadata__"] = meta
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * ((8 - len(blob) % 8) % 8)
     path = os.path.join(out, "model.safetensors")
@@ -117,7 +138,8 @@ def main():
     os.replace(tmp, path)
     if "--tokenizer" in sys.argv[3:]:
         write_tokenizer(out, s["vocab"])
-    print(f"{name}: {len(tensors)} tensors, {off / 1e9:.2f} GB of (absent) bf16 weights -> {out}")
+    what = f"{quant}-quantized" if quant else "bf16"
+    print(f"{name}: {len(tensors)} tensors, {off / 1e9:.2f} GB of (absent) {what} weights -> {out}")
 
 
 if __name__ == "__main__":

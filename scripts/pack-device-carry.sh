@@ -9,7 +9,10 @@
 #       adds test executables (stripped, xz'd) to bin/ and tests.txt
 #   scripts/pack-device-carry.sh --bin BINARY...
 #       adds tools (kiln, oracle_run) to bin/
-# Keys come from KILN_PACK_KEYS (default b1q1s0,b8q1s0,b32q1s0).
+# Keys come from KILN_PACK_KEYS (default b1q1s0,b8q1s0,b32q1s0). Plans are
+# compiled from /tmp/shapes/MODEL$KILN_PACK_SHAPE_SUFFIX (e.g. "-q4k" for
+# shapes made with make-shaped-model.py --quant q4_k) but named MODEL.kiln,
+# so gpu-final.sh compares variants model by model.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 C="$root/.device-carry"
@@ -40,9 +43,10 @@ case "${1:-}" in
     d="/tmp/pack-plans-$v"
     rm -rf "$d" && mkdir -p "$d" "$C/bench/$v"
     for m in "${models[@]}"; do
-      [[ -f "/tmp/shapes/$m/config.json" ]] || python3 "$root/scripts/make-shaped-model.py" "$m" "/tmp/shapes/$m"
+      src="/tmp/shapes/$m${KILN_PACK_SHAPE_SUFFIX:-}"
+      [[ -f "$src/config.json" ]] || python3 "$root/scripts/make-shaped-model.py" "$m" "$src"
       # shellcheck disable=SC2086
-      "$kiln" compile "/tmp/shapes/$m" --target cuda:sm_90 --keys "${KILN_PACK_KEYS:-b1q1s0,b8q1s0,b32q1s0}" \
+      "$kiln" compile "$src" --target cuda:sm_90 --keys "${KILN_PACK_KEYS:-b1q1s0,b8q1s0,b32q1s0}" \
         $flags -o "$d/$m.kiln" > /dev/null
     done
     tar czf "$C/bench/$v/plans.tgz" -C "$d" .
