@@ -125,6 +125,10 @@ pub struct CompileOptions {
     /// it stays opt-in until its kernels beat what they replace. The CPU
     /// target always runs the pass (its reference is the unfused sequence).
     pub fused_gemv: bool,
+    /// Quantize the dense projection weights at load (`kiln compile
+    /// --quantize fp8`; see [`crate::frontend::Model::quantize_projections`]).
+    /// `None` keeps every weight as the model directory stores it.
+    pub quantize: Option<kiln_ir::QuantType>,
 }
 
 impl Default for CompileOptions {
@@ -140,6 +144,7 @@ impl Default for CompileOptions {
             attn_target_blocks: kiln_kernels::gpu::ATTN_TARGET_BLOCKS,
             tuning: None,
             fused_gemv: false,
+            quantize: None,
         }
     }
 }
@@ -551,6 +556,16 @@ pub fn compile_model(
         logits: opts.logits,
         sampling: opts.sampling,
     };
+    let quantized;
+    let model = match opts.quantize {
+        Some(q) => {
+            let mut m = model.clone();
+            m.quantize_projections(q)?;
+            quantized = m;
+            &quantized
+        }
+        None => model,
+    };
     compile_traced(
         meta,
         model.manifest().clone(),
@@ -630,6 +645,12 @@ pub struct CompileArgs {
     /// not yet faster than the unfused ops (see `CompileOptions::fused_gemv`).
     #[arg(long)]
     pub fused_gemv: bool,
+    /// Store the dense projection weights (q/k/v/o, gate/up/down, an untied
+    /// lm_head) as FP8 e4m3 with one scale per output row, quantized when
+    /// the runtime loads them. Norms, biases and the embedding (with a tied
+    /// lm_head) stay as the directory stores them.
+    #[arg(long, value_enum)]
+    pub quantize: Option<QuantizeArg>,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -665,8 +686,16 @@ impl CompileArgs {
             attn_target_blocks: self.attn_target_blocks,
             tuning: None,
             fused_gemv: self.fused_gemv,
+            quantize: self.quantize.map(|_| kiln_ir::QuantType::Fp8E4M3),
         }
     }
+}
+
+/// What `kiln compile --quantize` can store weights as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum QuantizeArg {
+    /// FP8 e4m3, one f32 scale per output row.
+    Fp8,
 }
 
 /// One line per key: what `kiln compile` prints when it is done.
