@@ -83,7 +83,7 @@ fn forced_logits(
         let n = e.sequence(id).unwrap().generated.len();
         if n > rows.len() {
             rows.push(e.last_logits(id).unwrap().to_vec());
-            if !e.sequence(id).unwrap().finished.is_some() {
+            if e.sequence(id).unwrap().finished.is_none() {
                 e.replace_last_token(id, forced[n - 1]).unwrap();
             }
         }
