@@ -145,6 +145,10 @@ pub struct CompileOptions {
     /// and staging, [`Plan::device_memory`]) is refused at compile. `None`
     /// checks at load only, against what the device reports free.
     pub device_memory: Option<u64>,
+    /// Quantize the dense projection weights at load (`kiln compile
+    /// --quantize fp8`; see [`crate::frontend::Model::quantize_projections`]).
+    /// `None` keeps every weight as the model directory stores it.
+    pub quantize: Option<kiln_ir::QuantType>,
 }
 
 impl Default for CompileOptions {
@@ -163,6 +167,7 @@ impl Default for CompileOptions {
             fused_gemv: false,
             tp: 1,
             device_memory: None,
+            quantize: None,
         }
     }
 }
@@ -675,6 +680,16 @@ pub fn compile_model(
         sampling: opts.sampling,
         penalty_slots: opts.penalty_slots,
     };
+    let quantized;
+    let model = match opts.quantize {
+        Some(q) => {
+            let mut m = model.clone();
+            m.quantize_projections(q)?;
+            quantized = m;
+            &quantized
+        }
+        None => model,
+    };
     let compiled = compile_traced(
         meta,
         model.manifest().clone(),
@@ -795,6 +810,12 @@ pub struct CompileArgs {
     /// memory.
     #[arg(long, value_parser = parse_size)]
     pub device_memory: Option<u64>,
+    /// Store the dense projection weights (q/k/v/o, gate/up/down, an untied
+    /// lm_head) as FP8 e4m3 with one scale per output row, quantized when
+    /// the runtime loads them. Norms, biases and the embedding (with a tied
+    /// lm_head) stay as the directory stores them.
+    #[arg(long, value_enum)]
+    pub quantize: Option<QuantizeArg>,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -833,8 +854,16 @@ impl CompileArgs {
             fused_gemv: self.fused_gemv,
             tp: self.tp,
             device_memory: self.device_memory,
+            quantize: self.quantize.map(|_| kiln_ir::QuantType::Fp8E4M3),
         }
     }
+}
+
+/// What `kiln compile --quantize` can store weights as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum QuantizeArg {
+    /// FP8 e4m3, one f32 scale per output row.
+    Fp8,
 }
 
 /// One line per key: what `kiln compile` prints when it is done.

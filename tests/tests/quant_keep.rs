@@ -83,7 +83,7 @@ fn forced_logits(
         let n = e.sequence(id).unwrap().generated.len();
         if n > rows.len() {
             rows.push(e.last_logits(id).unwrap().to_vec());
-            if !e.sequence(id).unwrap().finished.is_some() {
+            if e.sequence(id).unwrap().finished.is_none() {
                 e.replace_last_token(id, forced[n - 1]).unwrap();
             }
         }
@@ -381,4 +381,56 @@ fn a_kept_plan_for_a_gpu_lowers_its_quantized_weights_to_qgemv_launches_over_rep
         assert!(entries.contains(e), "{e} missing from {entries:?}");
     }
     kiln_ir::validate(&plan).unwrap();
+}
+
+#[test]
+fn an_fp8_plan_of_a_bf16_model_decodes_like_the_bf16_plan_and_reports_its_stored_bytes() {
+    let im = import_both(&TinyLlama::default());
+    let dense_plan = compile_dir(&im.dense, &opts(), &mut |_, _| {})
+        .unwrap()
+        .plan;
+    let fp8_opts = CompileOptions {
+        quantize: Some(kiln_ir::QuantType::Fp8E4M3),
+        ..opts()
+    };
+    let fp8_plan = compile_dir(&im.dense, &fp8_opts, &mut |_, _| {})
+        .unwrap()
+        .plan;
+    // Projections are fp8; norms and the (tied) embedding stay bf16.
+    let mut want_bytes = 0u64;
+    let mut fp8 = 0;
+    for e in &fp8_plan.manifest.entries {
+        let d = e.shape.dims();
+        if e.storage.is_some() {
+            assert_eq!(e.storage, Some(kiln_ir::QuantType::Fp8E4M3), "{}", e.name);
+            assert!(e.name.contains("proj"), "{} should stay dense", e.name);
+            // One byte per element and an f32 scale per row.
+            want_bytes += u64::from(d[0]) * (u64::from(d[1]) + 4);
+            fp8 += 1;
+        } else {
+            assert!(!e.name.contains("_proj"), "{} was not quantized", e.name);
+            want_bytes += d.iter().map(|&v| u64::from(v)).product::<u64>() * 2;
+        }
+    }
+    assert!(fp8 > 0);
+    let json =
+        kiln_compiler::inspect::render(&fp8_plan, None, kiln_compiler::inspect::Format::Json)
+            .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["weight_bytes"].as_u64(), Some(want_bytes), "{json}");
+    let dense_json =
+        kiln_compiler::inspect::render(&dense_plan, None, kiln_compiler::inspect::Format::Json)
+            .unwrap();
+    let dv: serde_json::Value = serde_json::from_str(&dense_json).unwrap();
+    assert!(want_bytes < dv["weight_bytes"].as_u64().unwrap());
+
+    let err = worst_relative_logit_error((&dense_plan, &im.dense), (&fp8_plan, &im.dense));
+    let mut same = 0;
+    for p in prompts() {
+        let a = greedy(&dense_plan, &im.dense, &p);
+        let b = greedy(&fp8_plan, &im.dense, &p);
+        same += a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    }
+    eprintln!("fp8: worst relative logit error {err}, {same} leading tokens equal");
+    assert!(err < 0.1, "fp8 logits differ by {err} of their range");
 }

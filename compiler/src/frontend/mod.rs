@@ -557,6 +557,34 @@ impl Model {
         }
     }
 
+    /// Stores every dense projection weight (`*_proj.weight`: q/k/v/o,
+    /// gate/up/down) and an untied `lm_head.weight` as `q`, which must be
+    /// FP8 e4m3: the runtime's binder quantizes it at load, one scale per
+    /// output row. The embedding stays dense (a lookup reads one row per
+    /// token, so it gains nothing), and so does a tied lm_head, which is the
+    /// embedding. Weights already stored quantized are left as they are.
+    /// Returns how many weights changed storage.
+    pub fn quantize_projections(&mut self, q: kiln_ir::QuantType) -> Result<usize, FrontendError> {
+        if q != kiln_ir::QuantType::Fp8E4M3 {
+            return Err(FrontendError::QuantTensor {
+                tensor: "*".into(),
+                file: "(kiln compile --quantize)".into(),
+                problem: format!(
+                    "weights can be quantized at load only to fp8_e4m3, not {q}; block formats come from `kiln import --keep-quant`"
+                ),
+            });
+        }
+        let mut n = 0;
+        for e in &mut self.manifest.entries {
+            let projection = e.name.ends_with("_proj.weight") || e.name == "lm_head.weight";
+            if projection && e.storage.is_none() && e.shape.rank() == 2 {
+                e.storage = Some(q);
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
     /// Traces the decode step of `key` over the paged KV cache `kv`.
     pub fn trace(
         &self,
