@@ -77,7 +77,7 @@ fn a_changed_source_byte_changes_the_repacked_decoding() {
         let k = q.block_elems() as u64 * 2;
         let mut src = random_blocks(ggml(q), 2, 99);
         let before = dequantize_repacked(q, &repack(q, &src, 1, k).unwrap(), None, 1, k).unwrap();
-        let last = src.len() - q.block_bytes() as usize - 1; // a quant byte of block 0
+        let last = src.len() - q.block_bytes() - 1; // a quant byte of block 0
         let at = if q == QuantType::Q6K { 5 } else { last };
         src[at] ^= 0x11;
         let after = dequantize_repacked(q, &repack(q, &src, 1, k).unwrap(), None, 1, k).unwrap();
