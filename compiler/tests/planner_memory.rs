@@ -307,10 +307,11 @@ fn planner_efficiency_is_at_least_95_percent_on_a_qwen3_0_6b_shaped_model() {
     for kp in &c.plan.keys {
         let e = efficiency(kp.arena_lower_bound, kp.arena_peak);
         assert!(e >= 0.95, "{}: efficiency {e:.4}", kp.key);
-        // Keys of at most 8 tokens run the fused GEMVs: 6 ops per layer and
-        // the final norm in the lm_head (unless a gather_last sits between).
+        // One-token keys run the fused GEMVs (GPU_FUSE_MAX_TOKENS): 6 ops
+        // per layer and the final norm in the lm_head (unless a gather_last
+        // sits between).
         let (k, gather) = (kp.key, (kp.key.query > 1 && kp.key.spec == 0) as u32);
-        let per_layer = if k.tokens() <= 8 {
+        let per_layer = if k.tokens() <= 1 {
             28 * 6 + 3 + gather
         } else {
             28 * 9 + 4
