@@ -577,33 +577,17 @@ mod tests {
     use kiln_ir::rng::SplitMix64;
     use kiln_ir::DType;
 
-    /// Random blocks of `q` with small finite f16 scales.
+    /// Random blocks of `q` with small finite f16 scales
+    /// ([`crate::quant::random_tensor`]); FP8 weights of unit range.
     pub(crate) fn random_weights(q: QuantType, n: usize, k: usize, seed: u64) -> Vec<u8> {
+        if q != QuantType::Fp8E4M3 {
+            return crate::quant::random_tensor(q, n, k, seed);
+        }
         let mut rng = SplitMix64::new(seed);
-        if q == QuantType::Fp8E4M3 {
-            let w: Vec<f32> = (0..n * k)
-                .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-                .collect();
-            return crate::quant::quantize_fp8_rows(&w, n, k);
-        }
-        let mut out: Vec<u8> = (0..q.tensor_bytes(n, k).unwrap())
-            .map(|_| rng.next_u64() as u8)
+        let w: Vec<f32> = (0..n * k)
+            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
             .collect();
-        let scale_at: &[usize] = match q {
-            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q5_0 => &[0],
-            QuantType::Q4_1 | QuantType::Q4K | QuantType::Q5K => &[0, 2],
-            QuantType::Q6K => &[208],
-            QuantType::Fp8E4M3 => &[],
-        };
-        for b in out.chunks_exact_mut(q.block_bytes()) {
-            for &at in scale_at {
-                let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-                let sign = if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 };
-                let v = f16::from_f64(sign * (2f64).powf(-10.0 + 6.0 * u));
-                b[at..at + 2].copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        out
+        crate::quant::quantize_fp8_rows(&w, n, k)
     }
 
     fn noise(n: usize, seed: u64) -> Vec<f32> {
