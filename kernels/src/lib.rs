@@ -12,5 +12,6 @@ pub mod image_cache;
 #[cfg(feature = "nvrtc")]
 pub mod nvrtc;
 pub mod quant;
+pub mod quant_cpu;
 pub mod quant_gpu;
 pub mod tuning;

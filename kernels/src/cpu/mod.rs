@@ -64,6 +64,7 @@ pub mod math;
 pub mod matmul;
 pub mod norm;
 mod par;
+mod qgroup;
 mod qmatmul;
 pub mod reduce;
 pub mod rope;

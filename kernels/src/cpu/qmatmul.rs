@@ -29,6 +29,10 @@
 //! code is decoded through a 256-entry table, 8 lanes accumulate
 //! `w·x` in element order, and the row scale multiplies the lane sum.
 //!
+//! Q8_0, Q4_0 and Q4_1 do not take the per-row loop below: the CPU keeps
+//! them with 8 rows interleaved ([`crate::quant_cpu`]) and `qgroup`
+//! computes 8 rows per vector with its own, equally fixed, formula.
+//!
 //! Not here: the GPU kernels (kernels/gpu/qgemv.cu), prefill-sized GEMM
 //! blocking (T rows reuse each decoded weight block from registers only),
 //! AVX-512 variants.
@@ -438,8 +442,9 @@ fn dot_fp8(row: &[u8], x: &[f32]) -> f32 {
     ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
-/// `out[t, n] = x[t] · w[n] (+ bias[n])` with `w` stored as `q` (layout of
-/// [`QuantType`]), at `level`.
+/// `out[t, n] = x[t] · w[n] (+ bias[n])` with `w` in the CPU layout of `q`
+/// ([`crate::quant_cpu`]: Q8_0, Q4_0 and Q4_1 interleaved and computed by
+/// `qgroup`, the others as stored), at `level`.
 ///
 /// # Safety
 /// As [`super::execute`] after its checks: `x`, `bias` valid for reads,
@@ -473,6 +478,11 @@ pub(crate) unsafe fn matmul_at(
     } else {
         xf.chunks_exact(k.max(1)).map(QRow::new).collect()
     };
+    if crate::quant_cpu::interleaves(q) {
+        let path = super::qgroup::path(level);
+        super::qgroup::matmul(path, q, &rows, wbytes, bias_f32.as_deref(), (t, k, n), out);
+        return;
+    }
     let scales = fp8.then(|| &wbytes[n * rb..]);
     let block_cols = |n0: usize, n1: usize| {
         let cols = n1 - n0;
@@ -527,7 +537,7 @@ pub(crate) unsafe fn matmul(
     matmul_at(simd::level(), q, x, w, bias, tkn, out)
 }
 
-/// `embedding` from a table stored as `q`: row `id` decoded (and scaled,
+/// `embedding` from a table of `q` in the CPU layout: row `id` decoded (and scaled,
 /// for FP8) and rounded to the result dtype. Ids are checked first.
 ///
 /// # Safety
@@ -556,9 +566,11 @@ pub(crate) unsafe fn embedding(
     let rb = q.row_bytes(h).unwrap_or(0);
     let data = std::slice::from_raw_parts(table, q.tensor_bytes(vocab, h).unwrap_or(0));
     let mut row = vec![0f32; h];
+    let mut stored = vec![0u8; rb];
     for (t, &id) in ids.iter().enumerate() {
         let id = id as usize;
-        crate::quant::dequantize_row(q, &data[id * rb..(id + 1) * rb], &mut row)
+        crate::quant_cpu::stored_row(q, data, vocab, h, id, &mut stored);
+        crate::quant::dequantize_row(q, &stored, &mut row)
             .map_err(|e| super::operands(op, e.to_string()))?;
         if q == QuantType::Fp8E4M3 {
             let at = vocab * rb + 4 * id;
@@ -610,6 +622,7 @@ mod tests {
     fn run(level: Level, q: QuantType, w: &[u8], x: &[f32], t: usize, k: usize) -> Vec<f32> {
         let n = w.len() / (q.tensor_bytes(1, k).unwrap());
         let mut xs = x.to_vec();
+        let w = &crate::quant_cpu::repack(q, w, n, k).unwrap();
         let mut out = vec![0f32; t * n];
         let buf = |p: *mut f32, len| Buf {
             ptr: p as *mut u8,
