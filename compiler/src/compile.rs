@@ -746,6 +746,15 @@ pub struct CompileArgs {
     /// Explicit shape keys instead of --batches/--query/--spec, e.g. b1q1s0,b8q2s1.
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["batches", "query", "spec"])]
     pub keys: Vec<Key>,
+    /// A plan for `kiln serve`: the decode keys of --batches plus
+    /// prefill-chunk keys (--prefill-chunk tokens at batch 1 and at
+    /// min(4, largest batch)), so a prompt prefills in chunks interleaved
+    /// with decode steps; implies --logits and --sampling.
+    #[arg(long, conflicts_with_all = ["keys", "query", "spec"])]
+    pub serve: bool,
+    /// With --serve: tokens per prefill chunk.
+    #[arg(long, default_value_t = 16, requires = "serve", value_parser = clap::value_parser!(u32).range(2..=8192))]
+    pub prefill_chunk: u32,
     /// cpu, cuda:sm_NN or hip:gfxNNNN.
     #[arg(long, default_value = "cpu")]
     pub target: Target,
@@ -827,7 +836,7 @@ pub struct CompileArgs {
 impl CompileArgs {
     /// The options these arguments describe.
     pub fn options(&self) -> CompileOptions {
-        let keys = if self.keys.is_empty() {
+        let mut keys: Vec<Key> = if self.keys.is_empty() {
             self.batches
                 .iter()
                 .map(|&b| Key::new(b, self.query, self.spec))
@@ -835,6 +844,15 @@ impl CompileArgs {
         } else {
             self.keys.clone()
         };
+        if self.serve {
+            let largest = self.batches.iter().copied().max().unwrap_or(1);
+            for b in [1, largest.min(4)] {
+                let k = Key::new(b, self.prefill_chunk, 0);
+                if !keys.contains(&k) {
+                    keys.push(k);
+                }
+            }
+        }
         CompileOptions {
             keys,
             target: self.target.clone(),
@@ -844,8 +862,8 @@ impl CompileArgs {
                 max_tokens: self.max_tokens,
                 max_context: Some(self.max_context),
             },
-            logits: self.logits,
-            sampling: self.sampling,
+            logits: self.logits || self.serve,
+            sampling: self.sampling || self.serve,
             penalty_slots: self.penalty_slots,
             verify: !self.no_verify,
             passes: DEFAULT_PIPELINE.to_vec(),
@@ -954,4 +972,42 @@ pub fn run(args: &CompileArgs) -> Result<String, CompileError> {
         p.meta.target,
         start.elapsed().as_secs_f64()
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: CompileArgs,
+    }
+
+    fn options(argv: &[&str]) -> Result<CompileOptions, clap::Error> {
+        let argv = std::iter::once("kiln").chain(argv.iter().copied());
+        Cli::try_parse_from(argv).map(|c| c.args.options())
+    }
+
+    #[test]
+    fn a_serve_plan_adds_prefill_chunk_keys_logits_and_sampling() {
+        let o = options(&["m", "--serve", "--batches", "1,8"]).unwrap();
+        let keys: Vec<String> = o.keys.iter().map(|k| k.to_string()).collect();
+        assert_eq!(keys, ["b1q1s0", "b8q1s0", "b1q16s0", "b4q16s0"]);
+        assert!(o.logits && o.sampling);
+        let o = options(&["m", "--serve", "--batches", "1", "--prefill-chunk", "32"]).unwrap();
+        let keys: Vec<String> = o.keys.iter().map(|k| k.to_string()).collect();
+        assert_eq!(keys, ["b1q1s0", "b1q32s0"]);
+        let plain = options(&["m"]).unwrap();
+        assert!(plain.keys.iter().all(|k| k.query == 1));
+        assert!(!plain.logits && !plain.sampling);
+    }
+
+    #[test]
+    fn serve_refuses_explicit_keys_and_a_chunk_size_needs_serve() {
+        assert!(options(&["m", "--serve", "--keys", "b1q1s0"]).is_err());
+        assert!(options(&["m", "--prefill-chunk", "8"]).is_err());
+        assert!(options(&["m", "--serve", "--prefill-chunk", "1"]).is_err());
+    }
 }

@@ -123,6 +123,16 @@ impl Server {
                         return;
                     }
                 };
+                if !engine
+                    .plan()
+                    .keys
+                    .iter()
+                    .any(|k| k.key.query > 1 && k.key.spec == 0)
+                {
+                    tracing::warn!(
+                        "the plan has no prefill-chunk keys (query > 1): prompts prefill one token per step; compile it with `kiln compile --serve`"
+                    );
+                }
                 let info = ModelInfo::from_engine(&engine, name);
                 let _ = ready_tx.send(Ok(info.clone()));
                 Scheduler::new(

@@ -64,7 +64,7 @@ pub(crate) struct QRow {
 
 impl QRow {
     /// Quantizes `x` (length a multiple of 32): `d = max|x| / 127`,
-    /// `q = round(x / d)` (half away from zero), `d = 0` for a zero block.
+    /// `q = round(x / d)` (ties to even), `d = 0` for a zero block.
     pub(crate) fn new(x: &[f32]) -> QRow {
         let blocks = x.len() / 32;
         let mut r = QRow {
@@ -81,7 +81,11 @@ impl QRow {
             let id = if d > 0.0 { 1.0 / d } else { 0.0 };
             let qs = &mut r.q[32 * b..32 * b + 32];
             for (q, &v) in qs.iter_mut().zip(xs) {
-                *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+                // Round to nearest, ties to even, by the 1.5·2^23 shift
+                // (exact for |v·id| <= 127.0x < 2^22), which vectorizes;
+                // `f32::round` is a libm call per element.
+                const SHIFT: f32 = 12_582_912.0;
+                *q = ((v * id + SHIFT) - SHIFT).clamp(-127.0, 127.0) as i8;
             }
             let lo: i32 = qs[..16].iter().map(|&v| i32::from(v)).sum();
             let hi: i32 = qs[16..].iter().map(|&v| i32::from(v)).sum();
