@@ -380,6 +380,12 @@ fn a_kept_plan_for_a_gpu_lowers_its_quantized_weights_to_qgemv_launches_over_rep
     ] {
         assert!(entries.contains(e), "{e} missing from {entries:?}");
     }
+    // Every GEMM runs as qgemv, none through cuBLASLt: no BLAS workspace.
+    for kp in &plan.keys {
+        assert!(kp.ops.iter().all(|o| o.workspace_bytes == 0), "{}", kp.key);
+        assert_eq!(kp.workspace_bytes, 0, "{}", kp.key);
+    }
+    assert_eq!(plan.workspace_bytes, 0);
     kiln_ir::validate(&plan).unwrap();
 }
 

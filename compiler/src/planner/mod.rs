@@ -36,7 +36,8 @@ pub mod memory;
 pub mod workspace;
 
 use kiln_ir::plan::{
-    BufRef, BufferPlan, KeyPlan, KvLayout, Lowering, Operand, PlanOp, Region, Target, ARENA_ALIGN,
+    BufRef, BufferPlan, GemmKind, KeyPlan, KvLayout, Lowering, Operand, PlanOp, Region, Target,
+    ARENA_ALIGN,
 };
 use kiln_ir::{
     Graph, GraphInfo, InputRole, Key, NodeId, Op, TensorType, ValueDef, ValueId, WeightManifest,
@@ -415,7 +416,6 @@ pub fn plan_key(
             }
             _ => 0,
         };
-        ws_max = ws_max.max(ws);
         let scratch = scratch_block[i].map(|b| BufRef {
             region: Region::Arena,
             offset: placement.offsets[b],
@@ -460,6 +460,21 @@ pub fn plan_key(
                 why: e.to_string(),
             })?;
         }
+        // Only a GEMM the vendor BLAS-Lt runs uses workspace: kiln's own
+        // GEMV, skinny and quantized kernels do not, so a key whose GEMMs
+        // all lowered to them reserves none.
+        if gpu_target
+            && !matches!(
+                op.lowering,
+                Lowering::Gemm {
+                    kind: GemmKind::Blas,
+                    ..
+                }
+            )
+        {
+            op.workspace_bytes = 0;
+        }
+        ws_max = ws_max.max(op.workspace_bytes);
         flops += cost::op_flops(&op, ctx.max_context as u64);
         ops.push(op);
     }
