@@ -404,6 +404,10 @@ pub struct KeyPlan {
     pub flops: u64,
     /// Bytes the step must move (weights + KV read + activations).
     pub bytes_moved: u64,
+    /// How the step runs: the launch list as a graph (the default), or a
+    /// megakernel's task tape (`kiln compile --schedule megakernel`).
+    #[serde(default)]
+    pub schedule: crate::schedule::Schedule,
 }
 
 /// How a kernel image is stored.
