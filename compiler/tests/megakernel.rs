@@ -281,3 +281,41 @@ fn a_megakernel_plan_round_trips_through_the_artifact_and_validates_again() {
     assert_eq!(back, plan);
     validate(&back).unwrap_or_else(|e| panic!("{e}"));
 }
+
+#[test]
+fn inspect_shows_the_tape_with_queues_dependencies_and_bytes_read() {
+    use kiln_compiler::inspect::{render, Format};
+    let spec = SynthSpec::tiny(SynthFamily::Llama);
+    let plan = compile_synth(&spec, &options("cpu", "b1q1s0", 2)).plan;
+    let text = render(&plan, None, Format::Text).unwrap();
+    let t = tape(&plan, 0);
+    assert!(text.contains(&format!(
+        "schedule    megakernel: 2 SMs x 2 blocks per SM = 4 queues, {} tasks",
+        t.tasks.len()
+    )));
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden/megakernel_llama_b1q1s0.txt");
+    kiln_ir::check_golden(&path, &text);
+    let json: serde_json::Value =
+        serde_json::from_str(&render(&plan, None, Format::Json).unwrap()).unwrap();
+    let tasks = json["keys"][0]["tape"]["tasks"].as_array().unwrap();
+    assert_eq!(tasks.len(), t.tasks.len());
+    for (j, x) in tasks.iter().zip(&t.tasks) {
+        assert_eq!(j["read_bytes"].as_u64(), Some(x.read_bytes()));
+        assert_eq!(j["waits"].as_array().unwrap().len(), x.waits.len());
+    }
+    // A graph-schedule plan prints no tape.
+    let graph = compile_synth(
+        &spec,
+        &CompileOptions {
+            schedule: ScheduleKind::Graph,
+            ..options("cpu", "b1q1s0", 2)
+        },
+    )
+    .plan;
+    let gj = render(&graph, None, Format::Json).unwrap();
+    assert!(!gj.contains("\"tape\""));
+    assert!(!render(&graph, None, Format::Text)
+        .unwrap()
+        .contains("schedule"));
+}
