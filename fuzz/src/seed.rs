@@ -23,10 +23,10 @@
 
 use crate::targets::Target;
 use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
-use kiln_compiler::passes::megakernel::{MegakernelOptions, ScheduleKind};
 use kiln_compiler::frontend::{self, Family, TraceOptions};
 use kiln_compiler::gguf::fixture::{self, TinyLlama};
 use kiln_compiler::gguf::{GgmlType, GgufWriter, MetaValue, ValueType};
+use kiln_compiler::passes::megakernel::{MegakernelOptions, ScheduleKind};
 use kiln_compiler::testing::{safetensors_bytes, write_tiny_model, TinySpec};
 use kiln_ir::{DType, Key};
 use std::collections::BTreeMap;
@@ -262,7 +262,11 @@ fn plan(root: &Path) -> Result<Vec<(String, Vec<u8>)>, SeedError> {
     let dir = write_model(root, "plan-llama", Family::Llama, &tiny(Family::Llama))?;
     let mut out = Vec::new();
     for (name, keys, schedule) in [
-        ("01-decode-b1.kiln", vec![Key::new(1, 1, 0)], ScheduleKind::Graph),
+        (
+            "01-decode-b1.kiln",
+            vec![Key::new(1, 1, 0)],
+            ScheduleKind::Graph,
+        ),
         (
             "02-decode-and-spec.kiln",
             vec![Key::new(1, 1, 0), Key::new(2, 2, 1)],
