@@ -124,11 +124,11 @@ fn a_tile_depends_only_on_the_producer_tiles_of_the_bytes_it_touches() {
     // a residual epilogue reads only its own columns of the residual
     // stream, a head group overwrites only the arena columns it reuses.
     let mut partial = 0;
-    for i in 0..t.tasks.len() {
-        let producers: BTreeSet<u32> = deps[i].iter().map(|&d| t.tasks[d as usize].op).collect();
+    for dep in &deps {
+        let producers: BTreeSet<u32> = dep.iter().map(|&d| t.tasks[d as usize].op).collect();
         for p in producers {
             let all = tiles_of(p);
-            let some = deps[i].iter().filter(|d| all.contains(d)).count();
+            let some = dep.iter().filter(|d| all.contains(d)).count();
             if all.len() > 1 && some < all.len() {
                 partial += 1;
             }
@@ -318,4 +318,29 @@ fn inspect_shows_the_tape_with_queues_dependencies_and_bytes_read() {
     assert!(!render(&graph, None, Format::Text)
         .unwrap()
         .contains("schedule"));
+}
+
+/// Scheduling and verifying a real shape stays cheap (run by hand:
+/// `cargo test -p kiln-compiler --test megakernel -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn scheduling_and_verifying_qwen3_0_6b_at_132_sms_takes_seconds_not_minutes() {
+    let spec = SynthSpec::qwen3_0_6b();
+    let mut opts = options("cuda:sm_90", "b1q1s0", 132);
+    opts.megakernel = MegakernelOptions::default();
+    let t0 = std::time::Instant::now();
+    let plan = compile_synth(&spec, &opts).plan;
+    let t1 = std::time::Instant::now();
+    validate(&plan).unwrap_or_else(|e| panic!("{e}"));
+    let t2 = std::time::Instant::now();
+    let t = tape(&plan, 0);
+    let waits: usize = t.tasks.iter().map(|x| x.waits.len()).sum();
+    let bytes = kiln_ir::artifact::encode(&plan).len();
+    println!(
+        "{} tasks, {waits} waits, plan {bytes} bytes; compile {:?}, validate {:?}",
+        t.tasks.len(),
+        t1 - t0,
+        t2 - t1
+    );
+    assert!((t2 - t1).as_secs() < 60);
 }
