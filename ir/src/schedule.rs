@@ -761,3 +761,71 @@ pub fn verify_tape(plan: &Plan, kp: &KeyPlan, tape: &Tape) -> Result<(), PlanErr
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arena(offset: u64, bytes: u64) -> BufRef {
+        BufRef {
+            region: Region::Arena,
+            offset,
+            bytes,
+        }
+    }
+
+    #[test]
+    fn hazards_report_the_last_writer_and_the_readers_since_of_exactly_the_overlapping_bytes() {
+        let mut h = Hazards::new();
+        // 0 writes 0..64, 1 writes 64..128, 2 reads 32..96.
+        assert!(h.access(0, &[], &[arena(0, 64)]).is_empty());
+        assert!(h.access(1, &[], &[arena(64, 64)]).is_empty());
+        let c = h.access(2, &[arena(32, 64)], &[]);
+        let raw: Vec<(u32, u64, u64)> = c
+            .iter()
+            .map(|c| (c.task, c.bytes.offset, c.bytes.bytes))
+            .collect();
+        assert_eq!(raw, vec![(0, 32, 32), (1, 64, 32)]);
+        assert!(c.iter().all(|c| c.earlier_wrote && !c.later_writes));
+        // 3 writes 90..100: after writer 1 (WAW) and reader 2 (WAR) on
+        // 90..96, after writer 1 alone on 96..100.
+        let c = h.access(3, &[], &[arena(90, 10)]);
+        let mut got: Vec<(u32, bool, u64, u64)> = c
+            .iter()
+            .map(|c| (c.task, c.earlier_wrote, c.bytes.offset, c.bytes.bytes))
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            vec![(1, true, 90, 6), (1, true, 96, 4), (2, false, 90, 6)]
+        );
+        // Disjoint bytes, weights and the task itself never conflict.
+        assert!(h.access(4, &[arena(200, 8)], &[arena(208, 8)]).is_empty());
+        let w = BufRef {
+            region: Region::Weight(0),
+            offset: 0,
+            bytes: 8,
+        };
+        assert!(h.access(5, &[w], &[w]).is_empty());
+        // Reading and writing bytes 4 wrote: after 4 twice (RAW, WAW), never
+        // after its own read.
+        let c = h.access(6, &[arena(208, 8)], &[arena(208, 8)]);
+        assert_eq!(c.len(), 2);
+        assert!(c.iter().all(|c| c.task == 4 && c.earlier_wrote));
+    }
+
+    #[test]
+    fn clocks_order_tasks_through_queues_and_waits_transitively_and_nothing_else() {
+        // Queue 0: 0, 2. Queue 1: 1 (waits 0), 3 (waits nothing).
+        let mut c = Clocks::new(2);
+        c.push(0, 0, None, &[]);
+        c.push(1, 0, None, &[0]);
+        c.push(0, 1, Some(0), &[1]);
+        c.push(1, 1, Some(1), &[]);
+        assert!(c.before(0, 1) && c.before(1, 2) && c.before(0, 2));
+        assert!(c.before(0, 3), "0 -> 1 -> 3 through the wait and queue 1");
+        assert!(!c.before(2, 3) && !c.before(3, 2));
+        assert!(!c.before(1, 0));
+        assert!(c.before_new(0, None, &[1]) && !c.before_new(2, Some(3), &[]));
+    }
+}
