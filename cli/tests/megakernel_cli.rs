@@ -23,7 +23,7 @@ fn compile_schedule_megakernel_writes_a_tape_that_inspect_shows() {
     let model = dir.path().join("model");
     write_tiny_model(&model, Family::Qwen3, &TinySpec::for_family(Family::Qwen3)).unwrap();
     let plan = dir.path().join("mk.kiln");
-    let (ok, _, err) = kiln(&[
+    let (ok, out, err) = kiln(&[
         "compile",
         model.to_str().unwrap(),
         "--keys",
@@ -41,6 +41,10 @@ fn compile_schedule_megakernel_writes_a_tape_that_inspect_shows() {
         plan.to_str().unwrap(),
     ]);
     assert!(ok, "{err}");
+    assert!(
+        out.contains("b1q1s0: megakernel tape, ") && out.contains(" tasks on 8 queues"),
+        "{out}"
+    );
     let (ok, text, err) = kiln(&["inspect", plan.to_str().unwrap()]);
     assert!(ok, "{err}");
     assert_eq!(

@@ -972,6 +972,17 @@ pub fn run(args: &CompileArgs) -> Result<String, CompileError> {
             notes.push_str(&format!("{}: GEMMs {}\n", k.key, kinds.join(", ")));
         }
     }
+    for k in &p.keys {
+        if let Some(t) = k.schedule.tape() {
+            notes.push_str(&format!(
+                "{}: megakernel tape, {} tasks on {} queues, {} waits\n",
+                k.key,
+                t.tasks.len(),
+                t.queues.len(),
+                t.tasks.iter().map(|x| x.waits.len()).sum::<usize>()
+            ));
+        }
+    }
     Ok(format!(
         "{}{notes}wrote {} ({} bytes): {} keys, {} weights ({} bytes), arena {} bytes, workspace {} bytes, target {}, in {:.2} s\n",
         summary_table(p),

@@ -161,7 +161,9 @@ pub enum Region {
     Workspace,
     /// Completion counters (`Plan::counter_bytes`, u32 each): zeroed once at
     /// load, before any capture; every kernel that uses them leaves them
-    /// zero. Within a key each op has its own counters.
+    /// zero. Within a key each op has its own counters. A megakernel tape's
+    /// counters (`crate::schedule::Tape::counters`) lie above every op's and
+    /// are zeroed by a memset at the start of each step instead.
     Counters,
 }
 

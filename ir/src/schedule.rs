@@ -22,7 +22,10 @@
 //!   GPU interpreter share. Reads of a paged KV cache are the whole cache
 //!   (the slots are per-step values), reads of a weight only the rows the
 //!   tile uses (the whole weight when it is stored quantized: its GPU layout
-//!   is not row-contiguous).
+//!   is not row-contiguous). A tile uses none of its op's planned scratch
+//!   or completion counters (those belong to the graph schedule's
+//!   launches): whatever it needs besides its footprint lives in the
+//!   interpreter's shared memory.
 //! * Each task bumps its counter (`u32`, +1) when its writes are visible; a
 //!   [`Wait`] `(counter, target)` blocks until the counter reaches `target`.
 //!   The scheduler gives every task its own counter (target 1); the format
