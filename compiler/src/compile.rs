@@ -149,6 +149,12 @@ pub struct CompileOptions {
     /// --quantize fp8`; see [`crate::frontend::Model::quantize_projections`]).
     /// `None` keeps every weight as the model directory stores it.
     pub quantize: Option<kiln_ir::QuantType>,
+    /// How every key's step runs (`kiln compile --schedule`): the launch
+    /// list as a graph (default), or a megakernel tape
+    /// ([`passes::megakernel`]).
+    pub schedule: passes::megakernel::ScheduleKind,
+    /// The persistent kernel's shape, with `schedule` megakernel.
+    pub megakernel: passes::megakernel::MegakernelOptions,
 }
 
 impl Default for CompileOptions {
@@ -168,6 +174,8 @@ impl Default for CompileOptions {
             tp: 1,
             device_memory: None,
             quantize: None,
+            schedule: passes::megakernel::ScheduleKind::Graph,
+            megakernel: passes::megakernel::MegakernelOptions::default(),
         }
     }
 }
@@ -191,6 +199,8 @@ pub enum CompileError {
     Kernels { target: Target, message: String },
     #[error(transparent)]
     Tuning(#[from] kiln_kernels::tuning::TuningError),
+    #[error(transparent)]
+    Megakernel(#[from] passes::megakernel::MegakernelError),
     #[error("cannot write the plan to `{path}`: {source}")]
     Write {
         path: std::path::PathBuf,
@@ -615,6 +625,9 @@ pub fn compile_traced<E: Display>(
         kernels: Vec::new(),
         tp,
     };
+    if opts.schedule == passes::megakernel::ScheduleKind::Megakernel {
+        passes::megakernel::schedule_plan(&mut plan, &opts.megakernel)?;
+    }
     check_plan_bytes(&plan)?;
     // Only the modules the launch lists use are compiled.
     plan.kernels = kernel_images(&opts.target, &kiln_ir::validate::modules_used(&plan))?;
@@ -825,6 +838,18 @@ pub struct CompileArgs {
     /// lm_head) stay as the directory stores them.
     #[arg(long, value_enum)]
     pub quantize: Option<QuantizeArg>,
+    /// How each key's step runs: `graph` (each op's kernels, captured as a
+    /// CUDA graph) or `megakernel` (one persistent kernel walking a task
+    /// tape the compiler writes; keys of at most 8 tokens, no BLAS GEMMs).
+    #[arg(long, value_enum, default_value_t = passes::megakernel::ScheduleKind::Graph)]
+    pub schedule: passes::megakernel::ScheduleKind,
+    /// With --schedule megakernel: SMs of the device the tape is cut for.
+    #[arg(long, default_value_t = passes::megakernel::MegakernelOptions::default().sm_count, value_parser = clap::value_parser!(u32).range(1..))]
+    pub megakernel_sms: u32,
+    /// With --schedule megakernel: co-resident thread blocks per SM (one
+    /// task queue each).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=32))]
+    pub megakernel_blocks_per_sm: u32,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -873,6 +898,12 @@ impl CompileArgs {
             tp: self.tp,
             device_memory: self.device_memory,
             quantize: self.quantize.map(|_| kiln_ir::QuantType::Fp8E4M3),
+            schedule: self.schedule,
+            megakernel: passes::megakernel::MegakernelOptions {
+                sm_count: self.megakernel_sms,
+                blocks_per_sm: self.megakernel_blocks_per_sm,
+                ..Default::default()
+            },
         }
     }
 }
@@ -957,6 +988,17 @@ pub fn run(args: &CompileArgs) -> Result<String, CompileError> {
                 .map(|(kind, n)| format!("{kind} {n}"))
                 .collect();
             notes.push_str(&format!("{}: GEMMs {}\n", k.key, kinds.join(", ")));
+        }
+    }
+    for k in &p.keys {
+        if let Some(t) = k.schedule.tape() {
+            notes.push_str(&format!(
+                "{}: megakernel tape, {} tasks on {} queues, {} waits\n",
+                k.key,
+                t.tasks.len(),
+                t.queues.len(),
+                t.tasks.iter().map(|x| x.waits.len()).sum::<usize>()
+            ));
         }
     }
     Ok(format!(

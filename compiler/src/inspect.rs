@@ -11,14 +11,19 @@
 //! offset, bytes, first and last use; then each op's scratch and counters),
 //! and the launch list (GPU targets: each op's kernels with module, entry,
 //! grid, block, dynamic shared bytes, PDL flag and parameters, or its GEMM
-//! shape and skinny-GEMM alternative; CPU: one line, the reference kernels).
+//! shape and skinny-GEMM alternative; CPU: one line, the reference kernels),
+//! and for a megakernel schedule the tape: every task's queue slot, tile,
+//! bytes read and written and waits, then each queue's tasks.
 //!
 //! Not here: decoding (that is [`kiln_ir::artifact`]), any judgement of the
 //! plan (that is [`crate::planner::check`]).
 
 use crate::compile::efficiency;
 use kiln_ir::artifact::{self, ArtifactError};
-use kiln_ir::plan::{GemmShape, KernelLaunch, KeyPlan, LaunchParam, Lowering, Plan, Region};
+use kiln_ir::plan::{
+    BufRef, GemmShape, KernelLaunch, KeyPlan, LaunchParam, Lowering, Plan, Region,
+};
+use kiln_ir::schedule::Tape;
 use kiln_ir::{Key, WeightSource};
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -343,8 +348,100 @@ fn text(plan: &Plan, keys: &[&KeyPlan]) -> String {
                 }
             }
         }
+        if let Some(tape) = kp.schedule.tape() {
+            tape_text(&mut o, kp, tape);
+        }
     }
     o
+}
+
+/// Bytes of a list of ranges.
+fn total(bs: &[BufRef]) -> u64 {
+    bs.iter().map(|b| b.bytes).sum()
+}
+
+/// Where each task runs: (queue, position).
+fn placement(tape: &Tape) -> Vec<(usize, usize)> {
+    let mut at = vec![(0, 0); tape.tasks.len()];
+    for (q, list) in tape.queues.iter().enumerate() {
+        for (p, &t) in list.iter().enumerate() {
+            if let Some(a) = at.get_mut(t as usize) {
+                *a = (q, p);
+            }
+        }
+    }
+    at
+}
+
+/// The megakernel tape: every task with its queue slot, tile, the bytes it
+/// reads and writes and the tasks it waits for; then each queue.
+fn tape_text(o: &mut String, kp: &KeyPlan, tape: &Tape) {
+    let c = &tape.counters;
+    let _ = writeln!(
+        o,
+        "  schedule    megakernel: {} SMs x {} blocks per SM = {} queues, {} tasks, counters {}+{}[{}] (zeroed by a memset at the start of each step)",
+        tape.sm_count,
+        tape.blocks_per_sm,
+        tape.queues.len(),
+        tape.tasks.len(),
+        region(c.region),
+        c.offset,
+        c.bytes
+    );
+    let _ = writeln!(o, "  tasks");
+    let at = placement(tape);
+    for (t, task) in tape.tasks.iter().enumerate() {
+        let mnemonic = kp
+            .ops
+            .get(task.op as usize)
+            .map_or("?", |op| op.op.mnemonic());
+        let waits: Vec<String> = task
+            .waits
+            .iter()
+            .map(|w| {
+                if w.target == 1 {
+                    format!("c{}", w.counter)
+                } else {
+                    format!("c{}>={}", w.counter, w.target)
+                }
+            })
+            .collect();
+        let _ = writeln!(
+            o,
+            "    task {t:<5} op {:<4} {:<18} tile {:>5}..{:<5} queue {:>3}.{:<4} reads {:>10} bytes ({} ranges) writes {:>9} bytes ({} ranges) bumps c{} waits {}",
+            task.op,
+            mnemonic,
+            task.tile.begin,
+            task.tile.end,
+            at[t].0,
+            at[t].1,
+            task.read_bytes(),
+            task.reads.len(),
+            total(&task.writes),
+            task.writes.len(),
+            task.counter,
+            if waits.is_empty() { "-".to_string() } else { waits.join(" ") }
+        );
+    }
+    let _ = writeln!(o, "  queues");
+    for (q, list) in tape.queues.iter().enumerate() {
+        let bytes: u64 = list
+            .iter()
+            .filter_map(|&t| tape.tasks.get(t as usize))
+            .map(|x| x.read_bytes())
+            .sum();
+        let ids: Vec<String> = list.iter().map(|t| t.to_string()).collect();
+        let _ = writeln!(
+            o,
+            "    queue {q:<4} {} tasks, reads {bytes} bytes: {}",
+            list.len(),
+            if ids.is_empty() {
+                "-".to_string()
+            } else {
+                ids.join(" ")
+            }
+        );
+    }
 }
 
 #[derive(Serialize)]
@@ -376,6 +473,65 @@ struct JsonKey {
     flops: u64,
     bytes_moved: u64,
     ops: Vec<JsonOp>,
+    /// The megakernel tape (absent for the graph schedule).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tape: Option<JsonTape>,
+}
+
+#[derive(Serialize)]
+struct JsonTape {
+    sm_count: u32,
+    blocks_per_sm: u32,
+    /// `counters+offset[bytes]`.
+    counters: String,
+    tasks: Vec<JsonTask>,
+    queues: Vec<Vec<u32>>,
+}
+
+#[derive(Serialize)]
+struct JsonTask {
+    op: u32,
+    mnemonic: String,
+    tile: [u32; 2],
+    queue: usize,
+    read_bytes: u64,
+    /// `region+offset[bytes]`, as launch parameters print.
+    reads: Vec<String>,
+    writes: Vec<String>,
+    counter: u32,
+    /// `[counter, target]` pairs.
+    waits: Vec<[u32; 2]>,
+}
+
+fn json_tape(kp: &KeyPlan, tape: &Tape) -> JsonTape {
+    let at = placement(tape);
+    let range = |b: &BufRef| param(&LaunchParam::Buf(*b));
+    JsonTape {
+        sm_count: tape.sm_count,
+        blocks_per_sm: tape.blocks_per_sm,
+        counters: range(&tape.counters),
+        tasks: tape
+            .tasks
+            .iter()
+            .enumerate()
+            .map(|(t, x)| JsonTask {
+                op: x.op,
+                mnemonic: kp
+                    .ops
+                    .get(x.op as usize)
+                    .map_or("?", |op| op.op.mnemonic())
+                    .to_string(),
+                tile: [x.tile.begin, x.tile.end],
+                queue: at[t].0,
+                read_bytes: x.read_bytes(),
+                reads: x.reads.iter().map(range).collect(),
+                writes: x.writes.iter().map(range).collect(),
+                counter: x.counter,
+                waits: x.waits.iter().map(|w| [w.counter, w.target]).collect(),
+            })
+            .collect(),
+        queues: tape.queues.clone(),
+    }
 }
 
 #[derive(Serialize)]
@@ -475,6 +631,7 @@ fn json(plan: &Plan, keys: &[&KeyPlan]) -> String {
                 flops: k.flops,
                 bytes_moved: k.bytes_moved,
                 ops: json_ops(k),
+                tape: k.schedule.tape().map(|t| json_tape(k, t)),
             })
             .collect(),
     };

@@ -26,6 +26,7 @@ use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
 use kiln_compiler::frontend::{self, Family, TraceOptions};
 use kiln_compiler::gguf::fixture::{self, TinyLlama};
 use kiln_compiler::gguf::{GgmlType, GgufWriter, MetaValue, ValueType};
+use kiln_compiler::passes::megakernel::{MegakernelOptions, ScheduleKind};
 use kiln_compiler::testing::{safetensors_bytes, write_tiny_model, TinySpec};
 use kiln_ir::{DType, Key};
 use std::collections::BTreeMap;
@@ -260,15 +261,32 @@ fn config(root: &Path) -> Result<Vec<(String, Vec<u8>)>, SeedError> {
 fn plan(root: &Path) -> Result<Vec<(String, Vec<u8>)>, SeedError> {
     let dir = write_model(root, "plan-llama", Family::Llama, &tiny(Family::Llama))?;
     let mut out = Vec::new();
-    for (name, keys) in [
-        ("01-decode-b1.kiln", vec![Key::new(1, 1, 0)]),
+    for (name, keys, schedule) in [
+        (
+            "01-decode-b1.kiln",
+            vec![Key::new(1, 1, 0)],
+            ScheduleKind::Graph,
+        ),
         (
             "02-decode-and-spec.kiln",
             vec![Key::new(1, 1, 0), Key::new(2, 2, 1)],
+            ScheduleKind::Graph,
+        ),
+        // A megakernel tape, so mutations reach the tape verifier.
+        (
+            "03-megakernel-b1.kiln",
+            vec![Key::new(1, 1, 0)],
+            ScheduleKind::Megakernel,
         ),
     ] {
         let opts = CompileOptions {
             keys,
+            schedule,
+            megakernel: MegakernelOptions {
+                sm_count: 2,
+                blocks_per_sm: 2,
+                min_tile: 16,
+            },
             kv: KvOptions {
                 block_size: 16,
                 kv_blocks: Some(4),

@@ -14,7 +14,9 @@
 //! * [`key`]: shape keys `(batch, query, spec)`;
 //! * [`manifest`]: weights and their load-time transforms;
 //! * [`plan`]: what a compiled plan holds (and [`artifact`] its encoding);
-//! * [`rng`]: the deterministic generator tests and fixtures share.
+//! * [`rng`]: the deterministic generator tests and fixtures share;
+//! * [`schedule`]: a key's schedule (graph, or a megakernel's task tape) and
+//!   the tape verifier.
 //!
 //! Not here: model frontends, passes and planning (compiler), execution
 //! (runtime), kernels (kernels).
@@ -30,6 +32,7 @@ pub mod parse;
 pub mod plan;
 pub mod print;
 pub mod rng;
+pub mod schedule;
 pub mod text;
 pub mod types;
 pub mod validate;
@@ -46,6 +49,7 @@ pub use parse::{
     Pos, SourceMap, Span, TextError,
 };
 pub use print::{print, print_with_map};
+pub use schedule::{Schedule, Tape, Task, Tile, Wait};
 pub use types::{DType, QuantLayout, QuantType, Shape, TensorType};
 pub use validate::{validate, PlanInfo};
 pub use verify::{

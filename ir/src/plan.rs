@@ -161,7 +161,9 @@ pub enum Region {
     Workspace,
     /// Completion counters (`Plan::counter_bytes`, u32 each): zeroed once at
     /// load, before any capture; every kernel that uses them leaves them
-    /// zero. Within a key each op has its own counters.
+    /// zero. Within a key each op has its own counters. A megakernel tape's
+    /// counters (`crate::schedule::Tape::counters`) lie above every op's and
+    /// are zeroed by a memset at the start of each step instead.
     Counters,
 }
 
@@ -404,6 +406,10 @@ pub struct KeyPlan {
     pub flops: u64,
     /// Bytes the step must move (weights + KV read + activations).
     pub bytes_moved: u64,
+    /// How the step runs: the launch list as a graph (the default), or a
+    /// megakernel's task tape (`kiln compile --schedule megakernel`).
+    #[serde(default)]
+    pub schedule: crate::schedule::Schedule,
 }
 
 /// How a kernel image is stored.

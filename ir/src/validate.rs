@@ -48,6 +48,9 @@
 //!     (`all_reduce`, `sharded_argmax`) and every `Sharded` weight names
 //!     exactly `tp` ranks (checked by [`validate_tp`] before any key), and on
 //!     GPU targets collectives lower to `Collective` and nothing else does.
+//! 13. a megakernel schedule's tape passes [`crate::schedule::verify_tape`]
+//!     (its own invariants are listed there), and its counters count in
+//!     `counter_bytes`.
 //!
 //! Not here: whether two live arena buffers overlap or how good a placement
 //! is (the compiler's checker), weight files against the manifest (the
@@ -579,6 +582,10 @@ fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo
             out.modules.insert(l.module.clone());
         }
         launches = launches.saturating_add(op.lowering.launches());
+    }
+    if let Some(tape) = kp.schedule.tape() {
+        check(&|| format!("{kf}.schedule.counters"), &tape.counters)?;
+        crate::schedule::verify_tape(plan, kp, tape)?;
     }
     if kp.arena_peak > plan.arena_bytes {
         return err(

@@ -122,6 +122,7 @@ fn plan(target: Target) -> Plan {
         launches: 2,
         flops: 0,
         bytes_moved: 0,
+        schedule: Default::default(),
     };
     let image = |name: &str| KernelImage {
         name: name.into(),

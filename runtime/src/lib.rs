@@ -15,7 +15,9 @@
 //! * [`text`]: tokenizer in and streaming text out; [`chat`]: the model's chat
 //!   template, rendered as Hugging Face does; [`device`]: backends by name;
 //! * [`draft`]: prompt-lookup drafts; [`spec`]: speculative decoding driven by
-//!   them over an engine.
+//!   them over an engine;
+//! * [`tape`]: a CPU executor of a megakernel tape (threads or an
+//!   adversarial order), the proof that a tape computes the op list.
 
 pub mod backend;
 pub mod capture;
@@ -31,6 +33,7 @@ pub mod loader;
 pub mod policy;
 pub mod seq;
 pub mod spec;
+pub mod tape;
 pub mod text;
 pub mod tp;
 pub mod weights;

@@ -22,11 +22,15 @@
 //! a GPU key of more than 8 tokens keeps its unfused ops and their GEMMs);
 //! [`run_pipeline`] is the CPU form, where every fusion is legal.
 //!
+//! [`megakernel`] is the one pass that runs after planning: it turns a
+//! planned key into a megakernel's task tape (`--schedule megakernel`).
+//!
 //! Not here: scheduling for memory (program order is the schedule; the
 //! planner places buffers), or any other target-specific choice.
 
 mod editor;
 mod fuse;
+pub mod megakernel;
 pub mod shard;
 #[doc(hidden)]
 pub mod synth;

@@ -509,6 +509,7 @@ pub fn plan_key(
             launches,
             flops,
             bytes_moved,
+            schedule: Default::default(),
         },
         PlanReport {
             strategy: placement.strategy,

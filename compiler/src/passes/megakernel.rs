@@ -1,0 +1,220 @@
+//! The megakernel schedule: cuts each planned op of a key into tasks, derives
+//! the dependencies between tasks at tile granularity, spreads the tasks
+//! over one queue per co-resident thread block and writes the tape
+//! ([`kiln_ir::schedule::Tape`]) into the key's plan (`kiln compile
+//! --schedule megakernel`).
+//!
+//! Unlike the graph passes of this module this runs after planning: tiles
+//! and dependencies are decided over the planned byte ranges (arena reuse
+//! included), so a task waits for the earlier tasks whose bytes it reads
+//! (read after write) and for those whose bytes it overwrites (write after
+//! read and write after write: the arena reuses memory across ops).
+//!
+//! * **Tiles.** Matmuls and fused matmuls are cut into output-column tiles
+//!   (a GEMV's output rows) at least [`MegakernelOptions::min_tile`] wide,
+//!   about one tile per queue; paged attention into one task per KV head
+//!   (a head group); every other op, and any op writing over its own
+//!   arguments, is one whole-op task. What each tile touches is
+//!   `kiln_ir::schedule::footprint`.
+//! * **Dependencies.** A byte-range hazard tracker returns the earlier tasks
+//!   each access conflicts with; a tile that reads a whole vector (a matmul's
+//!   input, a reduction) conflicts with every producer tile, one that reads
+//!   some columns only with the producer tiles of those columns. A
+//!   dependency already implied (an earlier task on the same queue, or a
+//!   task some other wait already covers transitively, by vector clocks) gets
+//!   no wait of its own.
+//! * **Queues.** List scheduling in the global (op, tile) order: each task
+//!   goes to the queue with the fewest estimated bytes so far (the bytes it
+//!   reads and writes; a decode step is bandwidth bound), ties to the lower
+//!   queue. Every queue is therefore in global order and every wait names an
+//!   earlier task: the tape cannot deadlock (the argument is in
+//!   `kiln_ir::schedule`'s docs, and the validator checks both facts).
+//! * **Counters.** One `u32` per task, placed in the Counters region above
+//!   every op's own counters of every key (keys share the tape counters:
+//!   they never run concurrently, and each step's memset zeroes them).
+//!
+//! Not here: anything a GPU decides at run time (the interpreter kernel and
+//! its occupancy check live in kiln-kernels / the CUDA backend), prefetch
+//! hints, and ops the interpreter cannot run: a BLAS-Lt or tensor-core
+//! (`skinny`) GEMM and collectives are refused with the op named.
+
+use kiln_ir::plan::{BufRef, GemmKind, KeyPlan, Lowering, Plan, PlanOp, Region};
+use kiln_ir::schedule::{footprint, tile_units, Clocks, Hazards, Schedule, Tape, Task, Tile, Wait};
+use kiln_ir::Key;
+
+/// Which schedule `kiln compile` writes for every key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum ScheduleKind {
+    /// Each op's launches in stream order, captured as a graph.
+    #[default]
+    Graph,
+    /// One persistent kernel per step walking a task tape.
+    Megakernel,
+}
+
+/// Shape of the persistent kernel the tape is cut for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MegakernelOptions {
+    /// SMs of the device (132 on an H200 / H100 SXM).
+    pub sm_count: u32,
+    /// Co-resident blocks per SM (each walks its own queue).
+    pub blocks_per_sm: u32,
+    /// Narrowest matmul tile, in output columns.
+    pub min_tile: u32,
+}
+
+impl Default for MegakernelOptions {
+    fn default() -> MegakernelOptions {
+        MegakernelOptions {
+            sm_count: 132,
+            blocks_per_sm: 1,
+            min_tile: 16,
+        }
+    }
+}
+
+/// Why a key cannot get a megakernel schedule.
+#[derive(Debug, thiserror::Error)]
+pub enum MegakernelError {
+    #[error("key {key}: op {op} `{mnemonic}` {why}; the megakernel cannot run it: compile with `--schedule graph` (or leave this key out)")]
+    Unsupported {
+        key: Key,
+        op: usize,
+        mnemonic: &'static str,
+        why: String,
+    },
+    #[error("megakernel options: {0}")]
+    Options(String),
+}
+
+/// Why the interpreter kernel cannot run `op` (`None`: it can).
+pub fn unsupported(op: &PlanOp) -> Option<String> {
+    match &op.lowering {
+        Lowering::Gemm { kind, .. } if *kind != GemmKind::Gemv => Some(format!(
+            "runs as a `{kind}` GEMM (the megakernel runs GEMV tiles only: by default only one-token keys lower their GEMMs to `gemv`)"
+        )),
+        Lowering::Collective => Some("is a collective (NCCL call)".into()),
+        _ if kiln_ir::validate::is_collective(&op.op) => Some("is a collective".into()),
+        _ => None,
+    }
+}
+
+/// Tiles of one op: `units` cut into runs of at least `min_tile` (1 for
+/// attention heads), about one per queue.
+fn tiles(op: &PlanOp, queues: u32, min_tile: u32) -> Vec<Tile> {
+    let units = tile_units(op);
+    let min = match op.op {
+        kiln_ir::Op::PagedAttention { .. } => 1,
+        _ => min_tile.max(1),
+    };
+    let width = units.div_ceil(queues.max(1)).max(min).div_ceil(min) * min;
+    (0..units.div_ceil(width))
+        .map(|i| Tile {
+            begin: i * width,
+            end: ((i + 1) * width).min(units),
+        })
+        .collect()
+}
+
+/// The tape of one key, its counters starting at byte `counters_at` of the
+/// Counters region.
+pub fn schedule_key(
+    kp: &KeyPlan,
+    counters_at: u64,
+    opts: &MegakernelOptions,
+) -> Result<Tape, MegakernelError> {
+    if opts.sm_count == 0 || opts.blocks_per_sm == 0 {
+        return Err(MegakernelError::Options(
+            "--megakernel-sms and --megakernel-blocks-per-sm must be at least 1".into(),
+        ));
+    }
+    let nq = opts.sm_count as usize * opts.blocks_per_sm as usize;
+    for (i, op) in kp.ops.iter().enumerate() {
+        if let Some(why) = unsupported(op) {
+            return Err(MegakernelError::Unsupported {
+                key: kp.key,
+                op: i,
+                mnemonic: op.op.mnemonic(),
+                why,
+            });
+        }
+    }
+    let mut tasks: Vec<Task> = Vec::new();
+    let mut queues: Vec<Vec<u32>> = vec![Vec::new(); nq];
+    let mut load = vec![0u64; nq];
+    let mut hazards = Hazards::new();
+    let mut clocks = Clocks::new(nq);
+    for (i, op) in kp.ops.iter().enumerate() {
+        for tile in tiles(op, nq as u32, opts.min_tile) {
+            let (reads, writes) = footprint(op, tile).map_err(MegakernelError::Options)?;
+            let t = tasks.len() as u32;
+            let cost: u64 = reads.iter().chain(&writes).map(|b| b.bytes).sum();
+            let q = (0..nq).min_by_key(|&q| (load[q], q)).unwrap_or(0);
+            load[q] += cost.max(1);
+            let prev = queues[q].last().copied();
+            let mut deps: Vec<u32> = hazards
+                .access(t, &reads, &writes)
+                .into_iter()
+                .map(|c| c.task)
+                .collect();
+            deps.sort_unstable_by(|a, b| b.cmp(a));
+            deps.dedup();
+            let mut after = Vec::new();
+            for d in deps {
+                if !clocks.before_new(d, prev, &after) {
+                    after.push(d);
+                }
+            }
+            clocks.push(q as u32, queues[q].len() as u32, prev, &after);
+            after.sort_unstable();
+            tasks.push(Task {
+                op: i as u32,
+                tile,
+                reads,
+                writes,
+                counter: t,
+                waits: after
+                    .into_iter()
+                    .map(|d| Wait {
+                        counter: d,
+                        target: 1,
+                    })
+                    .collect(),
+            });
+            queues[q].push(t);
+        }
+    }
+    Ok(Tape {
+        sm_count: opts.sm_count,
+        blocks_per_sm: opts.blocks_per_sm,
+        counters: BufRef {
+            region: Region::Counters,
+            offset: counters_at,
+            bytes: 4 * tasks.len() as u64,
+        },
+        tasks,
+        queues,
+    })
+}
+
+/// Gives every key of `plan` a megakernel schedule and grows the Counters
+/// region for the tapes.
+pub fn schedule_plan(plan: &mut Plan, opts: &MegakernelOptions) -> Result<(), MegakernelError> {
+    let base = plan
+        .keys
+        .iter()
+        .flat_map(|k| &k.ops)
+        .filter_map(|o| o.counters)
+        .map(|c| c.offset + c.bytes)
+        .max()
+        .unwrap_or(0)
+        .next_multiple_of(4);
+    let mut bytes = plan.counter_bytes;
+    for kp in &mut plan.keys {
+        let tape = schedule_key(kp, base, opts)?;
+        bytes = bytes.max(base + tape.counters.bytes);
+        kp.schedule = Schedule::Megakernel(Box::new(tape));
+    }
+    plan.counter_bytes = bytes;
+    Ok(())
+}

@@ -1,0 +1,346 @@
+//! The megakernel schedule (`--schedule megakernel`): the pass writes a tape
+//! the validator accepts, cut at tile granularity, and the tape verifier
+//! refuses every mutation that could make a task read unwritten bytes,
+//! race another task or deadlock.
+
+mod planner_support;
+
+use kiln_compiler::compile::{CompileError, CompileOptions};
+use kiln_compiler::passes::megakernel::{MegakernelOptions, ScheduleKind};
+use kiln_compiler::passes::synth::{SynthFamily, SynthSpec};
+use kiln_ir::plan::{Plan, Region};
+use kiln_ir::schedule::{describe, Hazards, Schedule, Tape};
+use kiln_ir::validate::validate;
+use kiln_ir::Op;
+use planner_support::*;
+use std::collections::BTreeSet;
+
+fn options(target: &str, keys_: &str, sms: u32) -> CompileOptions {
+    CompileOptions {
+        keys: keys(keys_),
+        target: target.parse().unwrap(),
+        schedule: ScheduleKind::Megakernel,
+        megakernel: MegakernelOptions {
+            sm_count: sms,
+            blocks_per_sm: 2,
+            min_tile: 8,
+        },
+        ..CompileOptions::default()
+    }
+}
+
+fn tape(plan: &Plan, k: usize) -> &Tape {
+    plan.keys[k].schedule.tape().expect("a megakernel schedule")
+}
+
+fn tape_mut(plan: &mut Plan, k: usize) -> &mut Tape {
+    match &mut plan.keys[k].schedule {
+        Schedule::Megakernel(t) => t,
+        Schedule::Graph => panic!("a megakernel schedule"),
+    }
+}
+
+#[test]
+fn a_gpu_plan_gets_a_tape_per_key_cut_into_gemv_tiles_and_attention_head_groups() {
+    for family in [SynthFamily::Llama, SynthFamily::Qwen3] {
+        let spec = SynthSpec::tiny(family);
+        let plan = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0", 3)).plan;
+        validate(&plan).unwrap_or_else(|e| panic!("{e}"));
+        for (k, kp) in plan.keys.iter().enumerate() {
+            let t = tape(&plan, k);
+            assert_eq!(t.queues.len(), 6);
+            for (i, op) in kp.ops.iter().enumerate() {
+                let n = t.tasks.iter().filter(|x| x.op as usize == i).count();
+                match op.op {
+                    Op::PagedAttention { kv_heads, .. } => assert_eq!(n, kv_heads as usize),
+                    Op::MatMul { .. } => {
+                        let cols = *op.results[0].ty.shape.dims().last().unwrap();
+                        assert!(n > 1 && n <= 6, "op {i}: {n} tiles of {cols} columns");
+                    }
+                    _ => assert_eq!(n, 1, "op {i} `{}`", op.op.mnemonic()),
+                }
+            }
+            // The counters sit above every op's own counters.
+            let op_counters = plan
+                .keys
+                .iter()
+                .flat_map(|k| &k.ops)
+                .filter_map(|o| o.counters)
+                .map(|c| c.offset + c.bytes)
+                .max()
+                .unwrap_or(0);
+            assert!(t.counters.offset >= op_counters);
+            assert_eq!(t.counters.region, Region::Counters);
+            assert_eq!(t.counters.bytes, 4 * t.tasks.len() as u64);
+            assert!(plan.counter_bytes >= t.counters.offset + t.counters.bytes);
+        }
+        // The graph schedule is unchanged: the same compile without
+        // --schedule writes no tape and fewer counter bytes.
+        let graph = compile_synth(
+            &spec,
+            &CompileOptions {
+                schedule: ScheduleKind::Graph,
+                ..options("cuda:sm_90", "b1q1s0", 3)
+            },
+        )
+        .plan;
+        assert!(graph.keys.iter().all(|k| k.schedule == Schedule::Graph));
+        assert!(graph.counter_bytes < plan.counter_bytes);
+        let mut stripped = plan.clone();
+        for k in &mut stripped.keys {
+            k.schedule = Schedule::Graph;
+        }
+        stripped.counter_bytes = graph.counter_bytes;
+        assert_eq!(stripped, graph);
+    }
+}
+
+#[test]
+fn a_tile_depends_only_on_the_producer_tiles_of_the_bytes_it_touches() {
+    let spec = SynthSpec::tiny(SynthFamily::Llama);
+    let plan = compile_synth(&spec, &options("cpu", "b1q1s0", 4)).plan;
+    validate(&plan).unwrap_or_else(|e| panic!("{e}"));
+    let kp = &plan.keys[0];
+    let t = tape(&plan, 0);
+    // The dependencies before any reduction, from the footprints.
+    let mut hz = Hazards::new();
+    let deps: Vec<BTreeSet<u32>> = t
+        .tasks
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            hz.access(i as u32, &x.reads, &x.writes)
+                .into_iter()
+                .map(|c| c.task)
+                .collect()
+        })
+        .collect();
+    let tiles_of = |op: u32| -> BTreeSet<u32> {
+        (0..t.tasks.len() as u32)
+            .filter(|&i| t.tasks[i as usize].op == op)
+            .collect()
+    };
+    // Some tile depends on a strict, non-empty subset of a tiled producer:
+    // a residual epilogue reads only its own columns of the residual
+    // stream, a head group overwrites only the arena columns it reuses.
+    let mut partial = 0;
+    for dep in &deps {
+        let producers: BTreeSet<u32> = dep.iter().map(|&d| t.tasks[d as usize].op).collect();
+        for p in producers {
+            let all = tiles_of(p);
+            let some = dep.iter().filter(|d| all.contains(d)).count();
+            if all.len() > 1 && some < all.len() {
+                partial += 1;
+            }
+        }
+    }
+    assert!(
+        partial > 0,
+        "no tile-granular dependency in {} tasks",
+        t.tasks.len()
+    );
+    // A full reduction (argmax over the logits) depends on every lm_head tile.
+    let argmax = kp
+        .ops
+        .iter()
+        .position(|o| matches!(o.op, Op::Argmax))
+        .unwrap() as u32;
+    let a = *tiles_of(argmax).iter().next().unwrap();
+    let lm_op = argmax - 1;
+    assert!(tiles_of(lm_op).len() > 1);
+    assert!(tiles_of(lm_op).is_subset(&deps[a as usize]));
+    // Every wait names an earlier task of an earlier op.
+    for (i, x) in t.tasks.iter().enumerate() {
+        for w in &x.waits {
+            assert!((w.counter as usize) < i);
+            assert!(t.tasks[w.counter as usize].op < x.op);
+        }
+    }
+}
+
+#[test]
+fn dropping_any_one_wait_makes_the_verifier_refuse_the_tape_naming_the_task() {
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    let plan = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0", 3)).plan;
+    let t = tape(&plan, 0);
+    let mut dropped = 0;
+    for i in 0..t.tasks.len() {
+        for w in 0..t.tasks[i].waits.len() {
+            let mut bad = plan.clone();
+            let waiter = describe(&bad.keys[0], tape(&bad, 0), i as u32);
+            let gone = tape_mut(&mut bad, 0).tasks[i].waits.remove(w);
+            let e = validate(&bad).expect_err("a tape missing a wait");
+            assert_eq!(e.field, format!("keys[b1q1s0].schedule.tasks[{i}].waits"));
+            assert!(e.problem.starts_with(&waiter), "{e}");
+            let producer = describe(&bad.keys[0], tape(&bad, 0), gone.counter);
+            assert!(e.problem.contains("without waiting"), "{e}");
+            // The unguarded producer is named (directly, or the one whose
+            // transitive guard went with the dropped wait).
+            assert!(e.problem.contains("task "), "{e} ({producer})");
+            dropped += 1;
+        }
+    }
+    assert!(dropped > 10, "only {dropped} waits in the tape");
+}
+
+#[test]
+fn the_verifier_refuses_a_forward_wait_a_reordered_queue_a_missing_task_and_a_wrong_footprint() {
+    let spec = SynthSpec::tiny(SynthFamily::Llama);
+    let plan = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0", 2)).plan;
+    let refuse = |what: &str, f: &dyn Fn(&mut Tape), needle: &str| {
+        let mut bad = plan.clone();
+        f(tape_mut(&mut bad, 0));
+        let e = validate(&bad).expect_err(what);
+        assert!(e.to_string().contains(needle), "{what}: {e}");
+    };
+    refuse(
+        "forward wait",
+        &|t| {
+            let last = t.tasks.len() as u32 - 1;
+            t.tasks[0].waits.push(kiln_ir::Wait {
+                counter: last,
+                target: 1,
+            })
+        },
+        "deadlock",
+    );
+    refuse(
+        "reordered queue",
+        &|t| {
+            let q = t.queues.iter_mut().find(|q| q.len() > 1).unwrap();
+            q.swap(0, 1);
+        },
+        "global order",
+    );
+    refuse(
+        "missing task",
+        &|t| {
+            let q = t.queues.iter_mut().find(|q| !q.is_empty()).unwrap();
+            q.pop();
+        },
+        "is on no queue",
+    );
+    refuse(
+        "duplicate task",
+        &|t| {
+            let x = t.queues[0][0];
+            t.queues[1].insert(0, x);
+        },
+        "appears twice",
+    );
+    refuse(
+        "shrunken footprint",
+        &|t| {
+            let task = t.tasks.iter_mut().find(|x| x.reads.len() > 1).unwrap();
+            task.reads.pop();
+        },
+        "footprint",
+    );
+    refuse(
+        "counter out of bounds",
+        &|t| t.counters.bytes -= 4,
+        "counter",
+    );
+    refuse(
+        "a wait above its counter's bumps",
+        &|t| {
+            let task = t.tasks.iter_mut().find(|x| !x.waits.is_empty()).unwrap();
+            task.waits[0].target = 2;
+        },
+        "target 2",
+    );
+    refuse("wrong queue count", &|t| t.blocks_per_sm = 3, "queues");
+}
+
+#[test]
+fn a_key_with_a_blas_or_skinny_gemm_is_refused_naming_the_op_and_the_graph_schedule() {
+    let spec = SynthSpec::tiny(SynthFamily::Llama);
+    let e = kiln_compiler::compile::compile_traced(
+        synth_meta(&spec),
+        spec.manifest(),
+        &options("cuda:sm_90", "b1q1s0,b2q1s0", 2),
+        |k, kv| Ok::<_, String>(spec.graph(k, kv, false)),
+        &mut |_, _| {},
+    )
+    .map(|_| ())
+    .expect_err("b2 runs BLAS GEMMs by default");
+    let CompileError::Megakernel(_) = &e else {
+        panic!("expected a megakernel refusal, got {e}")
+    };
+    let msg = e.to_string();
+    assert!(msg.contains("key b2q1s0"), "{msg}");
+    assert!(msg.contains("`matmul`"), "{msg}");
+    assert!(msg.contains("--schedule graph"), "{msg}");
+}
+
+#[test]
+fn a_megakernel_plan_round_trips_through_the_artifact_and_validates_again() {
+    let spec = SynthSpec::tiny(SynthFamily::Qwen2);
+    let plan = compile_synth(&spec, &options("cpu", "b1q1s0,b4q1s0", 4)).plan;
+    let back = kiln_ir::artifact::decode(&kiln_ir::artifact::encode(&plan)).unwrap();
+    assert_eq!(back, plan);
+    validate(&back).unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn inspect_shows_the_tape_with_queues_dependencies_and_bytes_read() {
+    use kiln_compiler::inspect::{render, Format};
+    let spec = SynthSpec::tiny(SynthFamily::Llama);
+    let plan = compile_synth(&spec, &options("cpu", "b1q1s0", 2)).plan;
+    let text = render(&plan, None, Format::Text).unwrap();
+    let t = tape(&plan, 0);
+    assert!(text.contains(&format!(
+        "schedule    megakernel: 2 SMs x 2 blocks per SM = 4 queues, {} tasks",
+        t.tasks.len()
+    )));
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden/megakernel_llama_b1q1s0.txt");
+    kiln_ir::check_golden(&path, &text);
+    let json: serde_json::Value =
+        serde_json::from_str(&render(&plan, None, Format::Json).unwrap()).unwrap();
+    let tasks = json["keys"][0]["tape"]["tasks"].as_array().unwrap();
+    assert_eq!(tasks.len(), t.tasks.len());
+    for (j, x) in tasks.iter().zip(&t.tasks) {
+        assert_eq!(j["read_bytes"].as_u64(), Some(x.read_bytes()));
+        assert_eq!(j["waits"].as_array().unwrap().len(), x.waits.len());
+    }
+    // A graph-schedule plan prints no tape.
+    let graph = compile_synth(
+        &spec,
+        &CompileOptions {
+            schedule: ScheduleKind::Graph,
+            ..options("cpu", "b1q1s0", 2)
+        },
+    )
+    .plan;
+    let gj = render(&graph, None, Format::Json).unwrap();
+    assert!(!gj.contains("\"tape\""));
+    assert!(!render(&graph, None, Format::Text)
+        .unwrap()
+        .contains("schedule"));
+}
+
+/// Scheduling and verifying a real shape stays cheap (run by hand:
+/// `cargo test -p kiln-compiler --test megakernel -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn scheduling_and_verifying_qwen3_0_6b_at_132_sms_takes_seconds_not_minutes() {
+    let spec = SynthSpec::qwen3_0_6b();
+    let mut opts = options("cuda:sm_90", "b1q1s0", 132);
+    opts.megakernel = MegakernelOptions::default();
+    let t0 = std::time::Instant::now();
+    let plan = compile_synth(&spec, &opts).plan;
+    let t1 = std::time::Instant::now();
+    validate(&plan).unwrap_or_else(|e| panic!("{e}"));
+    let t2 = std::time::Instant::now();
+    let t = tape(&plan, 0);
+    let waits: usize = t.tasks.iter().map(|x| x.waits.len()).sum();
+    let bytes = kiln_ir::artifact::encode(&plan).len();
+    println!(
+        "{} tasks, {waits} waits, plan {bytes} bytes; compile {:?}, validate {:?}",
+        t.tasks.len(),
+        t1 - t0,
+        t2 - t1
+    );
+    assert!((t2 - t1).as_secs() < 60);
+}
