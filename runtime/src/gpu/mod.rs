@@ -39,6 +39,8 @@
 pub mod cuda;
 pub mod driver;
 pub mod hip;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod sim;
 
 use crate::backend::{
