@@ -333,6 +333,10 @@ pub struct TpBackend {
     /// Set once a rank failed mid-step: the ranks are out of step, every
     /// later step is refused with this.
     stopped: Option<String>,
+    /// Inside a capture region: launches are recorded, nothing runs or
+    /// waits, so a failing rank leaves the others in step (the engine's
+    /// capture-failure policy decides, as on one device).
+    capturing: bool,
 }
 
 /// Runs `f` in `pool` (its kernels' parallel loops then use that pool's
@@ -374,6 +378,7 @@ impl TpBackend {
             next_graph: 0,
             control: None,
             stopped: None,
+            capturing: false,
         })
     }
 
@@ -452,6 +457,9 @@ impl TpBackend {
     /// returns the error the caller reports.
     fn fail(&mut self, r: usize, e: &BackendError) -> BackendError {
         let why = format!("rank {r} failed: {e}");
+        if self.capturing {
+            return BackendError::Device(format!("tensor-parallel {why}"));
+        }
         if let Some(c) = &self.control {
             c.abort(r as u32, &e.to_string());
         }
@@ -525,13 +533,14 @@ impl TpBackend {
         self.check_running()?;
         let first_failure: Mutex<Option<(usize, String)>> = Mutex::new(None);
         let control = self.control.clone();
+        let capturing = self.capturing;
         let on_rank = |r: usize, b: &mut (dyn Backend + Send), pool: Option<&rayon::ThreadPool>| {
             let out = in_pool(pool, || guarded(|| f(r, b)));
             if let Err(e) = &out {
                 let mut first = first_failure.lock().unwrap_or_else(|e| e.into_inner());
                 if first.is_none() {
                     *first = Some((r, e.to_string()));
-                    if let Some(c) = &control {
+                    if let Some(c) = control.as_ref().filter(|_| !capturing) {
                         c.abort(r as u32, &e.to_string());
                     }
                 }
@@ -718,9 +727,12 @@ impl Backend for TpBackend {
         self.each(|_, b| b.synchronize())
     }
     fn begin_capture(&mut self, key: Key) -> Result<()> {
-        self.each(|_, b| b.begin_capture(key))
+        self.each(|_, b| b.begin_capture(key))?;
+        self.capturing = true;
+        Ok(())
     }
     fn end_capture(&mut self) -> Result<GraphHandle> {
+        self.capturing = false;
         let mut gs = Vec::new();
         for b in &mut self.ranks {
             gs.push(b.end_capture()?);
@@ -731,6 +743,7 @@ impl Backend for TpBackend {
         Ok(GraphHandle(h))
     }
     fn abort_capture(&mut self) -> Result<()> {
+        self.capturing = false;
         let mut first = Ok(());
         for b in &mut self.ranks {
             let r = b.abort_capture();
