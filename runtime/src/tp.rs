@@ -337,6 +337,8 @@ pub struct TpBackend {
     /// waits, so a failing rank leaves the others in step (the engine's
     /// capture-failure policy decides, as on one device).
     capturing: bool,
+    /// Graph replays each rank completed (see [`TpBackend::rank_replays`]).
+    replays: Arc<[AtomicU64]>,
 }
 
 /// Runs `f` in `pool` (its kernels' parallel loops then use that pool's
@@ -370,6 +372,7 @@ impl TpBackend {
                 "a tensor-parallel backend needs at least one rank".into(),
             ));
         }
+        let replays: Arc<[AtomicU64]> = ranks.iter().map(|_| AtomicU64::new(0)).collect();
         Ok(TpBackend {
             pools: ranks.iter().map(|_| None).collect(),
             ranks,
@@ -379,6 +382,7 @@ impl TpBackend {
             control: None,
             stopped: None,
             capturing: false,
+            replays,
         })
     }
 
@@ -441,6 +445,13 @@ impl TpBackend {
     /// `n` CPU ranks joined by an in-process exchange.
     pub fn cpu(n: u32) -> TpBackend {
         TpBackend::cpu_with_stats(n).0
+    }
+
+    /// Graph replays each rank has completed, rank `r` at index `r`: the
+    /// per-rank witness that every rank's graph ran (readable after the
+    /// backend moved into an engine).
+    pub fn rank_replays(&self) -> Arc<[AtomicU64]> {
+        self.replays.clone()
     }
 
     /// Refuses work once a rank has failed mid-step.
@@ -759,7 +770,12 @@ impl Backend for TpBackend {
             .get(&graph.0)
             .cloned()
             .ok_or_else(|| BackendError::Device(format!("no graph {}", graph.0)))?;
-        self.concurrently(|r, b| b.replay(gs[r]))
+        let replays = self.replays.clone();
+        self.concurrently(|r, b| {
+            b.replay(gs[r])?;
+            replays[r].fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        })
     }
     fn destroy_graph(&mut self, graph: GraphHandle) -> Result<()> {
         let gs = self
