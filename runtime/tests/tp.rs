@@ -372,3 +372,40 @@ fn random_weights_of_a_tp3_plan_are_the_unsharded_plans_values_sharded() {
     // Another seed is other weights (the comparison above is not vacuous).
     assert_ne!(toks[0].1, toks[2].1);
 }
+
+#[test]
+fn a_cuda_tp2_plan_splits_the_lm_head_with_a_collective_argmax() {
+    // The GPU form compiles here (NVRTC only); `cuda_tp.rs` runs it.
+    if !kiln_kernels::nvrtc::available() {
+        eprintln!("SKIPPED: NVRTC not available");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), Family::Llama, &TinySpec::default()).unwrap();
+    for logits in [false, true] {
+        let opts = CompileOptions {
+            keys: vec![Key::new(1, 1, 0), Key::new(1, 8, 0)],
+            target: kiln_ir::plan::Target::Cuda { sm: 90 },
+            logits,
+            tp: 2,
+            ..CompileOptions::default()
+        };
+        let plan = compile_dir(dir.path(), &opts, &mut |_, _| {}).unwrap().plan;
+        for kp in &plan.keys {
+            let collectives: Vec<_> = kp
+                .ops
+                .iter()
+                .filter(|o| kiln_ir::validate::is_collective(&o.op))
+                .collect();
+            assert!(collectives
+                .iter()
+                .all(|o| matches!(o.lowering, kiln_ir::plan::Lowering::Collective)));
+            let argmax = collectives
+                .iter()
+                .filter(|o| matches!(o.op, Op::ShardedArgmax { ranks: 2 }))
+                .count();
+            // Split exactly when no logits output needs the whole row.
+            assert_eq!(argmax, usize::from(!logits), "{} logits={logits}", kp.key);
+        }
+    }
+}

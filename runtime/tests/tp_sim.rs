@@ -197,3 +197,86 @@ fn a_simulated_rank_whose_graph_launch_fails_stops_the_rank_waiting_in_its_all_r
     let second = second.expect("a stopped group errs");
     assert!(second.contains("stopped"), "{second}");
 }
+
+/// The first maximum of `row` (NaN skipped; 0 when all are NaN): the
+/// unsharded argmax the cross-rank one must equal.
+fn argmax(row: &[f32]) -> i32 {
+    let mut best: Option<(f32, usize)> = None;
+    for (i, &v) in row.iter().enumerate() {
+        if !v.is_nan() && best.is_none_or(|(b, _)| v > b) {
+            best = Some((v, i));
+        }
+    }
+    best.map_or(0, |(_, i)| i as i32)
+}
+
+#[test]
+fn a_captured_sharded_argmax_on_simulated_gpu_ranks_is_the_argmax_of_the_whole_row() {
+    let (ranks_n, rows, vs) = (2u32, 4usize, 5usize);
+    let (mut be, journals) = ranks(ranks_n, None);
+    let x = be.alloc((rows * vs * 4) as u64, "logits shard").unwrap();
+    let y = be.alloc((rows * 4) as u64, "next tokens").unwrap();
+    let l = Launch {
+        kernel: "sharded_argmax".into(),
+        op: Op::ShardedArgmax { ranks: ranks_n },
+        args: vec![DevOperand {
+            ptr: x,
+            ty: TensorType::new(DType::F32, vec![rows as u32, vs as u32]),
+        }],
+        results: vec![DevOperand {
+            ptr: y,
+            ty: TensorType::new(DType::I32, vec![rows as u32]),
+        }],
+        workspace: None,
+        const_args: 0,
+        body: LaunchBody::Collective,
+    };
+    be.prepare(&l).unwrap();
+    be.begin_capture(Key::new(rows as u32, 1, 0)).unwrap();
+    be.launch(&l).unwrap();
+    let g = be.end_capture().unwrap();
+    for step in 0..4u32 {
+        // Whole rows: a tie across ranks (the lower index wins), NaNs, an
+        // all-NaN row, and values that move every step.
+        let full: Vec<Vec<f32>> = (0..rows)
+            .map(|r| {
+                (0..ranks_n as usize * vs)
+                    .map(|i| match r {
+                        0 => [1.0, 3.0, 2.0, 3.0, 0.0][i % vs] + step as f32,
+                        1 if i % 3 == 0 => f32::NAN,
+                        1 => ((i * 7 + step as usize * 3) % 11) as f32,
+                        2 => f32::NAN,
+                        _ => -((i as f32 - step as f32 * 2.0).abs()),
+                    })
+                    .collect()
+            })
+            .collect();
+        for rank in 0..ranks_n as usize {
+            let shard: Vec<f32> = full
+                .iter()
+                .flat_map(|row| row[rank * vs..(rank + 1) * vs].to_vec())
+                .collect();
+            be.upload_rank(rank as u32, x, &bytes(&shard)).unwrap();
+        }
+        be.replay(g).unwrap();
+        let want: Vec<i32> = full.iter().map(|r| argmax(r)).collect();
+        for rank in 0..ranks_n {
+            let mut out = vec![0u8; rows * 4];
+            be.download_rank(rank, y, &mut out).unwrap();
+            let got: Vec<i32> = out
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            assert_eq!(got, want, "rank {rank}, step {step}");
+        }
+    }
+    for j in &journals {
+        let n = j
+            .read()
+            .log
+            .iter()
+            .filter(|l| l.starts_with("graph_launch"))
+            .count();
+        assert_eq!(n, 4);
+    }
+}

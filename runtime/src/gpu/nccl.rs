@@ -8,10 +8,14 @@
 //! rank's graph (NCCL supports stream capture) and a replay runs it. The
 //! plan's all-reduce sums f32 partials and rounds once to the activation
 //! dtype: NCCL sums the f32 values in place (its ring order is fixed, so
-//! every rank holds the same bits), then a one-kernel module
-//! ([`CONVERT_MODULE`], compiled by NVRTC when the ranks are opened, before
-//! any capture) rounds them into the result. Communicators are created
-//! before any capture, with `ncclCommInitAll` over the ranks' devices.
+//! every rank holds the same bits), then a kernel of [`TP_MODULE`]
+//! (compiled by NVRTC when the ranks are opened, before any capture)
+//! rounds them into the result. The cross-rank argmax (`sharded_argmax`,
+//! the lm_head split over the vocabulary) is a kernel writing each rank's
+//! per-row (max, global index), `ncclAllGather` of those pairs, and a
+//! kernel reducing them in rank order by the CPU reference's rule.
+//! Communicators are created before any capture, with `ncclCommInitAll`
+//! over the ranks' devices.
 //!
 //! A rank that fails stops the group ([`NcclGroup`], a
 //! `crate::tp::GroupControl`): `ncclCommAbort` on every communicator, so
@@ -21,8 +25,7 @@
 //! (NVLink multicast off) before NCCL loads where the machine requires it;
 //! the tests and `scripts/gpu-final.sh` do.
 //!
-//! Not here: the cross-rank argmax on GPUs (GPU plans keep the lm_head
-//! replicated; `kiln_kernels::gpu` refuses `sharded_argmax`), time inside
+//! Not here: time inside
 //! collectives (`Backend::collective_ns` is `None`: graph replays cannot be
 //! split by the host), several processes or hosts, and RCCL for HIP.
 
@@ -40,11 +43,14 @@ use kiln_ir::DType;
 use kiln_kernels::gpu::GpuModule;
 use std::sync::{Arc, Mutex};
 
-/// The rounding kernels the all-reduce ends with: `n` f32 values to bf16
-/// or f16, round to nearest even (kiln_port.h's `st`).
-pub const CONVERT_MODULE: GpuModule = GpuModule {
-    name: "tp_convert",
-    file: "tp_convert.cu",
+/// The kernels of the collectives besides NCCL's own: the rounding the
+/// all-reduce ends with (`n` f32 values to bf16 or f16, round to nearest
+/// even: kiln_port.h's `st`), and the two halves of the cross-rank argmax
+/// (each rank's per-row first maximum with its global index as an f32
+/// pair, then the rank-order reduction of every rank's pairs).
+pub const TP_MODULE: GpuModule = GpuModule {
+    name: "tp_collective",
+    file: "tp_collective.cu",
     raw_source: r#"#include "kiln_port.h"
 KILN_GLOBAL void f32_to_bf16(const float* x, kbf16* y, i64 n) {
   i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -54,8 +60,74 @@ KILN_GLOBAL void f32_to_f16(const float* x, kf16* y, i64 n) {
   i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] = st<kf16>(x[i]);
 }
+
+// One block of 256 threads per row: the row's first maximum (NaN skipped)
+// as (value, global index bits); (NaN, 0) when every value is NaN.
+template <typename T>
+KILN_DEV void local_best(const T* x, float* pairs, int rows, int vocab, int offset) {
+  __shared__ float sb[256];
+  __shared__ int si[256];
+  int row = blockIdx.x;
+  if (row >= rows) return;
+  const T* r = x + (i64)row * vocab;
+  float best = 0.0f;
+  int bi = -1;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    float v = ld(r[i]);
+    if (v != v) continue;
+    if (bi < 0 || v > best) { best = v; bi = i; }
+  }
+  sb[threadIdx.x] = best;
+  si[threadIdx.x] = bi;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      float ob = sb[threadIdx.x + s], mb = sb[threadIdx.x];
+      int oi = si[threadIdx.x + s], mi = si[threadIdx.x];
+      if (oi >= 0 && (mi < 0 || ob > mb || (ob == mb && oi < mi))) {
+        sb[threadIdx.x] = ob;
+        si[threadIdx.x] = oi;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    int i = si[0];
+    pairs[2 * row] = i < 0 ? __int_as_float(0x7fc00000) : sb[0];
+    pairs[2 * row + 1] = __int_as_float(i < 0 ? 0 : offset + i);
+  }
+}
+KILN_GLOBAL void local_best_f32(const float* x, float* p, int rows, int vocab, int offset) {
+  local_best(x, p, rows, vocab, offset);
+}
+KILN_GLOBAL void local_best_bf16(const kbf16* x, float* p, int rows, int vocab, int offset) {
+  local_best(x, p, rows, vocab, offset);
+}
+KILN_GLOBAL void local_best_f16(const kf16* x, float* p, int rows, int vocab, int offset) {
+  local_best(x, p, rows, vocab, offset);
+}
+
+// One thread per row: rank 0's candidate unless a later rank's is strictly
+// larger; index 0 when no rank has one (every value NaN).
+KILN_GLOBAL void reduce_best(const float* g, int* y, int rows, int ranks) {
+  int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= rows) return;
+  float best = 0.0f;
+  int bi = -1;
+  for (int r = 0; r < ranks; ++r) {
+    const float* p = g + (i64)r * rows * 2 + 2 * row;
+    float b = p[0];
+    if (b != b) continue;
+    if (bi < 0 || b > best) { best = b; bi = __float_as_int(p[1]); }
+  }
+  y[row] = bi < 0 ? 0 : bi;
+}
 "#,
 };
+
+/// Most rows one cross-rank argmax takes (its gather buffers are allocated
+/// when the ranks open, before any capture).
+pub const MAX_ARGMAX_ROWS: u64 = 4096;
 
 /// Whether libnccl can be loaded (it is loaded only when ranks are opened).
 pub fn nccl_present() -> bool {
@@ -124,44 +196,124 @@ pub struct NcclDriver {
     inner: CudaDriver,
     group: Arc<NcclGroup>,
     rank: usize,
-    /// The rounding kernels: (module, f32_to_bf16, f32_to_f16).
-    convert: Option<(Handle, Handle, Handle)>,
+    /// The collective kernels ([`TP_MODULE`]), once loaded.
+    kernels: Option<TpKernels>,
+}
+
+#[derive(Clone, Copy)]
+struct TpKernels {
+    module: Handle,
+    to_bf16: Handle,
+    to_f16: Handle,
+    /// `local_best_{f32, bf16, f16}`.
+    local_best: [Handle; 3],
+    reduce_best: Handle,
+    /// This rank's (value, index) pairs, and every rank's gathered.
+    send: DevPtr,
+    gathered: DevPtr,
 }
 
 // SAFETY: as `CudaDriver`; the communicator is this rank's alone.
 unsafe impl Send for NcclDriver {}
 
 impl NcclDriver {
-    fn load_convert(&mut self, sm: u32) -> Result<(), BackendError> {
-        let code = kiln_kernels::nvrtc::compile_module(&CONVERT_MODULE, sm).map_err(|e| {
-            BackendError::Device(format!("compiling the all-reduce rounding kernels: {e}"))
-        })?;
+    /// Compiles and loads [`TP_MODULE`] for `sm` and allocates the argmax
+    /// gather buffers: before any capture.
+    fn load_kernels(&mut self, sm: u32) -> Result<(), BackendError> {
+        let code = kiln_kernels::nvrtc::compile_module(&TP_MODULE, sm)
+            .map_err(|e| BackendError::Device(format!("compiling the collective kernels: {e}")))?;
         let image = KernelImage {
-            name: CONVERT_MODULE.name.into(),
+            name: TP_MODULE.name.into(),
             kind: ImageKind::Cubin,
             code,
         };
-        let m = self
+        let module = self
             .inner
             .module_load(&image)
-            .map_err(|e| e.during("loading the all-reduce rounding kernels"))?;
-        let f = |d: &mut CudaDriver, name: &str| {
-            d.function(m, name)
-                .ok_or_else(|| BackendError::Device(format!("the rounding module has no `{name}`")))
+            .map_err(|e| e.during("loading the collective kernels"))?;
+        let mut f = |name: &str| {
+            self.inner.function(module, name).ok_or_else(|| {
+                BackendError::Device(format!("the collective module has no `{name}`"))
+            })
         };
-        let bf16 = f(&mut self.inner, "f32_to_bf16")?;
-        let f16 = f(&mut self.inner, "f32_to_f16")?;
-        self.convert = Some((m, bf16, f16));
+        let (to_bf16, to_f16) = (f("f32_to_bf16")?, f("f32_to_f16")?);
+        let local_best = [
+            f("local_best_f32")?,
+            f("local_best_bf16")?,
+            f("local_best_f16")?,
+        ];
+        let reduce_best = f("reduce_best")?;
+        let pair_bytes = MAX_ARGMAX_ROWS * 2 * 4;
+        let ranks = self.group.comms.len() as u64;
+        let send = self
+            .inner
+            .malloc(pair_bytes)
+            .map_err(|e| e.during("allocating the argmax pairs"))?;
+        let gathered = self
+            .inner
+            .malloc(pair_bytes * ranks)
+            .map_err(|e| e.during("allocating the gathered argmax pairs"))?;
+        self.kernels = Some(TpKernels {
+            module,
+            to_bf16,
+            to_f16,
+            local_best,
+            reduce_best,
+            send,
+            gathered,
+        });
         Ok(())
+    }
+
+    fn kernels(&self) -> DriverResult<TpKernels> {
+        self.kernels
+            .ok_or_else(|| DriverError::other(-1, "the collective kernels were not loaded"))
+    }
+
+    fn stopped(&self) -> DriverResult<()> {
+        match self.group.failure() {
+            None => Ok(()),
+            Some(why) => Err(DriverError::other(
+                -1,
+                format!("the NCCL group is stopped ({why}); load the plan again"),
+            )),
+        }
     }
 }
 
 impl Drop for NcclDriver {
     fn drop(&mut self) {
-        if let Some((m, _, _)) = self.convert.take() {
-            self.inner.module_unload(m);
+        if let Some(k) = self.kernels.take() {
+            let _ = self.inner.free(k.send);
+            let _ = self.inner.free(k.gathered);
+            self.inner.module_unload(k.module);
         }
     }
+}
+
+/// Packs kernel parameters as `ResolvedKernel::pack` does: each at its
+/// natural alignment.
+fn pack(params: &[ParamValue]) -> (Vec<u8>, Vec<usize>) {
+    let mut buf = Vec::new();
+    let mut offsets = Vec::new();
+    for p in params {
+        let (align, bytes): (usize, Vec<u8>) = match p {
+            ParamValue::Ptr(d) => (8, d.0.to_ne_bytes().to_vec()),
+            ParamValue::I64(v) => (8, v.to_ne_bytes().to_vec()),
+            ParamValue::I32(v) => (4, v.to_ne_bytes().to_vec()),
+        };
+        let at = buf.len().div_ceil(align) * align;
+        buf.resize(at, 0);
+        offsets.push(at);
+        buf.extend_from_slice(&bytes);
+    }
+    (buf, offsets)
+}
+
+enum ParamValue {
+    Ptr(DevPtr),
+    I64(i64),
+    I32(i32),
 }
 
 fn nccl_dtype(d: DType) -> Option<ns::ncclDataType_t> {
@@ -314,12 +466,7 @@ impl GpuDriver for NcclDriver {
         (from, to): (DType, DType),
         stream: Handle,
     ) -> DriverResult<()> {
-        if let Some(why) = self.group.failure() {
-            return Err(DriverError::other(
-                -1,
-                format!("the NCCL group is stopped ({why}); load the plan again"),
-            ));
-        }
+        self.stopped()?;
         let Some(dt) = nccl_dtype(from) else {
             return Err(DriverError::other(
                 -1,
@@ -351,12 +498,10 @@ impl GpuDriver for NcclDriver {
         // The f32 partials are summed in place (nothing reads them after
         // the all-reduce), then rounded once into the result.
         nccl(src, src)?;
-        let (_, bf16, f16) = self.convert.ok_or_else(|| {
-            DriverError::other(-1, "the all-reduce rounding kernels were not loaded")
-        })?;
+        let k = self.kernels()?;
         let function = match (from, to) {
-            (DType::F32, DType::BF16) => bf16,
-            (DType::F32, DType::F16) => f16,
+            (DType::F32, DType::BF16) => k.to_bf16,
+            (DType::F32, DType::F16) => k.to_f16,
             _ => {
                 return Err(DriverError::other(
                     -1,
@@ -364,17 +509,92 @@ impl GpuDriver for NcclDriver {
                 ))
             }
         };
-        let mut params = Vec::with_capacity(24);
-        params.extend_from_slice(&src.0.to_ne_bytes());
-        params.extend_from_slice(&dst.0.to_ne_bytes());
-        params.extend_from_slice(&(count as i64).to_ne_bytes());
+        let (params, offsets) = pack(&[
+            ParamValue::Ptr(src),
+            ParamValue::Ptr(dst),
+            ParamValue::I64(count as i64),
+        ]);
         let dims = Dims {
             grid: [count.div_ceil(256).max(1) as u32, 1, 1],
             block: [256, 1, 1],
             shared_bytes: 0,
         };
         self.inner
-            .launch_kernel(function, dims, false, &params, &[0, 8, 16], stream)
+            .launch_kernel(function, dims, false, &params, &offsets, stream)
+    }
+
+    fn sharded_argmax(
+        &mut self,
+        src: DevPtr,
+        dst: DevPtr,
+        (rows, vocab): (u64, u64),
+        dtype: DType,
+        stream: Handle,
+    ) -> DriverResult<()> {
+        self.stopped()?;
+        if rows > MAX_ARGMAX_ROWS || vocab > i32::MAX as u64 / self.group.comms.len() as u64 {
+            return Err(DriverError::other(
+                -1,
+                format!(
+                    "sharded_argmax over {rows} rows of {vocab}: at most {MAX_ARGMAX_ROWS} rows per step; compile smaller keys"
+                ),
+            ));
+        }
+        let k = self.kernels()?;
+        let local = match dtype {
+            DType::F32 => k.local_best[0],
+            DType::BF16 => k.local_best[1],
+            DType::F16 => k.local_best[2],
+            _ => {
+                return Err(DriverError::other(
+                    -1,
+                    format!("sharded_argmax over {dtype} values: f32, bf16 or f16 only"),
+                ))
+            }
+        };
+        let ranks = self.group.comms.len();
+        let (params, offsets) = pack(&[
+            ParamValue::Ptr(src),
+            ParamValue::Ptr(k.send),
+            ParamValue::I32(rows as i32),
+            ParamValue::I32(vocab as i32),
+            ParamValue::I32((self.rank as u64 * vocab) as i32),
+        ]);
+        let one_block_per_row = Dims {
+            grid: [rows.max(1) as u32, 1, 1],
+            block: [256, 1, 1],
+            shared_bytes: 0,
+        };
+        self.inner
+            .launch_kernel(local, one_block_per_row, false, &params, &offsets, stream)?;
+        let comm = self.group.comms[self.rank];
+        // SAFETY: `send` holds `2 * rows` f32s (rows <= MAX_ARGMAX_ROWS) and
+        // `gathered` `ranks` times as many, both on this rank's device.
+        unsafe {
+            nr::all_gather(
+                k.send.0 as usize as *const std::ffi::c_void,
+                k.gathered.0 as usize as *mut std::ffi::c_void,
+                (2 * rows) as usize,
+                ns::ncclDataType_t::ncclFloat32,
+                comm,
+                stream as usize as ns::cudaStream_t,
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| DriverError::other(e.0 as i32, format!("ncclAllGather: {:?}", e.0)))?;
+        let (params, offsets) = pack(&[
+            ParamValue::Ptr(k.gathered),
+            ParamValue::Ptr(dst),
+            ParamValue::I32(rows as i32),
+            ParamValue::I32(ranks as i32),
+        ]);
+        let dims = Dims {
+            grid: [rows.div_ceil(128).max(1) as u32, 1, 1],
+            block: [128, 1, 1],
+            shared_bytes: 0,
+        };
+        self.inner
+            .launch_kernel(k.reduce_best, dims, false, &params, &offsets, stream)
     }
 }
 
@@ -431,7 +651,7 @@ pub fn cuda_tp_backend(
             inner,
             group: group.clone(),
             rank: r,
-            convert: None,
+            kernels: None,
         };
         let mut b = GpuBackend::with_driver(driver, first + r as u32)?;
         let sm = b
@@ -440,7 +660,7 @@ pub fn cuda_tp_backend(
             .trim_start_matches("sm_")
             .parse()
             .unwrap_or(0);
-        b.driver_mut().load_convert(sm)?;
+        b.driver_mut().load_kernels(sm)?;
         backends.push(Box::new(b));
     }
     Ok(TpBackend::new(backends)?.with_control(group))
@@ -451,12 +671,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_all_reduce_rounding_kernels_compile_under_nvrtc() {
+    fn the_collective_kernels_compile_under_nvrtc() {
         if !kiln_kernels::nvrtc::available() {
             eprintln!("SKIPPED: NVRTC not available");
             return;
         }
-        let cubin = kiln_kernels::nvrtc::compile_module(&CONVERT_MODULE, 90).unwrap();
+        let cubin = kiln_kernels::nvrtc::compile_module(&TP_MODULE, 90).unwrap();
         assert!(cubin.len() > 100);
     }
 

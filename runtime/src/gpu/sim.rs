@@ -149,6 +149,13 @@ enum Node {
         dst: DevPtr,
         count: u64,
     },
+    /// `sharded_argmax` through the driver's exchange (f32 rows).
+    ShardedArgmax {
+        src: DevPtr,
+        dst: DevPtr,
+        rows: u64,
+        vocab: u64,
+    },
 }
 
 /// The other ranks of a simulated tensor-parallel group (see
@@ -533,6 +540,45 @@ impl SimDriver {
                 .map_err(|m| DriverError::other(-1, format!("simErrorCollective: {m}")))?;
                 self.write_f32(dst.0, &sum)
             }
+            Node::ShardedArgmax {
+                src,
+                dst,
+                rows,
+                vocab,
+            } => {
+                use kiln_kernels::cpu::collective::{local_best, reduce_best};
+                self.clock_us += 20.0;
+                let ex = self
+                    .exchange
+                    .clone()
+                    .ok_or_else(|| DriverError::other(-1, "simErrorNoCommunicator: no exchange"))?;
+                let (rows, vocab) = (*rows as usize, *vocab as usize);
+                let x = self.read_f32(src.0, rows * vocab)?;
+                let offset = ex.0.rank() as usize * vocab;
+                let mut mine = Vec::with_capacity(2 * rows);
+                for r in 0..rows {
+                    match local_best(&x[r * vocab..(r + 1) * vocab], offset) {
+                        Some((b, i)) => mine.extend([b, f32::from_bits(i as u32)]),
+                        None => mine.extend([f32::NAN, 0.0]),
+                    }
+                }
+                let mut idx = vec![0i32; rows];
+                ex.0.all_gather(&mine, &mut |parts| {
+                    for (r, out) in idx.iter_mut().enumerate() {
+                        let cands = parts.iter().map(|p| {
+                            let (b, i) = (p[2 * r], p[2 * r + 1]);
+                            (!b.is_nan()).then(|| (b, i.to_bits() as usize))
+                        });
+                        *out = reduce_best(cands) as i32;
+                    }
+                })
+                .map_err(|m| DriverError::other(-1, format!("simErrorCollective: {m}")))?;
+                let out = self.region(dst.0, rows as u64 * 4)?;
+                for (c, v) in out.chunks_exact_mut(4).zip(&idx) {
+                    c.copy_from_slice(&v.to_le_bytes());
+                }
+                Ok(())
+            }
         }
     }
 
@@ -907,6 +953,35 @@ impl GpuDriver for SimDriver {
             ));
         }
         self.submit(Node::AllReduce { src, dst, count })
+    }
+
+    fn sharded_argmax(
+        &mut self,
+        src: DevPtr,
+        dst: DevPtr,
+        (rows, vocab): (u64, u64),
+        dtype: DType,
+        _stream: Handle,
+    ) -> DriverResult<()> {
+        if self.exchange.is_none() {
+            return Err(DriverError::other(
+                -1,
+                "this GPU driver has no collective communicator: tensor-parallel plans need the CUDA driver with NCCL (one device per rank)",
+            ));
+        }
+        self.call("sharded_argmax", format!("{rows}x{vocab} {dtype}"), true)?;
+        if dtype != DType::F32 {
+            return Err(DriverError::other(
+                15,
+                "simErrorNotSupported (15): the simulated argmax is f32 only",
+            ));
+        }
+        self.submit(Node::ShardedArgmax {
+            src,
+            dst,
+            rows,
+            vocab,
+        })
     }
 }
 
