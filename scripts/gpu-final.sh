@@ -212,7 +212,7 @@ fi
 
 if [[ " $stages " == *" tp "* ]]; then
   # NCCL with NVLink multicast off (the device documentation's variables).
-  export NCCL_NVLS_ENABLE=0 NCCL_CUMEM_ENABLE=0
+  export NCCL_NVLS_ENABLE=0 NCCL_CUMEM_ENABLE=0 NCCL_RUNTIME_CONNECT=0
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
   if (( gpus < 2 )); then
     echo "tp: skipped, $gpus GPU(s) visible (needs 2)" >> "$S"

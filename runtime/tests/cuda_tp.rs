@@ -47,6 +47,9 @@ fn two_gpus() -> Option<u32> {
         // Before NCCL is loaded (it reads them at its first call).
         std::env::set_var("NCCL_NVLS_ENABLE", "0");
         std::env::set_var("NCCL_CUMEM_ENABLE", "0");
+        // Every peer connection made at init, none lazily at a first
+        // collective (which could fall inside a capture).
+        std::env::set_var("NCCL_RUNTIME_CONNECT", "0");
     });
     let count = if CudaBackend::available() {
         kiln_runtime::gpu::cuda::CudaDriver::default().device_count()

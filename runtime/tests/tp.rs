@@ -279,9 +279,9 @@ fn fail_a_step(
         e.step().unwrap();
     }
     armed.store(3, Ordering::SeqCst);
-    let first = e.step().err().expect("the failing step errs").to_string();
+    let first = e.step().expect_err("the failing step errs").to_string();
     eprintln!("failing step: {first}");
-    let second = e.step().err().expect("a stopped group errs").to_string();
+    let second = e.step().expect_err("a stopped group errs").to_string();
     (first, second)
 }
 

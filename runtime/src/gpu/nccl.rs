@@ -15,7 +15,10 @@
 //! per-row (max, global index), `ncclAllGather` of those pairs, and a
 //! kernel reducing them in rank order by the CPU reference's rule.
 //! Communicators are created before any capture, with `ncclCommInitAll`
-//! over the ranks' devices.
+//! over the ranks' devices, and warmed up (one all-reduce and one
+//! all-gather on every rank at once) so NCCL's lazy peer connection, which
+//! allocates, never happens inside a capture; `NCCL_RUNTIME_CONNECT=0`
+//! connects every protocol at init as well.
 //!
 //! A rank that fails stops the group ([`NcclGroup`], a
 //! `crate::tp::GroupControl`): `ncclCommAbort` on every communicator, so
@@ -263,6 +266,43 @@ impl NcclDriver {
             gathered,
         });
         Ok(())
+    }
+
+    /// One all-reduce and one all-gather on a stream of its own, waited
+    /// for: NCCL connects its peers at a communicator's first collectives
+    /// (allocating), which must not happen inside a capture. Every rank
+    /// must call it at once (each from its own thread).
+    fn warm_up(&mut self, ordinal: u32) -> DriverResult<()> {
+        let k = self.kernels()?;
+        self.inner.set_device(ordinal)?;
+        let stream = self.inner.stream_create()?;
+        let comm = self.group.comms[self.rank];
+        let n = (2 * MAX_ARGMAX_ROWS) as usize;
+        let cs = stream as usize as ns::cudaStream_t;
+        let nccl = |what: &str, r: Result<nr::NcclStatus, nr::NcclError>| {
+            r.map(|_| ())
+                .map_err(|e| DriverError::other(e.0 as i32, format!("{what} (warm-up): {:?}", e.0)))
+        };
+        // SAFETY: `send` holds `n` f32s and `gathered` `ranks * n`, on this
+        // rank's device; the stream is this rank's.
+        let done = unsafe {
+            let send = k.send.0 as usize as *mut std::ffi::c_void;
+            let gathered = k.gathered.0 as usize as *mut std::ffi::c_void;
+            let f32 = ns::ncclDataType_t::ncclFloat32;
+            nccl(
+                "ncclAllReduce",
+                nr::all_reduce(send, send, n, f32, ns::ncclRedOp_t::ncclSum, comm, cs),
+            )
+            .and_then(|()| {
+                nccl(
+                    "ncclAllGather",
+                    nr::all_gather(send, gathered, n, f32, comm, cs),
+                )
+            })
+        }
+        .and_then(|()| self.inner.stream_synchronize(stream));
+        self.inner.stream_destroy(stream);
+        done
     }
 
     fn kernels(&self) -> DriverResult<TpKernels> {
@@ -645,7 +685,7 @@ pub fn cuda_tp_backend(
         comms,
         failure: Mutex::new(None),
     });
-    let mut backends: Vec<Box<dyn Backend + Send>> = Vec::with_capacity(ranks as usize);
+    let mut ranked: Vec<NcclGpuBackend> = Vec::with_capacity(ranks as usize);
     for (r, inner) in cuda.into_iter().enumerate() {
         let driver = NcclDriver {
             inner,
@@ -661,8 +701,30 @@ pub fn cuda_tp_backend(
             .parse()
             .unwrap_or(0);
         b.driver_mut().load_kernels(sm)?;
-        backends.push(Box::new(b));
+        ranked.push(b);
     }
+    // Peers connect now, every rank at once, before any capture.
+    let warm: Vec<DriverResult<()>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranked
+            .iter_mut()
+            .enumerate()
+            .map(|(r, b)| s.spawn(move || b.driver_mut().warm_up(first + r as u32)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(DriverError::other(-1, "a rank's warm-up panicked")))
+            })
+            .collect()
+    });
+    for (r, w) in warm.into_iter().enumerate() {
+        w.map_err(|e| e.during(&format!("NCCL warm-up on rank {r}")))?;
+    }
+    let backends: Vec<Box<dyn Backend + Send>> = ranked
+        .into_iter()
+        .map(|b| Box::new(b) as Box<dyn Backend + Send>)
+        .collect();
     Ok(TpBackend::new(backends)?.with_control(group))
 }
 
