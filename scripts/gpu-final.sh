@@ -21,6 +21,10 @@
 #   serve   `kiln serve --device cuda` on the new Qwen3-0.6B plan driven by
 #           scripts/bench-serve.py at concurrency 1, 8, 32
 #   ncu     Nsight Compute summary of one b1 step of the new Qwen3-0.6B plan
+#   tp      (opt-in, 2 GPUs) Llama-3-8B-shaped tp=1 vs tp=2 `kiln bench` b1
+#           (plans llama-3-8b.kiln / llama-3-8b-tp2.kiln of the last variant,
+#           compiled here when not carried) and the cuda_tp test binary on a
+#           4-layer Llama-3-8B shape; NVLink multicast off for NCCL
 # Results land in $OUT: summary.txt and one tarball with every log and JSON.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -204,6 +208,57 @@ for k, a in sorted(agg.items(), key=lambda x: -x[1]["gpu__time_duration.sum"])[:
 PY
     done
   done
+fi
+
+if [[ " $stages " == *" tp "* ]]; then
+  # NCCL with NVLink multicast off (the device documentation's variables).
+  export NCCL_NVLS_ENABLE=0 NCCL_CUMEM_ENABLE=0 NCCL_RUNTIME_CONNECT=0
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if (( gpus < 2 )); then
+    echo "tp: skipped, $gpus GPU(s) visible (needs 2)" >> "$S"
+  else
+    K="$B/kiln-${last:-}"; [[ -x "$K" ]] || K="$B/kiln"
+    sm=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+    python3 "$root/scripts/make-shaped-model.py" llama-3-8b /tmp/shapes/llama-3-8b >> "$S" 2>&1
+    python3 "$root/scripts/make-shaped-model.py" llama-3-8b /tmp/shapes/llama-3-8b-l4 --layers 4 >> "$S" 2>&1
+    for tp in 1 2; do
+      name=llama-3-8b; (( tp > 1 )) && name=llama-3-8b-tp$tp
+      plan=/tmp/plans-${last:-none}/$name.kiln
+      if [[ ! -f "$plan" ]]; then
+        plan=/tmp/tp-$name.kiln
+        timeout 300 "$K" compile /tmp/shapes/llama-3-8b --target "cuda:sm_$sm" --keys b1q1s0 --tp "$tp" \
+          -o "$plan" > "$OUT/logs/tp-compile-$name.txt" 2>&1
+        echo "tp compile $name: rc=$?" >> "$S"
+      fi
+      timeout 300 "$K" bench "$plan" --device cuda --keys b1q1s0 --steps 200 --context 512 --tp "$tp" \
+        --json "$OUT/logs/tp-bench-$name.json" > "$OUT/logs/tp-bench-$name.txt" 2>&1
+      echo "tp bench $name: rc=$?" >> "$S"
+      cat "$OUT/logs/tp-bench-$name.txt" >> "$S"
+    done
+    python3 - "$OUT/logs" >> "$S" 2>&1 <<'PY'
+import json, os, sys
+d = sys.argv[1]
+r = {}
+for n in ("llama-3-8b", "llama-3-8b-tp2"):
+    try:
+        r[n] = json.load(open(os.path.join(d, f"tp-bench-{n}.json")))["keys"][0]
+    except Exception as e:
+        print(f"tp: no result for {n} ({e})")
+if len(r) == 2:
+    a, b = r["llama-3-8b"]["replay_ms"], r["llama-3-8b-tp2"]["replay_ms"]
+    c = r["llama-3-8b-tp2"].get("collective_ms")
+    print(f"tp: llama-3-8b b1 step tp1 {a:.3f} ms, tp2 {b:.3f} ms, ratio {b / a:.3f} (target <= 0.6); "
+          f"all-reduce per step {'%.3f ms' % c if c is not None else 'not measured'}")
+PY
+    if [[ -x "$B/cuda_tp" ]]; then
+      KILN_REQUIRE_CUDA=1 KILN_CUBIN_DIR="$C/cubins" KILN_TP_SHAPED_DIR=/tmp/shapes/llama-3-8b-l4 \
+        timeout "${KILN_TEST_TIMEOUT:-400}" "$B/cuda_tp" --test-threads=1 > "$OUT/logs/test-cuda_tp.txt" 2>&1
+      echo "test cuda_tp: rc=$? $(grep -E '^test result' "$OUT/logs/test-cuda_tp.txt" | tail -1)" >> "$S"
+      grep -E "FAILED|panicked|near-tie|tokens equal" "$OUT/logs/test-cuda_tp.txt" | head -20 >> "$S"
+    else
+      echo "tp: cuda_tp test binary not carried (.device-carry/bin/cuda_tp.xz)" >> "$S"
+    fi
+  fi
 fi
 
 tar czf "$OUT/00-all.tgz" -C "$OUT" logs

@@ -6,6 +6,8 @@ shapes without downloading weights. `kiln compile` reads headers only;
 
     scripts/make-shaped-model.py qwen3-0.6b /tmp/shapes/qwen3-0.6b [--tokenizer]
 
+--layers N keeps the shape's layer shapes but only N layers.
+
 --tokenizer also writes a synthetic word-level tokenizer.json of the shape's
 vocabulary size (for `kiln serve` on a shaped model).
 
@@ -63,6 +65,10 @@ def gemma3_config(cfg, s):
 
 def main():
     name, out = sys.argv[1], sys.argv[2]
+    if "--layers" in sys.argv[3:]:
+        # The shape's layers cut to N (the same layer shapes, a shorter model):
+        # correctness tests of big shapes on random weights.
+        SHAPES[name] = dict(SHAPES[name], layers=int(sys.argv[sys.argv.index("--layers") + 1]))
     s = SHAPES[name]
     os.makedirs(out, exist_ok=True)
     cfg = {

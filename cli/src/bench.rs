@@ -12,6 +12,10 @@
 //! backend measures one), capture time, and arena/workspace bytes, as a table
 //! and as JSON.
 //!
+//! A tensor-parallel plan runs on its ranks (CPU ranks, or GPUs from the
+//! ordinal on) and its rows add the time per replayed step spent inside
+//! collectives, the busiest rank's (`allred ms`, `collective_ms`).
+//!
 //! Weights come from `--weights` (the safetensors the plan was compiled
 //! against) or, when absent, are random ([`Weights::Random`]). Timing does not
 //! depend on the values.
@@ -22,7 +26,8 @@
 
 use kiln_ir::Key;
 use kiln_runtime::{
-    open_backend, DeviceSpec, Engine, EngineError, EngineOptions, GraphMode, StepMode, Weights,
+    open_backend_ranks, DeviceSpec, Engine, EngineError, EngineOptions, GraphMode, StepMode,
+    Weights,
 };
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -54,6 +59,10 @@ pub struct BenchArgs {
     /// Also write the report as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Tensor-parallel ranks: a check only (the plan says how many it
+    /// needs); an error when it differs from the plan's.
+    #[arg(long, value_name = "N")]
+    pub tp: Option<u32>,
 }
 
 /// Why a benchmark could not run.
@@ -89,6 +98,11 @@ pub struct KeyResult {
     pub hbm_floor_ms: Option<f64>,
     pub replay_over_floor: Option<f64>,
     pub capture_ms: f64,
+    /// Tensor-parallel plans: milliseconds per replayed step spent inside
+    /// collectives (all-reduce and the cross-rank argmax, waiting for the
+    /// other ranks included), the busiest rank's; `None` for one rank or
+    /// where the backend cannot tell.
+    pub collective_ms: Option<f64>,
     pub arena_bytes: u64,
     pub workspace_bytes: u64,
     /// How many of the key's GEMMs run as each implementation the plan
@@ -127,6 +141,8 @@ pub struct BenchReport {
     pub weights: String,
     /// `None` where the backend measures none (the CPU).
     pub copy_bandwidth_gbs: Option<f64>,
+    /// Tensor-parallel ranks the plan runs on (1: a single device).
+    pub tp: u32,
     pub keys: Vec<KeyResult>,
 }
 
@@ -137,18 +153,19 @@ impl BenchReport {
             .copy_bandwidth_gbs
             .map_or("not measured".to_string(), |b| format!("{b:.0} GB/s"));
         let mut s = format!(
-            "plan {}  device {}  weights {}  copy bandwidth {bw}\n",
-            self.plan, self.device, self.weights
+            "plan {}  device {}  weights {}  copy bandwidth {bw}  tp {}\n",
+            self.plan, self.device, self.weights, self.tp
         );
         let opt = |v: Option<f64>, width: usize, prec: usize| {
             v.map_or(format!("{:>width$}", "-"), |v| format!("{v:>width$.prec$}"))
         };
         s.push_str(&format!(
-            "{:<10} {:>5} {:>10} {:>10} {:>7} {:>10} {:>9} {:>7} {:>9} {:>12} {:>12}\n",
+            "{:<10} {:>5} {:>10} {:>10} {:>10} {:>7} {:>10} {:>9} {:>7} {:>9} {:>12} {:>12}\n",
             "key",
             "ctx",
             "eager ms",
             "replay ms",
+            "allred ms",
             "ratio",
             "tokens/s",
             "floor ms",
@@ -159,11 +176,12 @@ impl BenchReport {
         ));
         for k in &self.keys {
             s.push_str(&format!(
-                "{:<10} {:>5} {:>10.3} {:>10.3} {:>7.2} {:>10.0} {} {} {:>9.1} {:>12} {:>12}\n",
+                "{:<10} {:>5} {:>10.3} {:>10.3} {} {:>7.2} {:>10.0} {} {} {:>9.1} {:>12} {:>12}\n",
                 k.key,
                 k.context,
                 k.eager_ms,
                 k.replay_ms,
+                opt(k.collective_ms, 10, 3),
                 k.speedup,
                 k.tokens_per_s,
                 opt(k.hbm_floor_ms, 9, 3),
@@ -218,6 +236,8 @@ fn wanted_keys(args: &BenchArgs, plan: &kiln_ir::plan::Plan) -> Result<Vec<Key>,
 pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     let spec = device_spec(args)?;
     let plan = kiln_runtime::loader::read_plan_file(&args.plan)?;
+    crate::run_cmd::check_tp(args.tp, plan.tp)?;
+    let tp = plan.tp;
     let keys = wanted_keys(args, &plan)?;
     let weights = match &args.weights {
         Some(d) => Weights::Dir(d),
@@ -228,7 +248,8 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         log: false,
         ..EngineOptions::default()
     };
-    let mut engine = Engine::with_weights(plan, weights, open_backend(spec)?, options)?;
+    let backend = open_backend_ranks(spec, tp)?;
+    let mut engine = Engine::with_weights(plan, weights, backend, options)?;
     let info = engine.device();
     let bw = engine.copy_bandwidth(1 << 30, 10)?;
     let eager_steps = (args.steps / 10).max(10);
@@ -262,6 +283,7 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
             hbm_floor_ms: floor,
             replay_over_floor: floor.map(|f| r / f),
             capture_ms: replay.capture_ms.unwrap_or(0.0),
+            collective_ms: replay.collective_ms.filter(|_| tp > 1),
             arena_bytes: facts.arena_bytes,
             workspace_bytes: facts.workspace_bytes,
             gemms,
@@ -275,6 +297,7 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
             .as_ref()
             .map_or("random".to_string(), |d| d.display().to_string()),
         copy_bandwidth_gbs: bw.map(|b| b / 1e9),
+        tp,
         keys: results,
     };
     if let Some(p) = &args.json {
@@ -316,6 +339,7 @@ mod tests {
             hbm_floor_ms: Some(0.27),
             replay_over_floor: Some(1.85),
             capture_ms: 2.0,
+            collective_ms: None,
             arena_bytes: 1 << 20,
             workspace_bytes: 0,
             gemms: GemmCounts {
@@ -333,6 +357,7 @@ mod tests {
             device: "test".into(),
             weights: "random".into(),
             copy_bandwidth_gbs: Some(4000.0),
+            tp: 1,
             keys: vec![
                 report_row(),
                 KeyResult {
@@ -391,6 +416,7 @@ mod tests {
             steps: 3,
             context: 20,
             json: None,
+            tp: None,
         }
     }
 

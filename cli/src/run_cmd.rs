@@ -3,11 +3,12 @@
 //!
 //! Everything here is argument handling: loading, dispatch, graphs and text
 //! streaming are `kiln-runtime`'s (the same calls the examples make). Not
-//! here: chat templates, sampling, batching several prompts.
+//! here: chat templates, sampling, batching several prompts. A
+//! tensor-parallel plan runs on as many ranks as it was compiled for.
 
 use kiln_runtime::text::{generate_text_with, read_prompt_file, RunReport, TextTokenizer};
 use kiln_runtime::{
-    open_backend, DeviceSpec, Engine, EngineError, EngineOptions, SpecError, SpecOptions,
+    open_backend_ranks, DeviceSpec, Engine, EngineError, EngineOptions, SpecError, SpecOptions,
     SpecStats, Speculator,
 };
 use std::io::Write;
@@ -42,6 +43,22 @@ pub struct RunArgs {
     /// identical output). The plan needs spec keys `b*q{K+1}s{K}`.
     #[arg(long, value_name = "K")]
     pub spec: Option<u32>,
+    /// Tensor-parallel ranks: a check only, the plan says how many it
+    /// needs (`kiln compile --tp N`); an error when it differs. The ranks
+    /// are CPU ranks sharing the host's threads, or the GPUs from
+    /// `--device`'s ordinal on.
+    #[arg(long, value_name = "N")]
+    pub tp: Option<u32>,
+}
+
+/// Refuses `--tp asked` when the plan was compiled for `plan_tp` ranks.
+pub fn check_tp(asked: Option<u32>, plan_tp: u32) -> Result<(), EngineError> {
+    match asked {
+        Some(n) if n != plan_tp => Err(EngineError::BadPlan(format!(
+            "--tp {n} given, but the plan is compiled for {plan_tp} tensor-parallel rank(s); drop --tp (the plan decides) or recompile with `kiln compile --tp {n}`"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Why `kiln run` failed.
@@ -69,14 +86,15 @@ pub fn run(args: &RunArgs, out: &mut dyn Write) -> Result<RunOutcome, RunError> 
     if tokenizer.encode(&prompt)?.is_empty() {
         return Err(EngineError::EmptyPrompt.into());
     }
-    // The plan's keys are checked before the weights are loaded.
+    // The plan's keys and ranks are checked before the weights are loaded.
     let mut spec = None;
+    let plan = kiln_runtime::loader::read_plan_file(&args.plan)?;
+    check_tp(args.tp, plan.tp)?;
     if let Some(k) = args.spec {
-        let plan = kiln_runtime::loader::read_plan_file(&args.plan)?;
         kiln_runtime::spec::check_plan(&plan, k)?;
     }
-    let backend = open_backend(device)?;
-    let mut engine = Engine::load(&args.plan, &args.weights, backend, EngineOptions::default())?;
+    let backend = open_backend_ranks(device, plan.tp)?;
+    let mut engine = Engine::new(plan, &args.weights, backend, EngineOptions::default())?;
     if let Some(k) = args.spec {
         spec = Some(Speculator::new(&engine, SpecOptions::new(k))?);
     }

@@ -13,6 +13,12 @@ use std::process::{Command, Output};
 
 /// A tiny model (vocab 256, bytes as tokens), its plan and its tokenizer.
 fn model() -> (tempfile::TempDir, PathBuf) {
+    model_tp(1)
+}
+
+/// [`model`] compiled for `tp` tensor-parallel ranks (the SmolLM2 shape:
+/// 9 heads over 3 KV heads, so `tp` is 1 or 3).
+fn model_tp(tp: u32) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     write_tiny_model(dir.path(), Family::Llama, &TinySpec::smollm2()).unwrap();
     write_byte_tokenizer(dir.path()).unwrap();
@@ -24,6 +30,7 @@ fn model() -> (tempfile::TempDir, PathBuf) {
             max_context: Some(64),
             ..KvOptions::default()
         },
+        tp,
         ..CompileOptions::default()
     };
     let plan = compile_dir(dir.path(), &opts, &mut |_, _| {}).unwrap().plan;
@@ -219,4 +226,143 @@ fn kiln_run_refuses_bad_input_with_a_clear_error() {
         assert!(err.contains(want), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+}
+
+#[test]
+fn kiln_run_runs_a_tp3_plan_on_cpu_ranks_with_the_tp1_text_and_checks_tp() {
+    let (dir, plan) = model_tp(3);
+    let d = dir.path().to_str().unwrap();
+    let p = plan.to_str().unwrap();
+    // The oracle: the same model compiled unsharded, run by the library.
+    let tp1 = dir.path().join("tp1.kiln");
+    let opts = CompileOptions {
+        keys: vec![Key::new(1, 1, 0), Key::new(1, 4, 0)],
+        kv: KvOptions {
+            block_size: 4,
+            kv_blocks: Some(32),
+            max_context: Some(64),
+            ..KvOptions::default()
+        },
+        ..CompileOptions::default()
+    };
+    let one = compile_dir(dir.path(), &opts, &mut |_, _| {}).unwrap().plan;
+    kiln_ir::artifact::write_plan_atomic(&tp1, &one).unwrap();
+    let want = expected(dir.path(), &tp1, "kiln!", 12);
+    // No flag needed: the plan says tp=3; `--tp 3` agrees with it.
+    for extra in [&[][..], &["--tp", "3"][..]] {
+        let mut args = vec![
+            "run",
+            p,
+            "--weights",
+            d,
+            "--prompt",
+            "kiln!",
+            "--max-tokens",
+            "12",
+        ];
+        args.extend_from_slice(extra);
+        let out = kiln(&args, &[("KILN_TP_THREADS", "1")]);
+        assert!(out.status.success(), "{extra:?}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), want, "{extra:?}");
+        let err = text(&out.stderr);
+        assert!(
+            err.contains("graphs on") && !err.contains(" 0 replays"),
+            "{err}"
+        );
+    }
+    // A --tp that differs from the plan's is refused with the fix.
+    for (args, want) in [
+        (
+            vec!["run", p, "--weights", d, "--prompt", "hi", "--tp", "2"],
+            "--tp 2 given, but the plan is compiled for 3 tensor-parallel rank(s)",
+        ),
+        (
+            vec![
+                "run",
+                tp1.to_str().unwrap(),
+                "--weights",
+                d,
+                "--prompt",
+                "hi",
+                "--tp",
+                "3",
+            ],
+            "recompile with `kiln compile --tp 3`",
+        ),
+        (
+            vec!["run", p, "--weights", d, "--prompt", "hi"],
+            "KILN_TP_TIMEOUT_S",
+        ),
+    ] {
+        let env: &[(&str, &str)] = if want == "KILN_TP_TIMEOUT_S" {
+            &[("KILN_TP_TIMEOUT_S", "soon")]
+        } else {
+            &[]
+        };
+        let out = kiln(&args, env);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn kiln_bench_on_a_tp3_plan_reports_the_collective_time_per_step() {
+    let (dir, plan) = model_tp(3);
+    let json = dir.path().join("bench.json");
+    let out = kiln(
+        &[
+            "bench",
+            plan.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--steps",
+            "4",
+            "--context",
+            "16",
+            "--tp",
+            "3",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    assert!(
+        table.contains("tp 3") && table.contains("allred ms"),
+        "{table}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["tp"], 3);
+    for k in v["keys"].as_array().unwrap() {
+        let coll = k["collective_ms"]
+            .as_f64()
+            .expect("collective time on a tp plan");
+        let step = k["replay_ms"].as_f64().unwrap();
+        // Inside collectives is part of the step (a mean over the timed
+        // steps against their median, so with slack for a busy machine),
+        // and not nothing: 2 per layer plus the argmax, each a barrier
+        // round across threads.
+        assert!(coll > 0.0 && coll < step * 2.0, "{k}");
+    }
+    // `--tp` must agree with the plan.
+    let out = kiln(
+        &[
+            "bench",
+            plan.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--tp",
+            "1",
+        ],
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--tp 1 given"),
+        "{}",
+        text(&out.stderr)
+    );
 }

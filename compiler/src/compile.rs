@@ -527,10 +527,12 @@ pub fn compile_traced<E: Display>(
         num_heads: meta.info.num_heads,
         num_kv_heads: meta.info.num_kv_heads,
         vocab_size: meta.info.vocab_size,
-        // The cross-rank argmax runs on the CPU backend; GPU targets, plans
-        // that sample in the graph and plans that output logits keep the
-        // lm_head replicated (see the shard pass's docs).
-        split_vocab: matches!(opts.target, Target::Cpu) && !opts.sampling && !opts.logits,
+        // The cross-rank argmax runs on the CPU backend and on CUDA (NCCL);
+        // HIP targets, plans that sample in the graph and plans that output
+        // logits keep the lm_head replicated (see the shard pass's docs).
+        split_vocab: matches!(opts.target, Target::Cpu | Target::Cuda { .. })
+            && !opts.sampling
+            && !opts.logits,
     };
 
     let mut graphs = Vec::with_capacity(keys.len());

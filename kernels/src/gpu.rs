@@ -950,10 +950,12 @@ pub fn lower_symbolic(
             float_suffix(m, args[0].dtype)?;
             Lowered::Collective
         }
+        // The cross-rank argmax: each rank's (max, global index) per row,
+        // gathered from every rank by the collective library, reduced in
+        // rank order exactly as the CPU does (the runtime's NCCL driver).
         Op::ShardedArgmax { .. } => {
-            return Err(unsupported(
-                "the cross-rank argmax has no GPU lowering yet; GPU tensor-parallel plans keep the lm_head replicated (the shard pass does so for GPU targets)".into(),
-            ))
+            float_suffix(m, args[0].dtype)?;
+            Lowered::Collective
         }
         Op::Embedding => {
             let s = float_suffix(m, args[1].dtype)?;

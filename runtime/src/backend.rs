@@ -235,6 +235,12 @@ pub trait Backend {
     fn ranks(&self) -> u32 {
         1
     }
+    /// Nanoseconds each rank has spent inside collectives so far (waiting
+    /// for the other ranks included), rank `r` at index `r`; `None` (the
+    /// default) where there are none or the backend cannot tell.
+    fn collective_ns(&self) -> Option<Vec<u64>> {
+        None
+    }
     /// Host to device copy into rank `rank`'s memory only (a weight
     /// shard); `dst` as for [`Backend::upload`]. Before capture.
     fn upload_rank(&mut self, rank: u32, dst: DevPtr, data: &[u8]) -> Result<()> {

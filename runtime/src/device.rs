@@ -3,8 +3,9 @@
 //!
 //! Only the CPU backend is always built; CUDA and HIP are behind the `cuda`
 //! and `rocm` cargo features, and asking for one that is not built is an
-//! error saying how to build it. Not here: device discovery or choosing a
-//! device automatically.
+//! error saying how to build it. A tensor-parallel plan opens one backend
+//! per rank behind `crate::tp::TpBackend` ([`open_backend_ranks`]). Not
+//! here: device discovery or choosing a device automatically.
 
 use crate::backend::Backend;
 use crate::error::EngineError;
@@ -45,6 +46,53 @@ pub fn open_backend(spec: DeviceSpec) -> Result<Box<dyn Backend + Send>, EngineE
         DeviceSpec::Cuda(ordinal) => open_cuda(ordinal),
         DeviceSpec::Hip(ordinal) => open_hip(ordinal),
     }
+}
+
+/// Opens the backend for a plan over `ranks` tensor-parallel ranks on
+/// `spec`: the single-device backend when `ranks` is 1; otherwise
+/// `ranks` CPU ranks ([`crate::tp::TpBackend::cpu_with_options`], the
+/// host's threads shared out) or the GPUs `spec`'s ordinal and the next
+/// `ranks - 1` joined by NCCL. Options come from the environment
+/// ([`crate::tp::TpOptions::from_env`]).
+pub fn open_backend_ranks(
+    spec: DeviceSpec,
+    ranks: u32,
+) -> Result<Box<dyn Backend + Send>, EngineError> {
+    if ranks <= 1 {
+        return open_backend(spec);
+    }
+    let options = crate::tp::TpOptions::from_env()?;
+    match spec {
+        DeviceSpec::Cpu => Ok(Box::new(
+            crate::tp::TpBackend::cpu_with_options(ranks, &options)?.0,
+        )),
+        DeviceSpec::Cuda(first) => open_cuda_ranks(first, ranks, &options),
+        DeviceSpec::Hip(first) => Err(EngineError::Device(format!(
+            "hip:{first}: tensor-parallel plans ({ranks} ranks) run on cpu or cuda only (no RCCL driver yet); compile with --tp 1 for HIP"
+        ))),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda_ranks(
+    first: u32,
+    ranks: u32,
+    options: &crate::tp::TpOptions,
+) -> Result<Box<dyn Backend + Send>, EngineError> {
+    Ok(Box::new(crate::gpu::nccl::cuda_tp_backend(
+        first, ranks, options,
+    )?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda_ranks(
+    first: u32,
+    ranks: u32,
+    _: &crate::tp::TpOptions,
+) -> Result<Box<dyn Backend + Send>, EngineError> {
+    Err(EngineError::Device(format!(
+        "cuda:{first} ({ranks} ranks) asked for, but this build has no CUDA backend; rebuild with `--features cuda`"
+    )))
 }
 
 #[cfg(feature = "cuda")]

@@ -40,7 +40,7 @@ pub mod weights;
 
 pub use backend::{Backend, BackendError, DeviceInfo};
 pub use cpu::CpuBackend;
-pub use device::{open_backend, DeviceSpec};
+pub use device::{open_backend, open_backend_ranks, DeviceSpec};
 pub use draft::{DraftError, PromptLookup};
 pub use engine::{
     Engine, EngineOptions, EngineStats, Faults, FinishReason, KeyCounters, KeyFacts, PrefillMode,

@@ -522,8 +522,13 @@ pub fn random_entry(entry: &WeightEntry, seed: u64) -> Vec<u8> {
 }
 
 /// Allocates `Region::Weight(i)` for every manifest entry and uploads random
-/// values ([`random_entry`], entry `i` seeded with `seed + i`). Returns what
-/// [`WeightSet::bind`] returns.
+/// values. Returns what
+/// [`WeightSet::bind`] returns. Values belong to the source tensors, not the
+/// entries: each source tensor's values are drawn ([`random_part`], seeded
+/// by `seed` and its name) and the entry is built from them as from files
+/// (concatenated, each rank's slice of a sharded one), so a tensor-parallel
+/// plan holds the same weights as the unsharded plan of the same model.
+/// Kept-quantized entries draw random blocks per entry.
 pub fn bind_random(
     plan: &Plan,
     backend: &mut dyn Backend,
@@ -531,16 +536,76 @@ pub fn bind_random(
 ) -> Result<Vec<(DevPtr, u64)>, EngineError> {
     let mut out = Vec::with_capacity(plan.manifest.entries.len());
     for (i, entry) in plan.manifest.entries.iter().enumerate() {
-        let mut bytes = random_entry(entry, seed.wrapping_add(i as u64));
         if let Some(q) = entry.storage {
-            bytes = repack_for_device(plan, q, bytes, entry)?;
+            let bytes = random_entry(entry, seed.wrapping_add(i as u64));
+            let bytes = repack_for_device(plan, q, bytes, entry)?;
+            let size = entry.ty().size_bytes().max(bytes.len() as u64);
+            let ptr = backend.alloc(size, &format!("weight {}", entry.name))?;
+            backend.upload(ptr, &bytes)?;
+            out.push((ptr, size));
+            continue;
         }
-        let size = entry.ty().size_bytes().max(bytes.len() as u64);
+        let size = entry.ty().size_bytes();
         let ptr = backend.alloc(size, &format!("weight {}", entry.name))?;
-        backend.upload(ptr, &bytes)?;
+        let to_entry = |f32s: &[u8]| {
+            let mut b = vec![0u8; f32s.len() / 4 * entry.dtype.size()];
+            if entry.dtype == DType::I32 {
+                return b;
+            }
+            convert(f32s, DType::F32, &mut b, entry.dtype);
+            b
+        };
+        match &entry.source {
+            WeightSource::Sharded { parts, axis, ranks } => {
+                let full: Vec<(Vec<u8>, TensorRef)> = parts
+                    .iter()
+                    .map(|p| {
+                        let as_f32 = TensorRef {
+                            dtype: DType::F32,
+                            ..p.clone()
+                        };
+                        (random_part(p, seed), as_f32)
+                    })
+                    .collect();
+                for rank in 0..*ranks {
+                    let mut f = Vec::new();
+                    for (bytes, part) in &full {
+                        f.extend(shard_slice(bytes, part, *axis, *ranks, rank));
+                    }
+                    backend.upload_rank(rank, ptr, &to_entry(&f))?;
+                }
+            }
+            src => {
+                let f: Vec<u8> = src
+                    .parts()
+                    .iter()
+                    .flat_map(|p| random_part(p, seed))
+                    .collect();
+                backend.upload(ptr, &to_entry(&f))?;
+            }
+        }
         out.push((ptr, size));
     }
     Ok(out)
+}
+
+/// The random values of source tensor `part` as little-endian f32s:
+/// uniform in `[0.9, 1.1)` for 1-D tensors (norm weights), `[-0.05, 0.05)`
+/// otherwise, from a stream seeded by `seed` and the tensor's name (FNV-1a),
+/// so every plan reading the tensor sees the same values.
+pub fn random_part(part: &TensorRef, seed: u64) -> Vec<u8> {
+    let name = part.tensor.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    let mut state = (seed ^ name).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let norm_like = part.shape.rank() == 1;
+    (0..part.shape.numel() as usize)
+        .flat_map(|_| {
+            let u = ((next_random(&mut state) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+            let v = if norm_like { 1.0 + 0.1 * u } else { 0.05 * u };
+            v.to_le_bytes()
+        })
+        .collect()
 }
 
 /// Rank `rank`'s share of `part`'s bytes `src` under `Sharded { axis,

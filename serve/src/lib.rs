@@ -110,10 +110,13 @@ impl Server {
             .name("kiln-engine".into())
             .spawn(move || {
                 let loaded = (|| -> anyhow::Result<Engine> {
-                    let backend = kiln_runtime::open_backend(cfg.device)?;
-                    let engine =
-                        Engine::load(&cfg.plan, &cfg.weights, backend, EngineOptions::default())
-                            .with_context(|| format!("loading {}", cfg.plan.display()))?;
+                    let loading = || format!("loading {}", cfg.plan.display());
+                    let plan =
+                        kiln_runtime::loader::read_plan_file(&cfg.plan).with_context(loading)?;
+                    // A tensor-parallel plan opens one backend per rank.
+                    let backend = kiln_runtime::open_backend_ranks(cfg.device, plan.tp)?;
+                    let engine = Engine::new(plan, &cfg.weights, backend, EngineOptions::default())
+                        .with_context(loading)?;
                     Ok(engine)
                 })();
                 let engine = match loaded {

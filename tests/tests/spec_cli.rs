@@ -40,6 +40,7 @@ fn run_args(plan: &Path, dir: &Path, prompt: &str, spec: Option<u32>) -> RunArgs
         max_tokens: 24,
         device: "cpu".into(),
         spec,
+        tp: None,
     }
 }
 

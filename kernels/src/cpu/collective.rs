@@ -36,7 +36,13 @@ pub trait Exchange {
     /// Publishes `local` and calls `f` with every rank's published slice, in
     /// rank order (this rank's included). Returns once every rank has
     /// finished reading, so `local`'s next publication cannot race a reader.
-    fn all_gather(&self, local: &[f32], f: &mut dyn FnMut(&[&[f32]]));
+    /// An error (another rank failed, or did not arrive in time) says why,
+    /// naming the rank; `f` may then not have been called.
+    fn all_gather(
+        &self,
+        local: &[f32],
+        f: &mut dyn FnMut(&[&[f32]]),
+    ) -> std::result::Result<(), String>;
 }
 
 /// The elementwise f32 sum of `parts` in rank order, into `out`.
@@ -83,6 +89,13 @@ pub fn reduce_best(candidates: impl IntoIterator<Item = Option<(f32, usize)>>) -
     best.map_or(0, |(_, i)| i)
 }
 
+fn collective_error(op: &Op, message: String) -> super::KernelError {
+    super::KernelError::Collective {
+        op: op.mnemonic(),
+        message,
+    }
+}
+
 /// Runs a collective op with `exchange` (or none: one rank).
 ///
 /// # Safety
@@ -123,7 +136,9 @@ pub unsafe fn execute_collective(
             let mut sum = vec![0f32; local.len()];
             match exchange {
                 None => sum.copy_from_slice(&local),
-                Some(e) => e.all_gather(&local, &mut |parts| sum_in_rank_order(parts, &mut sum)),
+                Some(e) => e
+                    .all_gather(&local, &mut |parts| sum_in_rank_order(parts, &mut sum))
+                    .map_err(|m| collective_error(op, m))?,
             }
             let out = super::from_f32(y.ty.dtype, &sum);
             std::ptr::copy_nonoverlapping(out.as_ptr(), y.ptr, out.len());
@@ -155,7 +170,9 @@ pub unsafe fn execute_collective(
             };
             match exchange {
                 None => reduce(&[&mine]),
-                Some(e) => e.all_gather(&mine, &mut reduce),
+                Some(e) => e
+                    .all_gather(&mine, &mut reduce)
+                    .map_err(|m| collective_error(op, m))?,
             }
             let out = super::from_i32(&idx);
             std::ptr::copy_nonoverlapping(out.as_ptr(), y.ptr, out.len());

@@ -95,6 +95,10 @@ pub enum KernelError {
     /// entry, context length) is out of range. Nothing was written.
     #[error("cpu kernel `{op}`: {message}")]
     Index { op: &'static str, message: String },
+    /// A collective could not complete: another rank failed or did not
+    /// arrive in time (the message names it). Nothing was written.
+    #[error("collective `{op}` did not complete: {message}")]
+    Collective { op: &'static str, message: String },
 }
 
 pub(crate) type Result<T> = std::result::Result<T, KernelError>;

@@ -43,6 +43,10 @@ pub struct StepTimes {
     /// Time the key's graph capture took (the capture that made the graph,
     /// which may predate this call); `None` in eager mode.
     pub capture_ms: Option<f64>,
+    /// Tensor-parallel plans: milliseconds per timed step spent inside
+    /// collectives (waiting for the other ranks included), the largest of
+    /// any rank's; `None` where the backend cannot tell (or has no ranks).
+    pub collective_ms: Option<f64>,
 }
 
 /// What a key's plan and its loaded form hold, for reports.
@@ -250,9 +254,11 @@ impl Engine {
         }
         be.synchronize()?;
         let mut times = Vec::with_capacity(reps as usize);
+        let coll_before = be.collective_ns();
         for _ in 0..reps {
             times.push(timed(be, step)?);
         }
+        let collective_ms = per_step_max_ms(coll_before, be.collective_ns(), reps);
         let back_to_back = timed(be, |be| (0..reps).try_for_each(|_| step(be)))? / reps as f64;
         be.synchronize()?;
         let c = self.counters.get_mut(&key).expect("every key has counters");
@@ -275,6 +281,7 @@ impl Engine {
             max_ms: times.iter().copied().fold(0.0, f64::max),
             back_to_back_ms: back_to_back,
             capture_ms,
+            collective_ms,
         })
     }
 
@@ -298,6 +305,17 @@ impl Engine {
     }
 }
 
+/// The largest per-rank growth from `before` to `after` (nanoseconds),
+/// per step of `reps`, in milliseconds.
+fn per_step_max_ms(before: Option<Vec<u64>>, after: Option<Vec<u64>>, reps: u32) -> Option<f64> {
+    let (b, a) = (before?, after?);
+    a.iter()
+        .zip(&b)
+        .map(|(a, b)| a.saturating_sub(*b))
+        .max()
+        .map(|ns| ns as f64 / 1e6 / reps.max(1) as f64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,6 +332,17 @@ mod tests {
             null_block: 0,
             max_blocks_per_seq: 8,
         }
+    }
+
+    #[test]
+    fn collective_time_per_step_is_the_busiest_ranks_growth_over_the_steps() {
+        let ms = per_step_max_ms(
+            Some(vec![5, 1_000_000]),
+            Some(vec![8_000_005, 3_000_000]),
+            4,
+        );
+        assert_eq!(ms, Some(2.0));
+        assert_eq!(per_step_max_ms(None, Some(vec![1]), 1), None);
     }
 
     #[test]

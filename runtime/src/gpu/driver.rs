@@ -246,4 +246,25 @@ pub trait GpuDriver {
             "this GPU driver has no collective communicator: tensor-parallel plans need the CUDA driver with NCCL (one device per rank)",
         ))
     }
+
+    /// Enqueues the cross-rank argmax of `rows` rows of `vocab` values of
+    /// `dtype` at `src` (this rank's vocabulary slice) into `rows` i32s at
+    /// `dst` on `stream`: each rank's first maximum (NaN skipped) with its
+    /// global index, gathered from every rank by the collective library and
+    /// reduced in rank order, a later rank winning only when strictly larger
+    /// (`kiln_kernels::cpu::collective`'s rule). The default refuses.
+    fn sharded_argmax(
+        &mut self,
+        src: DevPtr,
+        dst: DevPtr,
+        (rows, vocab): (u64, u64),
+        dtype: kiln_ir::DType,
+        stream: Handle,
+    ) -> DriverResult<()> {
+        let _ = (src, dst, rows, vocab, dtype, stream);
+        Err(DriverError::other(
+            -1,
+            "this GPU driver has no collective communicator: tensor-parallel plans need the CUDA driver with NCCL (one device per rank)",
+        ))
+    }
 }

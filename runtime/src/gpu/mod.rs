@@ -39,6 +39,8 @@
 pub mod cuda;
 pub mod driver;
 pub mod hip;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod sim;
 
 use crate::backend::{
@@ -534,9 +536,25 @@ impl<D: GpuDriver> GpuBackend<D> {
             LaunchBody::Collective => {
                 let (x, y) = (&launch.args[0], &launch.results[0]);
                 let stream = self.stream;
-                self.driver
-                    .all_reduce_sum(x.ptr, y.ptr, x.ty.numel(), (x.ty.dtype, y.ty.dtype), stream)
-                    .map_err(|e| BackendError::Device(e.description))
+                let done = match &launch.op {
+                    kiln_ir::Op::ShardedArgmax { .. } => {
+                        let d = x.ty.shape.dims();
+                        let (rows, vocab) = match d {
+                            [r, v] => (*r as u64, *v as u64),
+                            _ => (1, x.ty.numel()),
+                        };
+                        self.driver
+                            .sharded_argmax(x.ptr, y.ptr, (rows, vocab), x.ty.dtype, stream)
+                    }
+                    _ => self.driver.all_reduce_sum(
+                        x.ptr,
+                        y.ptr,
+                        x.ty.numel(),
+                        (x.ty.dtype, y.ty.dtype),
+                        stream,
+                    ),
+                };
+                done.map_err(|e| BackendError::Device(e.description))
             }
             LaunchBody::Kernels(ks) => ks.iter().try_for_each(|k| self.launch_kernel(k, capturing)),
             LaunchBody::Gemm { shape, .. } => {

@@ -16,6 +16,11 @@
 //! f32 on the host, with an algorithm whose workspace requirement the test
 //! chooses. Time is a virtual clock advanced by each executed node.
 //!
+//! A device may be one rank of a tensor-parallel group
+//! ([`SimDriver::with_exchange`]): its all-reduce meets the other ranks'
+//! in an in-process exchange when it executes, so `crate::tp::TpBackend`
+//! over simulated GPU ranks runs in CI.
+//!
 //! Not here: concurrency (work completes when submitted; `in_flight` counts
 //! what a real device could still be running), and any numerics beyond f32.
 
@@ -138,6 +143,35 @@ enum Node {
         bytes: u64,
     },
     Event(Handle),
+    /// `all_reduce_sum` through the driver's exchange (f32).
+    AllReduce {
+        src: DevPtr,
+        dst: DevPtr,
+        count: u64,
+    },
+    /// `sharded_argmax` through the driver's exchange (f32 rows).
+    ShardedArgmax {
+        src: DevPtr,
+        dst: DevPtr,
+        rows: u64,
+        vocab: u64,
+    },
+}
+
+/// The other ranks of a simulated tensor-parallel group (see
+/// [`SimDriver::with_exchange`]).
+#[derive(Clone)]
+pub struct SimExchange(pub crate::cpu::SharedExchange);
+
+impl std::fmt::Debug for SimExchange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "SimExchange(rank {} of {})",
+            self.0.rank(),
+            self.0.ranks()
+        )
+    }
 }
 
 /// A simulated GPU. See the module docs.
@@ -161,6 +195,7 @@ pub struct SimDriver {
     bound: Option<u32>,
     clock_us: f64,
     in_flight: u64,
+    exchange: Option<SimExchange>,
 }
 
 fn read_u64(params: &[u8], offsets: &[usize], i: usize) -> DriverResult<u64> {
@@ -204,7 +239,17 @@ impl SimDriver {
             bound: None,
             clock_us: 0.0,
             in_flight: 0,
+            exchange: None,
         }
+    }
+
+    /// This device as one rank of a simulated tensor-parallel group:
+    /// `all_reduce_sum` (f32 only) sums every rank's values in rank order
+    /// through `exchange` when the node executes (eagerly, or at replay
+    /// when captured), as NCCL would on the rank's stream.
+    pub fn with_exchange(mut self, exchange: crate::cpu::SharedExchange) -> SimDriver {
+        self.exchange = Some(SimExchange(exchange));
+        self
     }
 
     /// A module image for this flavour defining `entries` for `arch`.
@@ -479,6 +524,59 @@ impl SimDriver {
             }
             Node::Event(e) => {
                 self.events.insert(*e, Some(self.clock_us));
+                Ok(())
+            }
+            Node::AllReduce { src, dst, count } => {
+                self.clock_us += 20.0;
+                let ex = self
+                    .exchange
+                    .clone()
+                    .ok_or_else(|| DriverError::other(-1, "simErrorNoCommunicator: no exchange"))?;
+                let local = self.read_f32(src.0, *count as usize)?;
+                let mut sum = vec![0f32; local.len()];
+                ex.0.all_gather(&local, &mut |parts| {
+                    kiln_kernels::cpu::collective::sum_in_rank_order(parts, &mut sum)
+                })
+                .map_err(|m| DriverError::other(-1, format!("simErrorCollective: {m}")))?;
+                self.write_f32(dst.0, &sum)
+            }
+            Node::ShardedArgmax {
+                src,
+                dst,
+                rows,
+                vocab,
+            } => {
+                use kiln_kernels::cpu::collective::{local_best, reduce_best};
+                self.clock_us += 20.0;
+                let ex = self
+                    .exchange
+                    .clone()
+                    .ok_or_else(|| DriverError::other(-1, "simErrorNoCommunicator: no exchange"))?;
+                let (rows, vocab) = (*rows as usize, *vocab as usize);
+                let x = self.read_f32(src.0, rows * vocab)?;
+                let offset = ex.0.rank() as usize * vocab;
+                let mut mine = Vec::with_capacity(2 * rows);
+                for r in 0..rows {
+                    match local_best(&x[r * vocab..(r + 1) * vocab], offset) {
+                        Some((b, i)) => mine.extend([b, f32::from_bits(i as u32)]),
+                        None => mine.extend([f32::NAN, 0.0]),
+                    }
+                }
+                let mut idx = vec![0i32; rows];
+                ex.0.all_gather(&mine, &mut |parts| {
+                    for (r, out) in idx.iter_mut().enumerate() {
+                        let cands = parts.iter().map(|p| {
+                            let (b, i) = (p[2 * r], p[2 * r + 1]);
+                            (!b.is_nan()).then(|| (b, i.to_bits() as usize))
+                        });
+                        *out = reduce_best(cands) as i32;
+                    }
+                })
+                .map_err(|m| DriverError::other(-1, format!("simErrorCollective: {m}")))?;
+                let out = self.region(dst.0, rows as u64 * 4)?;
+                for (c, v) in out.chunks_exact_mut(4).zip(&idx) {
+                    c.copy_from_slice(&v.to_le_bytes());
+                }
                 Ok(())
             }
         }
@@ -831,6 +929,59 @@ impl GpuDriver for SimDriver {
         let _ = self.call("blas_destroy", String::new(), false);
         self.blas = None;
         self.algorithms.clear();
+    }
+
+    fn all_reduce_sum(
+        &mut self,
+        src: DevPtr,
+        dst: DevPtr,
+        count: u64,
+        (from, to): (DType, DType),
+        _stream: Handle,
+    ) -> DriverResult<()> {
+        if self.exchange.is_none() {
+            return Err(DriverError::other(
+                -1,
+                "this GPU driver has no collective communicator: tensor-parallel plans need the CUDA driver with NCCL (one device per rank)",
+            ));
+        }
+        self.call("all_reduce_sum", format!("{count} {from}->{to}"), true)?;
+        if from != DType::F32 || to != DType::F32 {
+            return Err(DriverError::other(
+                15,
+                "simErrorNotSupported (15): the simulated all-reduce is f32 only",
+            ));
+        }
+        self.submit(Node::AllReduce { src, dst, count })
+    }
+
+    fn sharded_argmax(
+        &mut self,
+        src: DevPtr,
+        dst: DevPtr,
+        (rows, vocab): (u64, u64),
+        dtype: DType,
+        _stream: Handle,
+    ) -> DriverResult<()> {
+        if self.exchange.is_none() {
+            return Err(DriverError::other(
+                -1,
+                "this GPU driver has no collective communicator: tensor-parallel plans need the CUDA driver with NCCL (one device per rank)",
+            ));
+        }
+        self.call("sharded_argmax", format!("{rows}x{vocab} {dtype}"), true)?;
+        if dtype != DType::F32 {
+            return Err(DriverError::other(
+                15,
+                "simErrorNotSupported (15): the simulated argmax is f32 only",
+            ));
+        }
+        self.submit(Node::ShardedArgmax {
+            src,
+            dst,
+            rows,
+            vocab,
+        })
     }
 }
 
