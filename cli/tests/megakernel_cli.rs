@@ -66,6 +66,23 @@ fn compile_schedule_megakernel_writes_a_tape_that_inspect_shows() {
     // The loader validates (and so verifies) the tape it reads.
     let p = kiln_compiler::inspect::load(&plan).unwrap();
     kiln_runtime::loader::validate_plan(&p).unwrap();
+    // Running it says that the op lists run, not the tapes.
+    kiln_compiler::testing::write_byte_tokenizer(&model).unwrap();
+    let (ok, _, err) = kiln(&[
+        "run",
+        plan.to_str().unwrap(),
+        "--weights",
+        model.to_str().unwrap(),
+        "--prompt",
+        "kiln",
+        "--max-tokens",
+        "4",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("keys b1q1s0,b2q1s0 carry a megakernel tape (verified)"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -550,6 +550,20 @@ impl Engine {
         spec_values.dedup();
         if options.log {
             eprintln!("kiln: {}", decision.reason);
+            let taped: Vec<String> = plan
+                .keys
+                .iter()
+                .filter(|k| matches!(k.schedule, kiln_ir::schedule::Schedule::Megakernel(_)))
+                .map(|k| k.key.to_string())
+                .collect();
+            if !taped.is_empty() {
+                // The tape was verified with the plan; no backend launches
+                // one yet, so these keys run their op lists.
+                eprintln!(
+                    "kiln: keys {} carry a megakernel tape (verified); this runtime runs their op lists as graphs (the tape interpreter is not built yet)",
+                    taped.join(",")
+                );
+            }
         }
         Ok(Engine {
             kv: KvManager::new(&plan.kv),
