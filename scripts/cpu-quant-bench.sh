@@ -39,7 +39,7 @@ for r in $(seq 1 "$reps"); do
   done
 done
 python3 - "$out" "$reps" <<'EOF'
-import json, re, statistics, sys, glob, os
+import json, re, statistics, sys
 out, reps = sys.argv[1], int(sys.argv[2])
 rows = []
 for m, name in [("bf16", "bf16 import"), ("q", "Q4_1 kept (--keep-quant)")]:

@@ -44,8 +44,9 @@ pub fn interleaves(q: QuantType) -> bool {
 }
 
 /// `(scale bytes, quant bytes)` of one row's block of `q` in the stored
-/// layout: the f16 header (`d`, and `m` for Q4_1) and the quants.
-fn split(q: QuantType) -> (usize, usize) {
+/// layout: the f16 header (`d`, and `m` for Q4_1) and the quants. A group
+/// block's header is [`GROUP`] times the first.
+pub(crate) fn split(q: QuantType) -> (usize, usize) {
     match q {
         QuantType::Q4_1 => (4, 16),
         QuantType::Q4_0 => (2, 16),

@@ -49,13 +49,11 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
-/// The quant header bytes of a group block (8 f16 scales, and 8 mins for
-/// Q4_1) and of a stored block.
+/// The header bytes of a group block (8 f16 scales, and 8 mins for Q4_1)
+/// and of a stored block ([`crate::quant_cpu`]'s layout).
 fn header(q: QuantType) -> (usize, usize) {
-    match q {
-        QuantType::Q4_1 => (32, 4),
-        _ => (16, 2),
-    }
+    let (stored, _) = crate::quant_cpu::split(q);
+    (GROUP * stored, stored)
 }
 
 /// The 8 outputs of one group over one `x` row, portably.
