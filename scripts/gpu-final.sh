@@ -21,10 +21,19 @@
 #   serve   `kiln serve --device cuda` on the new Qwen3-0.6B plan driven by
 #           scripts/bench-serve.py at concurrency 1, 8, 32
 #   ncu     Nsight Compute summary of one b1 step of the new Qwen3-0.6B plan
+#   sanitize (opt-in) compute-sanitizer memcheck over carried test binaries:
+#           KILN_SANITIZE="BINARY[:FILTER] ..." (e.g. "cuda_quant cuda_backend:fused")
 #   tp      (opt-in, 2 GPUs) Llama-3-8B-shaped tp=1 vs tp=2 `kiln bench` b1
 #           (plans llama-3-8b.kiln / llama-3-8b-tp2.kiln of the last variant,
 #           compiled here when not carried) and the cuda_tp test binary on a
 #           4-layer Llama-3-8B shape; NVLink multicast off for NCCL
+# Real weights too large for one call's carry travel in pieces: a tar of
+# kiln-cache-relative paths (e.g. gemma3/gemma-3-270m-q4_k_m.gguf), split
+# into .dc-real/c0, c1, ... by earlier calls on the same warm machine (each
+# carrying one piece; .dc-real/ is git-ignored), with .dc-real/sums.txt the
+# SHA-256 of each file. When all pieces are there, they are joined into
+# $KILN_CACHE before any stage, checked, and the real-model tests and the
+# oracle use them.
 # Results land in $OUT: summary.txt and one tarball with every log and JSON.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -46,6 +55,29 @@ stages="${KILN_FINAL_STAGES:-tests bench}"
 # as "no plan" and skipped).
 models="${KILN_BENCH_MODELS:-smollm2-135m qwen3-0.6b llama-3.2-1b qwen3-1.7b qwen3-4b llama-3-8b gemma3-270m}"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; } >> "$S" 2>&1
+
+real_smollm2=/nonexistent real_gemma3=/nonexistent
+if [[ -f "$root/.dc-real/sums.txt" ]]; then
+  mkdir -p "$KILN_CACHE"
+  if cat "$root"/.dc-real/c[0-9]* | tar xf - -C "$KILN_CACHE" 2>> "$S" &&
+     (cd "$KILN_CACHE" && sha256sum -c "$root/.dc-real/sums.txt") >> "$S" 2>&1; then
+    [[ -f "$KILN_CACHE/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]] &&
+      real_smollm2=$KILN_CACHE/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    [[ -f "$KILN_CACHE/gemma3/gemma-3-270m-q4_k_m.gguf" ]] &&
+      real_gemma3=$KILN_CACHE/gemma3/gemma-3-270m-q4_k_m.gguf
+    echo "real weights: smollm2 $real_smollm2, gemma3 $real_gemma3" >> "$S"
+  else
+    echo "real weights: pieces in .dc-real incomplete or damaged; real-model runs skipped" >> "$S"
+  fi
+fi
+# Pieces joined by earlier calls (into $KILN_CACHE outside the repository,
+# which stays while the machine is warm) count too.
+[[ -f "$KILN_CACHE/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]] &&
+  real_smollm2=$KILN_CACHE/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+[[ -f "$KILN_CACHE/gemma3/gemma-3-270m-q4_k_m.gguf" ]] &&
+  real_gemma3=$KILN_CACHE/gemma3/gemma-3-270m-q4_k_m.gguf
+echo "real weights: smollm2 $real_smollm2, gemma3 $real_gemma3" >> "$S"
+export KILN_SMOLLM2_GGUF=$real_smollm2 KILN_GEMMA3_GGUF=$real_gemma3
 
 B=/tmp/kbin
 mkdir -p "$B"
@@ -132,7 +164,7 @@ if [[ " $stages " == *" oracle "* ]]; then
   oracle_models=()
   [[ -n "${KILN_ORACLE_MODELS:-}" ]] && oracle_models=(--models "$KILN_ORACLE_MODELS")
   OUT="$OUT/logs/oracle" KILN_BIN_DIR="$B/oracle" ORACLE_DEVICES="${KILN_ORACLE_DEVICES:-cuda}" \
-    SMOLLM2_GGUF=/nonexistent GEMMA3_GGUF=/nonexistent \
+    SMOLLM2_GGUF=$real_smollm2 GEMMA3_GGUF=$real_gemma3 \
     timeout "${KILN_ORACLE_TIMEOUT:-300}" bash "$root/tests/oracle/run_oracle.sh" \
     ${oracle_models[@]+"${oracle_models[@]}"} ${KILN_ORACLE_ARGS:-} \
     > "$OUT/logs/oracle-stdout.txt" 2>&1
@@ -207,6 +239,20 @@ for k, a in sorted(agg.items(), key=lambda x: -x[1]["gpu__time_duration.sum"])[:
           f"{a['smsp__sass_inst_executed_op_local_ld.sum']/c:>7.0f} {a['sm__warps_active.avg.pct_of_peak_sustained_active']/c:>5.1f} {a['launch__grid_size']/c:>6.0f}")
 PY
     done
+  done
+fi
+
+if [[ " $stages " == *" sanitize "* ]]; then
+  for spec in ${KILN_SANITIZE:-}; do
+    t=${spec%%:*} filt=""
+    [[ "$spec" == *:* ]] && filt=${spec#*:}
+    [[ -x "$B/$t" ]] || { echo "sanitize $t: binary missing" >> "$S"; continue; }
+    start=$(date +%s)
+    KILN_REQUIRE_CUDA=1 KILN_GEMM_AUTOTUNE=0 KILN_CUBIN_DIR="$C/cubins" timeout "${KILN_SANITIZE_TIMEOUT:-200}" \
+      compute-sanitizer --tool memcheck --error-exitcode 9 "$B/$t" $filt --test-threads=1 \
+      > "$OUT/logs/sanitize-$t.txt" 2>&1
+    echo "sanitize $t${filt:+ ($filt)}: rc=$? ($(( $(date +%s) - start )) s)" >> "$S"
+    grep -E "ERROR SUMMARY|^test result|Invalid|out of bounds" "$OUT/logs/sanitize-$t.txt" | head -10 >> "$S"
   done
 fi
 

@@ -310,10 +310,22 @@ pub fn quantize_fp8_rows(w: &[f32], n: usize, k: usize) -> Vec<u8> {
 pub fn random_tensor(q: QuantType, n: usize, k: usize, seed: u64) -> Vec<u8> {
     let mut rng = kiln_ir::rng::SplitMix64::new(seed);
     if q == QuantType::Fp8E4M3 {
-        let w: Vec<f32> = (0..n * k)
-            .map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1)
+        // Codes of values uniform in [-448, 448), drawn through a table of
+        // 4096 equal buckets (one `f32_to_e4m3` per bucket, not per
+        // weight: a 4B-parameter plan binds in seconds, not minutes), and
+        // a per-row scale of 0.05 / 448, so the weights are uniform in
+        // about ±0.05 as before.
+        let table: Vec<u8> = (0..4096)
+            .map(|i| f32_to_e4m3(((i as f32 + 0.5) / 4096.0 - 0.5) * 896.0))
             .collect();
-        return quantize_fp8_rows(&w, n, k);
+        let mut out: Vec<u8> = (0..n * k)
+            .map(|_| table[(rng.next_u64() >> 52) as usize])
+            .collect();
+        let scale = 0.05f32 / 448.0;
+        for _ in 0..n {
+            out.extend(scale.to_le_bytes());
+        }
+        return out;
     }
     let len = q.tensor_bytes(n, k).unwrap_or(0);
     let mut out: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();

@@ -11,28 +11,50 @@
 //! logits differ by about 1% of the range on these prompts. Skipped with a
 //! note when a GGUF is absent, unless `KILN_REQUIRE_SMOLLM2=1` /
 //! `KILN_REQUIRE_GEMMA3=1` (CI).
+//!
+//! With the `cuda` feature and a GPU, the same checks run on the CUDA
+//! backend (`*_on_cuda`): both plans compiled for the device's SM, the
+//! kept plan through the quantized GEMV kernels, the bf16 plan through the
+//! dense ones, both under graph replay (the replay counter is checked).
 
 use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
 use kiln_compiler::import::{import_gguf, ImportOptions};
 use kiln_compiler::testing::{gemma3_gguf_for_tests, smollm2_gguf_for_tests};
 use kiln_ir::Key;
 use kiln_runtime::text::TextTokenizer;
-use kiln_runtime::{CpuBackend, Engine, EngineOptions, GraphMode, SeqOptions};
+use kiln_ir::plan::Target;
+use kiln_runtime::{Backend, CpuBackend, Engine, EngineOptions, GraphMode, SeqOptions};
 use std::path::Path;
 
 const NEW_TOKENS: u32 = 8;
 /// A near-tie: a top-two margin under this fraction of the logit range.
 const NEAR_TIE: f32 = 0.01;
 
+/// Where a plan is compiled for and run: the target and a fresh backend.
+struct Device {
+    target: Target,
+    backend: fn() -> Box<dyn Backend + Send>,
+}
+
+const CPU: Device = Device {
+    target: Target::Cpu,
+    backend: || Box::new(CpuBackend::new()),
+};
+
 /// Greedy tokens and the logits row behind each.
-fn greedy(plan: &kiln_ir::plan::Plan, dir: &Path, prompt: &[u32]) -> (Vec<u32>, Vec<Vec<f32>>) {
+fn greedy(
+    plan: &kiln_ir::plan::Plan,
+    dir: &Path,
+    prompt: &[u32],
+    dev: &Device,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     let opts = EngineOptions {
         graphs: GraphMode::On,
         log: false,
         keep_logits: true,
         ..EngineOptions::default()
     };
-    let mut e = Engine::new(plan.clone(), dir, Box::new(CpuBackend::new()), opts).unwrap();
+    let mut e = Engine::new(plan.clone(), dir, (dev.backend)(), opts).unwrap();
     let id = e
         .add_sequence_with(
             prompt,
@@ -51,6 +73,11 @@ fn greedy(plan: &kiln_ir::plan::Plan, dir: &Path, prompt: &[u32]) -> (Vec<u32>, 
             }
         }
     }
+    assert!(
+        e.total_counters().replays > 0,
+        "no graph replays: {:?}",
+        e.total_counters()
+    );
     (e.sequence(id).unwrap().generated.to_vec(), rows)
 }
 
@@ -88,7 +115,11 @@ fn same_or_near_tie(prompt: &str, dense: &(Vec<u32>, Vec<Vec<f32>>), kept: &[u32
 /// returns (bf16 tokens and logits, kept tokens) per prompt, after checking that the
 /// kept plan's weights are stored quantized and smaller.
 #[allow(clippy::type_complexity)]
-fn both_ways(gguf: &Path, prompts: &[&str]) -> Vec<((Vec<u32>, Vec<Vec<f32>>), Vec<u32>)> {
+fn both_ways(
+    gguf: &Path,
+    prompts: &[&str],
+    dev: &Device,
+) -> Vec<((Vec<u32>, Vec<Vec<f32>>), Vec<u32>)> {
     let tmp = tempfile::tempdir().unwrap();
     let dense = tmp.path().join("dense");
     let kept = tmp.path().join("kept");
@@ -101,6 +132,7 @@ fn both_ways(gguf: &Path, prompts: &[&str]) -> Vec<((Vec<u32>, Vec<Vec<f32>>), V
     eprintln!("kept: {:?}", report.kept_quant);
     let opts = CompileOptions {
         keys: vec![Key::new(1, 1, 0), Key::new(1, 8, 0)],
+        target: dev.target.clone(),
         logits: true,
         kv: KvOptions {
             block_size: 16,
@@ -123,8 +155,8 @@ fn both_ways(gguf: &Path, prompts: &[&str]) -> Vec<((Vec<u32>, Vec<Vec<f32>>), V
         .iter()
         .map(|p| {
             let ids = tok.encode(p).unwrap();
-            let a = greedy(&dense_plan, &dense, &ids);
-            let (b, _) = greedy(&kept_plan, &kept, &ids);
+            let a = greedy(&dense_plan, &dense, &ids, dev);
+            let (b, _) = greedy(&kept_plan, &kept, &ids, dev);
             eprintln!(
                 "{p:?}: bf16 {:?} {:?} / kept {:?} {b:?}",
                 tok.decode(&a.0).unwrap(),
@@ -146,7 +178,7 @@ fn smollm2_135m_q4_1_kept_quantized_decodes_the_bf16_imports_greedy_tokens() {
         "def fibonacci(n):",
         "Once upon a time,",
     ];
-    for (i, (a, b)) in both_ways(&gguf, &prompts).into_iter().enumerate() {
+    for (i, (a, b)) in both_ways(&gguf, &prompts, &CPU).into_iter().enumerate() {
         same_or_near_tie(prompts[i], &a, &b);
     }
 }
@@ -157,7 +189,60 @@ fn gemma3_270m_q4_k_m_kept_quantized_decodes_the_bf16_imports_greedy_tokens() {
         return;
     };
     let prompts = ["The capital of France is"];
-    for (i, (a, b)) in both_ways(&gguf, &prompts).into_iter().enumerate() {
+    for (i, (a, b)) in both_ways(&gguf, &prompts, &CPU).into_iter().enumerate() {
         same_or_near_tie(prompts[i], &a, &b);
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod on_cuda {
+    use super::*;
+    use kiln_runtime::cuda::CudaBackend;
+
+    /// The device's target, or None (printing SKIPPED) without a CUDA
+    /// device, unless `KILN_REQUIRE_CUDA=1`, which makes that a failure.
+    fn cuda() -> Option<Device> {
+        if !CudaBackend::available() {
+            assert!(
+                std::env::var("KILN_REQUIRE_CUDA").map_or(true, |v| v != "1"),
+                "KILN_REQUIRE_CUDA=1 but no CUDA driver or device is usable"
+            );
+            eprintln!("SKIPPED: no CUDA driver or device on this machine");
+            return None;
+        }
+        let sm = CudaBackend::new(0).expect("open CUDA device 0").sm();
+        Some(Device {
+            target: Target::Cuda { sm },
+            backend: || Box::new(CudaBackend::new(0).expect("open CUDA device 0")),
+        })
+    }
+
+    /// The prompts of the CPU tests and two more, for the GPU's speed.
+    const PROMPTS: [&str; 5] = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time,",
+        "The three primary colors are",
+        "Water boils at a temperature of",
+    ];
+
+    #[test]
+    fn smollm2_135m_q4_1_kept_quantized_on_cuda_decodes_the_bf16_plans_greedy_tokens_on_cuda() {
+        let (Some(dev), Some(gguf)) = (cuda(), smollm2_gguf_for_tests()) else {
+            return;
+        };
+        for (i, (a, b)) in both_ways(&gguf, &PROMPTS, &dev).into_iter().enumerate() {
+            same_or_near_tie(PROMPTS[i], &a, &b);
+        }
+    }
+
+    #[test]
+    fn gemma3_270m_q4_k_m_kept_quantized_on_cuda_decodes_the_bf16_plans_greedy_tokens_on_cuda() {
+        let (Some(dev), Some(gguf)) = (cuda(), gemma3_gguf_for_tests()) else {
+            return;
+        };
+        for (i, (a, b)) in both_ways(&gguf, &PROMPTS, &dev).into_iter().enumerate() {
+            same_or_near_tie(PROMPTS[i], &a, &b);
+        }
     }
 }
