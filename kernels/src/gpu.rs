@@ -48,7 +48,7 @@ pub struct GpuModule {
 }
 
 /// Every module, in a fixed order.
-pub const MODULES: [GpuModule; 8] = [
+pub const MODULES: [GpuModule; 9] = [
     GpuModule {
         name: "norm",
         file: "norm.cu",
@@ -89,6 +89,12 @@ pub const MODULES: [GpuModule; 8] = [
         name: crate::quant_gpu::MODULE,
         file: "qgemv.cu",
         raw_source: include_str!("../gpu/qgemv.cu"),
+    },
+    // Quantized skinny GEMM on tensor cores, 2..32 tokens (crate::quant_gpu).
+    GpuModule {
+        name: crate::quant_gpu::QSKINNY_MODULE,
+        file: "qskinny.cu",
+        raw_source: include_str!("../gpu/qskinny.cu"),
     },
 ];
 
@@ -548,6 +554,7 @@ pub fn entry_points(module: &str) -> Vec<String> {
             per_float(&mut v, &["sample", "sample_pen"]);
         }
         crate::quant_gpu::MODULE => v = crate::quant_gpu::entry_points(),
+        crate::quant_gpu::QSKINNY_MODULE => v = crate::quant_gpu::qskinny_entry_points(),
         _ => {}
     }
     v
@@ -1520,8 +1527,18 @@ pub fn op_needs(
     })
 }
 
+/// Whether a quantized matmul of `t` tokens on `target` runs the tensor-core
+/// `qskinny` GEMM (every weight byte read once per 32 tokens) instead of the
+/// `qgemv` GEMV: from 2 tokens on CUDA sm_80 and later. HIP and older CUDA
+/// parts keep `qgemv` (qskinny's portable path there is correct, not fast).
+pub fn quantized_skinny_applies(target: &Target, t: u64) -> bool {
+    t >= 2 && matches!(target, Target::Cuda { sm } if *sm >= 80)
+}
+
 /// A `matmul` or `embedding` whose weight (argument 1) is stored quantized
-/// becomes the `qgemv` module's launches ([`crate::quant_gpu`]): the weight
+/// becomes the `qgemv` module's launches ([`crate::quant_gpu`]), or for a
+/// matmul of 2 or more tokens where [`quantized_skinny_applies`] the
+/// `qskinny` module's (the entry name in the plan says which): the weight
 /// stays compressed in device memory in the repacked layout the runtime
 /// writes at load, and is dequantized in registers. `None` for every other
 /// op. FP8 weights carry their per-row f32 scales after the `[N][K]` bytes
@@ -1579,8 +1596,13 @@ fn lower_quantized(
                 residual: None,
                 out: out.buf,
             };
-            qg::lower_qgemv(q, n, k, t, *od, &bufs, weight_args & 2 != 0, opts.pdl)
-                .map_err(|e| refuse(e.to_string()))?
+            let w_const = weight_args & 2 != 0;
+            if quantized_skinny_applies(&opts.target, t) {
+                qg::lower_qskinny(q, n, k, t, *od, &bufs, w_const, opts.pdl)
+            } else {
+                qg::lower_qgemv(q, n, k, t, *od, &bufs, w_const, opts.pdl)
+            }
+            .map_err(|e| refuse(e.to_string()))?
         }
         Op::Embedding => {
             let t = args[0].ty.numel();

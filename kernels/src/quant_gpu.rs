@@ -498,6 +498,83 @@ fn offset_by(b: BufRef, bytes: u64) -> BufRef {
     }
 }
 
+/// What both quantized GEMM kernels require of their operands, checked
+/// once: the layout, the output suffix, and N, K as i32.
+struct GemmChecked {
+    layout: QLayout,
+    os: &'static str,
+    osz: u64,
+    n32: i32,
+    k32: i32,
+}
+
+fn check_gemm(
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    out: DType,
+    bufs: &QGemvBufs,
+) -> Result<GemmChecked, QLowerError> {
+    let refuse = |why: String| QLowerError::Unsupported {
+        op: "matmul",
+        q,
+        n,
+        k,
+        why,
+    };
+    let l = layout(q, n, k).map_err(|e| refuse(e.to_string()))?;
+    let os = match out {
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+        d => return Err(refuse(format!("the output must be bf16 or f32, got {d}"))),
+    };
+    if t == 0 {
+        return Err(refuse("no tokens".into()));
+    }
+    let n32 = i32::try_from(n).map_err(|_| refuse("N exceeds the 32-bit index range".into()))?;
+    let k32 = i32::try_from(k).map_err(|_| refuse("K exceeds the 32-bit index range".into()))?;
+    if n.checked_mul(k).is_none_or(|nk| nk > i64::MAX as u64 / 2) {
+        return Err(refuse("N*K exceeds the 64-bit byte range".into()));
+    }
+    let osz = out.size() as u64;
+    let need = |what: &str, b: Option<BufRef>, bytes: u64| -> Result<(), QLowerError> {
+        match b {
+            Some(b) if b.bytes < bytes => Err(refuse(format!(
+                "{what} needs {bytes} bytes but its buffer has {}",
+                b.bytes
+            ))),
+            Some(b) if !b.offset.is_multiple_of(16) => Err(refuse(format!(
+                "{what} must be 16-byte aligned (offset {})",
+                b.offset
+            ))),
+            _ => Ok(()),
+        }
+    };
+    need("x", Some(bufs.x), t * k * 2)?;
+    need("the repacked weight", Some(bufs.w), l.total)?;
+    need("out", Some(bufs.out), t * n * osz)?;
+    need("bias", bufs.bias, n * 2)?;
+    need("the residual", bufs.residual, t * n * 2)?;
+    match (q == QuantType::Fp8E4M3, bufs.scale) {
+        (true, None) => return Err(refuse("FP8 needs its per-row f32 scales".into())),
+        (false, Some(_)) => {
+            return Err(refuse(
+                "only FP8 weights take a per-row scale operand".into(),
+            ))
+        }
+        (true, s) => need("the FP8 scales", s, n * 4)?,
+        (false, None) => {}
+    }
+    Ok(GemmChecked {
+        layout: l,
+        os,
+        osz,
+        n32,
+        k32,
+    })
+}
+
 /// The launches of a quantized GEMV over `t` tokens (x bf16; `out` bf16 or
 /// f32): one launch of the `TT`-token kernel for `t <= 8`, and one launch
 /// of the 8-token kernel per 8 tokens above (each re-reads the weights).
@@ -550,49 +627,13 @@ pub fn lower_qgemv(
         k,
         why,
     };
-    let l = layout(q, n, k).map_err(|e| refuse(e.to_string()))?;
-    let os = match out {
-        DType::BF16 => "bf16",
-        DType::F32 => "f32",
-        d => return Err(refuse(format!("the output must be bf16 or f32, got {d}"))),
-    };
-    if t == 0 {
-        return Err(refuse("no tokens".into()));
-    }
-    let n32 = i32::try_from(n).map_err(|_| refuse("N exceeds the 32-bit index range".into()))?;
-    let k32 = i32::try_from(k).map_err(|_| refuse("K exceeds the 32-bit index range".into()))?;
-    if n.checked_mul(k).is_none_or(|nk| nk > i64::MAX as u64 / 2) {
-        return Err(refuse("N*K exceeds the 64-bit byte range".into()));
-    }
-    let osz = out.size() as u64;
-    let need = |what: &str, b: Option<BufRef>, bytes: u64| -> Result<(), QLowerError> {
-        match b {
-            Some(b) if b.bytes < bytes => Err(refuse(format!(
-                "{what} needs {bytes} bytes but its buffer has {}",
-                b.bytes
-            ))),
-            Some(b) if !b.offset.is_multiple_of(16) => Err(refuse(format!(
-                "{what} must be 16-byte aligned (offset {})",
-                b.offset
-            ))),
-            _ => Ok(()),
-        }
-    };
-    need("x", Some(bufs.x), t * k * 2)?;
-    need("the repacked weight", Some(bufs.w), l.total)?;
-    need("out", Some(bufs.out), t * n * osz)?;
-    need("bias", bufs.bias, n * 2)?;
-    need("the residual", bufs.residual, t * n * 2)?;
-    match (q == QuantType::Fp8E4M3, bufs.scale) {
-        (true, None) => return Err(refuse("FP8 needs its per-row f32 scales".into())),
-        (false, Some(_)) => {
-            return Err(refuse(
-                "only FP8 weights take a per-row scale operand".into(),
-            ))
-        }
-        (true, s) => need("the FP8 scales", s, n * 4)?,
-        (false, None) => {}
-    }
+    let GemmChecked {
+        layout: l,
+        os,
+        osz,
+        n32,
+        k32,
+    } = check_gemm(q, n, k, t, out, bufs)?;
     let grid = n.div_ceil(QGEMV_ROWS_PER_BLOCK as u64);
     let grid = u32::try_from(grid).map_err(|_| refuse("too many rows for one grid".into()))?;
     let opt = |b: Option<BufRef>| b.map_or(LaunchParam::Null, LaunchParam::Buf);
@@ -610,6 +651,145 @@ pub fn lower_qgemv(
             grid: [grid, 1, 1],
             block: [QGEMV_THREADS, 1, 1],
             shared_bytes: 0,
+            params: vec![
+                LaunchParam::Buf(offset_by(bufs.x, t0 * k * 2)),
+                LaunchParam::Buf(bufs.w),
+                opt(bufs.scale),
+                opt(bufs.bias),
+                opt(bufs.residual.map(|r| offset_by(r, t0 * n * 2))),
+                LaunchParam::Buf(offset_by(bufs.out, t0 * n * osz)),
+                LaunchParam::I32(tokens as i32),
+                LaunchParam::I32(n32),
+                LaunchParam::I32(k32),
+                LaunchParam::I32(w_const as i32),
+                LaunchParam::I64(l.offsets[0] as i64),
+                LaunchParam::I64(l.offsets[1] as i64),
+                LaunchParam::I64(l.offsets[2] as i64),
+            ],
+            pdl,
+        });
+        t0 += tokens;
+    }
+    Ok(launches)
+}
+
+/// The quantized skinny GEMM's module (`kernels/gpu/qskinny.cu`).
+pub const QSKINNY_MODULE: &str = "qskinny";
+/// Padded token counts (multiples of 8) the quantized skinny GEMM is
+/// instantiated for: one launch takes up to 32 tokens.
+pub const QSKINNY_TOKENS: [u32; 4] = [8, 16, 24, 32];
+/// Row tiles (16 rows each) per block the quantized skinny GEMM takes.
+pub const QSKINNY_ROW_TILES: [u32; 2] = [1, 2];
+
+/// Every entry point of the `qskinny` module.
+pub fn qskinny_entry_points() -> Vec<String> {
+    let mut v = Vec::new();
+    for q in QUANT_TYPES {
+        for o in ["bf16", "f32"] {
+            for mt in QSKINNY_ROW_TILES {
+                for tp in QSKINNY_TOKENS {
+                    v.push(format!("qskinny_{}_t{tp}_r{mt}_bf16_{o}", stem(q)));
+                }
+            }
+        }
+    }
+    v
+}
+
+/// Weight elements one warp step of the quantized skinny GEMM covers (its
+/// "unit", see the kernel's header): Q8_0 and the 32-blocks one block, the
+/// K-quants a 64-element chunk, FP8 one 16-byte vector.
+pub fn qskinny_unit(q: QuantType) -> u64 {
+    match q {
+        QuantType::Fp8E4M3 => 16,
+        QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => 64,
+        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 => 32,
+    }
+}
+
+/// The launches of a quantized GEMM over `t` tokens on tensor cores (CUDA
+/// sm_80+): one launch of `kernels/gpu/qskinny.cu` per 32 tokens, each
+/// reading every weight byte once, with the operands, the refusals and the
+/// parameter list of [`lower_qgemv`] (`w_const`, `pdl` as there).
+///
+/// Geometry per launch of `tokens` tokens (documented in the kernel):
+/// * tokens padded to `tp = 8 * ceil(tokens / 8)` (the MMA's 8 columns);
+/// * `mt` row tiles of 16 per block: 2 when `tp >= 24` and there are at
+///   least 256 such 32-row blocks (x is then re-read half as often and the
+///   grid still fills the chip), else 1;
+/// * `warps` split K per block: the largest power of two up to 16 / `mt`
+///   that still gives every warp two units ([`qskinny_unit`]), at least 1;
+/// * dynamic shared memory for the split-K partials:
+///   `warps * mt * (tp / 8) * 4 * 32` f32.
+///
+/// ```
+/// use kiln_ir::plan::{BufRef, Region};
+/// use kiln_kernels::quant_gpu::{lower_qskinny, repacked_bytes, QGemvBufs, QuantType};
+/// let buf = |offset, bytes| BufRef { region: Region::Arena, offset, bytes };
+/// let (t, n, k) = (8u64, 4096u64, 4096u64);
+/// let w = repacked_bytes(QuantType::Q4K, n, k).unwrap();
+/// let bufs = QGemvBufs {
+///     x: buf(0, t * k * 2),
+///     w: BufRef { region: Region::Weight(3), offset: 0, bytes: w },
+///     scale: None,
+///     bias: None,
+///     residual: None,
+///     out: buf(1 << 20, t * n * 2),
+/// };
+/// let launches =
+///     lower_qskinny(QuantType::Q4K, n, k, t, kiln_ir::DType::BF16, &bufs, true, true).unwrap();
+/// assert_eq!(launches.len(), 1);
+/// assert_eq!(launches[0].entry, "qskinny_q4k_t8_r1_bf16_bf16");
+/// assert_eq!((launches[0].grid, launches[0].block), ([256, 1, 1], [512, 1, 1]));
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn lower_qskinny(
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    out: DType,
+    bufs: &QGemvBufs,
+    w_const: bool,
+    pdl: bool,
+) -> Result<Vec<KernelLaunch>, QLowerError> {
+    let GemmChecked {
+        layout: l,
+        os,
+        osz,
+        n32,
+        k32,
+    } = check_gemm(q, n, k, t, out, bufs)?;
+    let units = k / qskinny_unit(q);
+    let opt = |b: Option<BufRef>| b.map_or(LaunchParam::Null, LaunchParam::Buf);
+    let mut launches = Vec::new();
+    let mut t0 = 0u64;
+    while t0 < t {
+        let tokens = (t - t0).min(32);
+        let tp = tokens.div_ceil(8) * 8;
+        let mt = if tp >= 24 && n.div_ceil(32) >= 256 {
+            2
+        } else {
+            1
+        };
+        let mut warps = 16 / mt;
+        while warps > 1 && 2 * warps > units {
+            warps /= 2;
+        }
+        let grid = n.div_ceil(16 * mt);
+        let grid = u32::try_from(grid).map_err(|_| QLowerError::Unsupported {
+            op: "matmul",
+            q,
+            n,
+            k,
+            why: "too many rows for one grid".into(),
+        })?;
+        launches.push(KernelLaunch {
+            module: QSKINNY_MODULE.into(),
+            entry: format!("qskinny_{}_t{tp}_r{mt}_bf16_{os}", stem(q)),
+            grid: [grid, 1, 1],
+            block: [32 * warps as u32, 1, 1],
+            shared_bytes: (warps * mt * (tp / 8) * 4 * 32 * 4) as u32,
             params: vec![
                 LaunchParam::Buf(offset_by(bufs.x, t0 * k * 2)),
                 LaunchParam::Buf(bufs.w),
