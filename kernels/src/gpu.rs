@@ -1952,6 +1952,86 @@ mod tests {
         assert_eq!((f(8), f(9)), (0.125, 30.0));
     }
 
+    /// A quantized matmul of `t` tokens lowered for `target`: the modules and
+    /// entries of its launches.
+    fn quantized_matmul_entries(
+        q: kiln_ir::QuantType,
+        t: u32,
+        target: &Target,
+    ) -> Vec<(String, String)> {
+        let (n, k) = (1000u32, 512u32);
+        let x = tt(DType::BF16, &[t, k]);
+        let mut w = tt(DType::BF16, &[n, k]);
+        w.storage = Some(q);
+        let out = tt(DType::BF16, &[t, n]);
+        // FP8's per-row f32 scales follow its codes in the same buffer.
+        let wbytes = crate::quant_gpu::repacked_bytes(q, n as u64, k as u64).unwrap() + 4 * n as u64;
+        let op = |region, offset, ty: &TensorType, bytes| Operand {
+            buf: BufRef {
+                region,
+                offset,
+                bytes,
+            },
+            ty: ty.clone(),
+        };
+        let args = vec![
+            op(Region::Arena, 0, &x, x.size_bytes()),
+            op(Region::Weight(0), 0, &w, wbytes),
+        ];
+        let results = vec![op(Region::Arena, 1 << 20, &out, out.size_bytes())];
+        let opts = LowerOptions::for_target(target, 1);
+        let m = Op::MatMul {
+            bias: false,
+            out: DType::BF16,
+        };
+        let needs = op_needs(&m, &types(&args), &types(&results), &opts).unwrap();
+        assert_eq!(needs, OpNeeds::default(), "no scratch, no counters");
+        let Lowering::Kernels(ls) = lower_op(&m, &args, &results, None, None, 2, &opts).unwrap()
+        else {
+            panic!("a quantized matmul lowers to kernels")
+        };
+        ls.into_iter().map(|l| (l.module, l.entry)).collect()
+    }
+
+    #[test]
+    fn quantized_matmuls_of_two_or_more_tokens_take_the_tensor_core_kernel_on_sm_80_and_later() {
+        use crate::quant_gpu::{stem, QUANT_TYPES};
+        let sm90 = Target::Cuda { sm: 90 };
+        for q in QUANT_TYPES {
+            let s = stem(q);
+            let one = |m: &str, e: String| vec![(m.to_string(), e)];
+            assert_eq!(
+                quantized_matmul_entries(q, 1, &sm90),
+                one("qgemv", format!("qgemv_{s}_t1_bf16_bf16"))
+            );
+            for (t, tp) in [(2u32, 8u32), (8, 8), (9, 16), (32, 32)] {
+                let want = one("qskinny", format!("qskinny_{s}_t{tp}_r1_bf16_bf16"));
+                assert_eq!(quantized_matmul_entries(q, t, &sm90), want, "{q:?} t={t}");
+                let sm80 = Target::Cuda { sm: 80 };
+                assert_eq!(quantized_matmul_entries(q, t, &sm80), want, "{q:?} t={t}");
+                assert!(entry_points("qskinny").contains(&want[0].1));
+            }
+            let two = quantized_matmul_entries(q, 40, &sm90);
+            assert_eq!(
+                two,
+                vec![
+                    ("qskinny".into(), format!("qskinny_{s}_t32_r1_bf16_bf16")),
+                    ("qskinny".into(), format!("qskinny_{s}_t8_r1_bf16_bf16")),
+                ]
+            );
+            // Older parts and HIP keep the GEMV.
+            for target in [
+                Target::Cuda { sm: 75 },
+                Target::Hip {
+                    gfx: "gfx1100".into(),
+                },
+            ] {
+                let ls = quantized_matmul_entries(q, 8, &target);
+                assert_eq!(ls, one("qgemv", format!("qgemv_{s}_t8_bf16_bf16")));
+            }
+        }
+    }
+
     #[test]
     fn lower_op_points_kernels_at_the_planned_scratch_and_counters_and_refuses_too_few() {
         let op = Op::PagedAttention {

@@ -1111,6 +1111,139 @@ mod tests {
         assert!(e.contains("no tokens"), "{e}");
     }
 
+    fn param_i32(l: &KernelLaunch, i: usize) -> i32 {
+        match l.params[i] {
+            LaunchParam::I32(v) => v,
+            ref p => panic!("param {i} of {} is {p:?}", l.entry),
+        }
+    }
+
+    fn param_buf(l: &KernelLaunch, i: usize) -> BufRef {
+        match l.params[i] {
+            LaunchParam::Buf(b) => b,
+            ref p => panic!("param {i} of {} is {p:?}", l.entry),
+        }
+    }
+
+    /// The geometry restated from `lower_qskinny`'s doc, per launch of
+    /// `tokens` tokens: (entry suffix, grid, threads, shared bytes).
+    fn skinny_geometry(q: QuantType, n: u64, k: u64, tokens: u64) -> (String, u32, u32, u32) {
+        let tp = tokens.div_ceil(8) * 8;
+        let mt = if tp >= 24 && n >= 256 * 32 - 31 { 2 } else { 1 };
+        let units = k / qskinny_unit(q);
+        let warps = [16 / mt, 8 / mt, 4 / mt, 2 / mt, 1]
+            .into_iter()
+            .find(|&w| w == 1 || 2 * w <= units)
+            .unwrap();
+        (
+            format!("t{tp}_r{mt}"),
+            n.div_ceil(16 * mt) as u32,
+            32 * warps as u32,
+            (warps * mt * tp / 8 * 512) as u32,
+        )
+    }
+
+    #[test]
+    fn skinny_launches_take_32_tokens_each_with_geometry_from_tokens_rows_and_k() {
+        for q in QUANT_TYPES {
+            let min_k = k_multiple(q).max(qskinny_unit(q));
+            for (n, k) in [(5u64, min_k), (37, 3 * min_k), (1000, 4096), (8200, 4096)] {
+                for t in [2u64, 3, 8, 9, 17, 24, 32, 33, 70] {
+                    let b = bufs(t, n, k, q);
+                    let ls = lower_qskinny(q, n, k, t, DType::F32, &b, true, true).unwrap();
+                    assert_eq!(ls.len() as u64, t.div_ceil(32), "{q:?} t={t}");
+                    let lay = layout(q, n, k).unwrap();
+                    for (i, l) in ls.iter().enumerate() {
+                        let t0 = 32 * i as u64;
+                        let tokens = (t - t0).min(32);
+                        let (suffix, grid, threads, shared) = skinny_geometry(q, n, k, tokens);
+                        let what = format!("{q:?} [{n},{k}] t={t} launch {i}");
+                        assert_eq!(
+                            l.entry,
+                            format!("qskinny_{}_{suffix}_bf16_f32", stem(q)),
+                            "{what}"
+                        );
+                        assert!(qskinny_entry_points().contains(&l.entry), "{what}");
+                        assert_eq!(l.module, QSKINNY_MODULE);
+                        assert_eq!(l.grid, [grid, 1, 1], "{what}");
+                        assert_eq!(l.block, [threads, 1, 1], "{what}");
+                        assert_eq!(l.shared_bytes, shared, "{what}");
+                        // Every row is covered by exactly the grid's tiles.
+                        let rows = grid as u64 * if suffix.ends_with("r2") { 32 } else { 16 };
+                        assert!(rows >= n && rows - n < 32, "{what}");
+                        assert!(l.shared_bytes <= 48 * 1024, "{what}");
+                        assert!(l.pdl);
+                        assert_eq!(param_buf(l, 0).offset, t0 * k * 2, "{what}");
+                        assert_eq!(param_buf(l, 5).offset, (1 << 28) + t0 * n * 4, "{what}");
+                        assert_eq!(param_i32(l, 6) as u64, tokens, "{what}");
+                        assert_eq!(param_i32(l, 7) as u64, n);
+                        assert_eq!(param_i32(l, 8) as u64, k);
+                        assert_eq!(param_i32(l, 9), 1);
+                        for r in 0..3 {
+                            assert_eq!(l.params[10 + r], LaunchParam::I64(lay.offsets[r] as i64));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn skinny_lowering_refuses_what_the_gemv_refuses_and_says_why() {
+        let (n, k) = (64u64, 256u64);
+        let q = QuantType::Q6K;
+        let ok = bufs(8, n, k, q);
+        let why = |r: Result<Vec<KernelLaunch>, QLowerError>| r.unwrap_err().to_string();
+        let e = why(lower_qskinny(q, n, 320, 8, DType::BF16, &ok, true, false));
+        assert!(e.contains("multiple of 256"), "{e}");
+        let e = why(lower_qskinny(q, n, k, 8, DType::F16, &ok, true, false));
+        assert!(e.contains("bf16 or f32"), "{e}");
+        let mut small = ok;
+        small.x.bytes -= 2;
+        let e = why(lower_qskinny(q, n, k, 8, DType::BF16, &small, true, false));
+        assert!(e.contains("x needs"), "{e}");
+        let mut odd = ok;
+        odd.w.offset += 8;
+        let e = why(lower_qskinny(q, n, k, 8, DType::BF16, &odd, true, false));
+        assert!(e.contains("16-byte aligned"), "{e}");
+        let mut fp8 = bufs(8, n, k, QuantType::Fp8E4M3);
+        fp8.scale = None;
+        let e = why(lower_qskinny(
+            QuantType::Fp8E4M3,
+            n,
+            k,
+            8,
+            DType::BF16,
+            &fp8,
+            true,
+            false,
+        ));
+        assert!(e.contains("per-row f32 scales"), "{e}");
+        let e = why(lower_qskinny(q, n, k, 0, DType::BF16, &ok, true, false));
+        assert!(e.contains("no tokens"), "{e}");
+    }
+
+    /// The kernel's unit walk needs K to be whole units, and the unit to be
+    /// whole scale groups of one MMA step each (16 elements): checked for
+    /// every K a type accepts.
+    #[test]
+    fn every_k_a_type_accepts_is_whole_skinny_units_of_whole_scale_groups() {
+        for q in QUANT_TYPES {
+            let unit = qskinny_unit(q);
+            assert!(unit.is_multiple_of(16));
+            let group = match q {
+                QuantType::Fp8E4M3 => 16,
+                QuantType::Q6K => 16,
+                _ => 32,
+            };
+            assert!(unit.is_multiple_of(group), "{q:?}");
+            for m in 1..20u64 {
+                let k = m * k_multiple(q);
+                assert!(k.is_multiple_of(unit), "{q:?} K = {k}");
+            }
+        }
+    }
+
     #[test]
     fn gather_launches_cover_every_vector_of_each_id_and_refuse_bad_operands() {
         for q in QUANT_TYPES {
