@@ -303,7 +303,7 @@ KILN_DEV float qsk_weight(const unsigned char* __restrict__ w, i64 row, int e, i
     const int sh = hi ? 16 : 0;
     const float da = __fmul_rn(qsk_f16(dm), (float)((sm >> sh) & 0xffu));
     const float ma = __fmul_rn(qsk_f16(dm >> 16), (float)((sm >> (sh + 8)) & 0xffu));
-    return __fsub_rn(__fmul_rn(da, (float)c), ma);
+    return __fadd_rn(__fmul_rn(da, (float)c), -ma);
   }
   // Q6_K
   const float d = qsk_f16(reinterpret_cast<const unsigned short*>(w + off1)[row * (k / 256) + e / 256]);

@@ -1,7 +1,7 @@
-//! Quantized weights on GPUs: the repacked layout the `qgemv` module's
-//! kernels read (`kernels/gpu/qgemv.cu`), the repack from GGUF's block
-//! layout into it, a host decoder of it, and the launches of the quantized
-//! GEMV and row gather.
+//! Quantized weights on GPUs: the repacked layout the `qgemv` and `qskinny`
+//! modules' kernels read (`kernels/gpu/qgemv.cu`, `kernels/gpu/qskinny.cu`),
+//! the repack from GGUF's block layout into it, a host decoder of it, and the
+//! launches of the quantized GEMV, skinny GEMM and row gather.
 //!
 //! Why a repack: GGUF blocks interleave scales with quants (Q8_0's 34-byte
 //! blocks are not even 16-byte aligned), and the K-quants pack their
@@ -39,17 +39,20 @@
 //! Performance (H200, `bench_quantized_gemv_on_llama3_8b_shapes`, results in
 //! `bench/results/gpu-2026-12-01-qgemv/`): at one token the 4/5/6-bit
 //! kernels stream 1.5-2.2 TB/s of weights and Q8_0/FP8 2.2-3.2 TB/s; at 8
-//! tokens they are compute-bound (about 0.25-0.55 TB/s). The decode is ALU
-//! bound, not byte bound: next steps are x converted once per block (shared
-//! memory) instead of once per row, more rows per warp at T > 1, and integer
-//! dot products (x quantized to i8 per 32, as llama.cpp's MMVQ does) or
-//! tensor-core MMA for T = 2..8.
+//! tokens they are compute-bound (about 0.25-0.55 TB/s): the GEMV decodes
+//! to f32 and multiplies every token on the FMA pipe. So GEMMs of 2 or more
+//! tokens on CUDA sm_80+ lower to [`lower_qskinny`] instead
+//! (`kernels/gpu/qskinny.cu`): the same layout and operands, the codes fed
+//! exactly to `mma.sync` tensor-core steps that each lie in one scale group,
+//! the group scales applied in f32, one launch per 32 tokens reading every
+//! weight byte once. The catalog's `quantized_skinny_applies` makes the
+//! choice; the plan's entry name records it (`qskinny_<type>_t<tp>_r<mt>_..`).
 //!
 //! Deliberately not here: the IR op and the planner's sizing (they call
-//! [`repacked_bytes`] and [`lower_qgemv`] / [`lower_qgather`]), CPU kernels
-//! (`crate::cpu`), and GEMMs over more than 8 tokens: [`lower_qgemv`] runs
-//! them as one launch of the 8-token kernel per 8 rows of x (weights read
-//! once per 8 tokens), never through cuBLASLt on dequantized weights.
+//! [`repacked_bytes`] and [`lower_qgemv`] / [`lower_qskinny`] /
+//! [`lower_qgather`]), CPU kernels (`crate::cpu`), tuning (quantized GEMMs
+//! are not in `kiln tune` tables: the rule above is the whole choice), and
+//! any cuBLASLt path on dequantized weights.
 
 use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam};
 use kiln_ir::DType;
