@@ -1965,7 +1965,8 @@ mod tests {
         w.storage = Some(q);
         let out = tt(DType::BF16, &[t, n]);
         // FP8's per-row f32 scales follow its codes in the same buffer.
-        let wbytes = crate::quant_gpu::repacked_bytes(q, n as u64, k as u64).unwrap() + 4 * n as u64;
+        let wbytes =
+            crate::quant_gpu::repacked_bytes(q, n as u64, k as u64).unwrap() + 4 * n as u64;
         let op = |region, offset, ty: &TensorType, bytes| Operand {
             buf: BufRef {
                 region,

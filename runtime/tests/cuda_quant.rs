@@ -249,7 +249,11 @@ fn kernel_case(
     args.extend(bias.as_ref().map(|(d, _)| d.clone()));
     args.extend(res.as_ref().map(|(d, _)| d.clone()));
     let launch = launch_of(
-        if kern == Kern::Gemv { "qgemv" } else { "qskinny" },
+        if kern == Kern::Gemv {
+            "qgemv"
+        } else {
+            "qskinny"
+        },
         &ks,
         args,
         out.clone(),
@@ -461,7 +465,16 @@ fn quantized_skinny_gemm_under_capture_and_replay_follows_changing_inputs() {
     for (qi, q) in QUANT_TYPES.into_iter().enumerate() {
         let (n, k, t) = (1000u64, ks(q)[2], [2u64, 9, 32][qi % 3]);
         let w = weight(&mut b, q, n, k, 7000 + qi as u64);
-        let c = kernel_case(&mut b, &mut r, &w, t, DType::BF16, true, false, Kern::Skinny);
+        let c = kernel_case(
+            &mut b,
+            &mut r,
+            &w,
+            t,
+            DType::BF16,
+            true,
+            false,
+            Kern::Skinny,
+        );
         b.prepare(&c.launch).unwrap();
         b.begin_capture(Key::new(t as u32, 1, 0)).unwrap();
         b.launch(&c.launch).unwrap();
