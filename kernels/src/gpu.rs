@@ -48,7 +48,7 @@ pub struct GpuModule {
 }
 
 /// Every module, in a fixed order.
-pub const MODULES: [GpuModule; 8] = [
+pub const MODULES: [GpuModule; 9] = [
     GpuModule {
         name: "norm",
         file: "norm.cu",
@@ -89,6 +89,12 @@ pub const MODULES: [GpuModule; 8] = [
         name: crate::quant_gpu::MODULE,
         file: "qgemv.cu",
         raw_source: include_str!("../gpu/qgemv.cu"),
+    },
+    // Quantized skinny GEMM on tensor cores, 2..32 tokens (crate::quant_gpu).
+    GpuModule {
+        name: crate::quant_gpu::QSKINNY_MODULE,
+        file: "qskinny.cu",
+        raw_source: include_str!("../gpu/qskinny.cu"),
     },
 ];
 
@@ -548,6 +554,7 @@ pub fn entry_points(module: &str) -> Vec<String> {
             per_float(&mut v, &["sample", "sample_pen"]);
         }
         crate::quant_gpu::MODULE => v = crate::quant_gpu::entry_points(),
+        crate::quant_gpu::QSKINNY_MODULE => v = crate::quant_gpu::qskinny_entry_points(),
         _ => {}
     }
     v
@@ -1523,8 +1530,18 @@ pub fn op_needs(
     })
 }
 
+/// Whether a quantized matmul of `t` tokens on `target` runs the tensor-core
+/// `qskinny` GEMM (every weight byte read once per 32 tokens) instead of the
+/// `qgemv` GEMV: from 2 tokens on CUDA sm_80 and later. HIP and older CUDA
+/// parts keep `qgemv` (qskinny's portable path there is correct, not fast).
+pub fn quantized_skinny_applies(target: &Target, t: u64) -> bool {
+    t >= 2 && matches!(target, Target::Cuda { sm } if *sm >= 80)
+}
+
 /// A `matmul` or `embedding` whose weight (argument 1) is stored quantized
-/// becomes the `qgemv` module's launches ([`crate::quant_gpu`]): the weight
+/// becomes the `qgemv` module's launches ([`crate::quant_gpu`]), or for a
+/// matmul of 2 or more tokens where [`quantized_skinny_applies`] the
+/// `qskinny` module's (the entry name in the plan says which): the weight
 /// stays compressed in device memory in the repacked layout the runtime
 /// writes at load, and is dequantized in registers. `None` for every other
 /// op. FP8 weights carry their per-row f32 scales after the `[N][K]` bytes
@@ -1582,8 +1599,13 @@ fn lower_quantized(
                 residual: None,
                 out: out.buf,
             };
-            qg::lower_qgemv(q, n, k, t, *od, &bufs, weight_args & 2 != 0, opts.pdl)
-                .map_err(|e| refuse(e.to_string()))?
+            let w_const = weight_args & 2 != 0;
+            if quantized_skinny_applies(&opts.target, t) {
+                qg::lower_qskinny(q, n, k, t, *od, &bufs, w_const, opts.pdl)
+            } else {
+                qg::lower_qgemv(q, n, k, t, *od, &bufs, w_const, opts.pdl)
+            }
+            .map_err(|e| refuse(e.to_string()))?
         }
         Op::Embedding => {
             let t = args[0].ty.numel();
@@ -1931,6 +1953,87 @@ mod tests {
         let n = |i: usize| i32::from_ne_bytes(b[i * 4..i * 4 + 4].try_into().unwrap());
         assert_eq!((n(0), n(2), n(4), n(6), n(7)), (2, 4, 64, 4, 0));
         assert_eq!((f(8), f(9)), (0.125, 30.0));
+    }
+
+    /// A quantized matmul of `t` tokens lowered for `target`: the modules and
+    /// entries of its launches.
+    fn quantized_matmul_entries(
+        q: kiln_ir::QuantType,
+        t: u32,
+        target: &Target,
+    ) -> Vec<(String, String)> {
+        let (n, k) = (1000u32, 512u32);
+        let x = tt(DType::BF16, &[t, k]);
+        let mut w = tt(DType::BF16, &[n, k]);
+        w.storage = Some(q);
+        let out = tt(DType::BF16, &[t, n]);
+        // FP8's per-row f32 scales follow its codes in the same buffer.
+        let wbytes =
+            crate::quant_gpu::repacked_bytes(q, n as u64, k as u64).unwrap() + 4 * n as u64;
+        let op = |region, offset, ty: &TensorType, bytes| Operand {
+            buf: BufRef {
+                region,
+                offset,
+                bytes,
+            },
+            ty: ty.clone(),
+        };
+        let args = vec![
+            op(Region::Arena, 0, &x, x.size_bytes()),
+            op(Region::Weight(0), 0, &w, wbytes),
+        ];
+        let results = vec![op(Region::Arena, 1 << 20, &out, out.size_bytes())];
+        let opts = LowerOptions::for_target(target, 1);
+        let m = Op::MatMul {
+            bias: false,
+            out: DType::BF16,
+        };
+        let needs = op_needs(&m, &types(&args), &types(&results), &opts).unwrap();
+        assert_eq!(needs, OpNeeds::default(), "no scratch, no counters");
+        let Lowering::Kernels(ls) = lower_op(&m, &args, &results, None, None, 2, &opts).unwrap()
+        else {
+            panic!("a quantized matmul lowers to kernels")
+        };
+        ls.into_iter().map(|l| (l.module, l.entry)).collect()
+    }
+
+    #[test]
+    fn quantized_matmuls_of_two_or_more_tokens_take_the_tensor_core_kernel_on_sm_80_and_later() {
+        use crate::quant_gpu::{stem, QUANT_TYPES};
+        let sm90 = Target::Cuda { sm: 90 };
+        for q in QUANT_TYPES {
+            let s = stem(q);
+            let one = |m: &str, e: String| vec![(m.to_string(), e)];
+            assert_eq!(
+                quantized_matmul_entries(q, 1, &sm90),
+                one("qgemv", format!("qgemv_{s}_t1_bf16_bf16"))
+            );
+            for (t, tp) in [(2u32, 8u32), (8, 8), (9, 16), (32, 32)] {
+                let want = one("qskinny", format!("qskinny_{s}_t{tp}_r1_bf16_bf16"));
+                assert_eq!(quantized_matmul_entries(q, t, &sm90), want, "{q:?} t={t}");
+                let sm80 = Target::Cuda { sm: 80 };
+                assert_eq!(quantized_matmul_entries(q, t, &sm80), want, "{q:?} t={t}");
+                assert!(entry_points("qskinny").contains(&want[0].1));
+            }
+            let two = quantized_matmul_entries(q, 40, &sm90);
+            assert_eq!(
+                two,
+                vec![
+                    ("qskinny".into(), format!("qskinny_{s}_t32_r1_bf16_bf16")),
+                    ("qskinny".into(), format!("qskinny_{s}_t8_r1_bf16_bf16")),
+                ]
+            );
+            // Older parts and HIP keep the GEMV.
+            for target in [
+                Target::Cuda { sm: 75 },
+                Target::Hip {
+                    gfx: "gfx1100".into(),
+                },
+            ] {
+                let ls = quantized_matmul_entries(q, 8, &target);
+                assert_eq!(ls, one("qgemv", format!("qgemv_{s}_t8_bf16_bf16")));
+            }
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
-//! Quantized weights on GPUs: the repacked layout the `qgemv` module's
-//! kernels read (`kernels/gpu/qgemv.cu`), the repack from GGUF's block
-//! layout into it, a host decoder of it, and the launches of the quantized
-//! GEMV and row gather.
+//! Quantized weights on GPUs: the repacked layout the `qgemv` and `qskinny`
+//! modules' kernels read (`kernels/gpu/qgemv.cu`, `kernels/gpu/qskinny.cu`),
+//! the repack from GGUF's block layout into it, a host decoder of it, and the
+//! launches of the quantized GEMV, skinny GEMM and row gather.
 //!
 //! Why a repack: GGUF blocks interleave scales with quants (Q8_0's 34-byte
 //! blocks are not even 16-byte aligned), and the K-quants pack their
@@ -39,17 +39,20 @@
 //! Performance (H200, `bench_quantized_gemv_on_llama3_8b_shapes`, results in
 //! `bench/results/gpu-2026-12-01-qgemv/`): at one token the 4/5/6-bit
 //! kernels stream 1.5-2.2 TB/s of weights and Q8_0/FP8 2.2-3.2 TB/s; at 8
-//! tokens they are compute-bound (about 0.25-0.55 TB/s). The decode is ALU
-//! bound, not byte bound: next steps are x converted once per block (shared
-//! memory) instead of once per row, more rows per warp at T > 1, and integer
-//! dot products (x quantized to i8 per 32, as llama.cpp's MMVQ does) or
-//! tensor-core MMA for T = 2..8.
+//! tokens they are compute-bound (about 0.25-0.55 TB/s): the GEMV decodes
+//! to f32 and multiplies every token on the FMA pipe. So GEMMs of 2 or more
+//! tokens on CUDA sm_80+ lower to [`lower_qskinny`] instead
+//! (`kernels/gpu/qskinny.cu`): the same layout and operands, the codes fed
+//! exactly to `mma.sync` tensor-core steps that each lie in one scale group,
+//! the group scales applied in f32, one launch per 32 tokens reading every
+//! weight byte once. The catalog's `quantized_skinny_applies` makes the
+//! choice; the plan's entry name records it (`qskinny_<type>_t<tp>_r<mt>_..`).
 //!
 //! Deliberately not here: the IR op and the planner's sizing (they call
-//! [`repacked_bytes`] and [`lower_qgemv`] / [`lower_qgather`]), CPU kernels
-//! (`crate::cpu`), and GEMMs over more than 8 tokens: [`lower_qgemv`] runs
-//! them as one launch of the 8-token kernel per 8 rows of x (weights read
-//! once per 8 tokens), never through cuBLASLt on dequantized weights.
+//! [`repacked_bytes`] and [`lower_qgemv`] / [`lower_qskinny`] /
+//! [`lower_qgather`]), CPU kernels (`crate::cpu`), tuning (quantized GEMMs
+//! are not in `kiln tune` tables: the rule above is the whole choice), and
+//! any cuBLASLt path on dequantized weights.
 
 use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam};
 use kiln_ir::DType;
@@ -498,6 +501,83 @@ fn offset_by(b: BufRef, bytes: u64) -> BufRef {
     }
 }
 
+/// What both quantized GEMM kernels require of their operands, checked
+/// once: the layout, the output suffix, and N, K as i32.
+struct GemmChecked {
+    layout: QLayout,
+    os: &'static str,
+    osz: u64,
+    n32: i32,
+    k32: i32,
+}
+
+fn check_gemm(
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    out: DType,
+    bufs: &QGemvBufs,
+) -> Result<GemmChecked, QLowerError> {
+    let refuse = |why: String| QLowerError::Unsupported {
+        op: "matmul",
+        q,
+        n,
+        k,
+        why,
+    };
+    let l = layout(q, n, k).map_err(|e| refuse(e.to_string()))?;
+    let os = match out {
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+        d => return Err(refuse(format!("the output must be bf16 or f32, got {d}"))),
+    };
+    if t == 0 {
+        return Err(refuse("no tokens".into()));
+    }
+    let n32 = i32::try_from(n).map_err(|_| refuse("N exceeds the 32-bit index range".into()))?;
+    let k32 = i32::try_from(k).map_err(|_| refuse("K exceeds the 32-bit index range".into()))?;
+    if n.checked_mul(k).is_none_or(|nk| nk > i64::MAX as u64 / 2) {
+        return Err(refuse("N*K exceeds the 64-bit byte range".into()));
+    }
+    let osz = out.size() as u64;
+    let need = |what: &str, b: Option<BufRef>, bytes: u64| -> Result<(), QLowerError> {
+        match b {
+            Some(b) if b.bytes < bytes => Err(refuse(format!(
+                "{what} needs {bytes} bytes but its buffer has {}",
+                b.bytes
+            ))),
+            Some(b) if !b.offset.is_multiple_of(16) => Err(refuse(format!(
+                "{what} must be 16-byte aligned (offset {})",
+                b.offset
+            ))),
+            _ => Ok(()),
+        }
+    };
+    need("x", Some(bufs.x), t * k * 2)?;
+    need("the repacked weight", Some(bufs.w), l.total)?;
+    need("out", Some(bufs.out), t * n * osz)?;
+    need("bias", bufs.bias, n * 2)?;
+    need("the residual", bufs.residual, t * n * 2)?;
+    match (q == QuantType::Fp8E4M3, bufs.scale) {
+        (true, None) => return Err(refuse("FP8 needs its per-row f32 scales".into())),
+        (false, Some(_)) => {
+            return Err(refuse(
+                "only FP8 weights take a per-row scale operand".into(),
+            ))
+        }
+        (true, s) => need("the FP8 scales", s, n * 4)?,
+        (false, None) => {}
+    }
+    Ok(GemmChecked {
+        layout: l,
+        os,
+        osz,
+        n32,
+        k32,
+    })
+}
+
 /// The launches of a quantized GEMV over `t` tokens (x bf16; `out` bf16 or
 /// f32): one launch of the `TT`-token kernel for `t <= 8`, and one launch
 /// of the 8-token kernel per 8 tokens above (each re-reads the weights).
@@ -550,49 +630,13 @@ pub fn lower_qgemv(
         k,
         why,
     };
-    let l = layout(q, n, k).map_err(|e| refuse(e.to_string()))?;
-    let os = match out {
-        DType::BF16 => "bf16",
-        DType::F32 => "f32",
-        d => return Err(refuse(format!("the output must be bf16 or f32, got {d}"))),
-    };
-    if t == 0 {
-        return Err(refuse("no tokens".into()));
-    }
-    let n32 = i32::try_from(n).map_err(|_| refuse("N exceeds the 32-bit index range".into()))?;
-    let k32 = i32::try_from(k).map_err(|_| refuse("K exceeds the 32-bit index range".into()))?;
-    if n.checked_mul(k).is_none_or(|nk| nk > i64::MAX as u64 / 2) {
-        return Err(refuse("N*K exceeds the 64-bit byte range".into()));
-    }
-    let osz = out.size() as u64;
-    let need = |what: &str, b: Option<BufRef>, bytes: u64| -> Result<(), QLowerError> {
-        match b {
-            Some(b) if b.bytes < bytes => Err(refuse(format!(
-                "{what} needs {bytes} bytes but its buffer has {}",
-                b.bytes
-            ))),
-            Some(b) if !b.offset.is_multiple_of(16) => Err(refuse(format!(
-                "{what} must be 16-byte aligned (offset {})",
-                b.offset
-            ))),
-            _ => Ok(()),
-        }
-    };
-    need("x", Some(bufs.x), t * k * 2)?;
-    need("the repacked weight", Some(bufs.w), l.total)?;
-    need("out", Some(bufs.out), t * n * osz)?;
-    need("bias", bufs.bias, n * 2)?;
-    need("the residual", bufs.residual, t * n * 2)?;
-    match (q == QuantType::Fp8E4M3, bufs.scale) {
-        (true, None) => return Err(refuse("FP8 needs its per-row f32 scales".into())),
-        (false, Some(_)) => {
-            return Err(refuse(
-                "only FP8 weights take a per-row scale operand".into(),
-            ))
-        }
-        (true, s) => need("the FP8 scales", s, n * 4)?,
-        (false, None) => {}
-    }
+    let GemmChecked {
+        layout: l,
+        os,
+        osz,
+        n32,
+        k32,
+    } = check_gemm(q, n, k, t, out, bufs)?;
     let grid = n.div_ceil(QGEMV_ROWS_PER_BLOCK as u64);
     let grid = u32::try_from(grid).map_err(|_| refuse("too many rows for one grid".into()))?;
     let opt = |b: Option<BufRef>| b.map_or(LaunchParam::Null, LaunchParam::Buf);
@@ -610,6 +654,145 @@ pub fn lower_qgemv(
             grid: [grid, 1, 1],
             block: [QGEMV_THREADS, 1, 1],
             shared_bytes: 0,
+            params: vec![
+                LaunchParam::Buf(offset_by(bufs.x, t0 * k * 2)),
+                LaunchParam::Buf(bufs.w),
+                opt(bufs.scale),
+                opt(bufs.bias),
+                opt(bufs.residual.map(|r| offset_by(r, t0 * n * 2))),
+                LaunchParam::Buf(offset_by(bufs.out, t0 * n * osz)),
+                LaunchParam::I32(tokens as i32),
+                LaunchParam::I32(n32),
+                LaunchParam::I32(k32),
+                LaunchParam::I32(w_const as i32),
+                LaunchParam::I64(l.offsets[0] as i64),
+                LaunchParam::I64(l.offsets[1] as i64),
+                LaunchParam::I64(l.offsets[2] as i64),
+            ],
+            pdl,
+        });
+        t0 += tokens;
+    }
+    Ok(launches)
+}
+
+/// The quantized skinny GEMM's module (`kernels/gpu/qskinny.cu`).
+pub const QSKINNY_MODULE: &str = "qskinny";
+/// Padded token counts (multiples of 8) the quantized skinny GEMM is
+/// instantiated for: one launch takes up to 32 tokens.
+pub const QSKINNY_TOKENS: [u32; 4] = [8, 16, 24, 32];
+/// Row tiles (16 rows each) per block the quantized skinny GEMM takes.
+pub const QSKINNY_ROW_TILES: [u32; 2] = [1, 2];
+
+/// Every entry point of the `qskinny` module.
+pub fn qskinny_entry_points() -> Vec<String> {
+    let mut v = Vec::new();
+    for q in QUANT_TYPES {
+        for o in ["bf16", "f32"] {
+            for mt in QSKINNY_ROW_TILES {
+                for tp in QSKINNY_TOKENS {
+                    v.push(format!("qskinny_{}_t{tp}_r{mt}_bf16_{o}", stem(q)));
+                }
+            }
+        }
+    }
+    v
+}
+
+/// Weight elements one warp step of the quantized skinny GEMM covers (its
+/// "unit", see the kernel's header): Q8_0 and the 32-blocks one block, the
+/// K-quants a 64-element chunk, FP8 one 16-byte vector.
+pub fn qskinny_unit(q: QuantType) -> u64 {
+    match q {
+        QuantType::Fp8E4M3 => 16,
+        QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => 64,
+        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 => 32,
+    }
+}
+
+/// The launches of a quantized GEMM over `t` tokens on tensor cores (CUDA
+/// sm_80+): one launch of `kernels/gpu/qskinny.cu` per 32 tokens, each
+/// reading every weight byte once, with the operands, the refusals and the
+/// parameter list of [`lower_qgemv`] (`w_const`, `pdl` as there).
+///
+/// Geometry per launch of `tokens` tokens (documented in the kernel):
+/// * tokens padded to `tp = 8 * ceil(tokens / 8)` (the MMA's 8 columns);
+/// * `mt` row tiles of 16 per block: 2 when `tp >= 24` and there are at
+///   least 256 such 32-row blocks (x is then re-read half as often and the
+///   grid still fills the chip), else 1;
+/// * `warps` split K per block: the largest power of two up to 16 / `mt`
+///   that still gives every warp two units ([`qskinny_unit`]), at least 1;
+/// * dynamic shared memory for the split-K partials:
+///   `warps * mt * (tp / 8) * 4 * 32` f32.
+///
+/// ```
+/// use kiln_ir::plan::{BufRef, Region};
+/// use kiln_kernels::quant_gpu::{lower_qskinny, repacked_bytes, QGemvBufs, QuantType};
+/// let buf = |offset, bytes| BufRef { region: Region::Arena, offset, bytes };
+/// let (t, n, k) = (8u64, 4096u64, 4096u64);
+/// let w = repacked_bytes(QuantType::Q4K, n, k).unwrap();
+/// let bufs = QGemvBufs {
+///     x: buf(0, t * k * 2),
+///     w: BufRef { region: Region::Weight(3), offset: 0, bytes: w },
+///     scale: None,
+///     bias: None,
+///     residual: None,
+///     out: buf(1 << 20, t * n * 2),
+/// };
+/// let launches =
+///     lower_qskinny(QuantType::Q4K, n, k, t, kiln_ir::DType::BF16, &bufs, true, true).unwrap();
+/// assert_eq!(launches.len(), 1);
+/// assert_eq!(launches[0].entry, "qskinny_q4k_t8_r1_bf16_bf16");
+/// assert_eq!((launches[0].grid, launches[0].block), ([256, 1, 1], [512, 1, 1]));
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn lower_qskinny(
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    out: DType,
+    bufs: &QGemvBufs,
+    w_const: bool,
+    pdl: bool,
+) -> Result<Vec<KernelLaunch>, QLowerError> {
+    let GemmChecked {
+        layout: l,
+        os,
+        osz,
+        n32,
+        k32,
+    } = check_gemm(q, n, k, t, out, bufs)?;
+    let units = k / qskinny_unit(q);
+    let opt = |b: Option<BufRef>| b.map_or(LaunchParam::Null, LaunchParam::Buf);
+    let mut launches = Vec::new();
+    let mut t0 = 0u64;
+    while t0 < t {
+        let tokens = (t - t0).min(32);
+        let tp = tokens.div_ceil(8) * 8;
+        let mt = if tp >= 24 && n.div_ceil(32) >= 256 {
+            2
+        } else {
+            1
+        };
+        let mut warps = 16 / mt;
+        while warps > 1 && 2 * warps > units {
+            warps /= 2;
+        }
+        let grid = n.div_ceil(16 * mt);
+        let grid = u32::try_from(grid).map_err(|_| QLowerError::Unsupported {
+            op: "matmul",
+            q,
+            n,
+            k,
+            why: "too many rows for one grid".into(),
+        })?;
+        launches.push(KernelLaunch {
+            module: QSKINNY_MODULE.into(),
+            entry: format!("qskinny_{}_t{tp}_r{mt}_bf16_{os}", stem(q)),
+            grid: [grid, 1, 1],
+            block: [32 * warps as u32, 1, 1],
+            shared_bytes: (warps * mt * (tp / 8) * 4 * 32 * 4) as u32,
             params: vec![
                 LaunchParam::Buf(offset_by(bufs.x, t0 * k * 2)),
                 LaunchParam::Buf(bufs.w),
@@ -929,6 +1112,139 @@ mod tests {
         assert!(e.contains("per-row f32 scales"), "{e}");
         let e = why(lower_qgemv(q, n, k, 0, DType::BF16, &ok, true, false));
         assert!(e.contains("no tokens"), "{e}");
+    }
+
+    fn param_i32(l: &KernelLaunch, i: usize) -> i32 {
+        match l.params[i] {
+            LaunchParam::I32(v) => v,
+            ref p => panic!("param {i} of {} is {p:?}", l.entry),
+        }
+    }
+
+    fn param_buf(l: &KernelLaunch, i: usize) -> BufRef {
+        match l.params[i] {
+            LaunchParam::Buf(b) => b,
+            ref p => panic!("param {i} of {} is {p:?}", l.entry),
+        }
+    }
+
+    /// The geometry restated from `lower_qskinny`'s doc, per launch of
+    /// `tokens` tokens: (entry suffix, grid, threads, shared bytes).
+    fn skinny_geometry(q: QuantType, n: u64, k: u64, tokens: u64) -> (String, u32, u32, u32) {
+        let tp = tokens.div_ceil(8) * 8;
+        let mt = if tp >= 24 && n >= 256 * 32 - 31 { 2 } else { 1 };
+        let units = k / qskinny_unit(q);
+        let warps = [16 / mt, 8 / mt, 4 / mt, 2 / mt, 1]
+            .into_iter()
+            .find(|&w| w == 1 || 2 * w <= units)
+            .unwrap();
+        (
+            format!("t{tp}_r{mt}"),
+            n.div_ceil(16 * mt) as u32,
+            32 * warps as u32,
+            (warps * mt * tp / 8 * 512) as u32,
+        )
+    }
+
+    #[test]
+    fn skinny_launches_take_32_tokens_each_with_geometry_from_tokens_rows_and_k() {
+        for q in QUANT_TYPES {
+            let min_k = k_multiple(q).max(qskinny_unit(q));
+            for (n, k) in [(5u64, min_k), (37, 3 * min_k), (1000, 4096), (8200, 4096)] {
+                for t in [2u64, 3, 8, 9, 17, 24, 32, 33, 70] {
+                    let b = bufs(t, n, k, q);
+                    let ls = lower_qskinny(q, n, k, t, DType::F32, &b, true, true).unwrap();
+                    assert_eq!(ls.len() as u64, t.div_ceil(32), "{q:?} t={t}");
+                    let lay = layout(q, n, k).unwrap();
+                    for (i, l) in ls.iter().enumerate() {
+                        let t0 = 32 * i as u64;
+                        let tokens = (t - t0).min(32);
+                        let (suffix, grid, threads, shared) = skinny_geometry(q, n, k, tokens);
+                        let what = format!("{q:?} [{n},{k}] t={t} launch {i}");
+                        assert_eq!(
+                            l.entry,
+                            format!("qskinny_{}_{suffix}_bf16_f32", stem(q)),
+                            "{what}"
+                        );
+                        assert!(qskinny_entry_points().contains(&l.entry), "{what}");
+                        assert_eq!(l.module, QSKINNY_MODULE);
+                        assert_eq!(l.grid, [grid, 1, 1], "{what}");
+                        assert_eq!(l.block, [threads, 1, 1], "{what}");
+                        assert_eq!(l.shared_bytes, shared, "{what}");
+                        // Every row is covered by exactly the grid's tiles.
+                        let rows = grid as u64 * if suffix.ends_with("r2") { 32 } else { 16 };
+                        assert!(rows >= n && rows - n < 32, "{what}");
+                        assert!(l.shared_bytes <= 48 * 1024, "{what}");
+                        assert!(l.pdl);
+                        assert_eq!(param_buf(l, 0).offset, t0 * k * 2, "{what}");
+                        assert_eq!(param_buf(l, 5).offset, (1 << 28) + t0 * n * 4, "{what}");
+                        assert_eq!(param_i32(l, 6) as u64, tokens, "{what}");
+                        assert_eq!(param_i32(l, 7) as u64, n);
+                        assert_eq!(param_i32(l, 8) as u64, k);
+                        assert_eq!(param_i32(l, 9), 1);
+                        for r in 0..3 {
+                            assert_eq!(l.params[10 + r], LaunchParam::I64(lay.offsets[r] as i64));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn skinny_lowering_refuses_what_the_gemv_refuses_and_says_why() {
+        let (n, k) = (64u64, 256u64);
+        let q = QuantType::Q6K;
+        let ok = bufs(8, n, k, q);
+        let why = |r: Result<Vec<KernelLaunch>, QLowerError>| r.unwrap_err().to_string();
+        let e = why(lower_qskinny(q, n, 320, 8, DType::BF16, &ok, true, false));
+        assert!(e.contains("multiple of 256"), "{e}");
+        let e = why(lower_qskinny(q, n, k, 8, DType::F16, &ok, true, false));
+        assert!(e.contains("bf16 or f32"), "{e}");
+        let mut small = ok;
+        small.x.bytes -= 2;
+        let e = why(lower_qskinny(q, n, k, 8, DType::BF16, &small, true, false));
+        assert!(e.contains("x needs"), "{e}");
+        let mut odd = ok;
+        odd.w.offset += 8;
+        let e = why(lower_qskinny(q, n, k, 8, DType::BF16, &odd, true, false));
+        assert!(e.contains("16-byte aligned"), "{e}");
+        let mut fp8 = bufs(8, n, k, QuantType::Fp8E4M3);
+        fp8.scale = None;
+        let e = why(lower_qskinny(
+            QuantType::Fp8E4M3,
+            n,
+            k,
+            8,
+            DType::BF16,
+            &fp8,
+            true,
+            false,
+        ));
+        assert!(e.contains("per-row f32 scales"), "{e}");
+        let e = why(lower_qskinny(q, n, k, 0, DType::BF16, &ok, true, false));
+        assert!(e.contains("no tokens"), "{e}");
+    }
+
+    /// The kernel's unit walk needs K to be whole units, and the unit to be
+    /// whole scale groups of one MMA step each (16 elements): checked for
+    /// every K a type accepts.
+    #[test]
+    fn every_k_a_type_accepts_is_whole_skinny_units_of_whole_scale_groups() {
+        for q in QUANT_TYPES {
+            let unit = qskinny_unit(q);
+            assert!(unit.is_multiple_of(16));
+            let group = match q {
+                QuantType::Fp8E4M3 => 16,
+                QuantType::Q6K => 16,
+                _ => 32,
+            };
+            assert!(unit.is_multiple_of(group), "{q:?}");
+            for m in 1..20u64 {
+                let k = m * k_multiple(q);
+                assert!(k.is_multiple_of(unit), "{q:?} K = {k}");
+            }
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! The quantized GEMV and row gather (`kernels/gpu/qgemv.cu`, lowered by
-//! `kiln_kernels::quant_gpu`) on a real GPU: for every storage type, random
+//! The quantized GEMV and row gather (`kernels/gpu/qgemv.cu`) and the
+//! quantized skinny GEMM on tensor cores (`kernels/gpu/qskinny.cu`), lowered
+//! by `kiln_kernels::quant_gpu`, on a real GPU: for every storage type, random
 //! GGUF blocks (random e4m3 bytes and scales for FP8) at awkward sizes,
 //! repacked as the runtime will repack them, against a host reference that
 //! decodes the repacked layout (`dequantize_repacked`, bitwise equal to
@@ -19,7 +20,8 @@ use kiln_compiler::gguf::types::GgmlType;
 use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Region};
 use kiln_ir::{DType, Key, Op, TensorType};
 use kiln_kernels::quant_gpu::{
-    dequantize_repacked, lower_qgather, lower_qgemv, repack, QGemvBufs, QuantType, QUANT_TYPES,
+    dequantize_repacked, lower_qgather, lower_qgemv, lower_qskinny, repack, QGemvBufs, QuantType,
+    QUANT_TYPES,
 };
 use kiln_runtime::backend::{
     Backend, DevOperand, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
@@ -187,6 +189,14 @@ struct Case {
     launch: Launch,
 }
 
+/// Which kernel a case runs: the GEMV (`qgemv`) or the tensor-core skinny
+/// GEMM (`qskinny`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kern {
+    Gemv,
+    Skinny,
+}
+
 fn gemv_case(
     b: &mut CudaBackend,
     r: &mut Rng,
@@ -195,6 +205,20 @@ fn gemv_case(
     out_dtype: DType,
     bias: bool,
     residual: bool,
+) -> Case {
+    kernel_case(b, r, w, t, out_dtype, bias, residual, Kern::Gemv)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn kernel_case(
+    b: &mut CudaBackend,
+    r: &mut Rng,
+    w: &DevWeight,
+    t: u64,
+    out_dtype: DType,
+    bias: bool,
+    residual: bool,
+    kern: Kern,
 ) -> Case {
     let (n, k) = (w.n as u32, w.k as u32);
     let x = put(b, &HT::random(r, DType::BF16, &[t as u32, k], 1.0));
@@ -215,12 +239,25 @@ fn gemv_case(
         residual: res.as_ref().map(|(d, _)| abs(d)),
         out: abs(&out),
     };
-    let ks = lower_qgemv(w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl()).unwrap();
+    let ks = match kern {
+        Kern::Gemv => lower_qgemv(w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl()),
+        Kern::Skinny => lower_qskinny(w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl()),
+    }
+    .unwrap();
     let mut args = vec![x.clone(), w.w.clone()];
     args.extend(w.scale.clone());
     args.extend(bias.as_ref().map(|(d, _)| d.clone()));
     args.extend(res.as_ref().map(|(d, _)| d.clone()));
-    let launch = launch_of("qgemv", &ks, args, out.clone());
+    let launch = launch_of(
+        if kern == Kern::Gemv {
+            "qgemv"
+        } else {
+            "qskinny"
+        },
+        &ks,
+        args,
+        out.clone(),
+    );
     Case {
         t,
         out_dtype,
@@ -364,6 +401,111 @@ fn quantized_gemv_under_capture_and_replay_follows_changing_inputs() {
     }
 }
 
+/// The tensor-core skinny GEMM against the same f64 reference and bound as
+/// the GEMV (its per-group sums are f32 MMA accumulations, the scales applied
+/// per group in f32, so it differs from "dequantize, then multiply" by f32
+/// reordering only): every type, K at the type's minimum, a few groups and a
+/// long row, N below one 16-row tile, not a multiple of 16, and large, T
+/// across one, two and four 8-token tiles and over 32 (two launches);
+/// outputs poisoned. One case per type at N = 8200 takes the two-tile
+/// (32-row) blocks.
+#[test]
+fn quantized_skinny_gemm_matches_the_decoded_weight_for_every_type_at_awkward_sizes() {
+    let Some(mut b) = gpu() else { return };
+    let mut r = Rng::new(26);
+    let mut cases = 0;
+    for (qi, q) in QUANT_TYPES.into_iter().enumerate() {
+        let mut shapes: Vec<(u64, u64, Vec<u64>)> = Vec::new();
+        for k in ks(q) {
+            for n in [5u64, 37, 1000] {
+                shapes.push((n, k, vec![2, 3, 8, 9, 17, 32]));
+            }
+        }
+        shapes.push((8200, ks(q)[1], vec![24, 32, 41]));
+        for (si, (n, k, ts)) in shapes.into_iter().enumerate() {
+            let w = weight(&mut b, q, n, k, 6000 + 20 * qi as u64 + si as u64);
+            for (ti, t) in ts.into_iter().enumerate() {
+                let out = if (ti + si) % 2 == 0 {
+                    DType::BF16
+                } else {
+                    DType::F32
+                };
+                let bias = (n + t) % 2 == 1;
+                let residual = out == DType::BF16 && ti % 3 == 1;
+                let c = kernel_case(&mut b, &mut r, &w, t, out, bias, residual, Kern::Skinny);
+                b.prepare(&c.launch).unwrap();
+                b.launch(&c.launch).unwrap();
+                b.synchronize().unwrap();
+                let x = download(&mut b, &c.x);
+                let got = download(&mut b, &c.out);
+                check_gemv(
+                    &format!(
+                        "qskinny {q:?} [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"
+                    ),
+                    &w,
+                    &c,
+                    &x,
+                    &got,
+                );
+                cases += 1;
+            }
+            let _ = b.free(w.w.ptr);
+        }
+    }
+    assert_eq!(cases, 8 * (3 * 3 * 6 + 3));
+}
+
+/// Each type's skinny GEMM captured once and replayed with new activations
+/// every step: each replay matches the host reference on that step's x, and
+/// the replay counter moves.
+#[test]
+fn quantized_skinny_gemm_under_capture_and_replay_follows_changing_inputs() {
+    let Some(mut b) = gpu() else { return };
+    let mut r = Rng::new(27);
+    for (qi, q) in QUANT_TYPES.into_iter().enumerate() {
+        let (n, k, t) = (1000u64, ks(q)[2], [2u64, 9, 32][qi % 3]);
+        let w = weight(&mut b, q, n, k, 7000 + qi as u64);
+        let c = kernel_case(
+            &mut b,
+            &mut r,
+            &w,
+            t,
+            DType::BF16,
+            true,
+            false,
+            Kern::Skinny,
+        );
+        b.prepare(&c.launch).unwrap();
+        b.begin_capture(Key::new(t as u32, 1, 0)).unwrap();
+        b.launch(&c.launch).unwrap();
+        let graph = b.end_capture().unwrap();
+        let before = b.counters().graphs.replays();
+        for step in 0..4 {
+            let x = HT::random(
+                &mut r,
+                DType::BF16,
+                &[t as u32, k as u32],
+                1.0 + step as f32,
+            );
+            b.upload(c.x.ptr, &x.bytes()).unwrap();
+            b.upload(c.out.ptr, &vec![0xff; c.out.ty.size_bytes() as usize])
+                .unwrap();
+            b.replay(graph).unwrap();
+            b.synchronize().unwrap();
+            let got = download(&mut b, &c.out);
+            check_gemv(
+                &format!("qskinny {q:?} replay step {step} t={t}"),
+                &w,
+                &c,
+                &x,
+                &got,
+            );
+        }
+        assert_eq!(b.counters().graphs.replays() - before, 4);
+        b.destroy_graph(graph).unwrap();
+    }
+}
+
 fn gather_launch(
     b: &mut CudaBackend,
     w: &DevWeight,
@@ -468,7 +610,9 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Prints each type's GEMV at Llama-3-8B's projection shapes (T = 1 and 8):
+/// Prints each type's GEMV (T = 1 and 8) and skinny GEMM (T = 8 and 32) at
+/// Llama-3-8B's projection shapes (the aim: qskinny at T = 8 within
+/// 1.2x of the GEMV at T = 1):
 /// one CUDA graph of 20 launches (cycling through enough weight copies to
 /// exceed the 60 MB L2, so every launch streams from HBM), replayed 15
 /// times, each replay timed with CUDA events; the median per launch as
@@ -478,7 +622,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn bench_quantized_gemv_on_llama3_8b_shapes() {
     let Some(mut b) = gpu() else { return };
     let mut r = Rng::new(25);
-    println!("type   shape(NxK)     T  us/launch  weight GB/s  of 4.8 TB/s");
+    println!("type   shape(NxK)     T kernel  us/launch  weight GB/s  of 4.8 TB/s");
     for q in QUANT_TYPES {
         for (n, k) in [(4096u64, 4096u64), (14336, 4096), (4096, 14336)] {
             let wbytes = kiln_kernels::quant_gpu::repacked_bytes(q, n, k).unwrap();
@@ -486,10 +630,15 @@ fn bench_quantized_gemv_on_llama3_8b_shapes() {
             let ws: Vec<DevWeight> = (0..copies)
                 .map(|i| weight_as(&mut b, q, n, k, 5000 + i, false))
                 .collect();
-            for t in [1u64, 8] {
+            for (t, kern) in [
+                (1u64, Kern::Gemv),
+                (8, Kern::Gemv),
+                (8, Kern::Skinny),
+                (32, Kern::Skinny),
+            ] {
                 let cs: Vec<Case> = ws
                     .iter()
-                    .map(|w| gemv_case(&mut b, &mut r, w, t, DType::BF16, false, false))
+                    .map(|w| kernel_case(&mut b, &mut r, w, t, DType::BF16, false, false, kern))
                     .collect();
                 for c in &cs {
                     b.prepare(&c.launch).unwrap();
@@ -513,7 +662,7 @@ fn bench_quantized_gemv_on_llama3_8b_shapes() {
                 let us = median(times);
                 let gbs = wbytes as f64 / (us * 1e-6) / 1e9;
                 println!(
-                    "{:<6} {:>5}x{:<6} {t:>2} {us:>10.2} {gbs:>12.0} {:>10.0}%",
+                    "{:<6} {:>5}x{:<6} {t:>2} {kern:<6?} {us:>10.2} {gbs:>12.0} {:>10.0}%",
                     kiln_kernels::quant_gpu::stem(q),
                     n,
                     k,

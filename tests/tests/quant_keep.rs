@@ -333,7 +333,8 @@ fn a_kept_tensor_of_the_wrong_byte_length_is_refused_at_load_naming_it() {
 }
 
 #[test]
-fn a_kept_plan_for_a_gpu_lowers_its_quantized_weights_to_qgemv_launches_over_repacked_buffers() {
+fn a_kept_plan_for_a_gpu_lowers_its_quantized_weights_to_qgemv_and_qskinny_launches_over_repacked_buffers(
+) {
     let model = TinyLlama {
         hidden: 256,
         ffn: 256,
@@ -354,7 +355,13 @@ fn a_kept_plan_for_a_gpu_lowers_its_quantized_weights_to_qgemv_launches_over_rep
             match &op.lowering {
                 kiln_ir::plan::Lowering::Kernels(ls) if quantized => {
                     for l in ls {
-                        assert_eq!(l.module, "qgemv", "{}", op.kernel);
+                        // One token: the GEMV; more: the tensor-core GEMM.
+                        let want = if l.entry.starts_with("qskinny_") {
+                            "qskinny"
+                        } else {
+                            "qgemv"
+                        };
+                        assert_eq!(l.module, want, "{}", op.kernel);
                         entries.insert(l.entry.clone());
                     }
                     // The weight operand is sized for the GPU layout.
@@ -372,15 +379,26 @@ fn a_kept_plan_for_a_gpu_lowers_its_quantized_weights_to_qgemv_launches_over_rep
             }
         }
     }
-    // The b1 and b8 GEMVs over Q4_K matrices and the Q6_K embedding/lm_head.
+    // The b1 GEMV and the 8-token tensor-core GEMM over Q4_K matrices, and
+    // the Q6_K embedding/lm_head; no 8-token key loops the GEMV any more.
     for e in [
         "qgemv_q4k_t1_bf16_bf16",
-        "qgemv_q4k_t8_bf16_bf16",
+        "qskinny_q4k_t8_r1_bf16_bf16",
         "qgather_q6k_bf16",
     ] {
         assert!(entries.contains(e), "{e} missing from {entries:?}");
     }
-    // Every GEMM runs as qgemv, none through cuBLASLt: no BLAS workspace.
+    assert!(!entries.contains("qgemv_q4k_t8_bf16_bf16"), "{entries:?}");
+    // `kiln inspect` shows the choice in the 8-token key's launch list.
+    let text = kiln_compiler::inspect::render(
+        &plan,
+        Some(Key::new(1, 8, 0)),
+        kiln_compiler::inspect::Format::Text,
+    )
+    .unwrap();
+    assert!(text.contains("qskinny_q4k_t8_r1_bf16_bf16"), "{text}");
+    // Every GEMM runs as qgemv or qskinny, none through cuBLASLt: no BLAS
+    // workspace.
     for kp in &plan.keys {
         assert!(kp.ops.iter().all(|o| o.workspace_bytes == 0), "{}", kp.key);
         assert_eq!(kp.workspace_bytes, 0, "{}", kp.key);

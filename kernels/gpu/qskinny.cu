@@ -1,0 +1,515 @@
+// Quantized skinny GEMM on tensor cores: y[t, n] = sum_k x[t, k] * W[n, k]
+// (+ bias[n]) (+ residual[t, n]) for 1..32 tokens per launch, with W kept
+// compressed in device memory in the repacked layout of qgemv.cu (written by
+// kiln_kernels::quant_gpu::repack; its header there documents the regions)
+// and dequantized in registers; x bf16 [T, K], y bf16 or f32.
+//
+// Why: qgemv.cu decodes each weight vector to f32 and multiplies it by every
+// token on the FMA pipe, so past one token it is ALU bound (on the H200 a b8
+// step costs 3.2-5.4x a b1 step on Q4_K models). Here the multiply is
+// `mma.sync.aligned.m16n8k16` (bf16 in, f32 accumulate, sm_80+), with the
+// weight CODES as the 16-row A operand and x^T (tokens padded to a multiple
+// of 8) as the 8-column B operand, so every weight byte is read and decoded
+// once per launch at every T <= 32 and the decode is shared by the tokens.
+//
+// Numerics. Every code is an exact bf16 (Q4 0..15, Q5 0..31, Q6 0..63 with
+// the type's offset removed, Q8_0 -128..127, e4m3 values: 3 mantissa bits,
+// exponents inside bf16's range). One MMA step covers 16 k that lie in one
+// scale group (Q8_0, Q4_0, Q4_1, Q5_0: the 32-block; Q4_K, Q5_K: the
+// 32-element sub-block; Q6_K: the 16-element sub-block); a group's steps
+// accumulate in f32 from zero, then the group's scale is applied in f32,
+// acc += (d*sc) * group_acc, and a min as acc += (-dmin*m) * sum(x over the
+// group) (Q4_1: +m * sum(x)), the sums of x formed by one more MMA step with
+// an all-ones A operand (exact products, f32 accumulation, in the
+// accumulator layout, shared by the block's row tiles). FP8 has one per-row
+// scale: the steps accumulate straight into the row's sum, scaled once at
+// the end. So the result differs from "dequantize, then multiply" by f32
+// reordering (and the tensor core's f32 accumulation) only, like qgemv; the
+// scale products d*sc and dmin*m are formed as the reference forms them.
+// The result is rounded once, after the bias; with a residual, the rounded
+// product plus the residual is rounded again (qgemv's rounding points).
+//
+// The k map. A lane is (g, t) = (lane / 4, lane % 4). A warp walks "units"
+// of a row (Q8_0: a 32-block, two 16-byte vectors of i8; FP8: 16 elements,
+// one vector; Q4_0, Q4_1, Q5_0: a 32-block, one vector of nibbles; the
+// K-quants: a 64-element chunk, two vectors of nibbles) and lane t loads
+// the 32-bit word t of each of the unit's vectors for rows g and g+8 of
+// each row tile. Step s of a unit covers the unit's elements
+// [16s, 16s + 16): word t of vector s (8-bit types), or the low (s even,
+// Q4_0..Q5_0) / high (s odd) nibbles of the one vector, or for the K-quants
+// the low (s < 2) / high (s >= 2) nibbles of vector s % 2 (qgemv's A_i / B_i
+// halves: A_i = 64c + 16(v%2) + i, B_i = A_i + 32, so the four halves of a
+// chunk are its elements 0-15, 16-31, 32-47, 48-63). Lane t's four codes of
+// a step are the step's elements 4t..4t+3; the A register pair {a0, a2}
+// (row g) holds elements {4t, 4t+1} and {4t+2, 4t+3}, logical k {2t, 2t+1}
+// and {2t+8, 2t+9} in PTX's fragment layout, and the B pair {b0, b1} holds
+// x[token g] at the same elements (one 8-byte load): the same map for A and
+// B, each k of the step once. The accumulator layout is PTX's: c[i] is row
+// g + 8*(i/2), token 2t + (i%2) of the 16x8 tile.
+//
+// Codes to bf16 without conversions: a byte c < 128 placed under the bf16
+// exponent byte 0x43 is the bf16 128 + c (one byte permute makes two such
+// halves), and one bf16x2 FMA subtracts 128 plus the type's offset. The
+// 8-bit types go through f32 and one cvt.rn.bf16x2.f32 (exact).
+//
+// Work split (kernels/src/quant_gpu.rs `lower_qskinny` picks the geometry):
+//   * block b owns rows [16*MT*b, 16*MT*(b+1)): MT row tiles of 16;
+//   * its W warps split K: warp w takes the units w, w+W, w+2W, ..., with
+//     the next unit's weight words and metadata in flight during this one;
+//   * each warp keeps every token: NT tiles of 8 (T <= 8*NT);
+//   * the per-warp partial sums meet in dynamic shared memory
+//     ([W][MT*NT*4][32] f32) and are summed in warp order (deterministic).
+// Edges: rows past n and tokens past `tokens` use a clamped (valid) row and
+// their results are dropped. Requires what qgemv requires (K a multiple of
+// the type's block, 16-byte aligned x and W; the lowering checks).
+//
+// Entry points: qskinny_S_tTP_rMT_bf16_OS, TP in 8, 16, 24, 32, MT in 1, 2,
+// OS in bf16, f32, with S one of qskinny_q8_0_, qskinny_q4_0_,
+// qskinny_q4_1_, qskinny_q5_0_, qskinny_q4k_, qskinny_q5k_, qskinny_q6k_,
+// qskinny_fp8_. Parameters are qgemv's (x, w, scale, bias, res, out, tokens,
+// n, k, w_const, off1, off2, off3).
+//
+// PDL: the first unit's weight words and metadata (never written by another
+// kernel) are loaded before KILN_PROLOGUE() only when w_const; x, bias,
+// residual, scale and out are touched only after it.
+//
+// Portable path: HIP and CUDA before sm_80 compile the same entry points
+// (same parameters, geometry and shared memory) as a plain loop, one warp
+// per output row and token, each weight decoded by itself; correct, not
+// tuned (the lowering picks qgemv there).
+#include "kiln_port.h"
+
+#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+#define KILN_QSK_MMA 1
+#endif
+
+#define KQ_Q8_0 0
+#define KQ_Q4_0 1
+#define KQ_Q4_1 2
+#define KQ_Q5_0 3
+#define KQ_Q4K 4
+#define KQ_Q5K 5
+#define KQ_Q6K 6
+#define KQ_FP8 7
+
+// Per-type unit geometry.
+template <int Q> struct Qsk {
+  static constexpr bool kquant = Q == KQ_Q4K || Q == KQ_Q5K || Q == KQ_Q6K;
+  static constexpr bool bytes8 = Q == KQ_Q8_0 || Q == KQ_FP8;
+  // 16-byte vectors per unit and elements per unit.
+  static constexpr int uv = (Q == KQ_Q8_0 || kquant) ? 2 : 1;
+  static constexpr int epu = Q == KQ_FP8 ? 16 : kquant ? 64 : 32;
+  static constexpr int steps = epu / 16;
+  // Steps per scale group.
+  static constexpr int gsteps = Q == KQ_Q6K ? 1 : Q == KQ_FP8 ? 1 : 2;
+  static constexpr bool has_min = Q == KQ_Q4_1 || Q == KQ_Q4K || Q == KQ_Q5K;
+  // The offset the codes carry (w = d*(q - off)).
+  static constexpr unsigned int off = Q == KQ_Q4_0 ? 8u : Q == KQ_Q5_0 ? 16u : Q == KQ_Q6K ? 32u : 0u;
+};
+
+KILN_DEV float qsk_f16(unsigned int bits) {
+  kf16 h;
+  h.bits = (unsigned short)(bits & 0xffffu);
+  return ld(h);
+}
+
+// e4m3 as f32 (qgemv.cu's q_e4m3: the bits moved into place, times 2^120).
+KILN_DEV float qsk_e4m3(unsigned int b) {
+  const unsigned int u = ((b & 0x7fu) << 20) | ((b & 0x80u) << 24);
+  return __uint_as_float(u) * 1.329227995784916e36f;  // 2^120
+}
+
+// The weight words and metadata of one unit of one row.
+struct QskUnit {
+  unsigned int w[2];
+  unsigned int m[6];
+};
+
+template <int Q>
+KILN_DEV void qsk_load(QskUnit& d, const unsigned char* __restrict__ w, i64 row, int u, int k,
+                       int t, i64 off1, i64 off2, i64 off3) {
+  const i64 row_bytes = Qsk<Q>::bytes8 ? (i64)k : (i64)k / 2;
+  const unsigned char* base = w + row * row_bytes + (i64)u * Qsk<Q>::uv * 16 + 4 * t;
+#pragma unroll
+  for (int v = 0; v < 2; ++v)
+    d.w[v] = v < Qsk<Q>::uv ? *reinterpret_cast<const unsigned int*>(base + 16 * v) : 0u;
+#pragma unroll
+  for (int i = 0; i < 6; ++i) d.m[i] = 0u;
+  const i64 nv = k / 32;
+  if (Q == KQ_Q8_0) {
+    d.m[0] = reinterpret_cast<const unsigned short*>(w + off1)[row * nv + u];
+  } else if (Q == KQ_Q4_0) {
+    d.m[0] = reinterpret_cast<const unsigned short*>(w + off1)[row * nv + u];
+  } else if (Q == KQ_Q4_1) {
+    d.m[0] = reinterpret_cast<const unsigned int*>(w + off1)[row * nv + u];
+  } else if (Q == KQ_Q5_0) {
+    d.m[0] = reinterpret_cast<const unsigned short*>(w + off1)[row * nv + u];
+    d.m[2] = reinterpret_cast<const unsigned int*>(w + off2)[row * nv + u];
+  } else if (Q == KQ_Q4K || Q == KQ_Q5K) {
+    d.m[0] = reinterpret_cast<const unsigned int*>(w + off1)[row * (k / 256) + u / 4];
+    d.m[1] = reinterpret_cast<const unsigned int*>(w + off2)[row * (k / 64) + u];
+    if (Q == KQ_Q5K) {
+      const uint2 h = reinterpret_cast<const uint2*>(w + off3)[(row * nv) / 2 + u];
+      d.m[2] = h.x;
+      d.m[3] = h.y;
+    }
+  } else if (Q == KQ_Q6K) {
+    d.m[0] = reinterpret_cast<const unsigned short*>(w + off1)[row * (k / 256) + u / 4];
+    // Two i8 scales per vector: (A, B) of vector 2u, then of 2u+1.
+    d.m[1] = reinterpret_cast<const unsigned int*>(w + off2)[(row * nv) / 2 + u];
+    // Two u32 of high bit pairs per vector: (A, B) of 2u, then of 2u+1.
+    const uint4 h = reinterpret_cast<const uint4*>(w + off3)[(row * nv) / 2 + u];
+    d.m[2] = h.x;
+    d.m[3] = h.y;
+    d.m[4] = h.z;
+    d.m[5] = h.w;
+  }
+}
+
+// Spreads 4 bits (bit j -> bit 4 of byte j).
+KILN_DEV unsigned int qsk_bit4(unsigned int b) {
+  return (((b & 0xfu) * 0x00204081u) & 0x01010101u) << 4;
+}
+// Spreads 4 2-bit pairs (pair j -> bits 4, 5 of byte j).
+KILN_DEV unsigned int qsk_bit45(unsigned int va) {
+  return ((va & 0x03u) | ((va & 0x0cu) << 6) | ((va & 0x30u) << 12) | ((va & 0xc0u) << 18)) << 4;
+}
+
+#if defined(KILN_QSK_MMA)
+KILN_DEV unsigned int qsk_fma_bf16x2(unsigned int a, unsigned int b, unsigned int c) {
+  unsigned int d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+// (lo, hi) f32 -> bf16x2 (exact for the values used here).
+KILN_DEV unsigned int qsk_pack_bf16(float lo, float hi) {
+  unsigned int d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+KILN_DEV void qsk_mma(float* d, unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
+                      unsigned int b0, unsigned int b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Step s's four codes of lane t (elements 4t..4t+3 of the step) as the two
+// bf16x2 registers {4t, 4t+1} and {4t+2, 4t+3}.
+template <int Q>
+KILN_DEV void qsk_codes(const QskUnit& d, int s, int t, unsigned int& p01, unsigned int& p23) {
+  if (Qsk<Q>::bytes8) {
+    const unsigned int wd = d.w[Q == KQ_FP8 ? 0 : s];
+    float f[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (Q == KQ_Q8_0) {
+        // 2^23 + (byte ^ 0x80), minus 2^23 + 128: the signed code.
+        f[e] = __uint_as_float(
+                   __byte_perm(wd ^ 0x80808080u, 0x4B000000u, 0x7440u | (unsigned int)e)) -
+               8388736.0f;
+      } else {
+        f[e] = qsk_e4m3((wd >> (8 * e)) & 0xffu);
+      }
+    }
+    p01 = qsk_pack_bf16(f[0], f[1]);
+    p23 = qsk_pack_bf16(f[2], f[3]);
+    return;
+  }
+  const int v = Qsk<Q>::kquant ? (s & 1) : 0;
+  const bool hi = Qsk<Q>::kquant ? (s >= 2) : (s & 1);
+  const unsigned int wd = d.w[v];
+  unsigned int c = hi ? ((wd >> 4) & 0x0f0f0f0fu) : (wd & 0x0f0f0f0fu);
+  const int hs = hi ? 16 : 0;
+  if (Q == KQ_Q5_0) c |= qsk_bit4(d.m[2] >> (4 * t + hs));
+  if (Q == KQ_Q5K) c |= qsk_bit4(d.m[2 + v] >> (4 * t + hs));
+  if (Q == KQ_Q6K) c |= qsk_bit45((d.m[2 + 2 * v + (hi ? 1 : 0)] >> (8 * t)) & 0xffu);
+  // bf16 halves 0x43cc = 128 + c, then * 1 - (128 + off).
+  const unsigned int one = 0x3f803f80u;
+  const unsigned int neg = (0xc300u | Qsk<Q>::off) * 0x00010001u;
+  p01 = qsk_fma_bf16x2(__byte_perm(c, 0x43434343u, 0x4140u), one, neg);
+  p23 = qsk_fma_bf16x2(__byte_perm(c, 0x43434343u, 0x4342u), one, neg);
+}
+
+// Group j's (scale, min) factors of one row: w = da*code + ma.
+template <int Q>
+KILN_DEV void qsk_scales(const QskUnit& d, int j, float& da, float& ma) {
+  ma = 0.0f;
+  if (Q == KQ_FP8) {
+    da = 1.0f;
+  } else if (Q == KQ_Q8_0 || Q == KQ_Q4_0 || Q == KQ_Q5_0) {
+    da = qsk_f16(d.m[0]);
+  } else if (Q == KQ_Q4_1) {
+    da = qsk_f16(d.m[0]);
+    ma = qsk_f16(d.m[0] >> 16);
+  } else if (Q == KQ_Q4K || Q == KQ_Q5K) {
+    const float dd = qsk_f16(d.m[0]), dmin = qsk_f16(d.m[0] >> 16);
+    da = __fmul_rn(dd, (float)((d.m[1] >> (16 * j)) & 0xffu));
+    ma = -__fmul_rn(dmin, (float)((d.m[1] >> (16 * j + 8)) & 0xffu));
+  } else if (Q == KQ_Q6K) {
+    // Group j is step j: vector j % 2, half j / 2 -> byte 2*(j%2) + j/2.
+    const int byte = 2 * (j & 1) + (j >> 1);
+    da = __fmul_rn(qsk_f16(d.m[0]), (float)(signed char)((d.m[1] >> (8 * byte)) & 0xffu));
+  }
+}
+#endif
+
+// One weight decoded by itself (the portable path): element e of `row`.
+template <int Q>
+KILN_DEV float qsk_weight(const unsigned char* __restrict__ w, i64 row, int e, int k, i64 off1,
+                          i64 off2, i64 off3) {
+  const i64 nv = k / 32;
+  if (Q == KQ_Q8_0) {
+    const float d = qsk_f16(reinterpret_cast<const unsigned short*>(w + off1)[row * nv + e / 32]);
+    return __fmul_rn((float)(signed char)w[row * k + e], d);
+  }
+  if (Q == KQ_FP8) return qsk_e4m3(w[row * k + e]);
+  int v, i;
+  bool hi;
+  if (Qsk<Q>::kquant) {
+    const int r = e % 64, rr = r % 32;
+    hi = r >= 32;
+    v = 2 * (e / 64) + rr / 16;
+    i = rr % 16;
+  } else {
+    const int r = e % 32;
+    hi = r >= 16;
+    v = e / 32;
+    i = r % 16;
+  }
+  const i64 gv = row * nv + v;
+  const unsigned int byte = w[gv * 16 + i];
+  unsigned int c = hi ? byte >> 4 : byte & 0xfu;
+  if (Q == KQ_Q5_0 || Q == KQ_Q5K) {
+    const unsigned int qh = reinterpret_cast<const unsigned int*>(w + (Q == KQ_Q5_0 ? off2 : off3))[gv];
+    c |= ((qh >> (i + (hi ? 16 : 0))) & 1u) << 4;
+  }
+  if (Q == KQ_Q6K) {
+    const unsigned int hb = reinterpret_cast<const unsigned int*>(w + off3)[2 * gv + (hi ? 1 : 0)];
+    c |= ((hb >> (2 * i)) & 3u) << 4;
+  }
+  if (Q == KQ_Q4_0 || Q == KQ_Q5_0) {
+    const float d = qsk_f16(reinterpret_cast<const unsigned short*>(w + off1)[gv]);
+    return __fmul_rn(d, (float)((int)c - (int)Qsk<Q>::off));
+  }
+  if (Q == KQ_Q4_1) {
+    const unsigned int dm = reinterpret_cast<const unsigned int*>(w + off1)[gv];
+    return __fadd_rn(__fmul_rn(qsk_f16(dm), (float)c), qsk_f16(dm >> 16));
+  }
+  if (Q == KQ_Q4K || Q == KQ_Q5K) {
+    const unsigned int dm = reinterpret_cast<const unsigned int*>(w + off1)[row * (k / 256) + e / 256];
+    const unsigned int sm = reinterpret_cast<const unsigned int*>(w + off2)[row * (k / 64) + e / 64];
+    const int sh = hi ? 16 : 0;
+    const float da = __fmul_rn(qsk_f16(dm), (float)((sm >> sh) & 0xffu));
+    const float ma = __fmul_rn(qsk_f16(dm >> 16), (float)((sm >> (sh + 8)) & 0xffu));
+    return __fadd_rn(__fmul_rn(da, (float)c), -ma);
+  }
+  // Q6_K
+  const float d = qsk_f16(reinterpret_cast<const unsigned short*>(w + off1)[row * (k / 256) + e / 256]);
+  const float sc = (float)(signed char)w[off2 + gv * 2 + (hi ? 1 : 0)];
+  return __fmul_rn(__fmul_rn(d, sc), (float)((int)c - 32));
+}
+
+// Writes one output: the f32 sum times FP8's row scale, plus the bias, rounded;
+// with a residual, rounded again after adding it.
+template <int Q, typename O>
+KILN_DEV void qsk_store(float s, i64 row, int tok, const float* __restrict__ scale,
+                        const kbf16* __restrict__ bias, const kbf16* __restrict__ res,
+                        O* __restrict__ out, int n) {
+  const float sc = Q == KQ_FP8 ? scale[row] : 1.0f;
+  const float bv = bias ? ld(bias[row]) : 0.0f;
+  float y = s * sc + bv;
+  if (res) y = round_to<kbf16>(y) + ld(res[(i64)tok * n + row]);
+  out[(i64)tok * n + row] = st<O>(y);
+}
+
+template <int Q, typename O, int NT, int MT>
+KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __restrict__ w,
+                           const float* __restrict__ scale, const kbf16* __restrict__ bias,
+                           const kbf16* __restrict__ res, O* __restrict__ out, int tokens, int n,
+                           int k, int w_const, i64 off1, i64 off2, i64 off3) {
+  const int lane = threadIdx.x % KILN_WARP;
+  const int warp = threadIdx.x / KILN_WARP;
+  const int warps = blockDim.x / KILN_WARP;
+  const i64 row0 = (i64)blockIdx.x * (16 * MT);
+#if defined(KILN_QSK_MMA)
+  extern __shared__ float qsk_red[];  // [warps][R][32]
+  constexpr int R = MT * NT * 4;
+  constexpr int S = Qsk<Q>::steps;
+  constexpr int GS = Qsk<Q>::gsteps;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int units = k / Qsk<Q>::epu;
+  i64 rows[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const i64 r = row0 + 16 * mt + 8 * h + g;
+      rows[mt][h] = r < n ? r : n - 1;
+    }
+  const kbf16* xrow[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tk = 8 * nt + g;
+    xrow[nt] = x + (i64)(tk < tokens ? tk : tokens - 1) * k + 4 * t;
+  }
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+  int u = warp;
+  QskUnit cur[MT][2];
+  if (w_const && u < units) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) qsk_load<Q>(cur[mt][h], w, rows[mt][h], u, k, t, off1, off2, off3);
+  }
+  KILN_PROLOGUE();
+  if (!w_const && u < units) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) qsk_load<Q>(cur[mt][h], w, rows[mt][h], u, k, t, off1, off2, off3);
+  }
+  for (; u < units; u += warps) {
+    // The next unit's words and metadata, in flight during this one's MMAs.
+    const int un = u + warps;
+    QskUnit nxt[MT][2];
+    if (un < units) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          qsk_load<Q>(nxt[mt][h], w, rows[mt][h], un, k, t, off1, off2, off3);
+    }
+    const i64 ubase = (i64)u * Qsk<Q>::epu;
+#pragma unroll
+    for (int j = 0; j < S / GS; ++j) {
+      float ga[MT][NT][4];
+      float gs[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          gs[nt][i] = 0.0f;
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) ga[mt][nt][i] = 0.0f;
+        }
+#pragma unroll
+      for (int ss = 0; ss < GS; ++ss) {
+        const int s = j * GS + ss;
+        uint2 xb[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          xb[nt] = *reinterpret_cast<const uint2*>(xrow[nt] + ubase + 16 * s);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          unsigned int a0, a1, a2, a3;
+          qsk_codes<Q>(cur[mt][0], s, t, a0, a2);
+          qsk_codes<Q>(cur[mt][1], s, t, a1, a3);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            float* dst = Q == KQ_FP8 ? acc[mt][nt] : ga[mt][nt];
+            qsk_mma(dst, a0, a1, a2, a3, xb[nt].x, xb[nt].y);
+          }
+        }
+        if (Qsk<Q>::has_min) {
+          const unsigned int one = 0x3f803f80u;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) qsk_mma(gs[nt], one, one, one, one, xb[nt].x, xb[nt].y);
+        }
+      }
+      if (Q != KQ_FP8) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float da, ma;
+            qsk_scales<Q>(cur[mt][h], j, da, ma);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& a = acc[mt][nt][2 * h + e];
+                a = fmaf(da, ga[mt][nt][2 * h + e], a);
+                if (Qsk<Q>::has_min) a = fmaf(ma, gs[nt][2 * h + e], a);
+              }
+          }
+      }
+    }
+    if (un < units) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) cur[mt][h] = nxt[mt][h];
+    }
+  }
+  // Split-K reduction: every warp's partials to shared memory, then each
+  // thread sums one (register, lane) slot over the warps in warp order.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        qsk_red[(warp * R + (mt * NT + nt) * 4 + i) * KILN_WARP + lane] = acc[mt][nt][i];
+  __syncthreads();
+  for (int v = threadIdx.x; v < R * KILN_WARP; v += blockDim.x) {
+    float s = 0.0f;
+    for (int q = 0; q < warps; ++q) s += qsk_red[q * R * KILN_WARP + v];
+    const int i = v / KILN_WARP, ln = v % KILN_WARP;
+    const int c = i & 3, nt = (i >> 2) % NT, mt = (i >> 2) / NT;
+    const i64 row = row0 + 16 * mt + (ln >> 2) + 8 * (c >> 1);
+    const int tok = 8 * nt + 2 * (ln & 3) + (c & 1);
+    if (row < n && tok < tokens) qsk_store<Q, O>(s, row, tok, scale, bias, res, out, n);
+  }
+#else
+  // Portable path: one warp per (row, token), lanes over the elements.
+  KILN_PROLOGUE();
+  for (int r = warp; r < 16 * MT; r += warps) {
+    const i64 row = row0 + r;
+    if (row >= n) break;
+    for (int tk = 0; tk < tokens; ++tk) {
+      const kbf16* xr = x + (i64)tk * k;
+      float a = 0.0f;
+      for (int e = lane; e < k; e += KILN_WARP)
+        a += ld(xr[e]) * qsk_weight<Q>(w, row, e, k, off1, off2, off3);
+      a = warp_sum(a);
+      if (lane == 0) qsk_store<Q, O>(a, row, tk, scale, bias, res, out, n);
+    }
+  }
+#endif
+}
+
+#define KILN_QSKINNY(S, Q, O, OS, TP, MT)                                                      \
+  KILN_GLOBAL void __launch_bounds__(512 / MT)                                                 \
+      qskinny_##S##_t##TP##_r##MT##_bf16_##OS(                                                 \
+          const kbf16* x, const unsigned char* w, const float* scale, const kbf16* bias,       \
+          const kbf16* res, O* out, int tokens, int n, int k, int w_const, i64 off1, i64 off2, \
+          i64 off3) {                                                                          \
+    qskinny_gemm<Q, O, TP / 8, MT>(x, w, scale, bias, res, out, tokens, n, k, w_const, off1,   \
+                                   off2, off3);                                                \
+  }
+#define KILN_QSKINNY_TILES(S, Q, O, OS)                                                        \
+  KILN_QSKINNY(S, Q, O, OS, 8, 1) KILN_QSKINNY(S, Q, O, OS, 16, 1)                             \
+  KILN_QSKINNY(S, Q, O, OS, 24, 1) KILN_QSKINNY(S, Q, O, OS, 32, 1)                            \
+  KILN_QSKINNY(S, Q, O, OS, 8, 2) KILN_QSKINNY(S, Q, O, OS, 16, 2)                             \
+  KILN_QSKINNY(S, Q, O, OS, 24, 2) KILN_QSKINNY(S, Q, O, OS, 32, 2)
+#define KILN_QSKINNY_TYPE(S, Q)                                                                \
+  KILN_QSKINNY_TILES(S, Q, kbf16, bf16)                                                        \
+  KILN_QSKINNY_TILES(S, Q, float, f32)
+KILN_QSKINNY_TYPE(q8_0, KQ_Q8_0)
+KILN_QSKINNY_TYPE(q4_0, KQ_Q4_0)
+KILN_QSKINNY_TYPE(q4_1, KQ_Q4_1)
+KILN_QSKINNY_TYPE(q5_0, KQ_Q5_0)
+KILN_QSKINNY_TYPE(q4k, KQ_Q4K)
+KILN_QSKINNY_TYPE(q5k, KQ_Q5K)
+KILN_QSKINNY_TYPE(q6k, KQ_Q6K)
+KILN_QSKINNY_TYPE(fp8, KQ_FP8)
