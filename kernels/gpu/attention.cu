@@ -2,9 +2,7 @@
 //
 // Split-context ("flash decoding") in one launch:
 //  1. paged_attn_part: grid (partition, (b*kvh + g)*tiles + tile). A block
-//     takes P consecutive context positions of sequence b (P chosen per
-//     step from its context so that every partition of the grid holds
-//     positions: ceil(ctx / partitions), at least 16), one kv head g, and
+//     takes P consecutive context positions of sequence b, one kv head g, and
 //     a tile of RT query rows that read g (r = hi*Q + qi over the group's
 //     heads hi and the Q query tokens), so each K/V row is read once for all
 //     of them. It writes, per row, the partition's running max m, its sum of
@@ -27,8 +25,6 @@
 
 #define KILN_ATTN_THREADS 128
 #define KILN_ATTN_WARPS (KILN_ATTN_THREADS / KILN_WARP)
-// The shortest partition a step's context is split into (see attn_part).
-#define KILN_ATTN_MIN_PART 16
 
 // VEC consecutive elements of T as f32 (VEC = 8 needs 16-byte alignment).
 template <int VEC>
@@ -130,20 +126,12 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   const int max_ctx = a.max_blocks * a.block_size;
   int ctx = context_lens[b];
   ctx = ctx < max_ctx ? ctx : max_ctx;
-  // This step's partition length: the grid's num_parts partitions spread
-  // over the positions the sequence holds now (at least
-  // KILN_ATTN_MIN_PART each), not over the widest context the plan
-  // allows, so a short context still spreads over the whole grid instead
-  // of leaving most blocks idle. Never above a.part_len (num_parts *
-  // part_len covers the widest context), which sizes shared memory.
-  const int plen =
-      max(min(a.part_len, KILN_ATTN_MIN_PART), (ctx + a.num_parts - 1) / a.num_parts);
-  const int p0 = part * plen;
+  const int p0 = part * a.part_len;
   if (p0 >= ctx) return;  // the combine never reads this partition
-  const int p1 = min(p0 + plen, ctx);
+  const int p1 = min(p0 + a.part_len, ctx);
   // Partitions holding context positions; with one, the block normalizes
   // and writes the output itself (no scratch round trip, no combine).
-  const int nact = (ctx + plen - 1) / plen;
+  const int nact = (ctx + a.part_len - 1) / a.part_len;
 
   // Row j of this tile: r = tile*RT + j, head h = g*group + r/Q, query qi = r%Q.
   int rid[RT];    // output row id ((b*Q + qi)*heads + h), or -1 when past the group
@@ -591,41 +579,28 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
         s[u][j] = vis ? x : -KILN_INF;
       }
     }
-    // Per row: the new running max, the old state rescaled to it, and the
-    // scores turned into weights exp(s - max) in place.
-    bool live[RT];
+    float vf[KU][8];
+#pragma unroll
+    for (int u = 0; u < KU; ++u) unraw8(vr[u], vf[u]);
 #pragma unroll
     for (int j = 0; j < RT; ++j) {
       float mx = m[j];
 #pragma unroll
       for (int u = 0; u < KU; ++u) mx = fmaxf(mx, s[u][j]);
-      live[j] = mx != -KILN_INF;
-      if (live[j]) {
+      if (mx != -KILN_INF) {
         const float corr = m[j] == -KILN_INF ? 0.0f : expf(m[j] - mx);
         l[j] *= corr;
 #pragma unroll
         for (int k = 0; k < 8; ++k) acc[j][k] *= corr;
 #pragma unroll
-        for (int u = 0; u < KU; ++u) s[u][j] = expf(s[u][j] - mx);  // exp(-inf) = 0: invisible keys add nothing
+        for (int u = 0; u < KU; ++u) {
+          if (pb + u * per_pass >= p1) continue;  // past the partition, whole warp
+          const float e = expf(s[u][j] - mx);     // exp(-inf) = 0: invisible keys add nothing
+          l[j] += e;
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[j][k] += e * vf[u][k];
+        }
         m[j] = mx;
-      }
-    }
-    // Then each key's V, unpacked once for all rows: per row the adds run
-    // in key order as before, so the sums are the same, and only one key's
-    // eight V values are live at a time (unpacking all KU keys first held
-    // 8*KU more registers and spilled).
-#pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      if (pb + u * per_pass >= p1) continue;  // past the partition, whole warp
-      float vf[8];
-      unraw8(vr[u], vf);
-#pragma unroll
-      for (int j = 0; j < RT; ++j) {
-        if (!live[j]) continue;
-        const float e = s[u][j];
-        l[j] += e;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) acc[j][k] += e * vf[k];
       }
     }
   }

@@ -779,10 +779,7 @@ pub struct AttnGeometry {
     pub vec: u32,
     /// Lanes sharing one key in the score phase.
     pub tg: u32,
-    /// Context positions per partition at the widest context (it sizes
-    /// shared memory); each step's kernel spreads its actual context over
-    /// all `num_parts` partitions, `max(16, ceil(ctx / num_parts))`
-    /// positions each, up to this (kernels/gpu/attention.cu, `attn_part`).
+    /// Context positions per partition.
     pub part_len: u32,
     /// Partitions the grid spans.
     pub num_parts: u32,
