@@ -199,13 +199,17 @@ fi
 
 if [[ " $stages " == *" ncu "* && -n "$last" ]]; then
   # Per variant and key (KILN_NCU_VARIANTS, default the last; KILN_NCU_KEYS,
-  # default b1q1s0; KILN_NCU_MODEL, default qwen3-0.6b): one profiled step.
+  # default b1q1s0; KILN_NCU_MODEL, default qwen3-0.6b): one profiled step
+  # (KILN_NCU_FILTER: only the kernels it names).
   metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,lts__t_bytes.sum,launch__registers_per_thread,smsp__sass_inst_executed_op_local_ld.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size
   for v in ${KILN_NCU_VARIANTS:-$last}; do
     for key in ${KILN_NCU_KEYS:-b1q1s0}; do
       plan=/tmp/plans-$v/${KILN_NCU_MODEL:-qwen3-0.6b}.kiln
       csv="$OUT/logs/ncu-$v-$key.csv"
+      # KILN_NCU_FILTER: only kernels whose name matches (ncu's
+      # --kernel-name, e.g. "regex:paged_attn|qskinny").
       timeout 300 ncu --csv --launch-count "${KILN_NCU_KERNELS:-600}" --metrics "$metrics" \
+        ${KILN_NCU_FILTER:+--kernel-name "$KILN_NCU_FILTER"} \
         "$B/kiln-$v" bench "$plan" --device cuda --keys "$key" --steps 1 --context 512 \
         > "$csv" 2> "$OUT/logs/ncu-stderr-$v-$key.txt"
       echo "ncu $v $key: rc=$?" >> "$S"

@@ -270,9 +270,10 @@ fn kernel_case(
 }
 
 /// Checks `got` against the f64 product of `x` and the decoded weight.
-/// Bound per element: 2^-8 |want| (bf16 output rounding, twice with a
-/// residual) + 2^-14 sum_k |x w| (f32 accumulation in another order)
-/// + 1e-6.
+/// Bound per element: 2^-8 |want| (bf16 output rounding) + 2^-7 |r1|
+/// with a residual (the product's own rounding, which may land on the
+/// other neighbour) + 2^-14 sum_k |x w| (f32 accumulation in another
+/// order) + 1e-6.
 fn check_gemv(what: &str, w: &DevWeight, c: &Case, x: &HT, got: &HT) {
     let (n, k) = (w.n as usize, w.k as usize);
     let mut worst = 0f64;
@@ -290,8 +291,13 @@ fn check_gemv(what: &str, w: &DevWeight, c: &Case, x: &HT, got: &HT) {
             let mut bound = 2f64.powi(-14) * mag + 1e-6;
             let want = match &c.res {
                 Some((_, rh)) => {
+                    // The kernel's f32 sum may round to the bf16
+                    // neighbour of the reference's r1: a full ulp, up to
+                    // 2^-7 |r1| (measured on the H200: Q8_0 at T = 3 with
+                    // a bias and a residual, 1 ulp of r1 plus half an ulp
+                    // of the result).
                     let r1 = f64::from(bf16::from_f64(acc).to_f32());
-                    bound += 2f64.powi(-8) * r1.abs();
+                    bound += 2f64.powi(-7) * r1.abs();
                     r1 + f64::from(rh.f[t * n + row])
                 }
                 None => acc,
