@@ -20,9 +20,9 @@
 use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
 use kiln_compiler::import::{import_gguf, ImportOptions};
 use kiln_compiler::testing::{gemma3_gguf_for_tests, smollm2_gguf_for_tests};
+use kiln_ir::plan::Target;
 use kiln_ir::Key;
 use kiln_runtime::text::TextTokenizer;
-use kiln_ir::plan::Target;
 use kiln_runtime::{Backend, CpuBackend, Engine, EngineOptions, GraphMode, SeqOptions};
 use std::path::Path;
 
