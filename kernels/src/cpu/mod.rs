@@ -136,7 +136,35 @@ pub unsafe fn execute(
     args: &[RawTensor],
     results: &[RawTensor],
 ) -> std::result::Result<(), KernelError> {
-    check_operands(op, args, results)?;
+    check(op, args, results)?;
+    execute_prechecked(op, args, results)
+}
+
+/// The operand checks of [`execute`] alone: types against [`Op::infer`],
+/// storage, null and misaligned pointers, overlaps. They depend only on the
+/// operands' types and addresses, so a caller that runs the same launch
+/// many times over the same memory (the CPU backend's graph replay) checks
+/// it once and then calls [`execute_prechecked`].
+pub fn check(
+    op: &Op,
+    args: &[RawTensor],
+    results: &[RawTensor],
+) -> std::result::Result<(), KernelError> {
+    check_operands(op, args, results)
+}
+
+/// [`execute`] without its operand checks (integer operands read from
+/// memory, such as token ids and block tables, are still validated before
+/// anything is written).
+///
+/// # Safety
+/// As [`execute`], and [`check`] must have accepted these very operands
+/// (the same op, types and pointers).
+pub unsafe fn execute_prechecked(
+    op: &Op,
+    args: &[RawTensor],
+    results: &[RawTensor],
+) -> std::result::Result<(), KernelError> {
     // Give distinct-buffer in-place results their argument's contents.
     for &(r, a) in op.aliases() {
         if results[r].ptr != args[a].ptr {

@@ -9,22 +9,29 @@
 //! NaN) and `i < j`.
 
 use super::buf::Buf;
+use super::math;
 use kiln_ir::DType;
 
 /// Index of the first maximum of `row` under the NaN rule above.
+///
+/// Two passes that vectorize (a vocabulary-sized row is read at memory
+/// speed): the maximum of the numbers ([`math::max`], which skips NaN;
+/// `-inf` when there are none), then the first index holding a value equal
+/// to it. That is the first maximum of the rule: `-0.0 == 0.0`, so of
+/// zeros the first one wins, as the rule's `v == w` says; a row with no
+/// number matches nothing and gives 0.
 #[inline]
 pub fn argmax_row(row: &[f32]) -> usize {
-    let mut best: Option<(f32, usize)> = None;
-    for (i, &v) in row.iter().enumerate() {
-        if v.is_nan() {
-            continue;
-        }
-        match best {
-            Some((b, _)) if v <= b => {}
-            _ => best = Some((v, i)),
+    let max = math::max(row);
+    const CHUNK: usize = 64;
+    for (c, chunk) in row.chunks(CHUNK).enumerate() {
+        // A branch-free test per chunk, then the position within it.
+        if chunk.iter().fold(false, |hit, &v| hit | (v == max)) {
+            let i = chunk.iter().position(|&v| v == max).unwrap_or(0);
+            return c * CHUNK + i;
         }
     }
-    best.map_or(0, |(_, i)| i)
+    0
 }
 
 /// `argmax(x: F[R, V]) -> i32[R]`.
