@@ -790,6 +790,65 @@ mod tests {
     }
 
     #[test]
+    fn a_bad_operand_is_refused_at_capture_naming_the_key_and_the_op() {
+        // The real kernels: their operand checks run once, at capture.
+        let mut be = CpuBackend::new();
+        let a = be.alloc(16, "a").unwrap();
+        let b = be.alloc(32, "b").unwrap();
+        let c = be.alloc(16, "c").unwrap();
+        let mut bad = add_launch(a, b, c, 4);
+        bad.args[1].ty = TensorType::new(DType::F32, [8]);
+        let key = Key::new(3, 1, 0);
+        be.begin_capture(key).unwrap();
+        match be.launch(&bad).unwrap_err() {
+            BackendError::CaptureFailed {
+                key: k,
+                op,
+                message,
+            } => {
+                assert_eq!(k, key);
+                assert_eq!(op, "add_f32");
+                assert!(message.contains("type-check"), "{message}");
+            }
+            other => panic!("expected a capture failure, got {other}"),
+        }
+        be.abort_capture().unwrap();
+        // The same launch outside a capture is refused by the kernel too.
+        let e = be.launch(&bad).unwrap_err().to_string();
+        assert!(e.contains("add_f32") && e.contains("type-check"), "{e}");
+    }
+
+    #[test]
+    fn a_graph_of_the_real_kernels_recomputes_every_replay_and_survives_unrelated_frees() {
+        let mut be = CpuBackend::new();
+        let n = 40;
+        let spare = be.alloc(64, "spare").unwrap();
+        let a = be.alloc(n as u64 * 4, "a").unwrap();
+        let b = be.alloc(n as u64 * 4, "b").unwrap();
+        let c = be.alloc(n as u64 * 4, "c").unwrap();
+        be.begin_capture(Key::new(1, 1, 0)).unwrap();
+        be.launch(&add_launch(a, b, c, n as u32)).unwrap();
+        let g = be.end_capture().unwrap();
+        let mut out = vec![0u8; n * 4];
+        for step in 0..4u64 {
+            if step == 2 {
+                // A free elsewhere: the graph's operands are resolved again
+                // and still address the same memory.
+                be.free(spare).unwrap();
+            }
+            let (x, y) = (random(30 + step, n), random(40 + step, n));
+            be.upload(a, &bytes(&x)).unwrap();
+            be.upload(b, &bytes(&y)).unwrap();
+            be.replay(g).unwrap();
+            be.download(c, &mut out).unwrap();
+            let want: Vec<f32> = x.iter().zip(&y).map(|(p, q)| p + q).collect();
+            assert_eq!(floats(&out), want, "step {step}");
+        }
+        be.free(a).unwrap();
+        assert!(matches!(be.replay(g), Err(BackendError::BadAddress(x)) if x == a.0));
+    }
+
+    #[test]
     fn out_of_memory_is_an_error_naming_the_allocation() {
         let mut be = CpuBackend::with_kernels(add_only).with_memory_limit(1000);
         be.alloc(600, "arena").unwrap();

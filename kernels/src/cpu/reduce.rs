@@ -60,3 +60,57 @@ pub(crate) unsafe fn accept_greedy(pred: Buf, drafts: Buf, spec: usize, out: Buf
         out.store_ints(b, &[accepted as i32]);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::argmax_row;
+    use kiln_ir::rng::SplitMix64;
+
+    /// The NaN rule read literally: one pass keeping the first best.
+    fn first_best(row: &[f32]) -> usize {
+        let mut best: Option<(f32, usize)> = None;
+        for (i, &v) in row.iter().enumerate() {
+            if v.is_nan() {
+                continue;
+            }
+            match best {
+                Some((b, _)) if v <= b => {}
+                _ => best = Some((v, i)),
+            }
+        }
+        best.map_or(0, |(_, i)| i)
+    }
+
+    #[test]
+    fn argmax_row_is_the_first_best_of_the_nan_rule_on_rows_of_ties_zeros_nans_and_infinities() {
+        let mut rng = SplitMix64::new(5);
+        let pool = [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            3.5,
+        ];
+        for len in [1usize, 2, 15, 63, 64, 65, 130, 1000] {
+            for _ in 0..200 {
+                // Few distinct values, so ties and special values are common;
+                // some rows are mostly NaN.
+                let nan_heavy = rng.next_u64() % 4 == 0;
+                let row: Vec<f32> = (0..len)
+                    .map(|_| {
+                        let r = rng.next_u64();
+                        if nan_heavy && r % 8 != 0 {
+                            f32::NAN
+                        } else {
+                            pool[(r >> 8) as usize % pool.len()]
+                        }
+                    })
+                    .collect();
+                assert_eq!(argmax_row(&row), first_best(&row), "{row:?}");
+            }
+        }
+    }
+}
