@@ -138,66 +138,13 @@ unsafe fn weighted_rows<K: Kernel>(
     }
 }
 
-/// One sequence `b` and the kv heads `g0..g1`, prepared for the passes:
-/// its query rows, the cache offsets of its positions and (for caches that
-/// are not bf16) the rows converted to f32. Row `r = (gi * Q + i) * group +
-/// hg` of `q` is query token `i` of head `(g0 + gi) * group + hg`; the
-/// `group` rows of one (kv head, token) share a position range and are
-/// processed together. Covering several kv heads makes the reads of each
-/// cache row contiguous.
-struct Seq<'a> {
-    it: &'a Item<'a>,
-    b: usize,
-    ctx: usize,
-    /// The first position any query token reads, and `ctx - lo`.
-    lo: usize,
-    span: usize,
-    g0: usize,
-    ng: usize,
-    group: usize,
-    q: Vec<f32>,
-    /// Element offset of each position's row (kv head g0) in `keys` and
-    /// `values`: the caches themselves (bf16) or `kf`/`vf` (row j holds the
-    /// ng heads of position lo + j).
-    rowoffs: Vec<usize>,
-    kf: Vec<f32>,
-    vf: Vec<f32>,
-    bf16: bool,
-}
-
-impl Seq<'_> {
-    fn keys(&self) -> Row<'_> {
-        if self.bf16 {
-            // SAFETY: the cache is valid for reads during the call.
-            Row::Bf16(unsafe { self.it.kc.u16s() })
-        } else {
-            Row::F32(&self.kf)
-        }
-    }
-    fn values(&self) -> Row<'_> {
-        if self.bf16 {
-            // SAFETY: as in `keys`.
-            Row::Bf16(unsafe { self.it.vc.u16s() })
-        } else {
-            Row::F32(&self.vf)
-        }
-    }
-    /// Length of one row of scores (positions `lo..ctx`).
-    fn rows(&self) -> usize {
-        self.ng * self.group
-    }
-    /// The positions query token `i` reads, as indices into the span.
-    fn range(&self, i: usize) -> (usize, usize) {
-        let p = &self.it.p;
-        let first = first_pos(p, self.ctx, i);
-        let last = self.ctx - p.query + i;
-        (first - self.lo, last + 1 - self.lo)
-    }
-}
-
-/// Loads the query rows and the position offsets of sequence `b`, kv heads
-/// `g0..g1` (see [`Seq`]).
-unsafe fn prepare<'a>(it: &'a Item<'a>, b: usize, g0: usize, g1: usize) -> Seq<'a> {
+/// One sequence `b` and the kv heads `g0..g1`: all their query rows. Row
+/// `r = (gi * Q + i) * group + hg` is query token `i` of head
+/// `(g0 + gi) * group + hg`; the `group` rows of one (kv head, token) share
+/// a position range and are processed together. Covering several kv heads
+/// per item makes the reads of each cache row contiguous.
+#[inline(always)]
+unsafe fn item_impl<K: Kernel>(it: &Item<'_>, b: usize, g0: usize, g1: usize) {
     let p = &it.p;
     let (hd, q_len) = (p.hd, p.query);
     let group = p.heads / p.kv_heads;
@@ -208,6 +155,7 @@ unsafe fn prepare<'a>(it: &'a Item<'a>, b: usize, g0: usize, g1: usize) -> Seq<'
     let span = ctx - lo;
     let q_width = p.heads * hd;
     let kv_width = p.kv_heads * hd;
+    // q rows, grouped (kv head, token, head in group).
     let mut q = vec![0f32; ng * q_len * group * hd];
     for gi in 0..ng {
         for i in 0..q_len {
@@ -221,249 +169,95 @@ unsafe fn prepare<'a>(it: &'a Item<'a>, b: usize, g0: usize, g1: usize) -> Seq<'
             }
         }
     }
+    // Element offset of each position's row (kv head g0) in the caches.
     let offs: Vec<usize> = (lo..ctx)
         .map(|pos| slot(p, table, pos) * kv_width + g0 * hd)
         .collect();
     let bf16 = it.kc.dtype == DType::BF16;
+    // Non-bf16 caches are converted to f32 once for this item, densely:
+    // row j holds the ng heads of position lo + j.
     let width = ng * hd;
-    let (rowoffs, kf, vf) = if bf16 {
-        (offs, Vec::new(), Vec::new())
+    let (kf, vf, dense) = if bf16 {
+        (Vec::new(), Vec::new(), Vec::new())
     } else {
-        // Non-bf16 caches are converted to f32 once, densely.
         let mut kf = vec![0f32; span * width];
         let mut vf = vec![0f32; span * width];
         for (j, &off) in offs.iter().enumerate() {
             it.kc.load(off, &mut kf[j * width..(j + 1) * width]);
             it.vc.load(off, &mut vf[j * width..(j + 1) * width]);
         }
-        ((0..span).map(|j| j * width).collect(), kf, vf)
+        (kf, vf, (0..span).map(|j| j * width).collect::<Vec<_>>())
     };
-    Seq {
-        it,
-        b,
-        ctx,
-        lo,
-        span,
-        g0,
-        ng,
-        group,
-        q,
-        rowoffs,
-        kf,
-        vf,
-        bf16,
-    }
-}
-
-/// Scores of query token `i`'s rows at span positions `j0..j1`, written to
-/// `sc[row * span + j]` (`row = gi * group + hg`). Each cache row (all ng
-/// heads) is read once, contiguously.
-///
-/// # Safety
-/// `sc` is valid for `rows * span` writes and nobody else writes those
-/// positions of it during the call.
-#[inline(always)]
-unsafe fn scores_impl<K: Kernel>(s: &Seq<'_>, i: usize, j0: usize, j1: usize, sc: *mut f32) {
-    let p = &s.it.p;
-    let (hd, q_len, group, span) = (p.hd, p.query, s.group, s.span);
-    let keys = s.keys();
-    let es = s.it.kc.dtype.size();
-    let width = s.ng * hd;
-    for j in j0..j1 {
-        if s.bf16 {
-            if let Some(&ahead) = s.rowoffs.get(j + PREFETCH_AHEAD) {
-                prefetch(s.it.kc.ptr.wrapping_add(ahead * es), width * es);
+    let (rowoffs, keys, values) = if bf16 {
+        (&offs[..], Row::Bf16(it.kc.u16s()), Row::Bf16(it.vc.u16s()))
+    } else {
+        (&dense[..], Row::F32(&kf[..]), Row::F32(&vf[..]))
+    };
+    let es = it.kc.dtype.size();
+    let mut scores = vec![0f32; ng * group * span];
+    let mut acc = vec![0f32; group * hd];
+    let mut voffs = vec![0usize; span];
+    for i in 0..q_len {
+        let first = first_pos(p, ctx, i);
+        let last = ctx - q_len + i;
+        let (a, z) = (first - lo, last + 1 - lo);
+        // Scores of this token's rows over its positions; each cache row
+        // (all ng heads) is read once, contiguously.
+        for j in a..z {
+            if bf16 {
+                if let Some(&ahead) = rowoffs.get(j + PREFETCH_AHEAD) {
+                    prefetch(it.kc.ptr.wrapping_add(ahead * es), width * es);
+                }
+            }
+            for gi in 0..ng {
+                let o = rowoffs[j] + gi * hd;
+                let key = match keys {
+                    Row::Bf16(k) => Row::Bf16(&k[o..o + hd]),
+                    Row::F32(k) => Row::F32(&k[o..o + hd]),
+                };
+                let qi = &q[(gi * q_len + i) * group * hd..(gi * q_len + i + 1) * group * hd];
+                let sc = &mut scores[gi * group * span..(gi + 1) * group * span];
+                dot_each::<K>(key, qi, hd, group, |r, d| {
+                    let mut s = d * p.scale;
+                    if let Some(cap) = p.softcap {
+                        s = cap * (s / cap).tanh();
+                    }
+                    sc[r * span + j] = s;
+                });
             }
         }
-        for gi in 0..s.ng {
-            let o = s.rowoffs[j] + gi * hd;
-            let key = match keys {
-                Row::Bf16(k) => Row::Bf16(&k[o..o + hd]),
-                Row::F32(k) => Row::F32(&k[o..o + hd]),
-            };
-            let qi = &s.q[(gi * q_len + i) * group * hd..(gi * q_len + i + 1) * group * hd];
-            let base = sc.add(gi * group * span + j);
-            dot_each::<K>(key, qi, hd, group, |r, d| {
-                let mut v = d * p.scale;
-                if let Some(cap) = p.softcap {
-                    v = cap * (v / cap).tanh();
+        for gi in 0..ng {
+            let sc = &mut scores[gi * group * span..(gi + 1) * group * span];
+            // Softmax weights (unnormalized) and their sums.
+            let mut denom = vec![0f32; group];
+            for (r, l) in denom.iter_mut().enumerate() {
+                let row = &mut sc[r * span + a..r * span + z];
+                let max = math::max(row);
+                for s in row.iter_mut() {
+                    *s = math::exp(*s - max);
                 }
-                *base.add(r * span) = v;
-            });
+                *l = math::sum(row);
+            }
+            // Weighted sum of values, then one division per element.
+            for (v, &o) in voffs[a..z].iter_mut().zip(&rowoffs[a..z]) {
+                *v = o + gi * hd;
+            }
+            acc.fill(0.0);
+            weighted_rows::<K>(&mut acc, &sc[a..], span, values, &voffs[a..z], hd, group);
+            for (hg, l) in denom.iter().enumerate() {
+                let h = (g0 + gi) * group + hg;
+                let out = &mut acc[hg * hd..(hg + 1) * hd];
+                for v in out.iter_mut() {
+                    *v /= l;
+                }
+                it.out.store((b * q_len + i) * q_width + h * hd, out);
+            }
         }
     }
 }
 
 multiversion! {
-    unsafe fn scores(s: &Seq<'_>, i: usize, j0: usize, j1: usize, sc: *mut f32) => scores_impl
-}
-
-/// Softmax weights (unnormalized, in place over span positions `a..z`) of
-/// score rows `rows` and their sums `denom[row]`. (`K` only selects the
-/// target features: the arithmetic is plain f32, the same at every level.)
-#[inline(always)]
-unsafe fn softmax_impl<K: Kernel>(
-    sc: &mut [f32],
-    span: usize,
-    (a, z): (usize, usize),
-    rows: std::ops::Range<usize>,
-    denom: &mut [f32],
-) {
-    for r in rows {
-        let row = &mut sc[r * span + a..r * span + z];
-        let max = math::max(row);
-        for s in row.iter_mut() {
-            *s = math::exp(*s - max);
-        }
-        denom[r] = math::sum(row);
-    }
-}
-
-multiversion! {
-    unsafe fn softmax_rows(
-        sc: &mut [f32],
-        span: usize,
-        range: (usize, usize),
-        rows: std::ops::Range<usize>,
-        denom: &mut [f32],
-    ) => softmax_impl
-}
-
-/// Output columns `c0..c1` of query token `i`'s rows of kv head `gi`: the
-/// weighted sum of values over span positions `a..z` (fma in position
-/// order per element), one division per element, stored.
-///
-/// # Safety
-/// `sc` holds the softmax weights of token `i` and `denom` their sums; no
-/// one else writes these output columns during the call.
-#[inline(always)]
-unsafe fn values_impl<K: Kernel>(
-    s: &Seq<'_>,
-    i: usize,
-    gi: usize,
-    (c0, c1): (usize, usize),
-    sc: &[f32],
-    denom: &[f32],
-) {
-    let p = &s.it.p;
-    let (hd, q_len, group, span) = (p.hd, p.query, s.group, s.span);
-    let (a, z) = s.range(i);
-    let w = c1 - c0;
-    // The accumulators on the stack when they fit (they usually do: a
-    // group of up to 16 heads of 16 columns).
-    let mut on_stack = [0f32; 256];
-    let mut on_heap = Vec::new();
-    let acc = if group * w <= on_stack.len() {
-        &mut on_stack[..group * w]
-    } else {
-        on_heap.resize(group * w, 0f32);
-        &mut on_heap[..]
-    };
-    let e = &sc[gi * group * span + a..];
-    // The values from column `gi * hd + c0` of each row on: the position
-    // offsets then address this chunk's columns.
-    let v0 = gi * hd + c0;
-    let v = match s.values() {
-        Row::Bf16(v) => Row::Bf16(&v[v0..]),
-        Row::F32(v) => Row::F32(&v[v0..]),
-    };
-    weighted_rows::<K>(acc, e, span, v, &s.rowoffs[a..z], w, group);
-    let q_width = p.heads * hd;
-    for hg in 0..group {
-        let h = (s.g0 + gi) * group + hg;
-        let l = denom[gi * group + hg];
-        let out = &mut acc[hg * w..(hg + 1) * w];
-        for v in out.iter_mut() {
-            *v /= l;
-        }
-        s.it.out
-            .store((s.b * q_len + i) * q_width + h * hd + c0, out);
-    }
-}
-
-multiversion! {
-    unsafe fn values(s: &Seq<'_>, i: usize, gi: usize, cols: (usize, usize), sc: &[f32], denom: &[f32]) => values_impl
-}
-
-/// One sequence `b` and the kv heads `g0..g1`, all their query rows, on
-/// the calling thread.
-unsafe fn item(level: simd::Level, it: &Item<'_>, b: usize, g0: usize, g1: usize) {
-    let s = prepare(it, b, g0, g1);
-    let hd = it.p.hd;
-    let mut sc = vec![0f32; s.rows() * s.span];
-    let mut denom = vec![0f32; s.rows()];
-    for i in 0..it.p.query {
-        let (a, z) = s.range(i);
-        scores(level, &s, i, a, z, sc.as_mut_ptr());
-        for gi in 0..s.ng {
-            softmax_rows(
-                level,
-                &mut sc,
-                s.span,
-                (a, z),
-                gi * s.group..(gi + 1) * s.group,
-                &mut denom,
-            );
-            values(level, &s, i, gi, (0, hd), &sc, &denom);
-        }
-    }
-}
-
-/// Positions per chunk of the parallel scores pass, at least.
-const SPLIT_MIN_POSITIONS: usize = 16;
-/// Output columns per chunk of the parallel values pass.
-const SPLIT_COLUMNS: usize = 16;
-
-/// A pointer chunks of one pass write disjoint elements through.
-#[derive(Clone, Copy)]
-struct Shared(*mut f32);
-// SAFETY: the passes write disjoint elements (distinct positions) and read
-// nothing another chunk writes.
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
-
-/// Sequence `b`, all kv heads, split over threads below the kv heads: per
-/// query token, the scores over chunks of positions, the softmax rows on
-/// the calling thread, then the values over (kv head, column chunk). Every
-/// element is computed by the very operations [`item`] performs, in the
-/// same order (a score depends on its position alone, a value element on
-/// its column alone), so the bits are the same.
-unsafe fn split_seq(level: simd::Level, it: &Item<'_>, b: usize, threads: usize) {
-    let s = prepare(it, b, 0, it.p.kv_heads);
-    let hd = it.p.hd;
-    let mut sc = vec![0f32; s.rows() * s.span];
-    let mut denom = vec![0f32; s.rows()];
-    let col_chunks = hd.div_ceil(SPLIT_COLUMNS);
-    for i in 0..it.p.query {
-        let (a, z) = s.range(i);
-        let per = (z - a).div_ceil(4 * threads).max(SPLIT_MIN_POSITIONS);
-        let out = Shared(sc.as_mut_ptr());
-        let s = &s;
-        par::for_each_chunk((z - a).div_ceil(per), move |c| {
-            let j0 = a + c * per;
-            let out = out;
-            // SAFETY: chunks write disjoint positions of `sc`.
-            unsafe { scores(level, s, i, j0, (j0 + per).min(z), out.0) };
-        });
-        softmax_rows(level, &mut sc, s.span, (a, z), 0..s.rows(), &mut denom);
-        let (sc, denom) = (&sc[..], &denom[..]);
-        par::for_each_chunk(s.ng * col_chunks, |x| {
-            let (gi, cc) = (x / col_chunks, x % col_chunks);
-            let c0 = cc * SPLIT_COLUMNS;
-            // SAFETY: chunks store disjoint (head, column) ranges of `out`.
-            unsafe {
-                values(
-                    level,
-                    s,
-                    i,
-                    gi,
-                    (c0, (c0 + SPLIT_COLUMNS).min(hd)),
-                    sc,
-                    denom,
-                )
-            };
-        });
-    }
+    unsafe fn item(it: &Item<'_>, b: usize, g0: usize, g1: usize) => item_impl
 }
 
 /// Checks lengths and block table entries of every sequence.
@@ -575,19 +369,11 @@ pub(crate) unsafe fn paged_attention(
         }
         return Ok(());
     }
-    let threads = rayon::current_num_threads();
-    if batch < threads {
-        // Fewer sequences than threads: split each below its kv heads
-        // (a decode step of one sequence with 3 kv heads on 2 threads
-        // would otherwise split 2:1).
-        for b in 0..batch {
-            split_seq(level, &it, b, threads);
-        }
-        return Ok(());
-    }
     // Split each sequence's kv heads only as far as needed to give every
     // thread work: whole sequences read the caches most efficiently.
-    let splits = threads.div_ceil(batch.max(1)).clamp(1, p.kv_heads);
+    let splits = rayon::current_num_threads()
+        .div_ceil(batch.max(1))
+        .clamp(1, p.kv_heads);
     let per = p.kv_heads.div_ceil(splits);
     let splits = p.kv_heads.div_ceil(per);
     par::for_each_chunk(batch * splits, |x| {
@@ -597,146 +383,4 @@ pub(crate) unsafe fn paged_attention(
         unsafe { item(level, &it, b, g0, (g0 + per).min(p.kv_heads)) };
     });
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use half::bf16;
-    use kiln_ir::rng::SplitMix64;
-
-    fn noise(rng: &mut SplitMix64, n: usize, scale: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)
-            .collect()
-    }
-
-    /// A tensor's bytes in `dtype` (bf16 or f32), 4-byte aligned.
-    fn tensor(dtype: DType, v: &[f32]) -> Vec<u32> {
-        match dtype {
-            DType::BF16 => {
-                let h: Vec<u16> = v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
-                h.chunks(2)
-                    .map(|c| u32::from(c[0]) | u32::from(*c.get(1).unwrap_or(&0)) << 16)
-                    .collect()
-            }
-            _ => v.iter().map(|x| x.to_bits()).collect(),
-        }
-    }
-
-    fn buf(words: &mut [u32], dtype: DType, len: usize) -> Buf {
-        Buf {
-            ptr: words.as_mut_ptr() as *mut u8,
-            dtype,
-            len,
-        }
-    }
-
-    struct Case {
-        heads: usize,
-        kv_heads: usize,
-        hd: usize,
-        query: usize,
-        bs: usize,
-        window: Option<usize>,
-        softcap: Option<f32>,
-        dtype: DType,
-        lens: Vec<usize>,
-    }
-
-    /// The output bytes of `case` computed by `run` over its items.
-    fn run_case(case: &Case, seed: u64, run: &dyn Fn(&Item<'_>, usize)) -> Vec<u32> {
-        let mut rng = SplitMix64::new(seed);
-        let batch = case.lens.len();
-        let m = case.lens.iter().max().unwrap().div_ceil(case.bs);
-        let blocks = batch * m + 3;
-        let slots = blocks * case.bs;
-        let (qw, kw) = (case.heads * case.hd, case.kv_heads * case.hd);
-        let rows = batch * case.query;
-        let mut q = tensor(case.dtype, &noise(&mut rng, rows * qw, 1.5));
-        let mut kc = tensor(case.dtype, &noise(&mut rng, slots * kw, 1.5));
-        let mut vc = tensor(case.dtype, &noise(&mut rng, slots * kw, 2.0));
-        // Blocks scattered in reverse, so positions are not contiguous.
-        let tables: Vec<i32> = (0..batch * m).map(|i| (blocks - 1 - i) as i32).collect();
-        let lens: Vec<i32> = case.lens.iter().map(|&l| l as i32).collect();
-        let mut out = tensor(case.dtype, &vec![0.0; rows * qw]);
-        let it = Item {
-            p: Params {
-                heads: case.heads,
-                kv_heads: case.kv_heads,
-                hd: case.hd,
-                query: case.query,
-                bs: case.bs,
-                scale: 1.0 / (case.hd as f32).sqrt(),
-                window: case.window,
-                softcap: case.softcap,
-                m,
-            },
-            q: buf(&mut q, case.dtype, rows * qw),
-            kc: buf(&mut kc, case.dtype, slots * kw),
-            vc: buf(&mut vc, case.dtype, slots * kw),
-            out: buf(&mut out, case.dtype, rows * qw),
-            tables: &tables,
-            lens: &lens,
-        };
-        for b in 0..batch {
-            run(&it, b);
-        }
-        out
-    }
-
-    #[test]
-    fn attention_split_below_the_kv_heads_gives_the_bits_of_the_serial_item() {
-        let mut cases = Vec::new();
-        // (heads, kv_heads, hd): SmolLM2's 9/3/64, no GQA, a group of 4
-        // with a head_dim that is no multiple of the 16-column chunks, MQA.
-        for (heads, kv_heads, hd) in [(9, 3, 64), (4, 4, 32), (8, 2, 40), (6, 1, 24)] {
-            for (query, window, softcap) in [
-                (1, None, None),
-                (1, Some(37), None),
-                (3, None, Some(20.0)),
-                (2, Some(5), None),
-            ] {
-                for dtype in [DType::BF16, DType::F32] {
-                    cases.push(Case {
-                        heads,
-                        kv_heads,
-                        hd,
-                        query,
-                        bs: if hd == 64 { 16 } else { 5 },
-                        window,
-                        softcap,
-                        dtype,
-                        // Contexts that do not divide by the chunks, and
-                        // one shorter than a chunk.
-                        lens: vec![query.max(3), 17, 64, 97, 515],
-                    });
-                }
-            }
-        }
-        for (n, case) in cases.iter().enumerate() {
-            let seed = 100 + n as u64;
-            for level in simd::available() {
-                let want = run_case(case, seed, &|it, b| unsafe {
-                    item(level, it, b, 0, it.p.kv_heads)
-                });
-                for threads in [2, 3, 7] {
-                    let got = run_case(case, seed, &|it, b| unsafe {
-                        split_seq(level, it, b, threads)
-                    });
-                    assert!(
-                        got == want,
-                        "{}/{}/{} query {} window {:?} softcap {:?} {} at {level:?}, split for {threads} threads: the bits differ",
-                        case.heads,
-                        case.kv_heads,
-                        case.hd,
-                        case.query,
-                        case.window,
-                        case.softcap,
-                        case.dtype
-                    );
-                }
-            }
-        }
-    }
 }
