@@ -13,6 +13,8 @@
 //! a result may be the very buffer of the argument `may_reuse` names,
 //! including the packed form writing `[T, I]` over its `[T, 2I]` input (row
 //! `t` of the result only covers input rows `<= t`, processed in order).
+//! A single long packed row (a decode step's MLP) is cut into column chunks
+//! shared with helper threads; each element's arithmetic is unchanged.
 
 use super::buf::Buf;
 use super::par;

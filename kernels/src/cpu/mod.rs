@@ -27,7 +27,8 @@
 //!   GPU `sinf`/`expf` differ by an ulp or two, which the tolerances absorb.
 //!
 //! # Threads and SIMD
-//! Matmul and attention split their work between the calling thread and
+//! Matmul, attention and the one-row packed `silu_mul`/`gelu_tanh_mul`
+//! split their work between the calling thread and
 //! rayon's current pool (the global pool, sized by `RAYON_NUM_THREADS`, or
 //! the pool whose `install` the backend calls `execute` from); results do
 //! not depend on the thread count. Hot loops are compiled for the baseline

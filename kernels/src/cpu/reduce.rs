@@ -98,11 +98,11 @@ mod tests {
             for _ in 0..200 {
                 // Few distinct values, so ties and special values are common;
                 // some rows are mostly NaN.
-                let nan_heavy = rng.next_u64() % 4 == 0;
+                let nan_heavy = rng.next_u64().is_multiple_of(4);
                 let row: Vec<f32> = (0..len)
                     .map(|_| {
                         let r = rng.next_u64();
-                        if nan_heavy && r % 8 != 0 {
+                        if nan_heavy && !r.is_multiple_of(8) {
                             f32::NAN
                         } else {
                             pool[(r >> 8) as usize % pool.len()]
