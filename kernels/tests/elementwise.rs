@@ -82,8 +82,14 @@ fn gelu_constant_is_sqrt_two_over_pi_rounded_to_f32() {
 #[test]
 fn gated_products_in_place_give_the_out_of_place_result() {
     let mut rng = Rng::new(101);
-    let (t, i) = (5u32, 300u32);
-    for op in [Op::SiluMul, Op::GeluTanhMul] {
+    // Several rows; and one long row, which helper threads share in column
+    // chunks (the last one short).
+    for (t, i, op) in [
+        (5u32, 300u32, Op::SiluMul),
+        (5, 300, Op::GeluTanhMul),
+        (1, 1100, Op::SiluMul),
+        (1, 1100, Op::GeluTanhMul),
+    ] {
         let g = float(DType::BF16, &[t, i], &rng.vec((t * i) as usize, -4.0, 4.0));
         let u = float(DType::BF16, &[t, i], &rng.vec((t * i) as usize, -4.0, 4.0));
         let expected = run(&op, &[g.clone(), u.clone()]).remove(0);

@@ -118,6 +118,19 @@ impl CaptureState {
     }
 }
 
+/// The error for a handle not in a table whose next handle is `next`.
+fn unknown_handle(next: u32, h: GraphHandle) -> BackendError {
+    let state = if h.0 < next {
+        "was destroyed"
+    } else {
+        "was never created by this backend"
+    };
+    BackendError::Device(format!(
+        "graph handle {} {state}; capture the key again to get a live handle",
+        h.0
+    ))
+}
+
 /// Instantiated graphs by handle. Handles are never reused, so a stale handle
 /// is an error rather than another key's graph.
 #[derive(Debug)]
@@ -144,19 +157,18 @@ impl<G> GraphTable<G> {
     }
 
     fn unknown(&self, h: GraphHandle) -> BackendError {
-        let state = if h.0 < self.next {
-            "was destroyed"
-        } else {
-            "was never created by this backend"
-        };
-        BackendError::Device(format!(
-            "graph handle {} {state}; capture the key again to get a live handle",
-            h.0
-        ))
+        unknown_handle(self.next, h)
     }
 
     pub fn get(&self, h: GraphHandle) -> Result<&(Key, G), BackendError> {
         self.live.get(&h.0).ok_or_else(|| self.unknown(h))
+    }
+
+    pub fn get_mut(&mut self, h: GraphHandle) -> Result<&mut (Key, G), BackendError> {
+        let next = self.next;
+        self.live
+            .get_mut(&h.0)
+            .ok_or_else(|| unknown_handle(next, h))
     }
 
     pub fn remove(&mut self, h: GraphHandle) -> Result<(Key, G), BackendError> {

@@ -19,7 +19,19 @@
 //! frozen-input hazard itself.)
 //!
 //! Kernels are `kiln_kernels::cpu::execute` unless a test injects another
-//! [`KernelFn`]. Not here: threads and streams (every call completes before it
+//! [`KernelFn`]. A captured launch is checked once, at capture: its
+//! operands are resolved and `kiln_kernels::cpu::check` runs on them (a bad
+//! operand fails the capture, naming the key and the op), and the graph
+//! keeps the resolved host pointers. Replay runs
+//! `kiln_kernels::cpu::execute_prechecked` on them, re-resolving every
+//! operand only after a `free` (an allocation never moves while it lives
+//! and its base is never reused, so until something is freed the recorded
+//! addresses resolve to the same host pointers and the same checks pass;
+//! after a free, an operand in freed memory is a `BadAddress` at replay as
+//! before). The kernels' own validation of values read from memory (token
+//! ids, block tables, context lengths) still runs at every replay.
+//!
+//! Not here: threads and streams (every call completes before it
 //! returns, so `synchronize` has nothing to wait for), GEMM algorithm
 //! selection (the CPU matmul needs no workspace).
 
@@ -40,6 +52,23 @@ use std::sync::Arc;
 /// `kiln_kernels::cpu::execute`).
 pub type KernelFn =
     unsafe fn(&Op, &[RawTensor], &[RawTensor]) -> std::result::Result<(), KernelError>;
+
+/// An operand check (signature of `kiln_kernels::cpu::check`).
+type CheckFn = fn(&Op, &[RawTensor], &[RawTensor]) -> std::result::Result<(), KernelError>;
+
+/// What the backend runs: `check` once per captured launch, `prechecked` at
+/// every replay, `checked` (both in one) for an eager launch.
+#[derive(Clone, Copy)]
+struct Kernels {
+    check: CheckFn,
+    prechecked: KernelFn,
+    checked: KernelFn,
+}
+
+/// The check of an injected kernel, which checks its own operands.
+fn no_check(_: &Op, _: &[RawTensor], _: &[RawTensor]) -> std::result::Result<(), KernelError> {
+    Ok(())
+}
 
 /// First address handed out; low addresses stay invalid so a zero or small
 /// integer used as a pointer is caught.
@@ -98,6 +127,9 @@ struct AddressSpace {
     next: u64,
     live_bytes: u64,
     limit: Option<u64>,
+    /// Bumped by every `free`: host pointers resolved at an earlier epoch
+    /// may point into freed memory; at the same epoch they are still valid.
+    epoch: u64,
 }
 
 impl AddressSpace {
@@ -107,6 +139,7 @@ impl AddressSpace {
             next: BASE_START,
             live_bytes: 0,
             limit,
+            epoch: 0,
         }
     }
 
@@ -145,6 +178,7 @@ impl AddressSpace {
         match self.allocs.remove(&ptr.0) {
             Some(a) => {
                 self.live_bytes -= a.len;
+                self.epoch += 1;
                 Ok(a.len)
             }
             None => Err(BackendError::BadAddress(ptr.0)),
@@ -205,7 +239,46 @@ fn fill_raw(mem: &AddressSpace, ops: &[DevOperand], out: &mut Vec<RawTensor>) ->
 /// This rank's view of the other ranks, for collectives (`crate::tp`).
 pub type SharedExchange = Arc<dyn Exchange + Send + Sync>;
 
-/// Resolves every operand of `l` against current memory and runs its kernel.
+/// Resolves every operand of `l` against current memory into `scratch`.
+fn resolve(mem: &AddressSpace, scratch: &mut Scratch, l: &Launch) -> Result<()> {
+    fill_raw(mem, &l.args, &mut scratch.args)?;
+    fill_raw(mem, &l.results, &mut scratch.results)?;
+    if let Some((ws, bytes)) = l.workspace {
+        mem.resolve(ws.0, bytes)?;
+    }
+    Ok(())
+}
+
+/// Runs `l`'s kernel (`kernel`, or the collective with the exchange) on
+/// operands resolved by [`resolve`].
+///
+/// # Safety
+/// `ops` holds `l`'s operands resolved against memory that is still live
+/// and not accessed by anything else during the call; when `kernel` is a
+/// prechecked entry, the operands passed its check.
+unsafe fn run(
+    kernel: KernelFn,
+    l: &Launch,
+    ops: &Scratch,
+    exchange: Option<&SharedExchange>,
+) -> Result<()> {
+    if let (Some(ex), true) = (exchange, kiln_ir::validate::is_collective(&l.op)) {
+        // SAFETY: as below; the exchange copies the operand before any
+        // other rank reads it.
+        return unsafe {
+            collective::execute_collective(&l.op, &ops.args, &ops.results, Some(&**ex))
+        }
+        .map_err(|e| BackendError::Device(format!("kernel `{}`: {e}", l.kernel)));
+    }
+    // SAFETY: every pointer was resolved inside a live allocation for its
+    // tensor's full size and checked for dtype alignment; the caller keeps
+    // the allocations alive while the kernel runs.
+    unsafe { kernel(&l.op, &ops.args, &ops.results) }
+        .map_err(|e| BackendError::Device(format!("kernel `{}`: {e}", l.kernel)))
+}
+
+/// Resolves every operand of `l` against current memory and runs its kernel
+/// with its checks (an eager launch).
 fn execute(
     mem: &AddressSpace,
     kernels: KernelFn,
@@ -213,35 +286,30 @@ fn execute(
     l: &Launch,
     exchange: Option<&SharedExchange>,
 ) -> Result<()> {
-    fill_raw(mem, &l.args, &mut scratch.args)?;
-    fill_raw(mem, &l.results, &mut scratch.results)?;
-    if let Some((ws, bytes)) = l.workspace {
-        mem.resolve(ws.0, bytes)?;
-    }
-    if let (Some(ex), true) = (exchange, kiln_ir::validate::is_collective(&l.op)) {
-        // SAFETY: as below; the exchange copies the operand before any
-        // other rank reads it.
-        return unsafe {
-            collective::execute_collective(&l.op, &scratch.args, &scratch.results, Some(&**ex))
-        }
-        .map_err(|e| BackendError::Device(format!("kernel `{}`: {e}", l.kernel)));
-    }
-    // SAFETY: every pointer was resolved inside a live allocation for its
-    // tensor's full size and checked for dtype alignment; the allocations are
-    // not freed while the kernel runs (we hold `mem` borrowed).
-    unsafe { kernels(&l.op, &scratch.args, &scratch.results) }
-        .map_err(|e| BackendError::Device(format!("kernel `{}`: {e}", l.kernel)))
+    resolve(mem, scratch, l)?;
+    // SAFETY: just resolved; we hold `mem` borrowed, so nothing is freed.
+    unsafe { run(kernels, l, scratch, exchange) }
+}
+
+/// A captured graph: the launches, each with its operands resolved and
+/// checked at capture.
+struct Recorded {
+    launches: Vec<Launch>,
+    /// `ops[i]`: the host operands of `launches[i]`.
+    ops: Vec<Scratch>,
+    /// The address-space epoch `ops` were resolved at.
+    epoch: u64,
 }
 
 /// The CPU backend. See the module docs.
 pub struct CpuBackend {
     mem: AddressSpace,
-    kernels: KernelFn,
+    kernels: Kernels,
     /// The contract bookkeeping every backend shares.
     capture: CaptureState,
-    /// Launches recorded by the open capture.
-    recording: Vec<Launch>,
-    graphs: GraphTable<Vec<Launch>>,
+    /// Launches recorded by the open capture, with their checked operands.
+    recording: Recorded,
+    graphs: GraphTable<Recorded>,
     workspace: Option<(DevPtr, u64)>,
     scratch: Scratch,
     stats: Arc<CpuStats>,
@@ -270,18 +338,36 @@ fn host_available_memory() -> Option<u64> {
 }
 
 impl CpuBackend {
-    /// A backend running `kiln_kernels::cpu::execute`.
+    /// A backend running `kiln_kernels::cpu::execute` (captured launches
+    /// checked once, see the module docs).
     pub fn new() -> CpuBackend {
-        CpuBackend::with_kernels(kiln_kernels::cpu::execute)
+        CpuBackend::with(Kernels {
+            check: kiln_kernels::cpu::check,
+            prechecked: kiln_kernels::cpu::execute_prechecked,
+            checked: kiln_kernels::cpu::execute,
+        })
     }
 
-    /// A backend dispatching to `kernels` (tests inject simple kernels).
+    /// A backend dispatching to `kernels` (tests inject simple kernels),
+    /// which check their own operands at every launch and replay.
     pub fn with_kernels(kernels: KernelFn) -> CpuBackend {
+        CpuBackend::with(Kernels {
+            check: no_check,
+            prechecked: kernels,
+            checked: kernels,
+        })
+    }
+
+    fn with(kernels: Kernels) -> CpuBackend {
         CpuBackend {
             mem: AddressSpace::new(None),
             kernels,
             capture: CaptureState::default(),
-            recording: Vec::new(),
+            recording: Recorded {
+                launches: Vec::new(),
+                ops: Vec::new(),
+                epoch: 0,
+            },
             graphs: GraphTable::default(),
             workspace: None,
             scratch: Scratch::default(),
@@ -432,14 +518,29 @@ impl Backend for CpuBackend {
                     });
                 }
             }
+            // The kernel's operand checks, once: replay runs the
+            // prechecked entry on these very operands.
+            let mut ops = Scratch::default();
+            let checked = resolve(&self.mem, &mut ops, launch).and_then(|()| {
+                (self.kernels.check)(&launch.op, &ops.args, &ops.results)
+                    .map_err(|e| BackendError::Device(format!("kernel `{}`: {e}", launch.kernel)))
+            });
+            if let Err(e) = checked {
+                return Err(BackendError::CaptureFailed {
+                    key,
+                    op: launch.kernel.clone(),
+                    message: e.to_string(),
+                });
+            }
             self.capture.recorded(&launch.kernel);
-            self.recording.push(launch.clone());
+            self.recording.launches.push(launch.clone());
+            self.recording.ops.push(ops);
             self.stats.recorded_ops.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
         execute(
             &self.mem,
-            self.kernels,
+            self.kernels.checked,
             &mut self.scratch,
             launch,
             self.exchange.as_ref(),
@@ -454,36 +555,48 @@ impl Backend for CpuBackend {
 
     fn begin_capture(&mut self, key: Key) -> Result<()> {
         self.capture.begin(key)?;
-        self.recording.clear();
+        self.recording.launches.clear();
+        self.recording.ops.clear();
+        self.recording.epoch = self.mem.epoch;
         Ok(())
     }
 
     fn end_capture(&mut self) -> Result<GraphHandle> {
         let (key, _, _) = self.capture.end()?;
-        Ok(self.graphs.insert(key, std::mem::take(&mut self.recording)))
+        let recorded = Recorded {
+            launches: std::mem::take(&mut self.recording.launches),
+            ops: std::mem::take(&mut self.recording.ops),
+            epoch: self.recording.epoch,
+        };
+        Ok(self.graphs.insert(key, recorded))
     }
 
     fn abort_capture(&mut self) -> Result<()> {
         let _ = self.capture.end();
-        self.recording.clear();
+        self.recording.launches.clear();
+        self.recording.ops.clear();
         Ok(())
     }
 
     fn replay(&mut self, graph: GraphHandle) -> Result<()> {
         self.forbid_in_capture(|| format!("replay(graph {})", graph.0))?;
-        let (_, launches) = self.graphs.get(graph)?;
-        for l in launches {
-            execute(
-                &self.mem,
-                self.kernels,
-                &mut self.scratch,
-                l,
-                self.exchange.as_ref(),
-            )?;
+        let (_, g) = self.graphs.get_mut(graph)?;
+        if g.epoch != self.mem.epoch {
+            // Something was freed since these operands were resolved:
+            // resolve them again (an operand in freed memory fails here).
+            for (l, ops) in g.launches.iter().zip(&mut g.ops) {
+                resolve(&self.mem, ops, l)?;
+            }
+            g.epoch = self.mem.epoch;
+        }
+        for (l, ops) in g.launches.iter().zip(&g.ops) {
+            // SAFETY: resolved at the current epoch (nothing freed since) and
+            // checked at capture; we hold `mem` borrowed.
+            unsafe { run(self.kernels.prechecked, l, ops, self.exchange.as_ref()) }?;
         }
         self.stats
             .executed_ops
-            .fetch_add(launches.len() as u64, Ordering::Relaxed);
+            .fetch_add(g.launches.len() as u64, Ordering::Relaxed);
         self.stats.replays.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -674,6 +787,65 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("b2q1s0") && e.contains("add_f32"), "{e}");
+    }
+
+    #[test]
+    fn a_bad_operand_is_refused_at_capture_naming_the_key_and_the_op() {
+        // The real kernels: their operand checks run once, at capture.
+        let mut be = CpuBackend::new();
+        let a = be.alloc(16, "a").unwrap();
+        let b = be.alloc(32, "b").unwrap();
+        let c = be.alloc(16, "c").unwrap();
+        let mut bad = add_launch(a, b, c, 4);
+        bad.args[1].ty = TensorType::new(DType::F32, [8]);
+        let key = Key::new(3, 1, 0);
+        be.begin_capture(key).unwrap();
+        match be.launch(&bad).unwrap_err() {
+            BackendError::CaptureFailed {
+                key: k,
+                op,
+                message,
+            } => {
+                assert_eq!(k, key);
+                assert_eq!(op, "add_f32");
+                assert!(message.contains("type-check"), "{message}");
+            }
+            other => panic!("expected a capture failure, got {other}"),
+        }
+        be.abort_capture().unwrap();
+        // The same launch outside a capture is refused by the kernel too.
+        let e = be.launch(&bad).unwrap_err().to_string();
+        assert!(e.contains("add_f32") && e.contains("type-check"), "{e}");
+    }
+
+    #[test]
+    fn a_graph_of_the_real_kernels_recomputes_every_replay_and_survives_unrelated_frees() {
+        let mut be = CpuBackend::new();
+        let n = 40;
+        let spare = be.alloc(64, "spare").unwrap();
+        let a = be.alloc(n as u64 * 4, "a").unwrap();
+        let b = be.alloc(n as u64 * 4, "b").unwrap();
+        let c = be.alloc(n as u64 * 4, "c").unwrap();
+        be.begin_capture(Key::new(1, 1, 0)).unwrap();
+        be.launch(&add_launch(a, b, c, n as u32)).unwrap();
+        let g = be.end_capture().unwrap();
+        let mut out = vec![0u8; n * 4];
+        for step in 0..4u64 {
+            if step == 2 {
+                // A free elsewhere: the graph's operands are resolved again
+                // and still address the same memory.
+                be.free(spare).unwrap();
+            }
+            let (x, y) = (random(30 + step, n), random(40 + step, n));
+            be.upload(a, &bytes(&x)).unwrap();
+            be.upload(b, &bytes(&y)).unwrap();
+            be.replay(g).unwrap();
+            be.download(c, &mut out).unwrap();
+            let want: Vec<f32> = x.iter().zip(&y).map(|(p, q)| p + q).collect();
+            assert_eq!(floats(&out), want, "step {step}");
+        }
+        be.free(a).unwrap();
+        assert!(matches!(be.replay(g), Err(BackendError::BadAddress(x)) if x == a.0));
     }
 
     #[test]

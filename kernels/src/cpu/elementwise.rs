@@ -13,8 +13,11 @@
 //! a result may be the very buffer of the argument `may_reuse` names,
 //! including the packed form writing `[T, I]` over its `[T, 2I]` input (row
 //! `t` of the result only covers input rows `<= t`, processed in order).
+//! A single long packed row (a decode step's MLP) is cut into column chunks
+//! shared with helper threads; each element's arithmetic is unchanged.
 
 use super::buf::Buf;
+use super::par;
 
 /// Elements per scratch chunk of the flat forms.
 const CHUNK: usize = 1024;
@@ -70,8 +73,33 @@ pub(crate) unsafe fn gated_mul(kind: Gate, gate: Buf, up: Buf, n: usize, out: Bu
     }
 }
 
+/// One row of the packed form from this many outputs on is cut into
+/// column chunks that helper threads share (the gate's `expf`/`tanhf` per
+/// element is most of the op).
+const PARALLEL_MIN: usize = 1024;
+/// Outputs per chunk of a parallel row.
+const PARALLEL_CHUNK: usize = 256;
+
 /// Packed form: `gate_up: [t, 2i]` -> `[t, i]`.
 pub(crate) unsafe fn gated_mul_packed(kind: Gate, gate_up: Buf, t: usize, i: usize, out: Buf) {
+    if t == 1 && i >= PARALLEL_MIN {
+        // One row in column chunks: chunk `c` reads gate and up columns
+        // `c0..c1` and writes output columns `c0..c1`, which in place are
+        // its own gate columns (already read), never another chunk's input.
+        par::for_each_chunk(i.div_ceil(PARALLEL_CHUNK), |c| {
+            let c0 = c * PARALLEL_CHUNK;
+            let len = PARALLEL_CHUNK.min(i - c0);
+            let (mut g, mut u) = ([0f32; PARALLEL_CHUNK], [0f32; PARALLEL_CHUNK]);
+            // SAFETY: as the serial loop below, over disjoint columns.
+            unsafe {
+                gate_up.load(c0, &mut g[..len]);
+                gate_up.load(i + c0, &mut u[..len]);
+                apply(kind, &mut g[..len], &u[..len]);
+                out.store(c0, &g[..len]);
+            }
+        });
+        return;
+    }
     let mut row = vec![0f32; 2 * i];
     for r in 0..t {
         gate_up.load(r * 2 * i, &mut row);

@@ -92,7 +92,7 @@ pub(crate) unsafe fn qkv_rope_kv_write(
         )),
         _ => None,
     };
-    let mut table = RopeTable::new(rope, *head_dim);
+    let mut table = RopeTable::reused(rope, *head_dim);
     let mut row = vec![0f32; qw + kw];
     for (t, (&p, &s)) in positions.iter().zip(slots).enumerate() {
         qkv.load(t * width, &mut row);
@@ -113,5 +113,6 @@ pub(crate) unsafe fn qkv_rope_kv_write(
         kc.store(s as usize * kw, k);
         Buf::copy(qkv, t * width + qw + kw, vc, s as usize * kw, kw);
     }
+    table.keep();
     Ok(())
 }

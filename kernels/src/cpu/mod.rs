@@ -27,7 +27,8 @@
 //!   GPU `sinf`/`expf` differ by an ulp or two, which the tolerances absorb.
 //!
 //! # Threads and SIMD
-//! Matmul and attention split their work between the calling thread and
+//! Matmul, attention and the one-row packed `silu_mul`/`gelu_tanh_mul`
+//! split their work between the calling thread and
 //! rayon's current pool (the global pool, sized by `RAYON_NUM_THREADS`, or
 //! the pool whose `install` the backend calls `execute` from); results do
 //! not depend on the thread count. Hot loops are compiled for the baseline
@@ -136,7 +137,35 @@ pub unsafe fn execute(
     args: &[RawTensor],
     results: &[RawTensor],
 ) -> std::result::Result<(), KernelError> {
-    check_operands(op, args, results)?;
+    check(op, args, results)?;
+    execute_prechecked(op, args, results)
+}
+
+/// The operand checks of [`execute`] alone: types against [`Op::infer`],
+/// storage, null and misaligned pointers, overlaps. They depend only on the
+/// operands' types and addresses, so a caller that runs the same launch
+/// many times over the same memory (the CPU backend's graph replay) checks
+/// it once and then calls [`execute_prechecked`].
+pub fn check(
+    op: &Op,
+    args: &[RawTensor],
+    results: &[RawTensor],
+) -> std::result::Result<(), KernelError> {
+    check_operands(op, args, results)
+}
+
+/// [`execute`] without its operand checks (integer operands read from
+/// memory, such as token ids and block tables, are still validated before
+/// anything is written).
+///
+/// # Safety
+/// As [`execute`], and [`check`] must have accepted these very operands
+/// (the same op, types and pointers).
+pub unsafe fn execute_prechecked(
+    op: &Op,
+    args: &[RawTensor],
+    results: &[RawTensor],
+) -> std::result::Result<(), KernelError> {
     // Give distinct-buffer in-place results their argument's contents.
     for &(r, a) in op.aliases() {
         if results[r].ptr != args[a].ptr {

@@ -60,9 +60,21 @@ pub(crate) fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32]) {
 
 /// Per-token rope state: the f32 frequencies and cos/sin scratch.
 pub(crate) struct RopeTable {
+    rope: Rope,
+    head_dim: u32,
     inv: Vec<f32>,
+    /// The position `cos`/`sin` hold.
+    pos: Option<i32>,
     pub cos: Vec<f32>,
     pub sin: Vec<f32>,
+}
+
+std::thread_local! {
+    /// The table of this thread's last rope op: every layer of a decode
+    /// step rotates with the same parameters at the same positions, so the
+    /// frequencies (30 `powf` per op) and the cos/sin of the last position
+    /// are reused, not recomputed. They are the same values either way.
+    static LAST: std::cell::RefCell<Option<RopeTable>> = const { std::cell::RefCell::new(None) };
 }
 
 impl RopeTable {
@@ -70,14 +82,32 @@ impl RopeTable {
         let inv = rope_inv_freq_f32(rope, head_dim);
         let n = inv.len();
         RopeTable {
+            rope: rope.clone(),
+            head_dim,
             inv,
+            pos: None,
             cos: vec![0.0; n],
             sin: vec![0.0; n],
         }
     }
-    /// Recomputes cos/sin for `pos`.
+    /// [`RopeTable::new`], or this thread's last table when it was made for
+    /// the same parameters (hand it back with [`RopeTable::keep`]).
+    pub fn reused(rope: &Rope, head_dim: u32) -> RopeTable {
+        match LAST.with(|l| l.borrow_mut().take()) {
+            Some(t) if t.rope == *rope && t.head_dim == head_dim => t,
+            _ => RopeTable::new(rope, head_dim),
+        }
+    }
+    /// Keeps this table for the thread's next [`RopeTable::reused`].
+    pub fn keep(self) {
+        LAST.with(|l| *l.borrow_mut() = Some(self));
+    }
+    /// Computes cos/sin for `pos` (unless they already are `pos`'s).
     pub fn at(&mut self, pos: i32) {
-        cos_sin(&self.inv, pos, &mut self.cos, &mut self.sin);
+        if self.pos != Some(pos) {
+            cos_sin(&self.inv, pos, &mut self.cos, &mut self.sin);
+            self.pos = Some(pos);
+        }
     }
     /// Rotates every head of a row (`heads * hd` values) in place.
     pub fn rotate_heads(&self, row: &mut [f32], head_dim: usize) {
@@ -92,7 +122,7 @@ pub(crate) unsafe fn rope(x: Buf, pos: Buf, rope: &Rope, heads: u32, head_dim: u
     let hd = head_dim as usize;
     let width = heads as usize * hd;
     let positions = pos.ints();
-    let mut table = RopeTable::new(rope, head_dim);
+    let mut table = RopeTable::reused(rope, head_dim);
     let mut row = vec![0f32; width];
     for (t, &p) in positions.iter().enumerate() {
         table.at(p);
@@ -100,4 +130,5 @@ pub(crate) unsafe fn rope(x: Buf, pos: Buf, rope: &Rope, heads: u32, head_dim: u
         table.rotate_heads(&mut row, hd);
         out.store(t * width, &row);
     }
+    table.keep();
 }
