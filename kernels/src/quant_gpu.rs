@@ -511,6 +511,38 @@ struct GemmChecked {
     k32: i32,
 }
 
+impl GemmChecked {
+    /// The parameters both kernels take (they share one signature) for the
+    /// launch of tokens `[t0, t0 + tokens)`.
+    fn params(
+        &self,
+        bufs: &QGemvBufs,
+        n: u64,
+        k: u64,
+        t0: u64,
+        tokens: u64,
+        w_const: bool,
+    ) -> Vec<LaunchParam> {
+        let opt = |b: Option<BufRef>| b.map_or(LaunchParam::Null, LaunchParam::Buf);
+        let [o1, o2, o3] = self.layout.offsets.map(|o| LaunchParam::I64(o as i64));
+        vec![
+            LaunchParam::Buf(offset_by(bufs.x, t0 * k * 2)),
+            LaunchParam::Buf(bufs.w),
+            opt(bufs.scale),
+            opt(bufs.bias),
+            opt(bufs.residual.map(|r| offset_by(r, t0 * n * 2))),
+            LaunchParam::Buf(offset_by(bufs.out, t0 * n * self.osz)),
+            LaunchParam::I32(tokens as i32),
+            LaunchParam::I32(self.n32),
+            LaunchParam::I32(self.k32),
+            LaunchParam::I32(w_const as i32),
+            o1,
+            o2,
+            o3,
+        ]
+    }
+}
+
 fn check_gemm(
     q: QuantType,
     n: u64,
@@ -630,16 +662,10 @@ pub fn lower_qgemv(
         k,
         why,
     };
-    let GemmChecked {
-        layout: l,
-        os,
-        osz,
-        n32,
-        k32,
-    } = check_gemm(q, n, k, t, out, bufs)?;
+    let c = check_gemm(q, n, k, t, out, bufs)?;
+    let os = c.os;
     let grid = n.div_ceil(QGEMV_ROWS_PER_BLOCK as u64);
     let grid = u32::try_from(grid).map_err(|_| refuse("too many rows for one grid".into()))?;
-    let opt = |b: Option<BufRef>| b.map_or(LaunchParam::Null, LaunchParam::Buf);
     let mut launches = Vec::new();
     let mut t0 = 0u64;
     while t0 < t {
@@ -654,21 +680,7 @@ pub fn lower_qgemv(
             grid: [grid, 1, 1],
             block: [QGEMV_THREADS, 1, 1],
             shared_bytes: 0,
-            params: vec![
-                LaunchParam::Buf(offset_by(bufs.x, t0 * k * 2)),
-                LaunchParam::Buf(bufs.w),
-                opt(bufs.scale),
-                opt(bufs.bias),
-                opt(bufs.residual.map(|r| offset_by(r, t0 * n * 2))),
-                LaunchParam::Buf(offset_by(bufs.out, t0 * n * osz)),
-                LaunchParam::I32(tokens as i32),
-                LaunchParam::I32(n32),
-                LaunchParam::I32(k32),
-                LaunchParam::I32(w_const as i32),
-                LaunchParam::I64(l.offsets[0] as i64),
-                LaunchParam::I64(l.offsets[1] as i64),
-                LaunchParam::I64(l.offsets[2] as i64),
-            ],
+            params: c.params(bufs, n, k, t0, tokens, w_const),
             pdl,
         });
         t0 += tokens;
@@ -756,15 +768,9 @@ pub fn lower_qskinny(
     w_const: bool,
     pdl: bool,
 ) -> Result<Vec<KernelLaunch>, QLowerError> {
-    let GemmChecked {
-        layout: l,
-        os,
-        osz,
-        n32,
-        k32,
-    } = check_gemm(q, n, k, t, out, bufs)?;
+    let c = check_gemm(q, n, k, t, out, bufs)?;
+    let os = c.os;
     let units = k / qskinny_unit(q);
-    let opt = |b: Option<BufRef>| b.map_or(LaunchParam::Null, LaunchParam::Buf);
     let mut launches = Vec::new();
     let mut t0 = 0u64;
     while t0 < t {
@@ -793,21 +799,7 @@ pub fn lower_qskinny(
             grid: [grid, 1, 1],
             block: [32 * warps as u32, 1, 1],
             shared_bytes: (warps * mt * (tp / 8) * 4 * 32 * 4) as u32,
-            params: vec![
-                LaunchParam::Buf(offset_by(bufs.x, t0 * k * 2)),
-                LaunchParam::Buf(bufs.w),
-                opt(bufs.scale),
-                opt(bufs.bias),
-                opt(bufs.residual.map(|r| offset_by(r, t0 * n * 2))),
-                LaunchParam::Buf(offset_by(bufs.out, t0 * n * osz)),
-                LaunchParam::I32(tokens as i32),
-                LaunchParam::I32(n32),
-                LaunchParam::I32(k32),
-                LaunchParam::I32(w_const as i32),
-                LaunchParam::I64(l.offsets[0] as i64),
-                LaunchParam::I64(l.offsets[1] as i64),
-                LaunchParam::I64(l.offsets[2] as i64),
-            ],
+            params: c.params(bufs, n, k, t0, tokens, w_const),
             pdl,
         });
         t0 += tokens;
