@@ -86,6 +86,7 @@ struct AttnShape {
   int num_parts;  // partitions the grid spans (ceil(M * block_size / P))
   int tiles;      // row tiles per (b, kv head)
   int tg;         // lanes that share one key in the q.k phase (power of two <= 32)
+  int want_parts; // partitions a step's actual context is spread over (0: part_len fixed)
 };
 
 template <typename T, int RT, int VEC>
@@ -126,12 +127,25 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   const int max_ctx = a.max_blocks * a.block_size;
   int ctx = context_lens[b];
   ctx = ctx < max_ctx ? ctx : max_ctx;
-  const int p0 = part * a.part_len;
+  // This step's partition length: the grid spans the widest context, but a
+  // step's actual context is spread over want_parts partitions (the blocks
+  // the chip needs), each at least one pass of the key loop (so no block
+  // waits on a second round of K/V loads) and at most part_len (what the
+  // shared memory and the scratch are sized for).
+  int plen = a.part_len;
+  if (a.want_parts > 0) {
+    const int one_pass = (RT <= 2 ? 8 : 4) * KILN_ATTN_WARPS * (KILN_WARP / a.tg);
+    int dyn = (ctx + a.want_parts - 1) / a.want_parts;
+    dyn = dyn > one_pass ? dyn : one_pass;
+    dyn = (dyn + 15) & ~15;
+    plen = dyn < plen ? dyn : plen;
+  }
+  const int p0 = part * plen;
   if (p0 >= ctx) return;  // the combine never reads this partition
-  const int p1 = min(p0 + a.part_len, ctx);
+  const int p1 = min(p0 + plen, ctx);
   // Partitions holding context positions; with one, the block normalizes
   // and writes the output itself (no scratch round trip, no combine).
-  const int nact = (ctx + a.part_len - 1) / a.part_len;
+  const int nact = (ctx + plen - 1) / plen;
 
   // Row j of this tile: r = tile*RT + j, head h = g*group + r/Q, query qi = r%Q.
   int rid[RT];    // output row id ((b*Q + qi)*heads + h), or -1 when past the group

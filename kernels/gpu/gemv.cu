@@ -138,20 +138,31 @@ KILN_GEMV_TOKENS(kf16, f16, float, f32)
 //
 // Same weight stream as gemv_rows (one warp, two weight rows, 16-byte loads,
 // the first loads issued before the dependency wait when w is a weight).
-// Prologue (PRE): every block computes the inverse RMS of each token row of
-// x itself (x is T x K, a few KiB, L2-resident), into shared memory, before
-// the main loop; each x element is then normalized as it is unpacked and
-// rounded to T, the value the unfused rms_norm would have stored, so the
-// normed rows never go to memory. Epilogues (mode, uniform per launch):
+// Prologue (PRE): every WARP computes the inverse RMS of each token row of x
+// itself (x is T x K, a few KiB, L2-resident): a warp reads all of x anyway,
+// so its lanes sum the squares of the very vectors they multiply later, and
+// one warp reduction gives the statistic. No block barrier and no shared
+// memory sit between the dependency wait and the weight loop (an earlier
+// form reduced over the block and cost 2.7-3.3 us per launch on the H200,
+// more than the rms_norm launch it replaced). Each x element is then
+// normalized as it is unpacked and rounded to T, the value the unfused
+// rms_norm would have stored, so the normed rows never go to memory. The
+// norm weight's first vectors are loaded before the wait with the weight's
+// when they never change (consts bit 1), and the next ones with the next
+// weight vectors. Epilogues (mode, uniform per launch):
 //   0 none      out[t, n] = acc + bias, rounded to O
 //   1 silu_mul  w stacks gate rows over up rows ([2I, K]); the warp's two
 //   2 gelu_mul  rows are j and j + I, out[t, j] = act(g) * u with g and u
 //               the rounded products (as the unfused matmul stores them)
-//   3 residual  out[t, n] = round(acc + bias) + residual[t, n], rounded
+//   3 residual  out[t, n] = round(acc + bias) + residual[t, n], rounded;
+//               the residual is loaded right after the wait, so its latency
+//               hides behind the weight loop instead of following it
 // Every rounding point is the unfused sequence's; only the order of the
 // sums (dot products, the norm's sum of squares) differs from the CPU
 // reference. Nothing another kernel writes (x, residual) is read before
 // KILN_PROLOGUE(); out never aliases an input (the op allows no reuse).
+// consts: bit 0 the weight, bit 1 the norm weight never change while the
+// engine lives (they may be read before the wait).
 #define KILN_FUSED_NONE 0
 #define KILN_FUSED_SILU 1
 #define KILN_FUSED_GELU 2
@@ -167,11 +178,11 @@ template <typename T, typename O, int TT, int PRE>
 KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
                               const T* __restrict__ bias, const T* __restrict__ norm_w,
                               const T* __restrict__ res, O* __restrict__ out, int tokens, int n,
-                              int k, int w_const, float eps, int unit_offset, int mode) {
-  __shared__ float inv_rms[TT];
-  __shared__ float part[KILN_GEMV_WARPS][TT];
+                              int k, int consts, float eps, int unit_offset, int mode) {
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
+  const int w_const = consts & 1;
+  const int n_const = consts & 2;
   const int act = mode == KILN_FUSED_SILU || mode == KILN_FUSED_GELU;
   const int outs = act ? n / 2 : n;  // output features
   const int kv = k / 8;
@@ -186,7 +197,7 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
   for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
     rows[r] = act ? first + r * (i64)outs : first + r;
     // A row past the end re-reads row 0 (its result is dropped), so every
-    // warp reaches the dependency wait and the block's barriers.
+    // warp reaches the dependency wait.
     const i64 row = live && rows[r] < n ? rows[r] : 0;
     wv[r] = reinterpret_cast<const uint4*>(w + row * k);
   }
@@ -200,6 +211,7 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
   constexpr int UNROLL = 4;
   int c = lane;
   uint4 wr[KILN_GEMV_ROWS][UNROLL];
+  uint4 nr[UNROLL];  // the norm weight's vectors of the current step (PRE)
   bool full = c + (UNROLL - 1) * KILN_WARP < kv;
   if (full && w_const) {
 #pragma unroll
@@ -207,13 +219,38 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
   }
+  if (PRE && full && n_const) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) nr[u] = nv[c + u * KILN_WARP];
+  }
   KILN_PROLOGUE();
+  if (!live) return;
+  // The residual this lane stores against (lane 0 only), loaded now.
+  float rv[KILN_GEMV_ROWS][TT];
+  if (mode == KILN_FUSED_RESIDUAL && lane == 0) {
+#pragma unroll
+    for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+      for (int t = 0; t < TT; ++t)
+        rv[r][t] = rows[r] < n && t < tokens ? ld(res[(i64)t * n + rows[r]]) : 0.0f;
+  }
+  if (full && !w_const) {
+#pragma unroll
+    for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
+  }
+  if (PRE && full && !n_const) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) nr[u] = nv[c + u * KILN_WARP];
+  }
+  float inv_rms[TT];
   if (PRE) {
-    // Per-token sum of squares over the whole row, by the whole block.
+    // Per-token sum of squares over the whole row, by this warp alone.
     float ss[TT];
 #pragma unroll
     for (int t = 0; t < TT; ++t) ss[t] = 0.0f;
-    for (int cc = threadIdx.x; cc < kv; cc += blockDim.x) {
+    for (int cc = lane; cc < kv; cc += KILN_WARP) {
 #pragma unroll
       for (int t = 0; t < TT; ++t) {
         if (t < tokens) {
@@ -225,24 +262,7 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
       }
     }
 #pragma unroll
-    for (int t = 0; t < TT; ++t) {
-      const float s = warp_sum(ss[t]);
-      if (lane == 0) part[warp][t] = s;
-    }
-    __syncthreads();
-    if (threadIdx.x < TT) {
-      float s = 0.0f;
-      for (int q = 0; q < KILN_GEMV_WARPS; ++q) s += part[q][threadIdx.x];
-      inv_rms[threadIdx.x] = 1.0f / sqrtf(s / (float)k + eps);
-    }
-    __syncthreads();
-  }
-  if (!live) return;
-  if (full && !w_const) {
-#pragma unroll
-    for (int r = 0; r < KILN_GEMV_ROWS; ++r)
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
+    for (int t = 0; t < TT; ++t) inv_rms[t] = 1.0f / sqrtf(warp_sum(ss[t]) / (float)k + eps);
   }
   // One 8-element chunk of token t's (normalized) x.
   auto x_chunk = [&](int t, int cc, const float* nf, float* xf) {
@@ -253,9 +273,9 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
       for (int e = 0; e < 8; ++e) xf[e] = round_to<T>(xf[e] * s * nf[e]);
     }
   };
-  auto norm_chunk = [&](int cc, float* nf) {
+  auto norm_unpack = [&](uint4 raw, float* nf) {
     if (PRE) {
-      unpack8(nv[cc], norm_w, nf);
+      unpack8(raw, norm_w, nf);
       if (unit_offset) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) nf[e] += 1.0f;
@@ -267,7 +287,7 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
     for (int u = 0; u < UNROLL; ++u) {
       const int cc = c + u * KILN_WARP;
       float nf[8];
-      norm_chunk(cc, nf);
+      norm_unpack(nr[u], nf);
 #pragma unroll
       for (int t = 0; t < TT; ++t) {
         if (t < tokens) {
@@ -290,11 +310,15 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
       for (int r = 0; r < KILN_GEMV_ROWS; ++r)
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
+      if (PRE) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) nr[u] = nv[c + u * KILN_WARP];
+      }
     }
   }
   for (; c < kv; c += KILN_WARP) {
     float nf[8];
-    norm_chunk(c, nf);
+    if (PRE) norm_unpack(nv[c], nf);
 #pragma unroll
     for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
       float wf[8];
@@ -338,7 +362,7 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
     for (int t = 0; t < TT; ++t) {
       if (t < tokens) {
         float v = acc[r][t] + b;
-        if (mode == KILN_FUSED_RESIDUAL) v = round_to<T>(v) + ld(res[(i64)t * n + row]);
+        if (mode == KILN_FUSED_RESIDUAL) v = round_to<T>(v) + rv[r][t];
         out[(i64)t * n + row] = st<O>(v);
       }
     }
@@ -348,16 +372,16 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
 #define KILN_GEMV_FUSED(T, S, O, OS, TT)                                                        \
   KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP) gemv_fused_t##TT##_##S##_##OS( \
       const T* x, const T* w, const T* bias, const T* norm_w, const T* res, O* out, int tokens,  \
-      int n, int k, int w_const, float eps, int unit_offset, int mode) {                        \
-    gemv_fused_rows<T, O, TT, 0>(x, w, bias, norm_w, res, out, tokens, n, k, w_const, eps,      \
+      int n, int k, int consts, float eps, int unit_offset, int mode) {                         \
+    gemv_fused_rows<T, O, TT, 0>(x, w, bias, norm_w, res, out, tokens, n, k, consts, eps,       \
                                  unit_offset, mode);                                            \
   }                                                                                             \
   KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
       gemv_fused_norm_t##TT##_##S##_##OS(const T* x, const T* w, const T* bias,                \
                                          const T* norm_w, const T* res, O* out, int tokens,    \
-                                         int n, int k, int w_const, float eps, int unit_offset, \
+                                         int n, int k, int consts, float eps, int unit_offset,  \
                                          int mode) {                                            \
-    gemv_fused_rows<T, O, TT, 1>(x, w, bias, norm_w, res, out, tokens, n, k, w_const, eps,      \
+    gemv_fused_rows<T, O, TT, 1>(x, w, bias, norm_w, res, out, tokens, n, k, consts, eps,       \
                                  unit_offset, mode);                                            \
   }
 #define KILN_GEMV_FUSED_TOKENS(T, S, O, OS)                                                     \

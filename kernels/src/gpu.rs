@@ -224,6 +224,19 @@ pub fn fused_matmul_call(
     args: &[TensorType],
     w_const: bool,
 ) -> Result<KernelCall, CatalogError> {
+    fused_matmul_launch(op, args, if w_const { u32::MAX } else { 0 })
+}
+
+/// [`fused_matmul_call`] with the op's weight operands named one by one:
+/// bit `i` of `weight_args` ([`kiln_ir::plan::PlanOp::weight_args`]) set
+/// when argument `i` is a weight. The kernel loads the first vectors of
+/// the weight (argument 1) and of the prologue's norm weight before its
+/// dependency wait when they are weights (its `consts` bits 0 and 1).
+pub fn fused_matmul_launch(
+    op: &Op,
+    args: &[TensorType],
+    weight_args: u32,
+) -> Result<KernelCall, CatalogError> {
     let m = "fused_matmul";
     let unsupported = |why: String| CatalogError::Unsupported { op: m, why };
     if let Some(q) = args.get(1).and_then(|w| w.storage) {
@@ -310,6 +323,8 @@ pub fn fused_matmul_call(
     let norm_p = optional(pre.is_some());
     let res_p = optional(*post == Epilogue::Residual);
     let norm = if pre.is_some() { "norm_" } else { "" };
+    let is_weight = |p: &Param| matches!(p, Param::Arg(i) if weight_args >> i & 1 == 1);
+    let consts = is_weight(&Param::Arg(1)) as i32 | (is_weight(&norm_p) as i32) << 1;
     Ok(KernelCall {
         module: "gemv",
         entry: format!("gemv_fused_{norm}t{tt}_{i}_{o}"),
@@ -326,7 +341,7 @@ pub fn fused_matmul_call(
             Param::I32(t as i32),
             Param::I32(n as i32),
             Param::I32(k as i32),
-            Param::I32(w_const as i32),
+            Param::I32(consts),
             Param::F32(pre.map_or(0.0, |p| p.eps)),
             Param::I32(pre.is_some_and(|p| p.unit_offset) as i32),
             Param::I32(mode),
@@ -783,6 +798,12 @@ pub struct AttnGeometry {
     pub part_len: u32,
     /// Partitions the grid spans.
     pub num_parts: u32,
+    /// Partitions a step's actual context is spread over (at most
+    /// `num_parts`): the kernel cuts the context it reads from device
+    /// memory into this many pieces of at least one pass of its key loop
+    /// and at most `part_len` positions, so a short context still gives
+    /// the chip about `target_blocks` blocks.
+    pub want_parts: u32,
     /// Dynamic shared memory of the partition kernel.
     pub shared_bytes: u32,
     /// Byte offset of the (max, sum) pairs in scratch.
@@ -860,6 +881,7 @@ pub fn attention_geometry_for(
         part_len = max_ctx.div_ceil(ATTN_MAX_PARTS as u64).div_ceil(32) * 32;
     }
     let num_parts = max_ctx.div_ceil(part_len).max(1);
+    let want_parts = target.div_ceil(base_blocks.max(1)).clamp(1, num_parts);
     let npl = (ATTN_THREADS / nch) as u64;
     let (rt, hd) = (row_tile as u64, head_dim as u64);
     // The streaming kernel (K and V loaded together, online softmax in
@@ -894,6 +916,7 @@ pub fn attention_geometry_for(
         tg,
         part_len: part_len as u32,
         num_parts: num_parts as u32,
+        want_parts: want_parts as u32,
         shared_bytes: shared as u32,
         ml_offset,
         scratch_bytes,
@@ -1168,7 +1191,7 @@ pub fn lower_symbolic(
                 attn_target_blocks,
             )?;
             to_i32(m, "context", max_blocks as u64 * *block_size as u64)?;
-            let mut shape = Vec::with_capacity(56);
+            let mut shape = Vec::with_capacity(60);
             for v in [
                 batch,
                 *query,
@@ -1183,7 +1206,7 @@ pub fn lower_symbolic(
             }
             shape.extend_from_slice(&scale.to_ne_bytes());
             shape.extend_from_slice(&softcap.unwrap_or(0.0).to_ne_bytes());
-            for v in [g.part_len, g.num_parts, g.tiles, g.tg] {
+            for v in [g.part_len, g.num_parts, g.tiles, g.tg, g.want_parts] {
                 shape.extend_from_slice(&(v as i32).to_ne_bytes());
             }
             let grid_y = batch as u64 * *kv_heads as u64 * g.tiles as u64;
@@ -1644,7 +1667,7 @@ pub fn lower_op(
         // The fused GEMV prefetches its weight before the dependency wait
         // when the weight operand is a weight, as the plain GEMV does.
         Op::FusedMatMul { .. } => Lowered::Kernels {
-            calls: vec![fused_matmul_call(op, &types(args), weight_args & 2 != 0)?],
+            calls: vec![fused_matmul_launch(op, &types(args), weight_args)?],
             scratch_bytes: 0,
             counters: 0,
         },
@@ -1909,12 +1932,27 @@ mod tests {
                 assert!(g.shared_bytes <= MAX_STATIC_SHARED, "{g:?}");
                 assert!(g.num_parts <= ATTN_MAX_PARTS, "{g:?}");
                 assert!(g.num_parts as u64 * g.part_len as u64 >= ctx_blocks as u64 * 16);
+                assert!((1..=g.num_parts).contains(&g.want_parts), "{g:?}");
                 assert!(g.row_tile * g.tiles >= heads / kvh * q);
                 assert_eq!(g.ml_offset % 256, 0);
                 assert!(g.tg.is_power_of_two() && g.tg <= 32);
             }
         }
         assert!(attention_geometry(1, 1, 2, 1, 2048, 16, 4).is_err());
+    }
+
+    #[test]
+    fn a_short_context_is_spread_over_the_partitions_the_chip_needs_and_a_wide_batch_over_one() {
+        // Qwen3-0.6B's attention with a 4096-position table: at batch 1 the
+        // 8 (sequence, kv head) rows need 32 partitions for 256 blocks; at
+        // batch 32 they are 256 already, so one partition (the direct
+        // write, no combine) stays.
+        let g = attention_geometry_for(1, 1, 16, 8, 128, 16, 256, ATTN_TARGET_BLOCKS).unwrap();
+        assert_eq!((g.part_len, g.num_parts, g.want_parts), (128, 32, 32));
+        let g = attention_geometry_for(8, 1, 16, 8, 128, 16, 256, ATTN_TARGET_BLOCKS).unwrap();
+        assert_eq!(g.want_parts, 4);
+        let g = attention_geometry_for(32, 1, 16, 8, 128, 16, 256, ATTN_TARGET_BLOCKS).unwrap();
+        assert_eq!(g.want_parts, 1);
     }
 
     #[test]
@@ -1944,8 +1982,17 @@ mod tests {
         let Param::Blob(b) = calls[0].params.last().unwrap() else {
             panic!("shape struct is the last parameter")
         };
-        // struct AttnShape: 8 ints, 2 floats, 4 ints.
-        assert_eq!(b.len(), 14 * 4);
+        // struct AttnShape: 8 ints, 2 floats, 5 ints.
+        assert_eq!(b.len(), 15 * 4);
+        let src = MODULES
+            .iter()
+            .find(|m| m.name == "attention")
+            .unwrap()
+            .raw_source;
+        assert!(
+            src.contains("int want_parts;"),
+            "the kernel struct ends with want_parts"
+        );
         let f = |i: usize| f32::from_ne_bytes(b[i * 4..i * 4 + 4].try_into().unwrap());
         let n = |i: usize| i32::from_ne_bytes(b[i * 4..i * 4 + 4].try_into().unwrap());
         assert_eq!((n(0), n(2), n(4), n(6), n(7)), (2, 4, 64, 4, 0));
@@ -2213,12 +2260,22 @@ mod tests {
         assert_eq!(
             &c.params[9..],
             &[
-                Param::I32(1),
+                Param::I32(3),
                 Param::F32(1e-5),
                 Param::I32(1),
                 Param::I32(3)
             ]
         );
+        // The `consts` bits name which of the weight (argument 1) and the
+        // norm weight (argument 3 here) may be read before the wait.
+        for (weight_args, consts) in [(0b1010, 3), (0b0010, 1), (0b1000, 2), (0b10101, 0)] {
+            let c = fused_matmul_launch(&op, &a, weight_args).unwrap();
+            assert_eq!(
+                c.params[9],
+                Param::I32(consts),
+                "weight_args {weight_args:#b}"
+            );
+        }
         // Only a residual: it is argument 2; absent operands are null.
         let op = fused(false, d, false, Epilogue::Residual);
         let c = fused_matmul_call(&op, &[a[0].clone(), a[1].clone(), a[4].clone()], false).unwrap();
