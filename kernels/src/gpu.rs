@@ -1741,9 +1741,7 @@ pub fn lower_op(
     let lowered = match op {
         // The fused GEMV prefetches its weight before the dependency wait
         // when the weight operand is a weight, as the plain GEMV does.
-        Op::FusedMatMul { .. } => {
-            fused_matmul_lowered(op, &types(args), weight_args & 2 != 0)?
-        }
+        Op::FusedMatMul { .. } => fused_matmul_lowered(op, &types(args), weight_args & 2 != 0)?,
         _ => lower_symbolic(
             op,
             &types(args),
@@ -2565,13 +2563,21 @@ mod tests {
         // A bias and no norm; f16 logits in the activations' dtype.
         let op = fused(true, DType::F16, false, Epilogue::Argmax);
         let h = DType::F16;
-        let c = fused_matmul_call(&op, &[tt(h, &[1, 64]), tt(h, &[1001, 64]), tt(h, &[1001])], false)
-            .unwrap();
+        let c = fused_matmul_call(
+            &op,
+            &[tt(h, &[1, 64]), tt(h, &[1001, 64]), tt(h, &[1001])],
+            false,
+        )
+        .unwrap();
         assert_eq!(c.entry, "gemv_argmax_t1_f16_f16");
         assert_eq!(&c.params[2..4], &[Param::Arg(2), Param::Null]);
         // Nine tokens are beyond the GEMV.
-        let e = fused_matmul_call(&op, &[tt(h, &[9, 64]), tt(h, &[1001, 64]), tt(h, &[1001])], false)
-            .unwrap_err();
+        let e = fused_matmul_call(
+            &op,
+            &[tt(h, &[9, 64]), tt(h, &[1001, 64]), tt(h, &[1001])],
+            false,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("tokens"), "{e}");
     }
 }

@@ -249,19 +249,31 @@ fn fused_matmul_agrees_with_an_f64_reference_of_its_typing_rule() {
                     let at = i32::from_le_bytes(got[4 * r..4 * r + 4].try_into().unwrap());
                     assert!((0..n as i32).contains(&at), "{what}: index {at}");
                     let row = &y[r * n..(r + 1) * n];
-                    let (best, _) = row
-                        .iter()
-                        .enumerate()
-                        .fold((f64::NEG_INFINITY, 0), |(b, bi), (j, &v)| {
-                            if v > b {
-                                (v, j)
-                            } else {
-                                (b, bi)
-                            }
-                        });
+                    let (best, _) =
+                        row.iter()
+                            .enumerate()
+                            .fold(
+                                (f64::NEG_INFINITY, 0),
+                                |(b, bi), (j, &v)| {
+                                    if v > b {
+                                        (v, j)
+                                    } else {
+                                        (b, bi)
+                                    }
+                                },
+                            );
                     let j = at as usize;
-                    let slack = 2.0 * ytol.iter().skip(r * n).take(n).fold(0.0f64, |a, &e| a.max(e));
-                    assert!(row[j] >= best - slack, "{what}: row {r} picks {j} ({} < {best} - {slack})", row[j]);
+                    let slack = 2.0
+                        * ytol
+                            .iter()
+                            .skip(r * n)
+                            .take(n)
+                            .fold(0.0f64, |a, &e| a.max(e));
+                    assert!(
+                        row[j] >= best - slack,
+                        "{what}: row {r} picks {j} ({} < {best} - {slack})",
+                        row[j]
+                    );
                 }
             }
         }
