@@ -1651,7 +1651,9 @@ fn the_argmax_gemv_picks_what_the_unfused_gpu_argmax_picks_at_awkward_sizes() {
                     // The unfused GPU pair over the same operands.
                     let logits =
                         run_op(&mut b, &fused_op(bias, out, pre, Epilogue::None), &args).remove(0);
-                    let want = run_op(&mut b, &Op::Argmax, &[logits.clone()]).remove(0).i;
+                    let want = run_op(&mut b, &Op::Argmax, std::slice::from_ref(&logits))
+                        .remove(0)
+                        .i;
                     assert_eq!(got, want, "{what}: vs the GEMV + argmax");
                     match variant {
                         1 => assert!(got.iter().all(|&i| i == 15), "{what}: {got:?}"),
