@@ -1,5 +1,6 @@
 //! The `fuse-matmul` pass: RMSNorm prologues and SiLU*up / residual-add
-//! epilogues folded into the decode-step GEMVs. It must preserve the step's
+//! epilogues folded into the decode-step GEMVs, and the greedy argmax into
+//! the lm_head GEMV. It must preserve the step's
 //! function exactly (the fused op is defined as the unfused sequence, and the
 //! reference interpreter evaluates it from that definition), fire on every
 //! layer where it is legal, leave an intermediate with a second reader
@@ -59,8 +60,9 @@ fn every_decoder_layer_becomes_four_fused_gemvs_plus_rope_and_attention() {
         let g = spec.graph(key, &kv_for(&spec, key), false);
         let (g, _, s) = pipeline(&spec, g, &DEFAULT_PIPELINE, &Target::Cpu);
         let l = spec.layers as usize;
-        // Per layer: o_proj residual, SiLU*up, down_proj residual.
-        assert_eq!(s.matmul_epilogues as usize, 3 * l, "{fam:?}");
+        // Per layer: o_proj residual, SiLU*up, down_proj residual; and the
+        // lm_head's argmax (the logits are no output here).
+        assert_eq!(s.matmul_epilogues as usize, 3 * l + 1, "{fam:?}");
         // Per layer: the qkv and gate_up norms; plus the final norm.
         assert_eq!(s.matmul_prologues as usize, 2 * l + 1, "{fam:?}");
         let unfused = count(&g, |o| {
@@ -74,13 +76,14 @@ fn every_decoder_layer_becomes_four_fused_gemvs_plus_rope_and_attention() {
             )
         });
         assert_eq!(unfused, 0, "{fam:?}: {}", kiln_ir::print(&g));
-        assert_eq!(fused_with(&g, true, Epilogue::None), l + 1, "qkv + lm_head");
+        assert_eq!(fused_with(&g, true, Epilogue::None), l, "qkv");
+        assert_eq!(fused_with(&g, true, Epilogue::Argmax), 1, "lm_head");
         assert_eq!(fused_with(&g, false, Epilogue::Residual), 2 * l, "o + down");
         assert_eq!(fused_with(&g, true, Epilogue::SiluMul), l, "gate_up");
-        // embedding, 6 per layer, lm_head, argmax.
+        // embedding, 6 per layer, lm_head with its argmax.
         assert_eq!(
             g.nodes.len(),
-            1 + 6 * l + 2,
+            1 + 6 * l + 1,
             "{fam:?}: {}",
             kiln_ir::print(&g)
         );
@@ -176,8 +179,9 @@ fn a_product_or_norm_with_a_second_reader_is_not_folded() {
     let (g, m, s) = pipeline(&spec, plain.clone(), &DEFAULT_PIPELINE, &Target::Cpu);
     let l = spec.layers as usize;
     // Layer 0 loses its o_proj residual and therefore its gate_up norm (the
-    // add_rms_norm stays whole), and its qkv norm.
-    assert_eq!(s.matmul_epilogues as usize, 3 * l - 1);
+    // add_rms_norm stays whole), and its qkv norm; the lm_head gains its
+    // argmax.
+    assert_eq!(s.matmul_epilogues as usize, 3 * l - 1 + 1);
     assert_eq!(s.matmul_prologues as usize, 2 * l + 1 - 2);
     assert_eq!(count(&g, |o| matches!(o, Op::AddRmsNorm { .. })), 1);
     assert_eq!(count(&g, |o| matches!(o, Op::RmsNorm { .. })), 1);
@@ -225,4 +229,87 @@ fn a_gpu_target_fuses_only_keys_its_fused_gemv_runs() {
     let mut m = spec.manifest();
     let (gc, _, _) = run_pipeline(g, &mut m, &DEFAULT_PIPELINE, true).unwrap();
     assert!(count(&gc, |o| matches!(o, Op::FusedMatMul { .. })) > 0);
+}
+
+/// The lm_head + argmax of a greedy plan becomes one `fused_matmul{argmax}`
+/// (with the final norm as its prologue) on the CPU and on a one-token CUDA
+/// key, and the step's tokens are exactly the unfused step's; with the
+/// logits an output, or read by a second op, the argmax stays separate.
+#[test]
+fn the_greedy_argmax_joins_the_lm_head_only_when_nothing_else_reads_the_logits() {
+    let argmax_fused = |g: &Graph| fused_with(g, true, Epilogue::Argmax);
+    let mut rng = Rng::new(1517);
+    for fam in FAMILIES {
+        let spec = SynthSpec::tiny(fam);
+        let mut all_tokens = Vec::new();
+        for key in keys("b1q1s0,b3q1s0,b2q3s2,b2q4s0") {
+            let kv = kv_for(&spec, key);
+            let plain = spec.graph(key, &kv, false);
+            let (a, ma, _) = pipeline(&spec, plain.clone(), &without_fuse_matmul(), &Target::Cpu);
+            let (b, mb, _) = pipeline(&spec, plain.clone(), &DEFAULT_PIPELINE, &Target::Cpu);
+            // gather_last keys (b2q4s0) keep their final norm unfused, so the
+            // argmax joins a prologue-less lm_head there.
+            let joined = count(&b, |o| {
+                matches!(
+                    o,
+                    Op::FusedMatMul {
+                        post: Epilogue::Argmax,
+                        ..
+                    }
+                )
+            });
+            assert_eq!(joined, 1, "{fam:?} {key}: {}", kiln_ir::print(&b));
+            assert_eq!(count(&b, |o| *o == Op::Argmax), 0, "{fam:?} {key}");
+            let ck = random_checkpoint(&spec.manifest(), &mut rng);
+            let inp = random_inputs(key, &kv, spec.vocab, 64, &mut rng);
+            let want = eval_graph(&a, &ma, &ck, &inp);
+            let got = eval_graph(&b, &mb, &ck, &inp);
+            assert_eq!(got.outputs, want.outputs, "{fam:?} {key}");
+            assert!(got.caches == want.caches, "{fam:?} {key}: caches differ");
+            let toks = &got.outputs.iter().find(|o| o.0 == "next_tokens").unwrap().1;
+            all_tokens.extend(toks.iter().copied());
+        }
+        // The tokens vary over rows and keys (the comparison is not vacuous).
+        assert!(
+            all_tokens.iter().any(|&v| v != all_tokens[0]),
+            "{fam:?}: {all_tokens:?}"
+        );
+        // With the logits an output, the lm_head keeps its logits.
+        let key: Key = "b1q1s0".parse().unwrap();
+        let kv = kv_for(&spec, key);
+        let (g, _, _) = pipeline(
+            &spec,
+            spec.graph(key, &kv, true),
+            &DEFAULT_PIPELINE,
+            &Target::Cpu,
+        );
+        assert_eq!(
+            count(&g, |o| matches!(
+                o,
+                Op::FusedMatMul {
+                    post: Epilogue::Argmax,
+                    ..
+                }
+            )),
+            0
+        );
+        assert_eq!(count(&g, |o| *o == Op::Argmax), 1, "{fam:?}");
+        // A second reader of the logits: a second argmax, also an output.
+        let mut probed = spec.graph(key, &kv, false);
+        let am = probed.nodes.iter().find(|n| n.op == Op::Argmax).unwrap();
+        let logits = am.args[0];
+        let probe = probed.push(Op::Argmax, &[logits])[0];
+        probed.add_output("probe_tokens", probe);
+        let (g, _, _) = pipeline(&spec, probed, &DEFAULT_PIPELINE, &Target::Cpu);
+        assert_eq!(argmax_fused(&g), 0, "{fam:?}");
+        assert_eq!(count(&g, |o| *o == Op::Argmax), 2, "{fam:?}");
+        // A one-token CUDA key fuses it, an eight-token one does not.
+        let cuda = Target::Cuda { sm: 90 };
+        for (key, fuses) in [("b1q1s0", 1), ("b8q1s0", 0)] {
+            let key: Key = key.parse().unwrap();
+            let kv = kv_for(&spec, key);
+            let (g, _, _) = pipeline(&spec, spec.graph(key, &kv, false), &DEFAULT_PIPELINE, &cuda);
+            assert_eq!(argmax_fused(&g), fuses, "{fam:?} {key}");
+        }
+    }
 }

@@ -105,6 +105,11 @@ pub enum Epilogue {
     GeluTanhMul,
     /// `add` of a residual operand: the result is the new residual stream.
     Residual,
+    /// `argmax` of the product: the result is `i32[T]`, each row's index of
+    /// the first maximum of the product rounded to `out` (the logits the
+    /// unfused matmul would store), under `Op::Argmax`'s NaN rule. The
+    /// lm_head GEMV of a greedy plan whose logits are not an output.
+    Argmax,
 }
 
 impl Epilogue {
@@ -115,15 +120,17 @@ impl Epilogue {
             Epilogue::SiluMul => "silu_mul",
             Epilogue::GeluTanhMul => "gelu_tanh_mul",
             Epilogue::Residual => "residual",
+            Epilogue::Argmax => "argmax",
         }
     }
 
     /// Every epilogue, in text-form order.
-    pub const ALL: [Epilogue; 4] = [
+    pub const ALL: [Epilogue; 5] = [
         Epilogue::None,
         Epilogue::SiluMul,
         Epilogue::GeluTanhMul,
         Epilogue::Residual,
+        Epilogue::Argmax,
     ];
 
     /// The epilogue named `name` in the text form.
@@ -242,9 +249,11 @@ pub enum Op {
     /// * `None`: `R = out[T,N]`, `y` itself;
     /// * `SiluMul` / `GeluTanhMul`: `R = D[T,N/2]`, `silu_mul(y)` /
     ///   `gelu_tanh_mul(y)` of the packed product (N even, gate rows first);
-    /// * `Residual`: `R = D[T,N]`, `add(y, residual)`.
+    /// * `Residual`: `R = D[T,N]`, `add(y, residual)`;
+    /// * `Argmax`: `R = i32[T]`, `argmax(y)` with `y` rounded to `out` (f32
+    ///   logits, or D): the greedy token of each row, `y` never stored.
     ///
-    /// With an epilogue `out` must be D. Every intermediate (the normed rows,
+    /// With an epilogue other than `Argmax`, `out` must be D. Every intermediate (the normed rows,
     /// `y`) is rounded to D where the unfused op would store it, so the fused
     /// op equals the unfused sequence up to the summation order of the sums.
     FusedMatMul {
@@ -875,7 +884,7 @@ impl Op {
                     i += 1;
                 }
                 want(
-                    *post == Epilogue::None || *out == d,
+                    matches!(post, Epilogue::None | Epilogue::Argmax) || *out == d,
                     format!(
                         "with the `{}` epilogue the result dtype must be the activations' {d}, got {out}",
                         post.name()
@@ -897,6 +906,10 @@ impl Op {
                             format!("residual {} must have the result type {r}", args[i]),
                         )?;
                         Ok(vec![r])
+                    }
+                    Epilogue::Argmax => {
+                        want(w[0] > 0, "the argmax epilogue needs a non-empty row".into())?;
+                        Ok(vec![tt(DType::I32, vec![x[0]])])
                     }
                 }
             }

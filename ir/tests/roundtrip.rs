@@ -256,6 +256,7 @@ fn the_generator_covers_every_op_scaling_and_option() {
         "fused epilogue silu_mul",
         "fused epilogue gelu_tanh_mul",
         "fused epilogue residual",
+        "fused epilogue argmax",
     ] {
         assert!(seen.contains(tag), "generator never emits {tag}");
     }

@@ -410,3 +410,50 @@ proptest! {
         let _ = kiln_ir::to_dot(&g);
     }
 }
+
+/// The greedy lm_head as one op: `fused_matmul {epilogue = argmax}` reads
+/// the final norm's input and weight and gives the tokens; its text form
+/// reads back to the same graph, and a recorded result type other than
+/// `i32[T]` (the logits' type, say) or an `out` that is not float is caught.
+#[test]
+fn an_argmax_epilogue_types_as_one_token_per_row_and_round_trips() {
+    let text = r#"graph "lm_head" {
+  %0 = input token_ids : i32[3]
+
+  %1 = weight "model.embed_tokens.weight" : bf16[1001,64]
+  %3 = weight "model.norm.weight" : bf16[64]
+  %4 = weight "lm_head.weight" : bf16[1001,64]
+
+  %2 = embedding %0, %1 : bf16[3,64]
+  %5 = fused_matmul {bias = false, out = f32, norm = 1e-6, unit_offset = false, epilogue = argmax} %2, %4, %3 : i32[3]
+
+  output "next_tokens" = %5
+}
+"#;
+    let (g, _) = kiln_ir::parse_and_verify(text, None).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(kiln_ir::print(&g), text);
+    let Op::FusedMatMul { post, out, .. } = &g.nodes[1].op else {
+        panic!("one fused matmul")
+    };
+    assert_eq!((*post, *out), (kiln_ir::Epilogue::Argmax, DType::F32));
+    assert_eq!(
+        g.ty(g.nodes[1].results[0]),
+        &TensorType::new(DType::I32, [3])
+    );
+    // The logits' type recorded as the result is a type mismatch.
+    let wrong = text.replace(": i32[3]", ": f32[3,1001]");
+    assert!(kiln_ir::parse_and_verify(&wrong, None).is_err());
+    // An integer `out` has no logits to compare.
+    let e = Op::FusedMatMul {
+        bias: false,
+        out: DType::I32,
+        pre: None,
+        post: kiln_ir::Epilogue::Argmax,
+    }
+    .infer(&[
+        TensorType::new(DType::BF16, [3, 64]),
+        TensorType::new(DType::BF16, [1001, 64]),
+    ])
+    .unwrap_err();
+    assert!(e.contains("float"), "{e}");
+}

@@ -174,28 +174,25 @@ KILN_DEV float fused_gelu_tanh(float g) {
   return 0.5f * g * (1.0f + tanhf(k0 * (g + 0.044715f * g * g * g)));
 }
 
-template <typename T, typename O, int TT, int PRE>
-KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
-                              const T* __restrict__ bias, const T* __restrict__ norm_w,
-                              const T* __restrict__ res, O* __restrict__ out, int tokens, int n,
-                              int k, int consts, float eps, int unit_offset, int mode) {
+// The product part shared by gemv_fused_rows and gemv_argmax_rows (one
+// source, so an argmax GEMV's logits are the f32 sums the fused GEMV would
+// store): this warp's two weight rows `rows` (clamped to valid rows when
+// past the end) times the token rows of x, normalized first when PRE; acc
+// ends warp-reduced in every lane. `after_wait` runs right after the
+// dependency wait (a caller's early loads). A warp that is not `live`
+// returns right after it with acc zero; no block barrier is inside.
+template <typename T, int TT, int PRE, typename AfterWait>
+KILN_DEV void gemv_fused_dot(const T* __restrict__ x, const T* __restrict__ w,
+                             const T* __restrict__ norm_w, const i64* rows, bool live, int tokens,
+                             int n, int k, int consts, float eps, int unit_offset,
+                             float (&acc)[KILN_GEMV_ROWS][TT], AfterWait after_wait) {
   const int lane = threadIdx.x % KILN_WARP;
-  const int warp = threadIdx.x / KILN_WARP;
   const int w_const = consts & 1;
   const int n_const = consts & 2;
-  const int act = mode == KILN_FUSED_SILU || mode == KILN_FUSED_GELU;
-  const int outs = act ? n / 2 : n;  // output features
   const int kv = k / 8;
-  // The weight rows this warp streams: (j, j + outs) for one output j under
-  // an activation epilogue, else two consecutive rows.
-  const i64 first = act ? (i64)blockIdx.x * KILN_GEMV_WARPS + warp
-                        : ((i64)blockIdx.x * KILN_GEMV_WARPS + warp) * KILN_GEMV_ROWS;
-  const bool live = first < outs;
-  i64 rows[KILN_GEMV_ROWS];
   const uint4* wv[KILN_GEMV_ROWS];
 #pragma unroll
   for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
-    rows[r] = act ? first + r * (i64)outs : first + r;
     // A row past the end re-reads row 0 (its result is dropped), so every
     // warp reaches the dependency wait.
     const i64 row = live && rows[r] < n ? rows[r] : 0;
@@ -203,7 +200,6 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
   }
   const uint4* xv = reinterpret_cast<const uint4*>(x);
   const uint4* nv = reinterpret_cast<const uint4*>(norm_w);
-  float acc[KILN_GEMV_ROWS][TT];
 #pragma unroll
   for (int r = 0; r < KILN_GEMV_ROWS; ++r)
 #pragma unroll
@@ -224,16 +220,8 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
     for (int u = 0; u < UNROLL; ++u) nr[u] = nv[c + u * KILN_WARP];
   }
   KILN_PROLOGUE();
+  after_wait();
   if (!live) return;
-  // The residual this lane stores against (lane 0 only), loaded now.
-  float rv[KILN_GEMV_ROWS][TT];
-  if (mode == KILN_FUSED_RESIDUAL && lane == 0) {
-#pragma unroll
-    for (int r = 0; r < KILN_GEMV_ROWS; ++r)
-#pragma unroll
-      for (int t = 0; t < TT; ++t)
-        rv[r][t] = rows[r] < n && t < tokens ? ld(res[(i64)t * n + rows[r]]) : 0.0f;
-  }
   if (full && !w_const) {
 #pragma unroll
     for (int r = 0; r < KILN_GEMV_ROWS; ++r)
@@ -338,7 +326,41 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
   for (int r = 0; r < KILN_GEMV_ROWS; ++r)
 #pragma unroll
     for (int t = 0; t < TT; ++t) acc[r][t] = warp_sum(acc[r][t]);
-  if (lane != 0) return;
+}
+
+template <typename T, typename O, int TT, int PRE>
+KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
+                              const T* __restrict__ bias, const T* __restrict__ norm_w,
+                              const T* __restrict__ res, O* __restrict__ out, int tokens, int n,
+                              int k, int consts, float eps, int unit_offset, int mode) {
+  const int lane = threadIdx.x % KILN_WARP;
+  const int warp = threadIdx.x / KILN_WARP;
+  const int act = mode == KILN_FUSED_SILU || mode == KILN_FUSED_GELU;
+  const int outs = act ? n / 2 : n;  // output features
+  // The weight rows this warp streams: (j, j + outs) for one output j under
+  // an activation epilogue, else two consecutive rows.
+  const i64 first = act ? (i64)blockIdx.x * KILN_GEMV_WARPS + warp
+                        : ((i64)blockIdx.x * KILN_GEMV_WARPS + warp) * KILN_GEMV_ROWS;
+  const bool live = first < outs;
+  i64 rows[KILN_GEMV_ROWS];
+#pragma unroll
+  for (int r = 0; r < KILN_GEMV_ROWS; ++r) rows[r] = act ? first + r * (i64)outs : first + r;
+  // The residual this lane stores against (lane 0 only), loaded right
+  // after the wait.
+  float rv[KILN_GEMV_ROWS][TT];
+  auto load_residual = [&]() {
+    if (mode == KILN_FUSED_RESIDUAL && lane == 0 && live) {
+#pragma unroll
+      for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < TT; ++t)
+          rv[r][t] = rows[r] < n && t < tokens ? ld(res[(i64)t * n + rows[r]]) : 0.0f;
+    }
+  };
+  float acc[KILN_GEMV_ROWS][TT];
+  gemv_fused_dot<T, TT, PRE>(x, w, norm_w, rows, live, tokens, n, k, consts, eps, unit_offset,
+                             acc, load_residual);
+  if (!live || lane != 0) return;
   if (act) {
     const float bg = bias ? ld(bias[rows[0]]) : 0.0f;
     const float bu = bias ? ld(bias[rows[1]]) : 0.0f;
@@ -391,3 +413,149 @@ KILN_GEMV_FUSED_TOKENS(kbf16, bf16, kbf16, bf16)
 KILN_GEMV_FUSED_TOKENS(kbf16, bf16, float, f32)
 KILN_GEMV_FUSED_TOKENS(kf16, f16, kf16, f16)
 KILN_GEMV_FUSED_TOKENS(kf16, f16, float, f32)
+
+// ---- fused_matmul{argmax}: the lm_head GEMV reducing its rows' argmax ----
+//
+// The rows of gemv_fused_rows without an epilogue (mode 0: the same warps
+// and rows, and the very same gemv_fused_dot, so each logit is the same f32
+// sum the fused GEMV stores, rounded to O as it would be stored), but no logit
+// goes to memory. Each block reduces its 16 rows to one (max, first index)
+// pair per token and writes it to planned scratch (part_v / part_i,
+// [tokens][gridDim.x]); the last block to finish (a planned completion
+// counter, as attention.cu's combine) merges every block's pair per token,
+// writes out[t] and resets the counter to 0 for the next launch. The order
+// is argmax's NaN rule (kernels/src/cpu/reduce.rs): NaN never wins, a larger
+// value wins, equal values (-0 == +0) go to the smaller index, -inf counts
+// as a value; a row without a number gives 0. It is a total order, so the
+// merge order (warps, blocks) cannot change the pick: the index is the one
+// argmax_chunk + argmax_final pick over the stored logits, bit for bit.
+#define KILN_NO_INDEX 0x7fffffff
+
+// Merges (v, i) into (best, bi); i == KILN_NO_INDEX or NaN v carry nothing.
+KILN_DEV void gemv_argmax_take(float& best, int& bi, float v, int i) {
+  if (i == KILN_NO_INDEX || v != v) return;
+  if (bi == KILN_NO_INDEX || v > best || (v == best && i < bi)) {
+    best = v;
+    bi = i;
+  }
+}
+
+// Warp-wide merge: every lane ends with the warp's pair.
+KILN_DEV void gemv_argmax_warp(float& best, int& bi) {
+#pragma unroll
+  for (int m = KILN_WARP / 2; m > 0; m >>= 1) {
+    const float v = shfl_xor(best, m);
+    const int i = shfl_xor_int(bi, m);
+    gemv_argmax_take(best, bi, v, i);
+  }
+}
+
+template <typename T, typename O, int TT, int PRE>
+KILN_DEV void gemv_argmax_rows(const T* __restrict__ x, const T* __restrict__ w,
+                               const T* __restrict__ bias, const T* __restrict__ norm_w,
+                               float* __restrict__ part_v, int* __restrict__ part_i,
+                               unsigned int* __restrict__ counter, int* __restrict__ out,
+                               int tokens, int n, int k, int consts, float eps, int unit_offset) {
+  __shared__ float wbest[KILN_GEMV_WARPS][TT];
+  __shared__ int widx[KILN_GEMV_WARPS][TT];
+  __shared__ int last_block;
+  const int lane = threadIdx.x % KILN_WARP;
+  const int warp = threadIdx.x / KILN_WARP;
+  const i64 first = ((i64)blockIdx.x * KILN_GEMV_WARPS + warp) * KILN_GEMV_ROWS;
+  const bool live = first < n;
+  i64 rows[KILN_GEMV_ROWS];
+#pragma unroll
+  for (int r = 0; r < KILN_GEMV_ROWS; ++r) rows[r] = first + r;
+  float acc[KILN_GEMV_ROWS][TT];
+  gemv_fused_dot<T, TT, PRE>(x, w, norm_w, rows, live, tokens, n, k, consts, eps, unit_offset,
+                             acc, [] {});
+  // The warp's pair per token: its rows in order, each logit as stored.
+  if (lane == 0) {
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      float best = 0.0f;
+      int bi = KILN_NO_INDEX;
+      if (live) {
+#pragma unroll
+        for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
+          const i64 row = first + r;
+          if (row < n) {
+            const float b = bias ? ld(bias[row]) : 0.0f;
+            gemv_argmax_take(best, bi, ld(st<O>(acc[r][t] + b)), (int)row);
+          }
+        }
+      }
+      wbest[warp][t] = best;
+      widx[warp][t] = bi;
+    }
+  }
+  __syncthreads();
+  // The block's pair per token, to scratch.
+  if (threadIdx.x < tokens) {
+    const int t = threadIdx.x;
+    float best = 0.0f;
+    int bi = KILN_NO_INDEX;
+    for (int q = 0; q < KILN_GEMV_WARPS; ++q) gemv_argmax_take(best, bi, wbest[q][t], widx[q][t]);
+    part_v[(i64)t * gridDim.x + blockIdx.x] = best;
+    part_i[(i64)t * gridDim.x + blockIdx.x] = bi;
+  }
+  // Completion count: the last block merges every block's pairs.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int done = atomicAdd(counter, 1u);
+    last_block = done + 1 == gridDim.x;
+  }
+  __syncthreads();
+  if (!last_block) return;
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+  for (int t = 0; t < tokens; ++t) {
+    float best = 0.0f;
+    int bi = KILN_NO_INDEX;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) {
+      const i64 at = (i64)t * gridDim.x + b;
+      // L2 loads: other blocks wrote these during this launch.
+      const float v = ld_cg(part_v + at);
+      const int i = (int)kiln_f2u(ld_cg(reinterpret_cast<const float*>(part_i + at)));
+      gemv_argmax_take(best, bi, v, i);
+    }
+    gemv_argmax_warp(best, bi);
+    if (lane == 0) {
+      wbest[warp][0] = best;
+      widx[warp][0] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float b2 = 0.0f;
+      int i2 = KILN_NO_INDEX;
+      for (int q = 0; q < KILN_GEMV_WARPS; ++q) gemv_argmax_take(b2, i2, wbest[q][0], widx[q][0]);
+      out[t] = i2 == KILN_NO_INDEX ? 0 : i2;
+    }
+    __syncthreads();
+  }
+}
+
+#define KILN_GEMV_ARGMAX(T, S, O, OS, TT)                                                       \
+  KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
+      gemv_argmax_t##TT##_##S##_##OS(const T* x, const T* w, const T* bias, const T* norm_w,    \
+                                     float* part_v, int* part_i, unsigned int* counter,        \
+                                     int* out, int tokens, int n, int k, int consts,           \
+                                     float eps, int unit_offset) {                              \
+    gemv_argmax_rows<T, O, TT, 0>(x, w, bias, norm_w, part_v, part_i, counter, out, tokens, n,  \
+                                  k, consts, eps, unit_offset);                                 \
+  }                                                                                             \
+  KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
+      gemv_argmax_norm_t##TT##_##S##_##OS(const T* x, const T* w, const T* bias,               \
+                                          const T* norm_w, float* part_v, int* part_i,         \
+                                          unsigned int* counter, int* out, int tokens, int n,  \
+                                          int k, int consts, float eps, int unit_offset) {     \
+    gemv_argmax_rows<T, O, TT, 1>(x, w, bias, norm_w, part_v, part_i, counter, out, tokens, n,  \
+                                  k, consts, eps, unit_offset);                                 \
+  }
+#define KILN_GEMV_ARGMAX_TOKENS(T, S, O, OS)                                                    \
+  KILN_GEMV_ARGMAX(T, S, O, OS, 1) KILN_GEMV_ARGMAX(T, S, O, OS, 2)                             \
+      KILN_GEMV_ARGMAX(T, S, O, OS, 4) KILN_GEMV_ARGMAX(T, S, O, OS, 8)
+KILN_GEMV_ARGMAX_TOKENS(kbf16, bf16, kbf16, bf16)
+KILN_GEMV_ARGMAX_TOKENS(kbf16, bf16, float, f32)
+KILN_GEMV_ARGMAX_TOKENS(kf16, f16, kf16, f16)
+KILN_GEMV_ARGMAX_TOKENS(kf16, f16, float, f32)

@@ -217,7 +217,7 @@ pub const FUSED_MAX_TOKENS: u32 = 8;
 /// activation epilogue, whose rows are `j` and `j + N/2`), 16 outputs (8)
 /// per block. `w_const` as for [`gemv_call`]. Refuses what the kernel
 /// cannot run: activations other than bf16/f16, an f32 result with an
-/// epilogue, more than [`FUSED_MAX_TOKENS`] tokens, `K % 8 != 0`, sizes
+/// epilogue other than `argmax`, more than [`FUSED_MAX_TOKENS`] tokens, `K % 8 != 0`, sizes
 /// beyond the 32-bit index range.
 pub fn fused_matmul_call(
     op: &Op,
@@ -274,7 +274,7 @@ pub fn fused_matmul_launch(
         }
     };
     let o = match (*out, post) {
-        (DType::F32, Epilogue::None) => "f32",
+        (DType::F32, Epilogue::None | Epilogue::Argmax) => "f32",
         (d, _) if d == args[0].dtype => i,
         (d, _) => {
             return Err(unsupported(format!(
@@ -298,6 +298,16 @@ pub fn fused_matmul_launch(
             "{n} x {k} weights are outside the kernel's 32-bit index range"
         )));
     }
+    if *post == Epilogue::Argmax {
+        return Ok(fused_argmax_call(
+            (t, n, k),
+            tt,
+            (i, o),
+            *bias,
+            *pre,
+            consts(weight_args, *bias, pre.is_some()),
+        ));
+    }
     let act = matches!(post, Epilogue::SiluMul | Epilogue::GeluTanhMul);
     let grid = if act {
         (n / 2).div_ceil(GEMV_ROWS_PER_BLOCK / 2)
@@ -309,6 +319,8 @@ pub fn fused_matmul_launch(
         Epilogue::SiluMul => 1,
         Epilogue::GeluTanhMul => 2,
         Epilogue::Residual => 3,
+        // Lowered by `fused_argmax_call` above.
+        Epilogue::Argmax => 0,
     };
     let mut next = 2;
     let mut optional = |present: bool| {
@@ -323,8 +335,6 @@ pub fn fused_matmul_launch(
     let norm_p = optional(pre.is_some());
     let res_p = optional(*post == Epilogue::Residual);
     let norm = if pre.is_some() { "norm_" } else { "" };
-    let is_weight = |p: &Param| matches!(p, Param::Arg(i) if weight_args >> i & 1 == 1);
-    let consts = is_weight(&Param::Arg(1)) as i32 | (is_weight(&norm_p) as i32) << 1;
     Ok(KernelCall {
         module: "gemv",
         entry: format!("gemv_fused_{norm}t{tt}_{i}_{o}"),
@@ -341,11 +351,100 @@ pub fn fused_matmul_launch(
             Param::I32(t as i32),
             Param::I32(n as i32),
             Param::I32(k as i32),
-            Param::I32(consts),
+            Param::I32(consts(weight_args, *bias, pre.is_some())),
             Param::F32(pre.map_or(0.0, |p| p.eps)),
             Param::I32(pre.is_some_and(|p| p.unit_offset) as i32),
             Param::I32(mode),
         ],
+    })
+}
+
+/// The fused GEMV kernels' `consts` flags for `weight_args` (bit `i` set
+/// when argument `i` is a weight): bit 0 the weight (argument 1), bit 1 the
+/// prologue's norm weight (argument 2, or 3 after a bias) may be read
+/// before the dependency wait.
+fn consts(weight_args: u32, bias: bool, norm: bool) -> i32 {
+    let norm_at = 2 + bias as u32;
+    (weight_args >> 1 & 1) as i32 | ((norm && weight_args >> norm_at & 1 == 1) as i32) << 1
+}
+
+/// Where the argmax GEMV's per-block `(max, index)` partials live in its
+/// scratch for `t` tokens over `n` weight rows: the values (f32
+/// `[t][blocks]`) at 0, the indices (i32, same layout) at the returned
+/// offset (256-byte aligned); and the scratch bytes in all.
+pub fn fused_argmax_scratch(t: u32, n: u32) -> (u64, u64) {
+    let pairs = t as u64 * n.div_ceil(GEMV_ROWS_PER_BLOCK) as u64;
+    let idx_offset = (pairs * 4).div_ceil(256) * 256;
+    (idx_offset, idx_offset + pairs * 4)
+}
+
+/// The launch of a `fused_matmul` with the `argmax` epilogue (`gemv.cu`'s
+/// `gemv_argmax_*`): the fused GEMV's blocks and rows (16 rows per block),
+/// each block's `(max, first index)` per token to scratch, the last block
+/// (completion counter 0) merging them into `i32[t]`. Shapes are checked
+/// by [`fused_matmul_call`].
+fn fused_argmax_call(
+    (t, n, k): (u32, u32, u32),
+    tt: u32,
+    (i, o): (&str, &str),
+    bias: bool,
+    pre: Option<kiln_ir::PreNorm>,
+    consts: i32,
+) -> KernelCall {
+    let (idx_offset, _) = fused_argmax_scratch(t, n);
+    let norm = if pre.is_some() { "norm_" } else { "" };
+    KernelCall {
+        module: "gemv",
+        entry: format!("gemv_argmax_{norm}t{tt}_{i}_{o}"),
+        grid: [n.div_ceil(GEMV_ROWS_PER_BLOCK), 1, 1],
+        block: [256, 1, 1],
+        shared_bytes: 0,
+        params: vec![
+            Param::Arg(0),
+            Param::Arg(1),
+            if bias { Param::Arg(2) } else { Param::Null },
+            if pre.is_some() {
+                Param::Arg(2 + bias as usize)
+            } else {
+                Param::Null
+            },
+            Param::Scratch(0),
+            Param::Scratch(idx_offset),
+            Param::Counters(0),
+            Param::Result(0),
+            Param::I32(t as i32),
+            Param::I32(n as i32),
+            Param::I32(k as i32),
+            Param::I32(consts),
+            Param::F32(pre.map_or(0.0, |p| p.eps)),
+            Param::I32(pre.is_some_and(|p| p.unit_offset) as i32),
+        ],
+    }
+}
+
+/// A `fused_matmul`'s lowering: [`fused_matmul_call`] with the scratch and
+/// completion counters it uses (those of the `argmax` epilogue, none for
+/// the others).
+pub fn fused_matmul_lowered(
+    op: &Op,
+    args: &[TensorType],
+    weight_args: u32,
+) -> Result<Lowered, CatalogError> {
+    let call = fused_matmul_launch(op, args, weight_args)?;
+    let (scratch_bytes, counters) = match op {
+        Op::FusedMatMul {
+            post: Epilogue::Argmax,
+            ..
+        } => {
+            let (t, n) = (args[0].shape.dims()[0], args[1].shape.dims()[0]);
+            (fused_argmax_scratch(t, n).1, 1)
+        }
+        _ => (0, 0),
+    };
+    Ok(Lowered::Kernels {
+        calls: vec![call],
+        scratch_bytes,
+        counters,
     })
 }
 
@@ -550,6 +649,12 @@ pub fn entry_points(module: &str) -> Vec<String> {
                 for tt in GEMV_TOKENS {
                     v.push(format!("gemv_fused_t{tt}_{i}_{o}"));
                     v.push(format!("gemv_fused_norm_t{tt}_{i}_{o}"));
+                }
+            }
+            for (i, o) in GEMV_TYPES {
+                for tt in GEMV_TOKENS {
+                    v.push(format!("gemv_argmax_t{tt}_{i}_{o}"));
+                    v.push(format!("gemv_argmax_norm_t{tt}_{i}_{o}"));
                 }
             }
         }
@@ -1430,7 +1535,7 @@ pub fn lower_symbolic(
                 params,
             )])
         }
-        Op::FusedMatMul { .. } => calls(vec![fused_matmul_call(op, args, false)?]),
+        Op::FusedMatMul { .. } => fused_matmul_lowered(op, args, 0)?,
         Op::MatMul { bias, out } => {
             let (t, k) = two(&x)?;
             let (n, _) = two(&dims(&args[1]))?;
@@ -1666,11 +1771,7 @@ pub fn lower_op(
     let lowered = match op {
         // The fused GEMV prefetches its weight before the dependency wait
         // when the weight operand is a weight, as the plain GEMV does.
-        Op::FusedMatMul { .. } => Lowered::Kernels {
-            calls: vec![fused_matmul_launch(op, &types(args), weight_args)?],
-            scratch_bytes: 0,
-            counters: 0,
-        },
+        Op::FusedMatMul { .. } => fused_matmul_lowered(op, &types(args), weight_args)?,
         _ => lower_symbolic(
             op,
             &types(args),
@@ -2441,5 +2542,106 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("bf16, f16 or f32"), "{e}");
+    }
+
+    #[test]
+    fn the_argmax_gemv_plans_one_pair_per_block_and_token_and_one_counter() {
+        let d = DType::BF16;
+        // The Qwen3 lm_head at 3 tokens, with the final norm as prologue.
+        let (t, n, k) = (3u32, 151_936u32, 1024u32);
+        let op = fused(false, DType::F32, true, Epilogue::Argmax);
+        let a = vec![tt(d, &[t, k]), tt(d, &[n, k]), tt(d, &[k])];
+        let r = vec![tt(DType::I32, &[t])];
+        assert_eq!(op.infer(&a).unwrap(), r);
+        let opts = LowerOptions::for_target(&Target::Cuda { sm: 90 }, 1);
+        let needs = op_needs(&op, &a, &r, &opts).unwrap();
+        let blocks = n.div_ceil(GEMV_ROWS_PER_BLOCK) as u64;
+        assert_eq!(blocks, 9496);
+        let idx = (t as u64 * blocks * 4).div_ceil(256) * 256;
+        assert_eq!(needs.counters, 1);
+        assert_eq!(needs.scratch_bytes, idx + t as u64 * blocks * 4);
+        let at = |region, offset, ty: &TensorType| Operand {
+            buf: BufRef {
+                region,
+                offset,
+                bytes: ty.size_bytes(),
+            },
+            ty: ty.clone(),
+        };
+        let args = vec![
+            at(Region::Io, 0, &a[0]),
+            at(Region::Weight(0), 0, &a[1]),
+            at(Region::Weight(1), 0, &a[2]),
+        ];
+        let results = vec![at(Region::Arena, 0, &r[0])];
+        let scratch = BufRef {
+            region: Region::Arena,
+            offset: 8192,
+            bytes: needs.scratch_bytes,
+        };
+        let counters = BufRef {
+            region: Region::Counters,
+            offset: 8,
+            bytes: 4,
+        };
+        let lower = |s, c| lower_op(&op, &args, &results, s, c, 2, &opts);
+        let Lowering::Kernels(ls) = lower(Some(scratch), Some(counters)).unwrap() else {
+            panic!("the argmax GEMV lowers to kernels")
+        };
+        assert_eq!(ls.len(), 1, "one launch: no separate argmax");
+        let l = &ls[0];
+        assert_eq!(l.entry, "gemv_argmax_norm_t4_bf16_f32");
+        assert!(entry_points("gemv").contains(&l.entry));
+        assert_eq!(l.grid, [blocks as u32, 1, 1]);
+        let buf = |i: usize| match &l.params[i] {
+            LaunchParam::Buf(b) => *b,
+            p => panic!("parameter {i} is {p:?}"),
+        };
+        assert_eq!(buf(0), args[0].buf);
+        assert_eq!(buf(1), args[1].buf);
+        assert_eq!(l.params[2], LaunchParam::Null, "no bias");
+        assert_eq!(buf(3), args[2].buf, "the norm weight");
+        assert_eq!(buf(4).offset, 8192);
+        assert_eq!(buf(5).offset, 8192 + idx);
+        assert_eq!((buf(6).region, buf(6).offset), (Region::Counters, 8));
+        assert_eq!(buf(7), results[0].buf);
+        assert_eq!(
+            &l.params[8..],
+            &[
+                LaunchParam::I32(t as i32),
+                LaunchParam::I32(n as i32),
+                LaunchParam::I32(k as i32),
+                LaunchParam::I32(1),
+                LaunchParam::F32(1e-5),
+                LaunchParam::I32(1),
+            ]
+        );
+        let small = BufRef {
+            bytes: needs.scratch_bytes - 1,
+            ..scratch
+        };
+        let e = lower(Some(small), Some(counters)).unwrap_err().to_string();
+        assert!(e.contains("scratch"), "{e}");
+        let e = lower(Some(scratch), None).unwrap_err().to_string();
+        assert!(e.contains("completion counters"), "{e}");
+        // A bias and no norm; f16 logits in the activations' dtype.
+        let op = fused(true, DType::F16, false, Epilogue::Argmax);
+        let h = DType::F16;
+        let c = fused_matmul_call(
+            &op,
+            &[tt(h, &[1, 64]), tt(h, &[1001, 64]), tt(h, &[1001])],
+            false,
+        )
+        .unwrap();
+        assert_eq!(c.entry, "gemv_argmax_t1_f16_f16");
+        assert_eq!(&c.params[2..4], &[Param::Arg(2), Param::Null]);
+        // Nine tokens are beyond the GEMV.
+        let e = fused_matmul_call(
+            &op,
+            &[tt(h, &[9, 64]), tt(h, &[1001, 64]), tt(h, &[1001])],
+            false,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("tokens"), "{e}");
     }
 }

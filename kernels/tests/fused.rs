@@ -1,5 +1,6 @@
 //! `fused_matmul` on the CPU: it is defined as the unfused sequence
-//! (`rms_norm` -> `matmul` -> `silu_mul` / `gelu_tanh_mul` / `add`), so it
+//! (`rms_norm` -> `matmul` -> `silu_mul` / `gelu_tanh_mul` / `add` /
+//! `argmax`), so it
 //! must give the very bytes the unfused ops give, at awkward sizes and for
 //! every combination of bias, prologue and epilogue; and it must agree with
 //! an f64 reference of its typing rule written from `kiln_ir::op` alone.
@@ -52,10 +53,20 @@ fn inputs(rng: &mut Rng, c: &Case) -> Inputs {
     }
 }
 
+/// The result dtype of the product: f32 logits for the argmax epilogue
+/// (the lm_head's), the activations' otherwise.
+fn out_of(c: &Case) -> DType {
+    if c.post == Epilogue::Argmax {
+        DType::F32
+    } else {
+        c.dtype
+    }
+}
+
 fn op_of(c: &Case) -> Op {
     Op::FusedMatMul {
         bias: c.bias,
-        out: c.dtype,
+        out: out_of(c),
         pre: c.pre,
         post: c.post,
     }
@@ -71,7 +82,6 @@ fn fused_args(i: &Inputs) -> Vec<Arg> {
 
 /// The unfused ops, one `execute` each.
 fn unfused(c: &Case, i: &Inputs) -> Vec<u8> {
-    let d = c.dtype;
     let (t, n) = (c.t, c.n);
     let x = match (c.pre, &i.norm) {
         (Some(p), Some(w)) => {
@@ -88,9 +98,12 @@ fn unfused(c: &Case, i: &Inputs) -> Vec<u8> {
     margs.extend(i.bias.iter().cloned());
     let mm = Op::MatMul {
         bias: c.bias,
-        out: d,
+        out: out_of(c),
     };
-    let y = (TensorType::new(d, vec![t, n]), run(&mm, &margs).remove(0));
+    let y = (
+        TensorType::new(out_of(c), vec![t, n]),
+        run(&mm, &margs).remove(0),
+    );
     match c.post {
         Epilogue::None => y.1,
         Epilogue::SiluMul => run(&Op::SiluMul, &[y]).remove(0),
@@ -99,6 +112,7 @@ fn unfused(c: &Case, i: &Inputs) -> Vec<u8> {
             let r = i.residual.clone().expect("a residual case has a residual");
             run(&Op::Add, &[y, r]).remove(0)
         }
+        Epilogue::Argmax => run(&Op::Argmax, &[y]).remove(0),
     }
 }
 
@@ -140,7 +154,7 @@ fn cases(rng: &mut Rng) -> Vec<Case> {
 fn fused_matmul_gives_the_bytes_of_the_unfused_ops_in_sequence() {
     let mut rng = Rng::new(1500);
     let all = cases(&mut rng);
-    assert_eq!(all.len(), 3 * 5 * 4 * 2);
+    assert_eq!(all.len(), 3 * 5 * 5 * 2);
     for c in &all {
         let i = inputs(&mut rng, c);
         let got = run(&op_of(c), &fused_args(&i)).remove(0);
@@ -168,6 +182,7 @@ fn fused_matmul_agrees_with_an_f64_reference_of_its_typing_rule() {
         let got = run(&op_of(&c), &fused_args(&i)).remove(0);
         let (t, k, n) = (c.t as usize, c.k as usize, c.n as usize);
         let d = c.dtype;
+        let od = out_of(&c);
         let half_ulp = ulp(d, 1.0) / 2.0;
         let mut x = stored(&i.x);
         if let (Some(p), Some(w)) = (c.pre, &i.norm) {
@@ -185,7 +200,7 @@ fn fused_matmul_agrees_with_an_f64_reference_of_its_typing_rule() {
             .zip(&mag)
             .map(|(v, m)| {
                 let pre = if c.pre.is_some() { 2.0 * half_ulp } else { 0.0 };
-                m * (pre + k as f64 * F32_U) + ulp(d, *v) + 1e-30
+                m * (pre + k as f64 * F32_U) + ulp(od, *v) + 1e-30
             })
             .collect();
         let what = format!(
@@ -227,6 +242,116 @@ fn fused_matmul_agrees_with_an_f64_reference_of_its_typing_rule() {
                 }
                 assert_close_each(&what, d, &got, &want, 1.0, &tol);
             }
+            Epilogue::Argmax => {
+                // The pick is a maximum of the exact products up to the
+                // error of the two stored logits compared.
+                for r in 0..t {
+                    let at = i32::from_le_bytes(got[4 * r..4 * r + 4].try_into().unwrap());
+                    assert!((0..n as i32).contains(&at), "{what}: index {at}");
+                    let row = &y[r * n..(r + 1) * n];
+                    let (best, _) =
+                        row.iter()
+                            .enumerate()
+                            .fold(
+                                (f64::NEG_INFINITY, 0),
+                                |(b, bi), (j, &v)| {
+                                    if v > b {
+                                        (v, j)
+                                    } else {
+                                        (b, bi)
+                                    }
+                                },
+                            );
+                    let j = at as usize;
+                    let slack = 2.0
+                        * ytol
+                            .iter()
+                            .skip(r * n)
+                            .take(n)
+                            .fold(0.0f64, |a, &e| a.max(e));
+                    assert!(
+                        row[j] >= best - slack,
+                        "{what}: row {r} picks {j} ({} < {best} - {slack})",
+                        row[j]
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// `fused_matmul{argmax}` with ties and NaN logits: duplicated weight rows
+/// tie, and the first of them wins; a NaN bias makes that logit NaN, which
+/// never wins; a row of only NaN logits gives 0; all as `argmax` of the
+/// stored logits, and as the f32 products say independently.
+#[test]
+fn the_argmax_epilogue_picks_the_first_maximum_and_skips_nan_logits() {
+    let mut rng = Rng::new(1502);
+    let d = DType::BF16;
+    let (t, k, n) = (3u32, 24u32, 40u32);
+    for trial in 0..6 {
+        // x > 0.2 and rows a < b equal and > 0.5, every other weight
+        // below 0.05 in magnitude: rows a and b tie at every token's
+        // maximum (>= 2.4 against at most 1.2).
+        let xv = rng.vec((t * k) as usize, 0.2, 1.0);
+        let mut wv = rng.vec((n * k) as usize, -0.05, 0.05);
+        let a = rng.below(n as usize / 2);
+        let b = a + 1 + rng.below(n as usize / 2);
+        let row_a = rng.vec(k as usize, 0.5, 1.0);
+        wv[a * k as usize..(a + 1) * k as usize].copy_from_slice(&row_a);
+        wv[b * k as usize..(b + 1) * k as usize].copy_from_slice(&row_a);
+        let mut bias = vec![0.0f32; n as usize];
+        // A NaN logit at a random row (not a or b), every other trial all NaN.
+        let all_nan = trial % 3 == 2;
+        let nan_at = rng.below(n as usize);
+        if all_nan {
+            bias.iter_mut().for_each(|v| *v = f32::NAN);
+        } else if nan_at != a && nan_at != b {
+            bias[nan_at] = f32::NAN;
+        }
+        let args = vec![
+            float(d, &[t, k], &xv),
+            float(d, &[n, k], &wv),
+            float(d, &[n], &bias),
+        ];
+        let op = Op::FusedMatMul {
+            bias: true,
+            out: DType::F32,
+            pre: None,
+            post: Epilogue::Argmax,
+        };
+        let got = run(&op, &args).remove(0);
+        let picks: Vec<i32> = got
+            .chunks(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        // Independently: the f32 logits from the stored bf16 operands.
+        let (xs, ws) = (stored(&args[0]), stored(&args[1]));
+        for r in 0..t as usize {
+            let logits: Vec<f64> = (0..n as usize)
+                .map(|j| {
+                    let dot: f64 = (0..k as usize)
+                        .map(|e| xs[r * k as usize + e] * ws[j * k as usize + e])
+                        .sum();
+                    dot + bias[j] as f64
+                })
+                .collect();
+            let want = logits
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| !v.is_nan())
+                .fold(None::<(usize, f64)>, |best, (j, &v)| match best {
+                    Some((_, bv)) if v <= bv => best,
+                    _ => Some((j, v)),
+                })
+                .map_or(0, |(j, _)| j);
+            if all_nan {
+                assert_eq!(picks[r], 0, "trial {trial} row {r}: a row of NaN gives 0");
+                continue;
+            }
+            // Rows a and b tie exactly at the maximum; the first wins.
+            assert_eq!(want, a, "trial {trial} row {r}: the construction");
+            assert_eq!(picks[r] as usize, a, "trial {trial} row {r} (tie with {b})");
         }
     }
 }

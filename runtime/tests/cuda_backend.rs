@@ -1409,7 +1409,11 @@ fn fused_matmul_matches_for_every_prologue_and_epilogue_at_awkward_sizes() {
             (2, 6, 8),
             (7, 768, 3072),
         ] {
-            for post in kiln_ir::Epilogue::ALL {
+            // The argmax epilogue has its own test (its ties need care).
+            for post in kiln_ir::Epilogue::ALL
+                .into_iter()
+                .filter(|p| *p != kiln_ir::Epilogue::Argmax)
+            {
                 for pre in [false, true] {
                     let bias = (t + pre as u32) % 2 == 1;
                     let op = fused_op(bias, d, pre, post);
@@ -1551,5 +1555,220 @@ fn a_step_of_fused_gemvs_replays_what_it_computes_eagerly_with_fresh_inputs() {
     b.destroy_graph(g).unwrap();
     for p in owned {
         let _ = b.free(p);
+    }
+}
+
+// ------------------------------------------------------- the argmax GEMV
+
+/// Operands of an lm_head `fused_matmul{argmax}` case. `variant` 0: random;
+/// 1: rows 15, 16 (the first two blocks' boundary) and n-1 get the same
+/// weights and bias and are every token's maximum (x and the norm weight
+/// positive), so they tie and row 15 must win; 2: as 1 with row 15's bias
+/// NaN, so row 16 must win; 3: every bias NaN, so every token gives 0.
+fn argmax_case(
+    r: &mut Rng,
+    op: &Op,
+    d: DType,
+    (t, n, k): (u32, u32, u32),
+    variant: u32,
+) -> Vec<HT> {
+    let mut a = fused_args(r, op, d, t, n, k);
+    if variant == 0 {
+        return a;
+    }
+    let Op::FusedMatMul { bias, pre, .. } = op else {
+        unreachable!()
+    };
+    assert!(n > 17 && (variant < 2 || *bias));
+    let pos = |h: &HT| {
+        HT::floats(
+            h.ty.dtype,
+            h.ty.shape.dims(),
+            h.f.iter().map(|v| v.abs() + 0.25).collect(),
+        )
+    };
+    a[0] = pos(&a[0]);
+    let nw = 2 + *bias as usize;
+    if pre.is_some() {
+        a[nw] = pos(&a[nw]);
+    }
+    let ku = k as usize;
+    let row: Vec<f32> = (0..ku)
+        .map(|_| rnd(d, 0.5 + 0.25 * r.uniform().abs()))
+        .collect();
+    for j in [15usize, 16, n as usize - 1] {
+        a[1].f[j * ku..(j + 1) * ku].copy_from_slice(&row);
+    }
+    if *bias {
+        let b = &mut a[2].f;
+        let v = b[15];
+        b[16] = v;
+        b[n as usize - 1] = v;
+        if variant == 2 {
+            b[15] = f32::NAN;
+        }
+        if variant == 3 {
+            b.iter_mut().for_each(|x| *x = f32::NAN);
+        }
+    }
+    a
+}
+
+/// The lm_head with argmax in its GEMV picks, bit for bit, what the same
+/// GEMV storing the logits followed by the GPU argmax picks (the logits are
+/// the same f32 sums), for T in 1..8, the Qwen vocabulary and odd ones,
+/// with and without the norm prologue and a bias, f32 and bf16/f16 logits;
+/// ties across a block boundary go to the first row, NaN logits never win,
+/// a row of NaN gives 0; and each pick is a maximum of the CPU reference's
+/// logits within the sums' tolerance.
+#[test]
+fn the_argmax_gemv_picks_what_the_unfused_gpu_argmax_picks_at_awkward_sizes() {
+    use kiln_ir::Epilogue;
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(17);
+    for d in [DType::BF16, DType::F16] {
+        for (t, n, k) in [
+            (1, 151_936, 1024),
+            (3, 1001, 72),
+            (5, 50_257, 520),
+            (8, 4098, 64),
+            (2, 33, 8),
+            (7, 151_936, 128),
+            (4, 129, 1024),
+        ] {
+            for (pre, out) in [
+                (true, DType::F32),
+                (false, d),
+                (true, d),
+                (false, DType::F32),
+            ] {
+                for variant in 0..4u32 {
+                    let bias = variant >= 2 || (t + pre as u32) % 2 == 1;
+                    let what = format!("argmax gemv {d} t{t} n{n} k{k} pre={pre} out={out} bias={bias} variant {variant}");
+                    let fused = fused_op(bias, out, pre, Epilogue::Argmax);
+                    let args = argmax_case(&mut r, &fused, d, (t, n, k), variant);
+                    let got = run_op(&mut b, &fused, &args).remove(0).i;
+                    // The unfused GPU pair over the same operands.
+                    let logits =
+                        run_op(&mut b, &fused_op(bias, out, pre, Epilogue::None), &args).remove(0);
+                    let want = run_op(&mut b, &Op::Argmax, std::slice::from_ref(&logits))
+                        .remove(0)
+                        .i;
+                    assert_eq!(got, want, "{what}: vs the GEMV + argmax");
+                    match variant {
+                        1 => assert!(got.iter().all(|&i| i == 15), "{what}: {got:?}"),
+                        2 => assert!(got.iter().all(|&i| i == 16), "{what}: {got:?}"),
+                        3 => assert!(got.iter().all(|&i| i == 0), "{what}: {got:?}"),
+                        _ => {}
+                    }
+                    // Against the CPU reference's logits: a maximum within
+                    // twice the GEMV's tolerance of the row's largest logit.
+                    let cpu = cpu_reference(&fused_op(bias, out, pre, Epilogue::None), &args)
+                        .expect("cpu fused_matmul")
+                        .remove(0);
+                    for (row, &i) in got.iter().enumerate() {
+                        let l = &cpu.f[row * n as usize..(row + 1) * n as usize];
+                        let max = l
+                            .iter()
+                            .copied()
+                            .filter(|v| !v.is_nan())
+                            .fold(f32::NEG_INFINITY, f32::max);
+                        if variant == 3 {
+                            continue;
+                        }
+                        let slack = 4.0 * tol(d) as f32 * max.abs().max(1.0);
+                        assert!(
+                            l[i as usize] >= max - slack,
+                            "{what}: row {row} picks {i} ({} vs {max})",
+                            l[i as usize]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A captured step with the argmax GEMV and, beside it, the unfused GEMV +
+/// argmax over the same operands, replayed over fresh inputs: the tokens
+/// agree every step and change with the input. The completion counter is
+/// what replay proves: a last block that did not reset it would leave the
+/// next replay without a merging block, and its poisoned tokens would
+/// differ.
+#[test]
+fn the_argmax_gemv_replays_with_fresh_inputs_and_resets_its_counter() {
+    use kiln_ir::Epilogue;
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(18);
+    let d = DType::BF16;
+    for (t, h, v) in [(1u32, 1024u32, 151_936u32), (3, 256, 1001)] {
+        let x = poisoned(&mut b, &TensorType::new(d, vec![t, h]));
+        let lm = put(&mut b, &HT::random(&mut r, d, &[v, h], 0.2));
+        let nw = put(&mut b, &HT::random(&mut r, d, &[h], 1.0));
+        let logits = poisoned(&mut b, &TensorType::new(DType::F32, vec![t, v]));
+        let want = poisoned(&mut b, &TensorType::new(DType::I32, vec![t]));
+        let got = poisoned(&mut b, &TensorType::new(DType::I32, vec![t]));
+        let l = |op: Op, args: Vec<DevOperand>, results: Vec<DevOperand>| Launch {
+            const_args: if matches!(op, Op::FusedMatMul { .. }) {
+                2
+            } else {
+                0
+            },
+            body: kiln_runtime::backend::LaunchBody::Reference,
+            kernel: op.mnemonic().into(),
+            op,
+            args,
+            results,
+            workspace: None,
+        };
+        let mut launches = vec![
+            l(
+                fused_op(false, DType::F32, true, Epilogue::Argmax),
+                vec![x.clone(), lm.clone(), nw.clone()],
+                vec![got.clone()],
+            ),
+            l(
+                fused_op(false, DType::F32, true, Epilogue::None),
+                vec![x.clone(), lm.clone(), nw.clone()],
+                vec![logits.clone()],
+            ),
+            l(Op::Argmax, vec![logits.clone()], vec![want.clone()]),
+        ];
+        let pdl = b.pdl();
+        let mut owned = Vec::new();
+        for l in &mut launches {
+            owned.extend(gpu_bodies::lower(&mut b, l, pdl));
+            b.prepare(l).unwrap();
+        }
+        b.upload(x.ptr, &HT::random(&mut r, d, &[t, h], 2.0).bytes())
+            .unwrap();
+        b.begin_capture(Key::new(t, 1, 0)).unwrap();
+        for l in &launches {
+            b.launch(l).unwrap();
+        }
+        let g = b.end_capture().unwrap();
+        let mut seen = Vec::new();
+        for step in 0..8 {
+            for o in [&logits, &want, &got] {
+                b.upload(o.ptr, &vec![0xFF; o.ty.size_bytes() as usize])
+                    .unwrap();
+            }
+            b.upload(x.ptr, &HT::random(&mut r, d, &[t, h], 2.0).bytes())
+                .unwrap();
+            b.replay(g).unwrap();
+            b.synchronize().unwrap();
+            let (w, g2) = (get(&mut b, &want).i, get(&mut b, &got).i);
+            assert_eq!(g2, w, "t{t} v{v} step {step}");
+            seen.push(g2);
+        }
+        seen.dedup();
+        assert!(
+            seen.len() > 1,
+            "t{t} v{v}: replay ignored the refreshed input"
+        );
+        b.destroy_graph(g).unwrap();
+        for p in owned {
+            let _ = b.free(p);
+        }
     }
 }

@@ -515,7 +515,7 @@ pub(crate) const GPU_FUSE_MAX_TOKENS: u32 = 1;
 /// What [`fuse_matmul`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct MatMulFusions {
-    /// Epilogues joined (residual add, SiLU/GELU * up).
+    /// Epilogues joined (residual add, SiLU/GELU * up, argmax).
     pub epilogues: u32,
     /// RMSNorm prologues joined.
     pub prologues: u32,
@@ -523,7 +523,9 @@ pub(crate) struct MatMulFusions {
 
 /// Folds the elementwise ops around the decode-step GEMVs into the GEMVs:
 ///
-/// 1. epilogues: `add(matmul, r)` -> `fused_matmul{residual}`;
+/// 1. epilogues: `argmax(matmul)` -> `fused_matmul{argmax}` (the logits
+///    are then never stored);
+///    `add(matmul, r)` -> `fused_matmul{residual}`;
 ///    `add_rms_norm(matmul, r, w)` -> `fused_matmul{residual}` (its result
 ///    is the `sum`, the residual stream) followed by `rms_norm(sum, w)`;
 ///    one-argument `silu_mul` / `gelu_tanh_mul` of a stacked gate/up matmul
@@ -573,6 +575,22 @@ pub(crate) fn fuse_matmul(ed: &mut Editor, target: &Target) -> Result<MatMulFusi
                 } else {
                     ed.replace_uses(node.results[0], sum);
                 }
+                ed.remove(n);
+                count.epilogues += 1;
+            }
+            // The greedy lm_head: its logits are read only by the argmax
+            // (so not an output: plans without --logits / --sampling).
+            Op::Argmax => {
+                let y = node.args[0];
+                let Some(mut f) = unfused(ed, y).filter(|_| sole(ed, y)) else {
+                    continue;
+                };
+                f.post = Epilogue::Argmax;
+                if !f.runs_on(ed, target) {
+                    continue;
+                }
+                let r = f.emit(ed)?;
+                ed.replace_uses(node.results[0], r);
                 ed.remove(n);
                 count.epilogues += 1;
             }

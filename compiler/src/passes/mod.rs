@@ -116,7 +116,8 @@ pub struct PassStats {
     pub add_rms_norm: u32,
     pub qkv_rope_kv_write: u32,
     pub gate_up: u32,
-    /// Epilogues `fuse-matmul` joined to a matmul (residual add, SiLU/GELU*up).
+    /// Epilogues `fuse-matmul` joined to a matmul (residual add, SiLU/GELU*up,
+    /// argmax).
     pub matmul_epilogues: u32,
     /// RMSNorm prologues `fuse-matmul` joined to a matmul.
     pub matmul_prologues: u32,

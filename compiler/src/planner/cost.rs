@@ -76,6 +76,7 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
                 kiln_ir::Epilogue::SiluMul => 5 * out(0),
                 kiln_ir::Epilogue::GeluTanhMul => 10 * out(0),
                 kiln_ir::Epilogue::Residual => out(0),
+                kiln_ir::Epilogue::Argmax => m * n,
             };
             2 * m * n * k
                 + if *bias { m * n } else { 0 }

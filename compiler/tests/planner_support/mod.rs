@@ -538,7 +538,7 @@ pub fn apply(
                 }
                 _ => args[0].clone(),
             };
-            let y_d = if *post == kiln_ir::Epilogue::None {
+            let y_d = if matches!(post, kiln_ir::Epilogue::None | kiln_ir::Epilogue::Argmax) {
                 *out
             } else {
                 d
@@ -559,6 +559,7 @@ pub fn apply(
             match (post, residual) {
                 (kiln_ir::Epilogue::SiluMul, _) => apply(&Op::SiluMul, &[y], &yt, res_tys),
                 (kiln_ir::Epilogue::GeluTanhMul, _) => apply(&Op::GeluTanhMul, &[y], &yt, res_tys),
+                (kiln_ir::Epilogue::Argmax, _) => apply(&Op::Argmax, &[y], &yt, res_tys),
                 (kiln_ir::Epilogue::Residual, Some((r, rt))) => apply(
                     &Op::Add,
                     &[y, r.clone()],

@@ -323,7 +323,7 @@ impl<'a> Gen<'a> {
                 let n = 2 * self.rng.range(1, 8);
                 let w = self.weight(&[n, k]);
                 let bias = self.rng.coin();
-                let out = if post == Epilogue::None {
+                let out = if matches!(post, Epilogue::None | Epilogue::Argmax) {
                     self.rng.pick(&[DType::BF16, DType::F16, DType::F32])
                 } else {
                     d
@@ -349,7 +349,9 @@ impl<'a> Gen<'a> {
                     post,
                 };
                 let y = self.g.push1(op, &args);
-                if out == d {
+                // The argmax epilogue's i32 tokens feed nothing here.
+                if post == Epilogue::Argmax {
+                } else if out == d {
                     self.acts.push(y)
                 } else {
                     self.others.push(y)

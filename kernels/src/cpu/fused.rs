@@ -1,5 +1,6 @@
 //! `fused_matmul`: a matmul with an RMSNorm prologue and/or an epilogue
-//! (`silu_mul`, `gelu_tanh_mul` of the packed product, or a residual `add`).
+//! (`silu_mul`, `gelu_tanh_mul` of the packed product, a residual `add`, or
+//! the `argmax` of each row of the product).
 //!
 //! The CPU reference is, by definition, the unfused sequence: it runs the
 //! very kernels the unfused ops run ([`super::norm`], [`super::matmul`],
@@ -11,15 +12,16 @@
 //! sums (norm statistics, dot products) and agree within tolerance.
 //!
 //! The scratch is allocated per call: it holds `T x K` normed rows and
-//! `T x N` products, small for decode; a fused op is never the CPU
-//! backend's bottleneck (the weight stream is).
+//! `T x N` products (in the `out` dtype for the argmax epilogue: the
+//! logits the unfused matmul would have stored), small for decode; a fused
+//! op is never the CPU backend's bottleneck (the weight stream is).
 //!
 //! Not here: a genuinely fused CPU loop (it would only change the summation
 //! order that this module exists to keep).
 
 use super::buf::Buf;
 use super::elementwise::{self, Gate};
-use super::{matmul, norm, operands, qmatmul, Result};
+use super::{matmul, norm, operands, qmatmul, reduce, Result};
 use kiln_ir::{DType, Epilogue, Op, PreNorm};
 
 /// An f32-aligned scratch tensor of `len` elements of `dtype`.
@@ -89,7 +91,12 @@ pub(crate) unsafe fn fused_matmul(
         }
         None => o.x,
     };
-    let mut y = Scratch::new(d, if post == Epilogue::None { 0 } else { t * n });
+    // The argmax epilogue's product is the logits, in the op's `out` dtype.
+    let yd = match (post, op) {
+        (Epilogue::Argmax, Op::FusedMatMul { out, .. }) => *out,
+        _ => d,
+    };
+    let mut y = Scratch::new(yd, if post == Epilogue::None { 0 } else { t * n });
     let yb = y.buf();
     match (post, o.residual) {
         (Epilogue::None, _) => mm(&o, x, (t, k, n), out),
@@ -104,6 +111,10 @@ pub(crate) unsafe fn fused_matmul(
         (Epilogue::Residual, Some(r)) => {
             mm(&o, x, (t, k, n), yb);
             elementwise::add(yb, r, out)
+        }
+        (Epilogue::Argmax, _) => {
+            mm(&o, x, (t, k, n), yb);
+            reduce::argmax(yb, (t, n), out)
         }
         (Epilogue::Residual, None) => {
             return Err(operands(

@@ -569,7 +569,11 @@ pub fn reference(op: &Op, args: &[HT], result_tys: &[TensorType]) -> Vec<HT> {
                 }
                 _ => args[0].clone(),
             };
-            let y_d = if *post == Epilogue::None { *out } else { d };
+            let y_d = if matches!(post, Epilogue::None | Epilogue::Argmax) {
+                *out
+            } else {
+                d
+            };
             let y_ty = TensorType::new(y_d, vec![x.ty.shape.dims()[0], args[1].ty.shape.dims()[0]]);
             let mut mm = vec![x, args[1].clone()];
             mm.extend(b.cloned());
@@ -588,6 +592,7 @@ pub fn reference(op: &Op, args: &[HT], result_tys: &[TensorType]) -> Vec<HT> {
                 (Epilogue::GeluTanhMul, _) => reference(&Op::GeluTanhMul, &[y], result_tys),
                 (Epilogue::Residual, Some(r)) => reference(&Op::Add, &[y, r.clone()], result_tys),
                 (Epilogue::Residual, None) => panic!("a residual fused_matmul needs a residual"),
+                (Epilogue::Argmax, _) => reference(&Op::Argmax, &[y], result_tys),
             }
         }
     }
