@@ -13,14 +13,22 @@
 #define KILN_GEMV_WARPS 8
 #define KILN_GEMV_ROWS 2
 
-template <typename T, typename O, int TT>
+// KS > 1 (split-K, for GEMVs with too few rows to fill the chip: a
+// 1024-row o_proj is 64 blocks on a 132-SM H200): KS warps share a row
+// pair, warp s of them taking the vectors of the "virtual lane" 32 s +
+// lane of a KS*32-lane warp, so each lane still keeps the same loads in
+// flight; a block covers 16 / KS rows and the KS partial sums meet in
+// shared memory, added in slice order (deterministic).
+template <typename T, typename O, int TT, int KS>
 KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
                         const T* __restrict__ bias, O* __restrict__ out, int tokens, int n, int k,
                         int w_const) {
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
-  const i64 row0 = ((i64)blockIdx.x * KILN_GEMV_WARPS + warp) * KILN_GEMV_ROWS;
+  const int pair = warp / KS, slice = warp % KS;
+  const i64 row0 = ((i64)blockIdx.x * (KILN_GEMV_WARPS / KS) + pair) * KILN_GEMV_ROWS;
   const int kv = k / 8;  // 8-element vectors per row
+  constexpr int STRIDE = KILN_WARP * KS;  // vectors one pass of the lanes covers
   float acc[KILN_GEMV_ROWS][TT];
 #pragma unroll
   for (int r = 0; r < KILN_GEMV_ROWS; ++r)
@@ -36,7 +44,7 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
   }
   const uint4* xv = reinterpret_cast<const uint4*>(x);
   constexpr int UNROLL = 4;
-  int c = lane;
+  int c = slice * KILN_WARP + lane;
   // When w is a weight (w_const: its bytes never change while the engine
   // lives), the first weight vectors are loaded BEFORE the dependency wait,
   // so under programmatic dependent launch this GEMV streams its first
@@ -44,25 +52,26 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
   // Nothing another kernel writes is read, and nothing is written, before
   // KILN_PROLOGUE().
   uint4 wr[KILN_GEMV_ROWS][UNROLL];
-  bool full = c + (UNROLL - 1) * KILN_WARP < kv;
+  bool full = c + (UNROLL - 1) * STRIDE < kv;
   if (full && w_const) {
 #pragma unroll
     for (int r = 0; r < KILN_GEMV_ROWS; ++r)
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
+      for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * STRIDE];
   }
   KILN_PROLOGUE();
-  if (row0 >= n) return;
+  // Without a split no barrier follows: a warp past the last row leaves.
+  if (KS == 1 && row0 >= n) return;
   if (full && !w_const) {
 #pragma unroll
     for (int r = 0; r < KILN_GEMV_ROWS; ++r)
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
+      for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * STRIDE];
   }
   while (full) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int cc = c + u * KILN_WARP;
+      const int cc = c + u * STRIDE;
 #pragma unroll
       for (int t = 0; t < TT; ++t) {
         if (t < tokens) {
@@ -78,16 +87,16 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
         }
       }
     }
-    c += UNROLL * KILN_WARP;
-    full = c + (UNROLL - 1) * KILN_WARP < kv;
+    c += UNROLL * STRIDE;
+    full = c + (UNROLL - 1) * STRIDE < kv;
     if (full) {
 #pragma unroll
       for (int r = 0; r < KILN_GEMV_ROWS; ++r)
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
+        for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * STRIDE];
     }
   }
-  for (; c < kv; c += KILN_WARP) {
+  for (; c < kv; c += STRIDE) {
 #pragma unroll
     for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
       float wf[8];
@@ -107,6 +116,26 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
   for (int r = 0; r < KILN_GEMV_ROWS; ++r)
 #pragma unroll
     for (int t = 0; t < TT; ++t) acc[r][t] = warp_sum(acc[r][t]);
+  if (KS > 1) {
+    __shared__ float part[KILN_GEMV_WARPS][KILN_GEMV_ROWS][TT];
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < TT; ++t) part[warp][r][t] = acc[r][t];
+    }
+    __syncthreads();
+    if (slice != 0 || row0 >= n) return;
+#pragma unroll
+    for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        float s2 = 0.0f;
+#pragma unroll
+        for (int q = 0; q < KS; ++q) s2 += part[warp + q][r][t];
+        acc[r][t] = s2;
+      }
+  }
   if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
@@ -120,12 +149,15 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
   }
 }
 
-#define KILN_GEMV(T, S, O, OS, TT)                                                              \
+#define KILN_GEMV_KS(T, S, O, OS, TT, KS, PFX)                                                  \
   KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
-      gemv_t##TT##_##S##_##OS(const T* x, const T* w, const T* bias, O* out, int tokens, int n,  \
-                              int k, int w_const) {                                             \
-    gemv_rows<T, O, TT>(x, w, bias, out, tokens, n, k, w_const);                                \
+      gemv_##PFX##t##TT##_##S##_##OS(const T* x, const T* w, const T* bias, O* out, int tokens,   \
+                                     int n, int k, int w_const) {                               \
+    gemv_rows<T, O, TT, KS>(x, w, bias, out, tokens, n, k, w_const);                            \
   }
+#define KILN_GEMV(T, S, O, OS, TT)                                                              \
+  KILN_GEMV_KS(T, S, O, OS, TT, 1, ) KILN_GEMV_KS(T, S, O, OS, TT, 2, k2_)                      \
+      KILN_GEMV_KS(T, S, O, OS, TT, 4, k4_)
 #define KILN_GEMV_TOKENS(T, S, O, OS)                                                           \
   KILN_GEMV(T, S, O, OS, 1) KILN_GEMV(T, S, O, OS, 2) KILN_GEMV(T, S, O, OS, 4)               \
       KILN_GEMV(T, S, O, OS, 8)

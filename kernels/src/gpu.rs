@@ -168,6 +168,51 @@ const GEMV_TOKENS: [u32; 4] = [1, 2, 4, 8];
 /// Output features per skinny-GEMM block (8 warps x 2 rows).
 pub const GEMV_ROWS_PER_BLOCK: u32 = 16;
 
+/// The split-K factors the GEMV is instantiated for (`gemv.cu`'s KS).
+const GEMV_KSPLITS: [u32; 3] = [1, 2, 4];
+/// The entry-name prefix of split factor `ks` (`gemv_k2_t1_...`).
+fn ksplit_prefix(ks: u32) -> String {
+    if ks == 1 {
+        String::new()
+    } else {
+        format!("k{ks}_")
+    }
+}
+
+/// Blocks a plain GEMV launch aims for at least (one per SM of an H100 /
+/// H200): a GEMV with fewer 16-row blocks splits K over 2 or 4 warps per
+/// row pair instead (`gemv.cu`'s KS). `KILN_GEMV_MIN_BLOCKS` overrides it
+/// at compile time (0: never split), for measuring.
+pub const GEMV_MIN_BLOCKS: u32 = 132;
+
+fn gemv_min_blocks() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("KILN_GEMV_MIN_BLOCKS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(GEMV_MIN_BLOCKS)
+    })
+}
+
+/// The split factor for an `n`-row GEMV with `k` inputs: the smallest of
+/// [`GEMV_KSPLITS`] whose grid reaches `min_blocks`, as long as every lane
+/// of the split still has a vector of each row to load.
+pub fn gemv_ksplit(n: u32, k: u32, min_blocks: u32) -> u32 {
+    let kv = k / 8;
+    let mut pick = 1;
+    for ks in GEMV_KSPLITS {
+        if kv < KILN_WARP * ks {
+            break;
+        }
+        pick = ks;
+        if n.div_ceil(GEMV_ROWS_PER_BLOCK / ks) >= min_blocks {
+            break;
+        }
+    }
+    pick
+}
+
 /// kiln's GEMV kernel (`gemv.cu`) for `g` when it applies (T <= 8, bf16/f16
 /// inputs, K a multiple of 8): a decode-shaped GEMM that is one pass over
 /// the weights; used where [`choose_gemm`] records `gemv`. `w_const`: the weight operand is a weight whose
@@ -188,10 +233,11 @@ pub fn gemv_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
     if g.k == 0 || !g.k.is_multiple_of(8) || g.n == 0 || i32::try_from(g.n).is_err() {
         return None;
     }
+    let ks = gemv_ksplit(g.n, g.k, gemv_min_blocks());
     Some(KernelCall {
         module: "gemv",
-        entry: format!("gemv_t{tt}_{i}_{o}"),
-        grid: [g.n.div_ceil(GEMV_ROWS_PER_BLOCK), 1, 1],
+        entry: format!("gemv_{}t{tt}_{i}_{o}", ksplit_prefix(ks)),
+        grid: [g.n.div_ceil(GEMV_ROWS_PER_BLOCK / ks), 1, 1],
         block: [256, 1, 1],
         shared_bytes: 0,
         params: vec![
@@ -642,7 +688,9 @@ pub fn entry_points(module: &str) -> Vec<String> {
         "gemv" => {
             for (i, o) in GEMV_TYPES {
                 for tt in GEMV_TOKENS {
-                    v.push(format!("gemv_t{tt}_{i}_{o}"));
+                    for ks in GEMV_KSPLITS {
+                        v.push(format!("gemv_{}t{tt}_{i}_{o}", ksplit_prefix(ks)));
+                    }
                 }
             }
             for (i, o) in GEMV_TYPES {
@@ -2043,6 +2091,33 @@ mod tests {
     }
 
     #[test]
+    fn a_gemv_too_narrow_to_fill_the_chip_splits_k_and_a_wide_one_does_not() {
+        // Qwen3-0.6B's o_proj (1024 x 2048): 64 blocks, split in 2 -> 128,
+        // not yet 132, so in 4 -> 256; its qkv (4096 rows) stays whole.
+        assert_eq!(gemv_ksplit(1024, 2048, 132), 4);
+        assert_eq!(gemv_ksplit(4096, 1024, 132), 1);
+        // Llama-3.2-1B's o_proj (2048 rows): 128 blocks -> 2.
+        assert_eq!(gemv_ksplit(2048, 2048, 132), 2);
+        // Too few vectors per row for 4 slices of 32 lanes: 2 at most.
+        assert_eq!(gemv_ksplit(64, 512, 132), 2);
+        assert_eq!(gemv_ksplit(64, 64, 132), 1);
+        assert_eq!(gemv_ksplit(1024, 2048, 0), 1);
+        let g = GemmCall {
+            t: 1,
+            n: 1024,
+            k: 2048,
+            dtype: DType::BF16,
+            out: DType::BF16,
+            bias: false,
+        };
+        let c = gemv_call(&g, true).unwrap();
+        if gemv_min_blocks() == GEMV_MIN_BLOCKS {
+            assert_eq!((c.entry.as_str(), c.grid[0]), ("gemv_k4_t1_bf16_bf16", 256));
+        }
+        assert!(entry_points("gemv").contains(&c.entry));
+    }
+
+    #[test]
     fn a_short_context_is_spread_over_the_partitions_the_chip_needs_and_a_wide_batch_over_one() {
         // Qwen3-0.6B's attention with a 4096-position table: at batch 1 the
         // 8 (sequence, kv head) rows need 32 partitions for 256 blocks; at
@@ -2304,9 +2379,11 @@ mod tests {
             bias: true,
         };
         let c = gemv_call(&g(3, 1024, DType::BF16, DType::F32), true).unwrap();
-        assert_eq!(c.entry, "gemv_t4_bf16_f32");
+        // 63 blocks of 16 rows would leave the chip half idle: K splits in 4.
+        let ks = gemv_ksplit(1000, 1024, gemv_min_blocks());
+        assert_eq!(c.entry, format!("gemv_{}t4_bf16_f32", ksplit_prefix(ks)));
         assert!(entry_points("gemv").contains(&c.entry));
-        assert_eq!(c.grid[0] * GEMV_ROWS_PER_BLOCK, 1008);
+        assert_eq!(c.grid[0], 1000u32.div_ceil(GEMV_ROWS_PER_BLOCK / ks));
         assert_eq!(c.params[2], Param::Arg(2));
         // The weight-prefetch flag is the last parameter; an activation as
         // the weight operand must not be read before the dependency wait.
