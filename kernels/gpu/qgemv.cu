@@ -63,6 +63,12 @@
 // them. f32 results only with mode 0 (the lowering checks). The plain
 // entries are the same template with the prologue and the mode compiled
 // out, so they pay nothing for the fused ones.
+// Their stems:
+// qgemv_fused_q8_0_, qgemv_fused_q4_0_, qgemv_fused_q4_1_, qgemv_fused_q5_0_,
+// qgemv_fused_q4k_, qgemv_fused_q5k_, qgemv_fused_q6k_, qgemv_fused_fp8_,
+// qgemv_fused_norm_q8_0_, qgemv_fused_norm_q4_0_, qgemv_fused_norm_q4_1_,
+// qgemv_fused_norm_q5_0_, qgemv_fused_norm_q4k_, qgemv_fused_norm_q5k_,
+// qgemv_fused_norm_q6k_, qgemv_fused_norm_fp8_.
 //
 // Numerics: every weight value is formed as the reference dequantizer forms
 // it only in the gather (bitwise, no contraction); the GEMV factors the

@@ -90,6 +90,13 @@
 //     and u rounded to bf16 first. Residual (mode 3) as the plain entries.
 // The plain entries are the same template with the prologue and the mode
 // compiled out. The portable path does the same per weight.
+// Their stems:
+// qskinny_fused_q8_0_, qskinny_fused_q4_0_, qskinny_fused_q4_1_,
+// qskinny_fused_q5_0_, qskinny_fused_q4k_, qskinny_fused_q5k_,
+// qskinny_fused_q6k_, qskinny_fused_fp8_, qskinny_fused_norm_q8_0_,
+// qskinny_fused_norm_q4_0_, qskinny_fused_norm_q4_1_, qskinny_fused_norm_q5_0_,
+// qskinny_fused_norm_q4k_, qskinny_fused_norm_q5k_, qskinny_fused_norm_q6k_,
+// qskinny_fused_norm_fp8_.
 //
 // PDL: the first unit's weight words and metadata (never written by another
 // kernel) are loaded before KILN_PROLOGUE() only when w_const; x, bias, the

@@ -1648,7 +1648,7 @@ pub fn fused_matmul_runs(
     args: &[TensorType],
     target: &Target,
 ) -> Result<(), CatalogError> {
-    if !args.get(1).is_some_and(|w| w.storage.is_some()) {
+    if args.get(1).is_none_or(|w| w.storage.is_none()) {
         return fused_matmul_call(op, args, true).map(|_| ());
     }
     let m = "fused_matmul";
