@@ -1716,6 +1716,17 @@ fn lower_quantized_fused(
             args[0].ty.dtype
         )));
     }
+    // The quantized fused entries run these epilogues; any other (a later
+    // one) keeps its unfused ops.
+    if !matches!(
+        post,
+        Epilogue::None | Epilogue::Residual | Epilogue::SiluMul | Epilogue::GeluTanhMul
+    ) {
+        return Err(refuse(format!(
+            "the quantized fused GEMMs have no `{}` epilogue; it stays unfused",
+            post.name()
+        )));
+    }
     let t = args[0].ty.numel() / k.max(1);
     let mut next = 2;
     let mut optional = |present: bool| {
@@ -1735,7 +1746,7 @@ fn lower_quantized_fused(
         act: match post {
             Epilogue::SiluMul => Some(qg::QAct::Silu),
             Epilogue::GeluTanhMul => Some(qg::QAct::GeluTanh),
-            Epilogue::None | Epilogue::Residual => None,
+            _ => None,
         },
     };
     let bufs = qg::QGemvBufs {
