@@ -15,6 +15,8 @@
 #   tests   every binary in tests.txt with KILN_REQUIRE_CUDA=1, bounded in time
 #   bench   `kiln bench` of every variant's plans, variants interleaved per
 #           model so all see the same machine state; a comparison table
+#           (KILN_BENCH_MODELS, KILN_BENCH_KEYS; KILN_BENCH_ARGS: extra `kiln bench`
+#           arguments, e.g. "--profile")
 #   oracle  tests/oracle/run_oracle.sh on CUDA with the carried kiln/oracle_run
 #           (KILN_ORACLE_MODELS: battery models to run, default all of them;
 #           e.g. "gemma-3-270m-window16"; KILN_ORACLE_ARGS: more arguments)
@@ -115,7 +117,7 @@ if [[ " $stages " == *" bench "* ]]; then
     for v in $variants; do
       plan=/tmp/plans-$v/$m.kiln
       [[ -f "$plan" ]] || { echo "bench $v $m: no plan" >> "$S"; continue; }
-      timeout 150 "$B/kiln-$v" bench "$plan" --device cuda --steps 200 --context 512 ${KILN_BENCH_KEYS:+--keys $KILN_BENCH_KEYS} \
+      timeout 150 "$B/kiln-$v" bench "$plan" --device cuda --steps 200 --context 512 ${KILN_BENCH_KEYS:+--keys $KILN_BENCH_KEYS} ${KILN_BENCH_ARGS:-} \
         --json "$OUT/logs/bench-$v-$m.json" > "$OUT/logs/bench-$v-$m.txt" 2>&1
       echo "bench $v $m: rc=$?" >> "$S"
     done

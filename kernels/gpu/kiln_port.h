@@ -188,3 +188,38 @@ KILN_DEV float block_max(float v, float* scratch) {
 // Instantiates `NAME_bf16`, `NAME_f16` and `NAME_f32` entry points from a
 // macro `BODY(T, SUFFIX)` that defines one of them.
 #define KILN_FOR_FLOATS(BODY) BODY(kbf16, bf16) BODY(kf16, f16) BODY(float, f32)
+
+// ---- Shared by the fused GEMM epilogues and prologues (qgemv.cu, qskinny.cu) ----
+
+// silu(g) = g / (1 + exp(-g)) and gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi)
+// (g + 0.044715 g^3))), in f32, as elementwise.cu's silu_mul and
+// gelu_tanh_mul compute them.
+KILN_DEV float kiln_silu(float g) { return g / (1.0f + expf(-g)); }
+KILN_DEV float kiln_gelu_tanh(float g) {
+  const float k0 = 0.7978845608028654f;  // sqrt(2/pi)
+  return 0.5f * g * (1.0f + tanhf(k0 * (g + 0.044715f * g * g * g)));
+}
+
+// The inverse RMS 1 / sqrt(mean(x^2) + eps) of each of the `tokens` bf16
+// rows of x ([tokens, k], 16-byte aligned, k % 8 == 0), into inv[0, tokens):
+// warp w of the block takes rows w, w + warps, ..., its lanes 8-element
+// chunks, f32 sums (deterministic). The caller synchronizes the block
+// before reading inv.
+KILN_DEV void kiln_inv_rms_rows(const kbf16* __restrict__ x, int tokens, int k, float eps,
+                                float* inv) {
+  const int lane = threadIdx.x % KILN_WARP;
+  const int warps = blockDim.x / KILN_WARP;
+  const int kv = k / 8;
+  for (int t = threadIdx.x / KILN_WARP; t < tokens; t += warps) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x + (i64)t * k);
+    float ss = 0.0f;
+    for (int c = lane; c < kv; c += KILN_WARP) {
+      float f[8];
+      unpack8(xv[c], x, f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) inv[t] = 1.0f / sqrtf(ss / (float)k + eps);
+  }
+}

@@ -46,6 +46,30 @@
 // qgemv_q6k_, qgemv_fp8_ (and qgather_q8_0_, qgather_q4_0_, qgather_q4_1_,
 // qgather_q5_0_, qgather_q4k_, qgather_q5k_, qgather_q6k_, qgather_fp8_).
 //
+// Fused entries (fused_matmul over a quantized weight): per type S and TT,
+// qgemv_fused_norm_S_tTT_bf16_{bf16,f32} (the RMSNorm prologue) and
+// qgemv_fused_S_tTT_bf16_bf16 (an activation epilogue without it), taking
+// (x, w, scale, bias, norm_w, res, out, tokens, n, k, w_const, off1, off2,
+// off3, eps, unit_offset, mode). Prologue: every block computes each token
+// row's inverse RMS itself (kiln_inv_rms_rows: x is a few KiB and
+// L2-resident) into shared memory after KILN_PROLOGUE(), and x is
+// normalized as it is unpacked, round(x * inv * w) (1 + w under
+// unit_offset): the bf16 value the unfused rms_norm stores, so the normed
+// rows never go to memory; the min types' sum(x) is the sum of those
+// normalized values. Epilogues (mode, uniform per launch): 0 none, 3
+// residual (as the plain entries), 1 silu / 2 gelu_tanh: w stacks gate rows
+// over up rows ([2I, K]), a warp's two rows are j and j + I, and out[t, j]
+// = act(g) * u with g and u rounded to bf16 as the unfused matmul stores
+// them. f32 results only with mode 0 (the lowering checks). The plain
+// entries are the same template with the prologue and the mode compiled
+// out, so they pay nothing for the fused ones.
+// Their stems:
+// qgemv_fused_q8_0_, qgemv_fused_q4_0_, qgemv_fused_q4_1_, qgemv_fused_q5_0_,
+// qgemv_fused_q4k_, qgemv_fused_q5k_, qgemv_fused_q6k_, qgemv_fused_fp8_,
+// qgemv_fused_norm_q8_0_, qgemv_fused_norm_q4_0_, qgemv_fused_norm_q4_1_,
+// qgemv_fused_norm_q5_0_, qgemv_fused_norm_q4k_, qgemv_fused_norm_q5k_,
+// qgemv_fused_norm_q6k_, qgemv_fused_norm_fp8_.
+//
 // Numerics: every weight value is formed as the reference dequantizer forms
 // it only in the gather (bitwise, no contraction); the GEMV factors the
 // scales out of each vector's dot product (d * sum(x q) + m * sum(x)), so it
@@ -54,8 +78,8 @@
 // the residual is rounded again (the unfused sequence's rounding points).
 //
 // PDL: the first weight vectors (never written by another kernel) may be
-// loaded before KILN_PROLOGUE() when w_const; x, bias, residual, scale, ids
-// and out are touched only after it.
+// loaded before KILN_PROLOGUE() when w_const; x, bias, the norm weight,
+// residual, scale, ids and out are touched only after it.
 #include "kiln_port.h"
 
 #define KILN_QWARPS 8
@@ -233,23 +257,61 @@ KILN_DEV void q_x16(const kbf16* __restrict__ x, i64 at, float* o) {
   unpack8(p[1], x, o + 8);
 }
 
-template <int Q, typename O, int TT>
+// 16 values of token row x (`at` its first element, `col` that element's
+// column) as the GEMV multiplies them: as stored, or under the prologue
+// (PRE) normalized as the unfused rms_norm stores them, round(x * inv * w)
+// with w the norm weight (1 + w under unit_offset).
+template <int PRE>
+KILN_DEV void q_xn16(const kbf16* __restrict__ x, i64 at, const kbf16* __restrict__ norm_w,
+                     int col, float inv, int unit_offset, float* o) {
+  q_x16(x, at, o);
+  if (PRE) {
+    float g[16];
+    q_x16(norm_w, col, g);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float wv = unit_offset ? 1.0f + g[i] : g[i];
+      o[i] = round_to<kbf16>(o[i] * inv * wv);
+    }
+  }
+}
+
+// Epilogue modes of the fused entries (uniform per launch), as gemv.cu's.
+#define KQ_FUSED_NONE 0
+#define KQ_FUSED_SILU 1
+#define KQ_FUSED_GELU 2
+#define KQ_FUSED_RESIDUAL 3
+
+// PRE: the RMSNorm prologue (norm_w, eps, unit_offset); FUSED: the entry
+// takes an epilogue `mode`. Plain entries are <.., 0, 0>: the same code as
+// before the fused entries existed (norm_w null, mode 0).
+template <int Q, typename O, int TT, int PRE, int FUSED>
 KILN_DEV void qgemv_rows(const kbf16* __restrict__ x, const unsigned char* __restrict__ w,
                          const float* __restrict__ scale, const kbf16* __restrict__ bias,
-                         const kbf16* __restrict__ res, O* __restrict__ out, int tokens, int n,
-                         int k, int w_const, i64 off1, i64 off2, i64 off3) {
+                         const kbf16* __restrict__ norm_w, const kbf16* __restrict__ res,
+                         O* __restrict__ out, int tokens, int n, int k, int w_const, i64 off1,
+                         i64 off2, i64 off3, float eps, int unit_offset, int mode) {
   constexpr int EPV = QElems<Q>::n;
+  __shared__ float inv_rms[PRE ? TT : 1];
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
-  const i64 row0 = ((i64)blockIdx.x * KILN_QWARPS + warp) * KILN_QROWS;
+  // Under an activation epilogue the warp's two rows are gate row j and up
+  // row j + n/2 (one output j), else two consecutive rows.
+  const bool act = FUSED && (mode == KQ_FUSED_SILU || mode == KQ_FUSED_GELU);
+  const int outs = act ? n / 2 : n;
+  const i64 row0 = act ? (i64)blockIdx.x * KILN_QWARPS + warp
+                       : ((i64)blockIdx.x * KILN_QWARPS + warp) * KILN_QROWS;
+  const bool live = row0 < outs;
   const int nv = k / EPV;  // 16-byte vectors per row
   i64 rows[KILN_QROWS];
   const uint4* wv[KILN_QROWS];
 #pragma unroll
   for (int r = 0; r < KILN_QROWS; ++r) {
+    const i64 want = act ? row0 + r * (i64)outs : row0 + r;
     // A warp past the last row re-reads a live row (its results are
-    // dropped), so every warp reaches the dependency wait.
-    rows[r] = row0 + r < n ? row0 + r : (row0 < n ? row0 : 0);
+    // dropped), so every warp reaches the dependency wait (and the
+    // prologue's barrier).
+    rows[r] = live && want < n ? want : (live ? row0 : 0);
     wv[r] = reinterpret_cast<const uint4*>(w) + rows[r] * nv;
   }
   float acc[KILN_QROWS][TT];
@@ -272,7 +334,13 @@ KILN_DEV void qgemv_rows(const kbf16* __restrict__ x, const unsigned char* __res
       }
   }
   KILN_PROLOGUE();
-  if (row0 >= n) return;
+  if (PRE) {
+    // Every block computes each token row's inverse RMS itself (x is a few
+    // KiB, L2-resident): the normed rows never go to memory.
+    kiln_inv_rms_rows(x, tokens, k, eps, inv_rms);
+    __syncthreads();
+  }
+  if (!live) return;
   bool first = true;
   for (; c < nv; c += KILN_QUNROLL * KILN_WARP) {
     if (!first || !w_const) {
@@ -298,11 +366,14 @@ KILN_DEV void qgemv_rows(const kbf16* __restrict__ x, const unsigned char* __res
       if (cc >= nv) break;
       const int xa = q_xa<Q>(cc);
       if (TT == 1) {
-        // One token: x's 32 values are unpacked once and shared by the
-        // rows, each row decoded in turn.
+        // One token: x's 32 values are unpacked (and normalized) once and
+        // shared by the rows, each row decoded in turn. sum(x) is over the
+        // values multiplied: the normalized ones under the prologue.
         float xfa[16], xfb[16], sxa = 0.0f, sxb = 0.0f;
-        q_x16(x, xa, xfa);
-        if (EPV == 32) q_x16(x, xa + q_xb_gap<Q>(), xfb);
+        const float inv = PRE ? inv_rms[0] : 1.0f;
+        q_xn16<PRE>(x, xa, norm_w, xa, inv, unit_offset, xfa);
+        if (EPV == 32)
+          q_xn16<PRE>(x, xa + q_xb_gap<Q>(), norm_w, xa + q_xb_gap<Q>(), inv, unit_offset, xfb);
         if (QHasMin<Q>::v) {
 #pragma unroll
           for (int i = 0; i < 16; ++i) {
@@ -335,8 +406,9 @@ KILN_DEV void qgemv_rows(const kbf16* __restrict__ x, const unsigned char* __res
 #pragma unroll
           for (int t = 0; t < TT; ++t) {
             if (t < tokens) {
+              const float inv = PRE ? inv_rms[t] : 1.0f;
               float xf[16];
-              q_x16(x, (i64)t * k + xa, xf);
+              q_xn16<PRE>(x, (i64)t * k + xa, norm_w, xa, inv, unit_offset, xf);
               float s = 0.0f, sx = 0.0f;
 #pragma unroll
               for (int i = 0; i < 16; ++i) s += xf[i] * a[i];
@@ -346,7 +418,8 @@ KILN_DEV void qgemv_rows(const kbf16* __restrict__ x, const unsigned char* __res
               }
               float yv = da * s + ma * sx;
               if (EPV == 32) {
-                q_x16(x, (i64)t * k + xa + q_xb_gap<Q>(), xf);
+                q_xn16<PRE>(x, (i64)t * k + xa + q_xb_gap<Q>(), norm_w, xa + q_xb_gap<Q>(), inv,
+                            unit_offset, xf);
                 float s2 = 0.0f, sy = 0.0f;
 #pragma unroll
                 for (int i = 0; i < 16; ++i) s2 += xf[i] * b[i];
@@ -368,6 +441,24 @@ KILN_DEV void qgemv_rows(const kbf16* __restrict__ x, const unsigned char* __res
 #pragma unroll
     for (int t = 0; t < TT; ++t) acc[r][t] = warp_sum(acc[r][t]);
   if (lane != 0) return;
+  if (act) {
+    // g and u rounded as the unfused matmul stores them, then act(g) * u
+    // rounded once (the unfused silu_mul / gelu_tanh_mul).
+    const float sg = Q == KQ_FP8 ? scale[rows[0]] : 1.0f;
+    const float su = Q == KQ_FP8 ? scale[rows[1]] : 1.0f;
+    const float bg = bias ? ld(bias[rows[0]]) : 0.0f;
+    const float bu = bias ? ld(bias[rows[1]]) : 0.0f;
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      if (t < tokens) {
+        const float g = round_to<kbf16>(acc[0][t] * sg + bg);
+        const float u = round_to<kbf16>(acc[1][t] * su + bu);
+        const float a = mode == KQ_FUSED_SILU ? kiln_silu(g) : kiln_gelu_tanh(g);
+        out[(i64)t * outs + row0] = st<O>(a * u);
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < KILN_QROWS; ++r) {
     const i64 row = row0 + r;
@@ -433,14 +524,34 @@ KILN_DEV void qgather_row(const int* __restrict__ ids, const unsigned char* __re
       qgemv_##S##_t##TT##_bf16_##OS(const kbf16* x, const unsigned char* w, const float* scale, \
                                     const kbf16* bias, const kbf16* res, O* out, int tokens,    \
                                     int n, int k, int w_const, i64 off1, i64 off2, i64 off3) {  \
-    qgemv_rows<Q, O, TT>(x, w, scale, bias, res, out, tokens, n, k, w_const, off1, off2, off3); \
+    qgemv_rows<Q, O, TT, 0, 0>(x, w, scale, bias, nullptr, res, out, tokens, n, k, w_const,     \
+                               off1, off2, off3, 0.0f, 0, KQ_FUSED_NONE);                       \
   }
+// The fused entries (fused_matmul): qgemv_fused_S_tTT_bf16_bf16 (epilogue
+// only) and qgemv_fused_norm_S_tTT_bf16_OS (RMSNorm prologue; f32 results
+// only without an epilogue, which the lowering checks).
+#define KILN_QGEMV_FUSED(S, Q, O, OS, TT, PRE, NAME)                                           \
+  KILN_GLOBAL void __launch_bounds__(KILN_QWARPS * KILN_WARP, KILN_QMINBLOCKS)                 \
+      NAME(const kbf16* x, const unsigned char* w, const float* scale, const kbf16* bias,      \
+           const kbf16* norm_w, const kbf16* res, O* out, int tokens, int n, int k, int w_const, \
+           i64 off1, i64 off2, i64 off3, float eps, int unit_offset, int mode) {               \
+    qgemv_rows<Q, O, TT, PRE, 1>(x, w, scale, bias, norm_w, res, out, tokens, n, k, w_const,   \
+                                 off1, off2, off3, eps, unit_offset, mode);                    \
+  }
+#define KILN_QGEMV_FUSED_TT(S, Q, TT)                                                          \
+  KILN_QGEMV_FUSED(S, Q, kbf16, bf16, TT, 0, qgemv_fused_##S##_t##TT##_bf16_bf16)              \
+  KILN_QGEMV_FUSED(S, Q, kbf16, bf16, TT, 1, qgemv_fused_norm_##S##_t##TT##_bf16_bf16)         \
+  KILN_QGEMV_FUSED(S, Q, float, f32, TT, 1, qgemv_fused_norm_##S##_t##TT##_bf16_f32)
 #define KILN_QGEMV_TOKENS(S, Q, O, OS)                                                         \
   KILN_QGEMV(S, Q, O, OS, 1) KILN_QGEMV(S, Q, O, OS, 2) KILN_QGEMV(S, Q, O, OS, 4)            \
       KILN_QGEMV(S, Q, O, OS, 8)
 #define KILN_QTYPE(S, Q)                                                                       \
   KILN_QGEMV_TOKENS(S, Q, kbf16, bf16)                                                         \
   KILN_QGEMV_TOKENS(S, Q, float, f32)                                                          \
+  KILN_QGEMV_FUSED_TT(S, Q, 1)                                                                 \
+  KILN_QGEMV_FUSED_TT(S, Q, 2)                                                                 \
+  KILN_QGEMV_FUSED_TT(S, Q, 4)                                                                 \
+  KILN_QGEMV_FUSED_TT(S, Q, 8)                                                                 \
   KILN_GLOBAL void qgather_##S##_bf16(const int* ids, const unsigned char* w, const float* scale, \
                                       kbf16* out, int n, int k, i64 off1, i64 off2, i64 off3) { \
     qgather_row<Q>(ids, w, scale, out, n, k, off1, off2, off3);                                \

@@ -69,9 +69,38 @@
 // qskinny_fp8_. Parameters are qgemv's (x, w, scale, bias, res, out, tokens,
 // n, k, w_const, off1, off2, off3).
 //
+// Fused entries (fused_matmul over a quantized weight):
+// qskinny_fused_norm_S_tTP_rMT_bf16_{bf16,f32} (the RMSNorm prologue) and
+// qskinny_fused_S_tTP_r2_bf16_bf16 (an activation epilogue without it),
+// taking (x, w, scale, bias, norm_w, res, out, tokens, n, k, w_const, off1,
+// off2, off3, eps, unit_offset, mode) with qgemv.cu's fused modes.
+//   * Prologue: every block computes each token row's inverse RMS itself
+//     after KILN_PROLOGUE() (kiln_inv_rms_rows; a warp per token, x
+//     L2-resident), and the B fragments are normalized as they are loaded:
+//     the lane's four elements of a step times its token's inverse RMS and
+//     the norm weight, rounded to bf16 (the value the unfused rms_norm
+//     stores) before they enter the MMA. The normalization costs a few
+//     FMULs per MMA step and shares the one x load; the weights' decode is
+//     untouched. Because the all-ones MMA step sums the same normalized
+//     fragments, the min types' sum(x) is the sum of the normalized x.
+//   * Activation epilogue (mode 1 silu, 2 gelu_tanh; MT = 2 required): a
+//     block's tile 0 is gate rows [16b, 16b + 16) and tile 1 the up rows n/2
+//     further, so the thread that sums a gate slot over the split-K warps
+//     sums the same slot of the up tile too, and writes act(g) * u with g
+//     and u rounded to bf16 first. Residual (mode 3) as the plain entries.
+// The plain entries are the same template with the prologue and the mode
+// compiled out. The portable path does the same per weight.
+// Their stems:
+// qskinny_fused_q8_0_, qskinny_fused_q4_0_, qskinny_fused_q4_1_,
+// qskinny_fused_q5_0_, qskinny_fused_q4k_, qskinny_fused_q5k_,
+// qskinny_fused_q6k_, qskinny_fused_fp8_, qskinny_fused_norm_q8_0_,
+// qskinny_fused_norm_q4_0_, qskinny_fused_norm_q4_1_, qskinny_fused_norm_q5_0_,
+// qskinny_fused_norm_q4k_, qskinny_fused_norm_q5k_, qskinny_fused_norm_q6k_,
+// qskinny_fused_norm_fp8_.
+//
 // PDL: the first unit's weight words and metadata (never written by another
-// kernel) are loaded before KILN_PROLOGUE() only when w_const; x, bias,
-// residual, scale and out are touched only after it.
+// kernel) are loaded before KILN_PROLOGUE() only when w_const; x, bias, the
+// norm weight, residual, scale and out are touched only after it.
 //
 // Portable path: HIP and CUDA before sm_80 compile the same entry points
 // (same parameters, geometry and shared memory) as a plain loop, one warp
@@ -324,15 +353,59 @@ KILN_DEV void qsk_store(float s, i64 row, int tok, const float* __restrict__ sca
   out[(i64)tok * n + row] = st<O>(y);
 }
 
-template <int Q, typename O, int NT, int MT>
+// Epilogue modes of the fused entries (uniform per launch), as gemv.cu's.
+#define KQSK_FUSED_NONE 0
+#define KQSK_FUSED_SILU 1
+#define KQSK_FUSED_GELU 2
+#define KQSK_FUSED_RESIDUAL 3
+
+// The activation epilogue's output j of token tok from the gate row's sum
+// sg (row j) and the up row's su (row j + outs): g and u rounded as the
+// unfused matmul stores them, then act(g) * u rounded once.
+template <int Q, typename O>
+KILN_DEV void qsk_store_act(float sg, float su, i64 j, int tok, int outs,
+                            const float* __restrict__ scale, const kbf16* __restrict__ bias,
+                            O* __restrict__ out, int mode) {
+  const i64 ju = j + outs;
+  const float g = round_to<kbf16>(sg * (Q == KQ_FP8 ? scale[j] : 1.0f) +
+                                  (bias ? ld(bias[j]) : 0.0f));
+  const float u = round_to<kbf16>(su * (Q == KQ_FP8 ? scale[ju] : 1.0f) +
+                                  (bias ? ld(bias[ju]) : 0.0f));
+  const float a = mode == KQSK_FUSED_SILU ? kiln_silu(g) : kiln_gelu_tanh(g);
+  out[(i64)tok * outs + j] = st<O>(a * u);
+}
+
+// x[tok][col] as the product reads it: as stored, or under the prologue
+// (PRE) round(x * inv * w) with w the norm weight (1 + w under unit_offset),
+// the value the unfused rms_norm stores.
+template <int PRE>
+KILN_DEV float qsk_xn(const kbf16* __restrict__ xr, const kbf16* __restrict__ norm_w, int col,
+                      float inv, int unit_offset) {
+  const float v = ld(xr[col]);
+  if (!PRE) return v;
+  const float g = ld(norm_w[col]);
+  return round_to<kbf16>(v * inv * (unit_offset ? 1.0f + g : g));
+}
+
+// PRE: the RMSNorm prologue (norm_w, eps, unit_offset); FUSED: the entry
+// takes an epilogue `mode`. Plain entries are <.., 0, 0> (norm_w null,
+// mode 0): the same code as before the fused entries existed. An
+// activation epilogue needs MT == 2 (the lowering checks): the block's
+// tile 0 is gate rows [16b, 16b + 16), tile 1 the up rows n/2 + the same.
+template <int Q, typename O, int NT, int MT, int PRE, int FUSED>
 KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __restrict__ w,
                            const float* __restrict__ scale, const kbf16* __restrict__ bias,
-                           const kbf16* __restrict__ res, O* __restrict__ out, int tokens, int n,
-                           int k, int w_const, i64 off1, i64 off2, i64 off3) {
+                           const kbf16* __restrict__ norm_w, const kbf16* __restrict__ res,
+                           O* __restrict__ out, int tokens, int n, int k, int w_const, i64 off1,
+                           i64 off2, i64 off3, float eps, int unit_offset, int mode) {
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
   const int warps = blockDim.x / KILN_WARP;
-  const i64 row0 = (i64)blockIdx.x * (16 * MT);
+  const bool act = FUSED && MT == 2 && (mode == KQSK_FUSED_SILU || mode == KQSK_FUSED_GELU);
+  const int outs = act ? n / 2 : n;
+  // Tile mt's first row: consecutive tiles, or gate and up under act.
+  const i64 row0 = act ? (i64)blockIdx.x * 16 : (i64)blockIdx.x * (16 * MT);
+  __shared__ float qsk_inv[PRE ? 32 : 1];
 #if defined(KILN_QSK_MMA)
   extern __shared__ float qsk_red[];  // [warps][R][32]
   constexpr int R = MT * NT * 4;
@@ -346,8 +419,13 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const i64 r = row0 + 16 * mt + 8 * h + g;
-      rows[mt][h] = r < n ? r : n - 1;
+      if (act) {
+        const i64 j = row0 + 8 * h + g;
+        rows[mt][h] = (j < outs ? j : outs - 1) + (i64)mt * outs;
+      } else {
+        const i64 r = row0 + 16 * mt + 8 * h + g;
+        rows[mt][h] = r < n ? r : n - 1;
+      }
     }
   const kbf16* xrow[NT];
 #pragma unroll
@@ -372,6 +450,19 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
       for (int h = 0; h < 2; ++h) qsk_load<Q>(cur[mt][h], w, rows[mt][h], u, k, t, off1, off2, off3);
   }
   KILN_PROLOGUE();
+  // The prologue: every block computes each token row's inverse RMS itself
+  // (x is L2-resident); each lane keeps its B rows' values.
+  float inv[NT];
+  if (PRE) {
+    kiln_inv_rms_rows(x, tokens, k, eps, qsk_inv);
+    __syncthreads();
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int tk = 8 * nt + g;
+      inv[nt] = qsk_inv[tk < tokens ? tk : tokens - 1];
+    }
+  }
+  const kbf16* nrow = norm_w + 4 * t;
   if (!w_const && u < units) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -409,6 +500,30 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
           xb[nt] = *reinterpret_cast<const uint2*>(xrow[nt] + ubase + 16 * s);
+        if (PRE) {
+          // The B fragments normalized as they are loaded: the lane's four
+          // elements of the step times its token's inverse RMS and the
+          // norm weight, rounded to bf16 (so the all-ones MMA below sums
+          // the normalized x, as the min terms need).
+          const uint2 nb = *reinterpret_cast<const uint2*>(nrow + ubase + 16 * s);
+          const unsigned int nw[2] = {nb.x, nb.y};
+          float wn[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float gv = __uint_as_float((nw[e / 2] >> (16 * (e % 2))) << 16);
+            wn[e] = unit_offset ? 1.0f + gv : gv;
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const unsigned int xw[2] = {xb[nt].x, xb[nt].y};
+            float f[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              f[e] = __uint_as_float((xw[e / 2] >> (16 * (e % 2))) << 16) * inv[nt] * wn[e];
+            xb[nt].x = qsk_pack_bf16(f[0], f[1]);
+            xb[nt].y = qsk_pack_bf16(f[2], f[3]);
+          }
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           unsigned int a0, a1, a2, a3;
@@ -453,6 +568,8 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
   }
   // Split-K reduction: every warp's partials to shared memory, then each
   // thread sums one (register, lane) slot over the warps in warp order.
+  // Under act a thread takes a gate slot of tile 0 and the same slot of
+  // tile 1 (the up row of the same output): both meet here.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -461,28 +578,53 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
       for (int i = 0; i < 4; ++i)
         qsk_red[(warp * R + (mt * NT + nt) * 4 + i) * KILN_WARP + lane] = acc[mt][nt][i];
   __syncthreads();
-  for (int v = threadIdx.x; v < R * KILN_WARP; v += blockDim.x) {
+  const int slots = act ? (R / 2) * KILN_WARP : R * KILN_WARP;
+  for (int v = threadIdx.x; v < slots; v += blockDim.x) {
     float s = 0.0f;
     for (int q = 0; q < warps; ++q) s += qsk_red[q * R * KILN_WARP + v];
     const int i = v / KILN_WARP, ln = v % KILN_WARP;
     const int c = i & 3, nt = (i >> 2) % NT, mt = (i >> 2) / NT;
     const i64 row = row0 + 16 * mt + (ln >> 2) + 8 * (c >> 1);
     const int tok = 8 * nt + 2 * (ln & 3) + (c & 1);
-    if (row < n && tok < tokens) qsk_store<Q, O>(s, row, tok, scale, bias, res, out, n);
+    if (act) {
+      float su = 0.0f;
+      for (int q = 0; q < warps; ++q) su += qsk_red[q * R * KILN_WARP + (R / 2) * KILN_WARP + v];
+      if (row < outs && tok < tokens)
+        qsk_store_act<Q, O>(s, su, row, tok, outs, scale, bias, out, mode);
+    } else if (row < n && tok < tokens) {
+      qsk_store<Q, O>(s, row, tok, scale, bias, res, out, n);
+    }
   }
 #else
-  // Portable path: one warp per (row, token), lanes over the elements.
+  // Portable path: one warp per (output row, token), lanes over the
+  // elements; the prologue and the epilogues as on the MMA path.
   KILN_PROLOGUE();
-  for (int r = warp; r < 16 * MT; r += warps) {
+  if (PRE) {
+    kiln_inv_rms_rows(x, tokens, k, eps, qsk_inv);
+    __syncthreads();
+  }
+  const int rows_here = act ? 16 : 16 * MT;
+  for (int r = warp; r < rows_here; r += warps) {
     const i64 row = row0 + r;
-    if (row >= n) break;
+    if (row >= outs) break;
     for (int tk = 0; tk < tokens; ++tk) {
       const kbf16* xr = x + (i64)tk * k;
-      float a = 0.0f;
-      for (int e = lane; e < k; e += KILN_WARP)
-        a += ld(xr[e]) * qsk_weight<Q>(w, row, e, k, off1, off2, off3);
+      const float iv = PRE ? qsk_inv[tk] : 1.0f;
+      float a = 0.0f, au = 0.0f;
+      for (int e = lane; e < k; e += KILN_WARP) {
+        const float xv = qsk_xn<PRE>(xr, norm_w, e, iv, unit_offset);
+        a += xv * qsk_weight<Q>(w, row, e, k, off1, off2, off3);
+        if (act) au += xv * qsk_weight<Q>(w, row + outs, e, k, off1, off2, off3);
+      }
       a = warp_sum(a);
-      if (lane == 0) qsk_store<Q, O>(a, row, tk, scale, bias, res, out, n);
+      if (act) au = warp_sum(au);
+      if (lane == 0) {
+        if (act) {
+          qsk_store_act<Q, O>(a, au, row, tk, outs, scale, bias, out, mode);
+        } else {
+          qsk_store<Q, O>(a, row, tk, scale, bias, res, out, n);
+        }
+      }
     }
   }
 #endif
@@ -494,9 +636,27 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
           const kbf16* x, const unsigned char* w, const float* scale, const kbf16* bias,       \
           const kbf16* res, O* out, int tokens, int n, int k, int w_const, i64 off1, i64 off2, \
           i64 off3) {                                                                          \
-    qskinny_gemm<Q, O, TP / 8, MT>(x, w, scale, bias, res, out, tokens, n, k, w_const, off1,   \
-                                   off2, off3);                                                \
+    qskinny_gemm<Q, O, TP / 8, MT, 0, 0>(x, w, scale, bias, nullptr, res, out, tokens, n, k,   \
+                                         w_const, off1, off2, off3, 0.0f, 0, KQSK_FUSED_NONE); \
   }
+// The fused entries (fused_matmul): qskinny_fused_S_tTP_r2_bf16_bf16 (an
+// activation epilogue without the prologue) and
+// qskinny_fused_norm_S_tTP_rMT_bf16_OS (the RMSNorm prologue, any epilogue
+// for bf16; f32 results only without one, which the lowering checks).
+#define KILN_QSKINNY_FUSED(S, Q, O, OS, TP, MT, PRE, NAME)                                     \
+  KILN_GLOBAL void __launch_bounds__(512 / MT)                                                 \
+      NAME(const kbf16* x, const unsigned char* w, const float* scale, const kbf16* bias,      \
+           const kbf16* norm_w, const kbf16* res, O* out, int tokens, int n, int k, int w_const, \
+           i64 off1, i64 off2, i64 off3, float eps, int unit_offset, int mode) {               \
+    qskinny_gemm<Q, O, TP / 8, MT, PRE, 1>(x, w, scale, bias, norm_w, res, out, tokens, n, k,  \
+                                           w_const, off1, off2, off3, eps, unit_offset, mode);  \
+  }
+#define KILN_QSKINNY_FUSED_TP(S, Q, TP)                                                        \
+  KILN_QSKINNY_FUSED(S, Q, kbf16, bf16, TP, 2, 0, qskinny_fused_##S##_t##TP##_r2_bf16_bf16)    \
+  KILN_QSKINNY_FUSED(S, Q, kbf16, bf16, TP, 1, 1, qskinny_fused_norm_##S##_t##TP##_r1_bf16_bf16) \
+  KILN_QSKINNY_FUSED(S, Q, kbf16, bf16, TP, 2, 1, qskinny_fused_norm_##S##_t##TP##_r2_bf16_bf16) \
+  KILN_QSKINNY_FUSED(S, Q, float, f32, TP, 1, 1, qskinny_fused_norm_##S##_t##TP##_r1_bf16_f32) \
+  KILN_QSKINNY_FUSED(S, Q, float, f32, TP, 2, 1, qskinny_fused_norm_##S##_t##TP##_r2_bf16_f32)
 #define KILN_QSKINNY_TILES(S, Q, O, OS)                                                        \
   KILN_QSKINNY(S, Q, O, OS, 8, 1) KILN_QSKINNY(S, Q, O, OS, 16, 1)                             \
   KILN_QSKINNY(S, Q, O, OS, 24, 1) KILN_QSKINNY(S, Q, O, OS, 32, 1)                            \
@@ -504,7 +664,11 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
   KILN_QSKINNY(S, Q, O, OS, 24, 2) KILN_QSKINNY(S, Q, O, OS, 32, 2)
 #define KILN_QSKINNY_TYPE(S, Q)                                                                \
   KILN_QSKINNY_TILES(S, Q, kbf16, bf16)                                                        \
-  KILN_QSKINNY_TILES(S, Q, float, f32)
+  KILN_QSKINNY_TILES(S, Q, float, f32)                                                         \
+  KILN_QSKINNY_FUSED_TP(S, Q, 8)                                                               \
+  KILN_QSKINNY_FUSED_TP(S, Q, 16)                                                              \
+  KILN_QSKINNY_FUSED_TP(S, Q, 24)                                                              \
+  KILN_QSKINNY_FUSED_TP(S, Q, 32)
 KILN_QSKINNY_TYPE(q8_0, KQ_Q8_0)
 KILN_QSKINNY_TYPE(q4_0, KQ_Q4_0)
 KILN_QSKINNY_TYPE(q4_1, KQ_Q4_1)

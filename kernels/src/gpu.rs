@@ -287,7 +287,7 @@ pub fn fused_matmul_launch(
     let unsupported = |why: String| CatalogError::Unsupported { op: m, why };
     if let Some(q) = args.get(1).and_then(|w| w.storage) {
         return Err(unsupported(format!(
-            "the fused GEMV reads dense weights; a {} weight runs as a quantized matmul",
+            "the fused GEMV reads dense weights; a {} weight runs the quantized fused entries (`fused_matmul_runs`, `lower_op`)",
             q.name()
         )));
     }
@@ -1683,6 +1683,13 @@ pub fn op_needs(
     results: &[TensorType],
     opts: &LowerOptions,
 ) -> Result<OpNeeds, CatalogError> {
+    // A fused matmul over a quantized weight runs the qgemv / qskinny
+    // fused entries (no scratch, no counters); ask the same check the
+    // fuse-matmul pass asked, so `kiln compile` names the limit here.
+    if matches!(op, Op::FusedMatMul { .. }) && args.get(1).is_some_and(|w| w.storage.is_some()) {
+        fused_matmul_runs(op, args, &opts.target)?;
+        return Ok(OpNeeds::default());
+    }
     let l = lower_symbolic(
         op,
         args,
@@ -1742,16 +1749,11 @@ fn lower_quantized(
     };
     let out = results.first().ok_or_else(|| refuse("no result".into()))?;
     let w = args[1].buf;
-    let scale = (q == kiln_ir::QuantType::Fp8E4M3).then(|| {
-        // The codes are `[n][k]` bytes (k a multiple of 16), the scales next.
-        let at = n * k;
-        BufRef {
-            region: w.region,
-            offset: w.offset + at,
-            bytes: w.bytes.saturating_sub(at),
-        }
-    });
+    let scale = fp8_scales(q, w, n, k);
     let launches = match op {
+        Op::FusedMatMul { .. } => {
+            lower_quantized_fused(op, args, out, weight_args & 2 != 0, &opts.target, opts.pdl)?
+        }
         Op::MatMul { bias, out: od } => {
             if args[0].ty.dtype != DType::BF16 {
                 return Err(refuse(format!(
@@ -1789,12 +1791,154 @@ fn lower_quantized(
         }
         _ => {
             return Err(refuse(format!(
-                "kiln's GPU kernels read a {} weight only in matmul and embedding",
+                "kiln's GPU kernels read a {} weight only in matmul, fused_matmul and embedding",
                 q.name()
             )))
         }
     };
     Ok(Some(Lowering::Kernels(launches)))
+}
+
+/// FP8's per-row f32 scales: after the `[n][k]` codes (k a multiple of 16)
+/// in the same weight buffer. `None` for the other types.
+fn fp8_scales(q: kiln_ir::QuantType, w: BufRef, n: u64, k: u64) -> Option<BufRef> {
+    (q == kiln_ir::QuantType::Fp8E4M3).then(|| {
+        let at = n * k;
+        BufRef {
+            region: w.region,
+            offset: w.offset + at,
+            bytes: w.bytes.saturating_sub(at),
+        }
+    })
+}
+
+/// Whether `target`'s kernels run a `fused_matmul` with operand types
+/// `args`, and if not, why: the dense fused GEMV ([`fused_matmul_call`])
+/// for dense weights; for a weight kept quantized, the qgemv / qskinny
+/// fused entries, by running their very lowering over placeholder buffers
+/// (so the `fuse-matmul` pass, which asks this before it fuses, and
+/// [`lower_op`] never disagree). Token limits of the pass's own (the dense
+/// GEMV's one-token rule) are the pass's.
+pub fn fused_matmul_runs(
+    op: &Op,
+    args: &[TensorType],
+    target: &Target,
+) -> Result<(), CatalogError> {
+    if args.get(1).is_none_or(|w| w.storage.is_none()) {
+        return fused_matmul_call(op, args, true).map(|_| ());
+    }
+    let m = "fused_matmul";
+    let results = op
+        .infer(args)
+        .map_err(|why| CatalogError::Unsupported { op: m, why })?;
+    // Placeholders: each operand at its own 16-byte aligned offset, sized
+    // generously (buffer sizes are the planner's, not a kernel limit).
+    let place = |i: usize, ty: &TensorType| Operand {
+        buf: BufRef {
+            region: Region::Arena,
+            offset: (i as u64 + 1) << 40,
+            bytes: 1 << 39,
+        },
+        ty: ty.clone(),
+    };
+    let ops: Vec<Operand> = args.iter().enumerate().map(|(i, t)| place(i, t)).collect();
+    let out = place(args.len(), &results[0]);
+    lower_quantized_fused(op, &ops, &out, true, target, false).map(|_| ())
+}
+
+/// The launches of a `fused_matmul` whose weight (argument 1) is kept
+/// quantized: operands x, w, [bias], [norm], [residual] as the op orders
+/// them, lowered to [`crate::quant_gpu::lower_qskinny_fused`] where
+/// [`quantized_skinny_applies`] (2 or more tokens on CUDA sm_80+) and to
+/// [`crate::quant_gpu::lower_qgemv_fused`] otherwise, as a quantized
+/// matmul chooses.
+fn lower_quantized_fused(
+    op: &Op,
+    args: &[Operand],
+    out: &Operand,
+    w_const: bool,
+    target: &Target,
+    pdl: bool,
+) -> Result<Vec<KernelLaunch>, CatalogError> {
+    use crate::quant_gpu as qg;
+    let m = "fused_matmul";
+    let refuse = |why: String| CatalogError::Unsupported { op: m, why };
+    let Op::FusedMatMul {
+        bias,
+        out: od,
+        pre,
+        post,
+    } = op
+    else {
+        return Err(refuse(format!("not a fused matmul: `{}`", op.mnemonic())));
+    };
+    if !op.arity().contains(&args.len()) {
+        return Err(refuse(format!("got {} argument(s)", args.len())));
+    }
+    let Some(q) = args[1].ty.storage else {
+        return Err(refuse("the weight is not stored quantized".into()));
+    };
+    let (n, k) = match args[1].ty.shape.dims() {
+        [n, k] => (*n as u64, *k as u64),
+        d => {
+            return Err(refuse(format!(
+                "a quantized weight must be rank 2, got {d:?}"
+            )))
+        }
+    };
+    if args[0].ty.dtype != DType::BF16 {
+        return Err(refuse(format!(
+            "quantized weights take bf16 activations, got {}",
+            args[0].ty.dtype
+        )));
+    }
+    // The quantized fused entries run these epilogues; any other (a later
+    // one) keeps its unfused ops.
+    if !matches!(
+        post,
+        Epilogue::None | Epilogue::Residual | Epilogue::SiluMul | Epilogue::GeluTanhMul
+    ) {
+        return Err(refuse(format!(
+            "the quantized fused GEMMs have no `{}` epilogue; it stays unfused",
+            post.name()
+        )));
+    }
+    let t = args[0].ty.numel() / k.max(1);
+    let mut next = 2;
+    let mut optional = |present: bool| {
+        let b = present.then(|| args[next].buf);
+        next += present as usize;
+        b
+    };
+    let bias_b = optional(*bias);
+    let norm_b = optional(pre.is_some());
+    let res_b = optional(*post == Epilogue::Residual);
+    let f = qg::QFusion {
+        norm: pre.zip(norm_b).map(|(p, weight)| qg::QNorm {
+            weight,
+            eps: p.eps,
+            unit_offset: p.unit_offset,
+        }),
+        act: match post {
+            Epilogue::SiluMul => Some(qg::QAct::Silu),
+            Epilogue::GeluTanhMul => Some(qg::QAct::GeluTanh),
+            _ => None,
+        },
+    };
+    let bufs = qg::QGemvBufs {
+        x: args[0].buf,
+        w: args[1].buf,
+        scale: fp8_scales(q, args[1].buf, n, k),
+        bias: bias_b,
+        residual: res_b,
+        out: out.buf,
+    };
+    if quantized_skinny_applies(target, t) {
+        qg::lower_qskinny_fused(q, n, k, t, *od, &bufs, &f, w_const, pdl)
+    } else {
+        qg::lower_qgemv_fused(q, n, k, t, *od, &bufs, &f, w_const, pdl)
+    }
+    .map_err(|e| refuse(e.to_string()))
 }
 
 /// Lowers one planned op for a GPU target: its complete launch list with
@@ -1945,13 +2089,13 @@ mod tests {
                 m.name
             );
             for e in entry_points(m.name) {
-                // Drop dtype and instantiation tokens (`bf16`, `t4`, `r2`, `v8`).
+                // Drop dtype and instantiation tokens (`bf16`, `t4`, `r2`, `v8`, `k2`).
                 let stem: Vec<&str> = e
                     .split('_')
                     .filter(|tok| {
                         let dtype = ["bf16", "f16", "f32", "i32"].contains(tok);
                         let inst = tok.len() > 1
-                            && tok.starts_with(['t', 'r', 'v'])
+                            && tok.starts_with(['t', 'r', 'v', 'k'])
                             && tok[1..].bytes().all(|c| c.is_ascii_digit());
                         !dtype && !inst
                     })
@@ -2254,6 +2398,142 @@ mod tests {
                 assert_eq!(ls, one("qgemv", format!("qgemv_{s}_t8_bf16_bf16")));
             }
         }
+    }
+
+    /// A quantized `fused_matmul` over a `[n, k]` weight of `t` tokens
+    /// lowered for `target` (operands x, w, [bias], [norm], [residual]):
+    /// the launches, after checking that the fuse pass's legality check
+    /// and the planner's `op_needs` accept it too.
+    fn quantized_fused_launches(
+        q: kiln_ir::QuantType,
+        (t, n, k): (u32, u32, u32),
+        op: &Op,
+        target: &Target,
+    ) -> Result<Vec<KernelLaunch>, String> {
+        let Op::FusedMatMul {
+            bias, pre, post, ..
+        } = op
+        else {
+            panic!("not a fused matmul")
+        };
+        let mut w = tt(DType::BF16, &[n, k]);
+        w.storage = Some(q);
+        let mut a = vec![tt(DType::BF16, &[t, k]), w];
+        if *bias {
+            a.push(tt(DType::BF16, &[n]));
+        }
+        if pre.is_some() {
+            a.push(tt(DType::BF16, &[k]));
+        }
+        if *post == Epilogue::Residual {
+            a.push(tt(DType::BF16, &[t, n]));
+        }
+        let r = op.infer(&a)?;
+        let wbytes = crate::quant_gpu::repacked_bytes(q, n as u64, k as u64)
+            .map_or(1 << 30, |b| b + 4 * n as u64);
+        let args: Vec<Operand> = a
+            .iter()
+            .enumerate()
+            .map(|(i, ty)| Operand {
+                buf: BufRef {
+                    region: if i == 1 {
+                        Region::Weight(0)
+                    } else {
+                        Region::Arena
+                    },
+                    offset: if i == 1 { 0 } else { (i as u64) << 24 },
+                    bytes: if i == 1 { wbytes } else { ty.size_bytes() },
+                },
+                ty: ty.clone(),
+            })
+            .collect();
+        let results = vec![Operand {
+            buf: BufRef {
+                region: Region::Arena,
+                offset: 15 << 24,
+                bytes: r[0].size_bytes(),
+            },
+            ty: r[0].clone(),
+        }];
+        let opts = LowerOptions::for_target(target, 1);
+        let runs = fused_matmul_runs(op, &a, target).map_err(|e| e.to_string());
+        let needs = op_needs(op, &a, &r, &opts).map_err(|e| e.to_string());
+        let lowered = lower_op(op, &args, &results, None, None, 2, &opts);
+        // The pass's check, the planner's needs and the lowering agree.
+        assert_eq!(runs.is_ok(), lowered.is_ok(), "{op:?} t={t}: {runs:?}");
+        assert_eq!(needs.is_ok(), lowered.is_ok(), "{op:?} t={t}: {needs:?}");
+        match lowered.map_err(|e| e.to_string())? {
+            Lowering::Kernels(ls) => Ok(ls),
+            other => panic!("a quantized fused matmul lowered to {other:?}"),
+        }
+    }
+
+    #[test]
+    fn quantized_fused_matmuls_lower_to_the_fused_entries_the_fuse_pass_is_told_run() {
+        use crate::quant_gpu::{stem, QUANT_TYPES};
+        let sm90 = Target::Cuda { sm: 90 };
+        let hip = Target::Hip {
+            gfx: "gfx1100".into(),
+        };
+        let norm = Some(kiln_ir::PreNorm {
+            eps: 1e-6,
+            unit_offset: true,
+        });
+        let fused = |bias, out, pre, post| Op::FusedMatMul {
+            bias,
+            out,
+            pre,
+            post,
+        };
+        let (n, k) = (1000u32, 512u32);
+        for q in QUANT_TYPES {
+            let s = stem(q);
+            let one = |t, op: &Op, target: &Target| {
+                let ls = quantized_fused_launches(q, (t, n, k), op, target).unwrap();
+                for l in &ls {
+                    assert!(entry_points(&l.module).contains(&l.entry), "{}", l.entry);
+                }
+                ls
+            };
+            // One token: the fused GEMV; 8 outputs a block under an activation.
+            let op = fused(false, DType::BF16, norm, Epilogue::SiluMul);
+            let ls = one(1, &op, &sm90);
+            assert_eq!(ls.len(), 1);
+            assert_eq!(ls[0].entry, format!("qgemv_fused_norm_{s}_t1_bf16_bf16"));
+            assert_eq!(ls[0].grid, [(n / 2).div_ceil(8), 1, 1]);
+            assert_eq!(ls[0].params.len(), 17);
+            assert_eq!(ls[0].params[14], LaunchParam::F32(1e-6));
+            assert_eq!(ls[0].params[15], LaunchParam::I32(1));
+            assert_eq!(ls[0].params[16], LaunchParam::I32(1));
+            // The final norm + lm_head of 8 tokens: tensor cores, an f32 result.
+            let op = fused(false, DType::F32, norm, Epilogue::None);
+            let ls = one(8, &op, &sm90);
+            assert_eq!(
+                ls[0].entry,
+                format!("qskinny_fused_norm_{s}_t8_r1_bf16_f32")
+            );
+            assert_eq!(ls[0].params[16], LaunchParam::I32(0));
+            // GELU without the prologue on HIP: the GEMV at any token count.
+            let op = fused(true, DType::BF16, None, Epilogue::GeluTanhMul);
+            let ls = one(3, &op, &hip);
+            assert_eq!(ls[0].entry, format!("qgemv_fused_{s}_t4_bf16_bf16"));
+            assert_eq!(ls[0].params[16], LaunchParam::I32(2));
+            assert!(!ls[0].pdl);
+            // ... and on tensor cores: gate and up tiles in one block.
+            let ls = one(3, &op, &sm90);
+            assert_eq!(ls[0].entry, format!("qskinny_fused_{s}_t8_r2_bf16_bf16"));
+            assert_eq!(ls[0].grid, [(n / 2).div_ceil(16), 1, 1]);
+            // A residual alone is the plain kernel's epilogue.
+            let op = fused(false, DType::BF16, None, Epilogue::Residual);
+            let ls = one(17, &op, &sm90);
+            assert_eq!(ls[0].entry, format!("qskinny_{s}_t24_r1_bf16_bf16"));
+            assert!(matches!(ls[0].params[4], LaunchParam::Buf(b) if b.offset == 2 << 24));
+        }
+        // K that is not whole Q4_K blocks: refused by all three, naming it.
+        let op = fused(false, DType::BF16, norm, Epilogue::SiluMul);
+        let e = quantized_fused_launches(kiln_ir::QuantType::Q4K, (1, 64, 320), &op, &sm90)
+            .unwrap_err();
+        assert!(e.contains("multiple of 256"), "{e}");
     }
 
     #[test]

@@ -48,6 +48,13 @@
 //! weight byte once. The catalog's `quantized_skinny_applies` makes the
 //! choice; the plan's entry name records it (`qskinny_<type>_t<tp>_r<mt>_..`).
 //!
+//! `fused_matmul` over a quantized weight lowers to the same kernels' fused
+//! entries ([`lower_qgemv_fused`], [`lower_qskinny_fused`]): the RMSNorm
+//! prologue ([`QNorm`]), the SiLU/GELU*up epilogue ([`QAct`]) and the
+//! residual add, with the unfused sequence's rounding points; the catalog's
+//! `fused_matmul_runs` is the one legality check the fuse pass and the
+//! lowering share.
+//!
 //! Deliberately not here: the IR op and the planner's sizing (they call
 //! [`repacked_bytes`] and [`lower_qgemv`] / [`lower_qskinny`] /
 //! [`lower_qgather`]), CPU kernels (`crate::cpu`), tuning (quantized GEMMs
@@ -461,6 +468,12 @@ pub fn entry_points() -> Vec<String> {
                 v.push(format!("qgemv_{}_t{tt}_bf16_{o}", stem(q)));
             }
         }
+        for tt in QGEMV_TOKENS {
+            v.push(format!("qgemv_fused_{}_t{tt}_bf16_bf16", stem(q)));
+            for o in ["bf16", "f32"] {
+                v.push(format!("qgemv_fused_norm_{}_t{tt}_bf16_{o}", stem(q)));
+            }
+        }
         v.push(format!("qgather_{}_bf16", stem(q)));
     }
     v
@@ -551,13 +564,20 @@ fn check_gemm(
     out: DType,
     bufs: &QGemvBufs,
 ) -> Result<GemmChecked, QLowerError> {
-    let refuse = |why: String| QLowerError::Unsupported {
-        op: "matmul",
-        q,
-        n,
-        k,
-        why,
-    };
+    check_gemm_as("matmul", q, (n, k, n), t, out, bufs)
+}
+
+/// [`check_gemm`] for `op`, whose result has `out_n` columns (`n / 2`
+/// under an activation epilogue).
+fn check_gemm_as(
+    op: &'static str,
+    q: QuantType,
+    (n, k, out_n): (u64, u64, u64),
+    t: u64,
+    out: DType,
+    bufs: &QGemvBufs,
+) -> Result<GemmChecked, QLowerError> {
+    let refuse = |why: String| QLowerError::Unsupported { op, q, n, k, why };
     let l = layout(q, n, k).map_err(|e| refuse(e.to_string()))?;
     let os = match out {
         DType::BF16 => "bf16",
@@ -588,7 +608,7 @@ fn check_gemm(
     };
     need("x", Some(bufs.x), t * k * 2)?;
     need("the repacked weight", Some(bufs.w), l.total)?;
-    need("out", Some(bufs.out), t * n * osz)?;
+    need("out", Some(bufs.out), t * out_n * osz)?;
     need("bias", bufs.bias, n * 2)?;
     need("the residual", bufs.residual, t * n * 2)?;
     match (q == QuantType::Fp8E4M3, bufs.scale) {
@@ -707,6 +727,17 @@ pub fn qskinny_entry_points() -> Vec<String> {
                 }
             }
         }
+        for tp in QSKINNY_TOKENS {
+            v.push(format!("qskinny_fused_{}_t{tp}_r2_bf16_bf16", stem(q)));
+            for o in ["bf16", "f32"] {
+                for mt in QSKINNY_ROW_TILES {
+                    v.push(format!(
+                        "qskinny_fused_norm_{}_t{tp}_r{mt}_bf16_{o}",
+                        stem(q)
+                    ));
+                }
+            }
+        }
     }
     v
 }
@@ -770,36 +801,350 @@ pub fn lower_qskinny(
 ) -> Result<Vec<KernelLaunch>, QLowerError> {
     let c = check_gemm(q, n, k, t, out, bufs)?;
     let os = c.os;
-    let units = k / qskinny_unit(q);
     let mut launches = Vec::new();
     let mut t0 = 0u64;
     while t0 < t {
         let tokens = (t - t0).min(32);
+        let g = SkinnyGeometry::of(q, "matmul", n, k, tokens, false)?;
+        launches.push(KernelLaunch {
+            module: QSKINNY_MODULE.into(),
+            entry: format!("qskinny_{}_t{}_r{}_bf16_{os}", stem(q), g.tp, g.mt),
+            grid: [g.grid, 1, 1],
+            block: [32 * g.warps as u32, 1, 1],
+            shared_bytes: g.shared_bytes(),
+            params: c.params(bufs, n, k, t0, tokens, w_const),
+            pdl,
+        });
+        t0 += tokens;
+    }
+    Ok(launches)
+}
+
+/// One qskinny launch's geometry (see [`lower_qskinny`]'s doc).
+struct SkinnyGeometry {
+    tp: u64,
+    mt: u64,
+    warps: u64,
+    grid: u32,
+}
+
+impl SkinnyGeometry {
+    /// For `tokens` (at most 32) over `n` weight rows; `act`: the fused
+    /// activation epilogue, whose blocks pair gate tile `j` with up tile
+    /// `j + n/2` (two tiles, `n / 2` output rows).
+    fn of(
+        q: QuantType,
+        op: &'static str,
+        n: u64,
+        k: u64,
+        tokens: u64,
+        act: bool,
+    ) -> Result<SkinnyGeometry, QLowerError> {
         let tp = tokens.div_ceil(8) * 8;
-        let mt = if tp >= 24 && n.div_ceil(32) >= 256 {
+        let mt = if act || (tp >= 24 && n.div_ceil(32) >= 256) {
             2
         } else {
             1
         };
+        let units = k / qskinny_unit(q);
         let mut warps = 16 / mt;
         while warps > 1 && 2 * warps > units {
             warps /= 2;
         }
-        let grid = n.div_ceil(16 * mt);
+        let grid = if act {
+            (n / 2).div_ceil(16)
+        } else {
+            n.div_ceil(16 * mt)
+        };
         let grid = u32::try_from(grid).map_err(|_| QLowerError::Unsupported {
-            op: "matmul",
+            op,
             q,
             n,
             k,
             why: "too many rows for one grid".into(),
         })?;
+        Ok(SkinnyGeometry {
+            tp,
+            mt,
+            warps,
+            grid,
+        })
+    }
+
+    /// The split-K partials: `warps * mt * (tp / 8) * 4 * 32` f32.
+    fn shared_bytes(&self) -> u32 {
+        (self.warps * self.mt * (self.tp / 8) * 4 * 32 * 4) as u32
+    }
+}
+
+/// The RMSNorm prologue of a fused quantized GEMM (`fused_matmul`'s
+/// `pre`): x is normalized as the unfused `rms_norm` stores it,
+/// `round(x * inv_rms * w)` (`1 + w` under `unit_offset`), before the
+/// product.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct QNorm {
+    /// The norm weight, bf16 `[k]`, 16-byte aligned.
+    pub weight: BufRef,
+    pub eps: f32,
+    pub unit_offset: bool,
+}
+
+/// The activation epilogue of a fused quantized GEMM: the weight stacks
+/// gate rows over up rows (`[2I, K]`) and the result is `act(g) * u`,
+/// `[t, I]`, with `g` and `u` rounded to bf16 as the unfused matmul stores
+/// them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QAct {
+    Silu,
+    GeluTanh,
+}
+
+/// What a fused launch adds to the plain quantized GEMM (whose bias and
+/// residual stay in [`QGemvBufs`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct QFusion {
+    pub norm: Option<QNorm>,
+    pub act: Option<QAct>,
+}
+
+/// The fused entries' epilogue mode (the kernels' `KQ_FUSED_*`).
+fn fused_mode(f: &QFusion, bufs: &QGemvBufs) -> i32 {
+    match (f.act, bufs.residual) {
+        (Some(QAct::Silu), _) => 1,
+        (Some(QAct::GeluTanh), _) => 2,
+        (None, Some(_)) => 3,
+        (None, None) => 0,
+    }
+}
+
+/// What the fused entries need beyond [`check_gemm`], checked once for
+/// both kernels; returns the checked operands and the output columns.
+fn check_fused(
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    out: DType,
+    bufs: &QGemvBufs,
+    f: &QFusion,
+) -> Result<(GemmChecked, u64), QLowerError> {
+    const OP: &str = "fused_matmul";
+    let refuse = |why: String| QLowerError::Unsupported {
+        op: OP,
+        q,
+        n,
+        k,
+        why,
+    };
+    if f.act.is_some() && (n < 2 || !n.is_multiple_of(2)) {
+        return Err(refuse(format!(
+            "the activation epilogue needs an even number of stacked gate/up rows, got {n}"
+        )));
+    }
+    let out_n = if f.act.is_some() { n / 2 } else { n };
+    let c = check_gemm_as(OP, q, (n, k, out_n), t, out, bufs)?;
+    if f.act.is_some() && bufs.residual.is_some() {
+        return Err(refuse(
+            "an activation epilogue and a residual add cannot share one launch".into(),
+        ));
+    }
+    if out == DType::F32 && (f.act.is_some() || bufs.residual.is_some()) {
+        return Err(refuse(
+            "an f32 result is only possible without an epilogue (the final norm + lm_head); with one the result is bf16"
+                .into(),
+        ));
+    }
+    if let Some(nm) = f.norm {
+        if nm.weight.bytes < k * 2 {
+            return Err(refuse(format!(
+                "the norm weight needs {} bytes but its buffer has {}",
+                k * 2,
+                nm.weight.bytes
+            )));
+        }
+        if !nm.weight.offset.is_multiple_of(16) {
+            return Err(refuse(format!(
+                "the norm weight must be 16-byte aligned (offset {})",
+                nm.weight.offset
+            )));
+        }
+    }
+    Ok((c, out_n))
+}
+
+impl GemmChecked {
+    /// The fused entries' parameters: the plain list with the norm weight
+    /// after the bias, and `eps`, `unit_offset`, `mode` at the end.
+    #[allow(clippy::too_many_arguments)]
+    fn fused_params(
+        &self,
+        bufs: &QGemvBufs,
+        f: &QFusion,
+        (n, k, out_n): (u64, u64, u64),
+        t0: u64,
+        tokens: u64,
+        w_const: bool,
+    ) -> Vec<LaunchParam> {
+        let mut p = self.params(bufs, n, k, t0, tokens, w_const);
+        // The output of tokens [t0, ..) starts t0 full result rows in.
+        p[5] = LaunchParam::Buf(offset_by(bufs.out, t0 * out_n * self.osz));
+        p.insert(
+            4,
+            f.norm
+                .map_or(LaunchParam::Null, |nm| LaunchParam::Buf(nm.weight)),
+        );
+        p.push(LaunchParam::F32(f.norm.map_or(0.0, |nm| nm.eps)));
+        p.push(LaunchParam::I32(
+            f.norm.is_some_and(|nm| nm.unit_offset) as i32
+        ));
+        p.push(LaunchParam::I32(fused_mode(f, bufs)));
+        p
+    }
+}
+
+/// The launches of a fused quantized GEMV (`fused_matmul` over a weight
+/// kept quantized, `kernels/gpu/qgemv.cu`): [`lower_qgemv`] with the
+/// RMSNorm prologue `f.norm` and/or the activation epilogue `f.act`; the
+/// residual epilogue is `bufs.residual` as for the plain GEMV. Without a
+/// prologue or an activation this is [`lower_qgemv`] itself (the plain
+/// entries take a bias and a residual).
+///
+/// Entries: `qgemv_fused_norm_<type>_t<tt>_bf16_<out>` (the prologue, any
+/// epilogue) and `qgemv_fused_<type>_t<tt>_bf16_bf16` (an activation
+/// without the prologue). Under an activation a warp's two rows are gate
+/// row `j` and up row `j + n/2`: 8 outputs a block. Refuses (naming the
+/// limit) what [`lower_qgemv`] refuses and: an odd `n` under an activation,
+/// an activation with a residual, an f32 result with an epilogue, a norm
+/// weight shorter than `k` or not 16-byte aligned.
+///
+/// ```
+/// use kiln_ir::plan::{BufRef, Region};
+/// use kiln_kernels::quant_gpu::{lower_qgemv_fused, repacked_bytes, QAct, QFusion, QGemvBufs, QNorm, QuantType};
+/// let buf = |offset, bytes| BufRef { region: Region::Arena, offset, bytes };
+/// let (t, n, k) = (1u64, 2 * 8192u64, 2048u64);
+/// let bufs = QGemvBufs {
+///     x: buf(0, t * k * 2),
+///     w: BufRef { region: Region::Weight(3), offset: 0, bytes: repacked_bytes(QuantType::Q4K, n, k).unwrap() },
+///     scale: None,
+///     bias: None,
+///     residual: None,
+///     out: buf(1 << 20, t * n / 2 * 2),
+/// };
+/// let f = QFusion {
+///     norm: Some(QNorm { weight: BufRef { region: Region::Weight(4), offset: 0, bytes: k * 2 }, eps: 1e-6, unit_offset: false }),
+///     act: Some(QAct::Silu),
+/// };
+/// let ls = lower_qgemv_fused(QuantType::Q4K, n, k, t, kiln_ir::DType::BF16, &bufs, &f, true, true).unwrap();
+/// assert_eq!(ls[0].entry, "qgemv_fused_norm_q4k_t1_bf16_bf16");
+/// assert_eq!(ls[0].grid, [1024, 1, 1]); // 8192 outputs, 8 a block
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn lower_qgemv_fused(
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    out: DType,
+    bufs: &QGemvBufs,
+    f: &QFusion,
+    w_const: bool,
+    pdl: bool,
+) -> Result<Vec<KernelLaunch>, QLowerError> {
+    let (c, out_n) = check_fused(q, n, k, t, out, bufs, f)?;
+    if f.norm.is_none() && f.act.is_none() {
+        return lower_qgemv(q, n, k, t, out, bufs, w_const, pdl);
+    }
+    let name = if f.norm.is_some() {
+        "fused_norm"
+    } else {
+        "fused"
+    };
+    let rows_per_block = if f.act.is_some() {
+        QGEMV_ROWS_PER_BLOCK as u64 / 2
+    } else {
+        QGEMV_ROWS_PER_BLOCK as u64
+    };
+    let grid =
+        u32::try_from(out_n.div_ceil(rows_per_block)).map_err(|_| QLowerError::Unsupported {
+            op: "fused_matmul",
+            q,
+            n,
+            k,
+            why: "too many rows for one grid".into(),
+        })?;
+    let mut launches = Vec::new();
+    let mut t0 = 0u64;
+    while t0 < t {
+        let tokens = (t - t0).min(8);
+        let tt = QGEMV_TOKENS
+            .into_iter()
+            .find(|&tt| tt as u64 >= tokens)
+            .expect("tokens <= 8");
+        launches.push(KernelLaunch {
+            module: MODULE.into(),
+            entry: format!("qgemv_{name}_{}_t{tt}_bf16_{}", stem(q), c.os),
+            grid: [grid, 1, 1],
+            block: [QGEMV_THREADS, 1, 1],
+            shared_bytes: 0,
+            params: c.fused_params(bufs, f, (n, k, out_n), t0, tokens, w_const),
+            pdl,
+        });
+        t0 += tokens;
+    }
+    Ok(launches)
+}
+
+/// The launches of a fused quantized GEMM on tensor cores
+/// (`kernels/gpu/qskinny.cu`): [`lower_qskinny`] with the prologue and
+/// epilogues of [`lower_qgemv_fused`] (and its refusals). Under an
+/// activation every block takes two row tiles, gate rows `[16b, 16b + 16)`
+/// and the up rows `n/2` further, so both sums meet in the block's split-K
+/// reduction (`r2` entries, `n/2` outputs over 16-output blocks, at most 8
+/// warps); otherwise the geometry is [`lower_qskinny`]'s. Without a
+/// prologue or an activation this is [`lower_qskinny`] itself.
+///
+/// Entries: `qskinny_fused_norm_<type>_t<tp>_r<mt>_bf16_<out>` and
+/// `qskinny_fused_<type>_t<tp>_r2_bf16_bf16` (an activation without the
+/// prologue).
+#[allow(clippy::too_many_arguments)]
+pub fn lower_qskinny_fused(
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    out: DType,
+    bufs: &QGemvBufs,
+    f: &QFusion,
+    w_const: bool,
+    pdl: bool,
+) -> Result<Vec<KernelLaunch>, QLowerError> {
+    let (c, out_n) = check_fused(q, n, k, t, out, bufs, f)?;
+    if f.norm.is_none() && f.act.is_none() {
+        return lower_qskinny(q, n, k, t, out, bufs, w_const, pdl);
+    }
+    let name = if f.norm.is_some() {
+        "fused_norm"
+    } else {
+        "fused"
+    };
+    let mut launches = Vec::new();
+    let mut t0 = 0u64;
+    while t0 < t {
+        let tokens = (t - t0).min(32);
+        let g = SkinnyGeometry::of(q, "fused_matmul", n, k, tokens, f.act.is_some())?;
         launches.push(KernelLaunch {
             module: QSKINNY_MODULE.into(),
-            entry: format!("qskinny_{}_t{tp}_r{mt}_bf16_{os}", stem(q)),
-            grid: [grid, 1, 1],
-            block: [32 * warps as u32, 1, 1],
-            shared_bytes: (warps * mt * (tp / 8) * 4 * 32 * 4) as u32,
-            params: c.params(bufs, n, k, t0, tokens, w_const),
+            entry: format!(
+                "qskinny_{name}_{}_t{}_r{}_bf16_{}",
+                stem(q),
+                g.tp,
+                g.mt,
+                c.os
+            ),
+            grid: [g.grid, 1, 1],
+            block: [32 * g.warps as u32, 1, 1],
+            shared_bytes: g.shared_bytes(),
+            params: c.fused_params(bufs, f, (n, k, out_n), t0, tokens, w_const),
             pdl,
         });
         t0 += tokens;
@@ -1237,6 +1582,229 @@ mod tests {
                 assert!(k.is_multiple_of(unit), "{q:?} K = {k}");
             }
         }
+    }
+
+    fn norm_at(offset: u64, k: u64) -> QNorm {
+        QNorm {
+            weight: BufRef {
+                region: Region::Weight(7),
+                offset,
+                bytes: k * 2,
+            },
+            eps: 1e-5,
+            unit_offset: false,
+        }
+    }
+
+    /// The fused entries of both kernels: names from the prologue and the
+    /// epilogue, the norm weight after the bias, `eps`, `unit_offset` and
+    /// the mode last, and each launch's x, residual and out offset by its
+    /// first token (out in result rows: `n / 2` wide under an activation).
+    #[test]
+    fn fused_launches_name_their_prologue_and_epilogue_and_offset_every_operand_per_launch() {
+        let (n, k) = (1000u64, 512u64);
+        for q in QUANT_TYPES {
+            for (act, norm, residual, od) in [
+                (None, true, false, DType::F32),
+                (Some(QAct::Silu), true, false, DType::BF16),
+                (Some(QAct::GeluTanh), false, false, DType::BF16),
+                (None, true, true, DType::BF16),
+            ] {
+                let f = QFusion {
+                    norm: norm.then(|| norm_at(1 << 12, k)),
+                    act,
+                };
+                let out_n = if act.is_some() { n / 2 } else { n };
+                let mut b = bufs(70, n, k, q);
+                if residual {
+                    b.residual = Some(buf(1 << 27, 70 * n * 2));
+                }
+                let os = if od == DType::F32 { "f32" } else { "bf16" };
+                let name = if norm { "fused_norm" } else { "fused" };
+                let mode = match (act, residual) {
+                    (Some(QAct::Silu), _) => 1,
+                    (Some(QAct::GeluTanh), _) => 2,
+                    (None, true) => 3,
+                    (None, false) => 0,
+                };
+                for (t, skinny) in [
+                    (1u64, false),
+                    (3, false),
+                    (19, false),
+                    (2, true),
+                    (70, true),
+                ] {
+                    let what = format!("{q:?} t={t} skinny={skinny} act={act:?} norm={norm}");
+                    let ls = if skinny {
+                        lower_qskinny_fused(q, n, k, t, od, &b, &f, true, true)
+                    } else {
+                        lower_qgemv_fused(q, n, k, t, od, &b, &f, true, false)
+                    }
+                    .unwrap();
+                    let per = if skinny { 32 } else { 8 };
+                    assert_eq!(ls.len() as u64, t.div_ceil(per), "{what}");
+                    let lay = layout(q, n, k).unwrap();
+                    for (i, l) in ls.iter().enumerate() {
+                        let t0 = per * i as u64;
+                        let tokens = (t - t0).min(per);
+                        let kern = if skinny { "qskinny" } else { "qgemv" };
+                        assert!(
+                            l.entry.starts_with(&format!("{kern}_{name}_{}_t", stem(q))),
+                            "{what}: {}",
+                            l.entry
+                        );
+                        assert!(l.entry.ends_with(&format!("_bf16_{os}")), "{what}");
+                        let all = if skinny {
+                            qskinny_entry_points()
+                        } else {
+                            entry_points()
+                        };
+                        assert!(all.contains(&l.entry), "{what}: {}", l.entry);
+                        assert_eq!(l.params.len(), 17, "{what}");
+                        assert_eq!(param_buf(l, 0).offset, t0 * k * 2, "{what}");
+                        match f.norm {
+                            Some(nm) => assert_eq!(param_buf(l, 4), nm.weight, "{what}"),
+                            None => assert_eq!(l.params[4], LaunchParam::Null, "{what}"),
+                        }
+                        if residual {
+                            assert_eq!(param_buf(l, 5).offset, (1 << 27) + t0 * n * 2);
+                        } else {
+                            assert_eq!(l.params[5], LaunchParam::Null, "{what}");
+                        }
+                        let osz = od.size() as u64;
+                        assert_eq!(
+                            param_buf(l, 6).offset,
+                            (1 << 28) + t0 * out_n * osz,
+                            "{what}"
+                        );
+                        assert_eq!(param_i32(l, 7) as u64, tokens, "{what}");
+                        assert_eq!(param_i32(l, 8) as u64, n, "{what}");
+                        for r in 0..3 {
+                            assert_eq!(l.params[11 + r], LaunchParam::I64(lay.offsets[r] as i64));
+                        }
+                        let eps = if norm { 1e-5 } else { 0.0 };
+                        assert_eq!(l.params[14], LaunchParam::F32(eps), "{what}");
+                        assert_eq!(l.params[16], LaunchParam::I32(mode), "{what}");
+                        if skinny {
+                            let (suffix, grid, threads, shared) = skinny_geometry(q, n, k, tokens);
+                            if act.is_some() {
+                                // Gate and up tiles in every block: two tiles
+                                // of 16 rows, n / 2 outputs, at most 8 warps.
+                                assert!(l.entry.contains("_r2_"), "{what}");
+                                assert_eq!(l.grid, [(n / 2).div_ceil(16) as u32, 1, 1]);
+                                assert!(l.block[0] <= 256, "{what}");
+                                let tp = tokens.div_ceil(8) * 8;
+                                let warps = l.block[0] as u64 / 32;
+                                assert_eq!(l.shared_bytes as u64, warps * 2 * tp / 8 * 512);
+                            } else {
+                                assert!(l.entry.contains(&suffix), "{what}");
+                                assert_eq!((l.grid[0], l.block[0]), (grid, threads), "{what}");
+                                assert_eq!(l.shared_bytes, shared, "{what}");
+                            }
+                        } else {
+                            let rows = if act.is_some() { 8 } else { 16 };
+                            assert_eq!(l.grid, [out_n.div_ceil(rows) as u32, 1, 1], "{what}");
+                            assert_eq!(l.block, [QGEMV_THREADS, 1, 1]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_lowerings_without_a_prologue_or_activation_are_the_plain_launches() {
+        let (n, k, t) = (300u64, 256u64, 5u64);
+        for q in QUANT_TYPES {
+            let mut b = bufs(t, n, k, q);
+            b.residual = Some(buf(1 << 27, t * n * 2));
+            let none = QFusion::default();
+            assert_eq!(
+                lower_qgemv_fused(q, n, k, t, DType::BF16, &b, &none, true, true),
+                lower_qgemv(q, n, k, t, DType::BF16, &b, true, true)
+            );
+            assert_eq!(
+                lower_qskinny_fused(q, n, k, t, DType::BF16, &b, &none, true, true),
+                lower_qskinny(q, n, k, t, DType::BF16, &b, true, true)
+            );
+        }
+    }
+
+    #[test]
+    fn fused_lowerings_refuse_what_their_kernels_cannot_run_and_say_why() {
+        let (n, k) = (64u64, 256u64);
+        let q = QuantType::Q4K;
+        let silu = QFusion {
+            norm: Some(norm_at(0, k)),
+            act: Some(QAct::Silu),
+        };
+        let normed = QFusion {
+            norm: Some(norm_at(0, k)),
+            act: None,
+        };
+        let ok = bufs(4, n, k, q);
+        for skinny in [false, true] {
+            let lower = |n: u64, k: u64, od: DType, b: &QGemvBufs, f: &QFusion| {
+                if skinny {
+                    lower_qskinny_fused(q, n, k, 4, od, b, f, true, false)
+                } else {
+                    lower_qgemv_fused(q, n, k, 4, od, b, f, true, false)
+                }
+                .map_err(|e| e.to_string())
+            };
+            assert!(lower(n, k, DType::BF16, &ok, &silu).is_ok());
+            let e = lower(n, k, DType::F32, &ok, &silu).unwrap_err();
+            assert!(
+                e.contains("f32 result is only possible without an epilogue"),
+                "{e}"
+            );
+            let mut res = ok;
+            res.residual = Some(buf(1 << 27, 4 * n * 2));
+            let e = lower(n, k, DType::F32, &res, &normed).unwrap_err();
+            assert!(e.contains("f32 result"), "{e}");
+            let e = lower(n, k, DType::BF16, &res, &silu).unwrap_err();
+            assert!(e.contains("cannot share one launch"), "{e}");
+            let e = lower(63, k, DType::BF16, &ok, &silu).unwrap_err();
+            assert!(e.contains("even number"), "{e}");
+            let e = lower(n, 320, DType::BF16, &ok, &silu).unwrap_err();
+            assert!(e.contains("multiple of 256"), "{e}");
+            let short = QFusion {
+                norm: Some(QNorm {
+                    weight: BufRef {
+                        bytes: k * 2 - 2,
+                        ..norm_at(0, k).weight
+                    },
+                    ..norm_at(0, k)
+                }),
+                act: None,
+            };
+            let e = lower(n, k, DType::BF16, &ok, &short).unwrap_err();
+            assert!(e.contains("norm weight needs 512 bytes"), "{e}");
+            let odd = QFusion {
+                norm: Some(norm_at(8, k)),
+                act: None,
+            };
+            let e = lower(n, k, DType::BF16, &ok, &odd).unwrap_err();
+            assert!(e.contains("16-byte aligned"), "{e}");
+            // Under an activation out holds n / 2 columns, not n.
+            let mut half = ok;
+            half.out.bytes = 4 * (n / 2) * 2;
+            assert!(lower(n, k, DType::BF16, &half, &silu).is_ok());
+            half.out.bytes -= 2;
+            let e = lower(n, k, DType::BF16, &half, &silu).unwrap_err();
+            assert!(e.contains("out needs"), "{e}");
+        }
+    }
+
+    #[test]
+    fn every_entry_point_is_listed_once() {
+        for list in [entry_points(), qskinny_entry_points()] {
+            let set: std::collections::BTreeSet<&String> = list.iter().collect();
+            assert_eq!(set.len(), list.len());
+        }
+        // Plain, fused and gather entries of qgemv; plain and fused of qskinny.
+        assert_eq!(entry_points().len(), 8 * (8 + 12 + 1));
+        assert_eq!(qskinny_entry_points().len(), 8 * (16 + 20));
     }
 
     #[test]

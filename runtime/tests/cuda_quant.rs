@@ -6,7 +6,10 @@
 //! decodes the repacked layout (`dequantize_repacked`, bitwise equal to
 //! GGUF's own dequantizer: `tests/quant_repack.rs`) and multiplies in f64;
 //! poisoned outputs; the same kernels captured once and replayed with new
-//! activations every step; and an ignored benchmark at Llama-3-8B shapes.
+//! activations every step; the fused entries (`fused_matmul`: the RMSNorm
+//! prologue, SiLU/GELU*up and residual epilogues) against the unfused
+//! sequence on the host (the tests named `quantized_fused_*`); and an
+//! ignored benchmark at Llama-3-8B shapes.
 //!
 //! Every test skips without a CUDA device unless `KILN_REQUIRE_CUDA=1`.
 #![cfg(feature = "cuda")]
@@ -20,8 +23,8 @@ use kiln_compiler::gguf::types::GgmlType;
 use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Region};
 use kiln_ir::{DType, Key, Op, TensorType};
 use kiln_kernels::quant_gpu::{
-    dequantize_repacked, lower_qgather, lower_qgemv, lower_qskinny, repack, QGemvBufs, QuantType,
-    QUANT_TYPES,
+    dequantize_repacked, lower_qgather, lower_qgemv, lower_qgemv_fused, lower_qskinny,
+    lower_qskinny_fused, repack, QAct, QFusion, QGemvBufs, QNorm, QuantType, QUANT_TYPES,
 };
 use kiln_runtime::backend::{
     Backend, DevOperand, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
@@ -501,6 +504,397 @@ fn quantized_skinny_gemm_under_capture_and_replay_follows_changing_inputs() {
             let got = download(&mut b, &c.out);
             check_gemv(
                 &format!("qskinny {q:?} replay step {step} t={t}"),
+                &w,
+                &c,
+                &x,
+                &got,
+            );
+        }
+        assert_eq!(b.counters().graphs.replays() - before, 4);
+        b.destroy_graph(graph).unwrap();
+    }
+}
+
+// ------------------------------------------------------------ fused_matmul
+
+/// What a fused case folds into the GEMM (`fused_matmul`'s prologue and
+/// epilogue).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fused {
+    /// RMSNorm prologue, no epilogue, a bf16 result.
+    Norm,
+    /// RMSNorm prologue and SiLU*up.
+    NormSilu,
+    /// Gemma's (1 + w) RMSNorm prologue and GELU-tanh*up.
+    NormGeluUnit,
+    /// RMSNorm prologue and the residual add.
+    NormResidual,
+    /// RMSNorm prologue, an f32 result (the final norm + lm_head).
+    NormF32,
+}
+
+const FUSED: [Fused; 5] = [
+    Fused::Norm,
+    Fused::NormSilu,
+    Fused::NormGeluUnit,
+    Fused::NormResidual,
+    Fused::NormF32,
+];
+
+impl Fused {
+    fn act(self) -> Option<QAct> {
+        match self {
+            Fused::NormSilu => Some(QAct::Silu),
+            Fused::NormGeluUnit => Some(QAct::GeluTanh),
+            _ => None,
+        }
+    }
+    fn out(self) -> DType {
+        if self == Fused::NormF32 {
+            DType::F32
+        } else {
+            DType::BF16
+        }
+    }
+}
+
+/// The inputs of one fused case on the device and the host.
+struct FusedCase {
+    t: u64,
+    kind: Fused,
+    unit_offset: bool,
+    eps: f32,
+    x: DevOperand,
+    norm_w: (DevOperand, HT),
+    bias: Option<(DevOperand, HT)>,
+    res: Option<(DevOperand, HT)>,
+    out: DevOperand,
+}
+
+fn fused_case(
+    b: &mut CudaBackend,
+    r: &mut Rng,
+    w: &DevWeight,
+    t: u64,
+    kind: Fused,
+    bias: bool,
+) -> FusedCase {
+    let (n, k) = (w.n as u32, w.k as u32);
+    let unit_offset = kind == Fused::NormGeluUnit;
+    // x far from unit RMS (the norm matters), norm weights around 1 (or
+    // around 0 under the unit offset, as Gemma stores them).
+    let x = put(b, &HT::random(r, DType::BF16, &[t as u32, k], 3.0));
+    let nw = HT::floats(
+        DType::BF16,
+        &[k],
+        (0..k)
+            .map(|_| {
+                let v = r.uniform() * 0.5;
+                if unit_offset {
+                    v
+                } else {
+                    1.0 + v
+                }
+            })
+            .collect(),
+    );
+    let norm_w = (put(b, &nw), nw);
+    let bias = bias.then(|| {
+        let h = HT::random(r, DType::BF16, &[n], 0.5);
+        (put(b, &h), h)
+    });
+    let res = (kind == Fused::NormResidual).then(|| {
+        let h = HT::random(r, DType::BF16, &[t as u32, n], 2.0);
+        (put(b, &h), h)
+    });
+    let out_n = if kind.act().is_some() { n / 2 } else { n };
+    let out = poisoned(b, &TensorType::new(kind.out(), vec![t as u32, out_n]));
+    FusedCase {
+        t,
+        kind,
+        unit_offset,
+        eps: 1e-5,
+        x,
+        norm_w,
+        bias,
+        res,
+        out,
+    }
+}
+
+/// The launch of `c` on `kern`'s fused entries.
+fn fused_launch(b: &CudaBackend, w: &DevWeight, c: &FusedCase, kern: Kern) -> Launch {
+    let bufs = QGemvBufs {
+        x: abs(&c.x),
+        w: abs(&w.w),
+        scale: w.scale.as_ref().map(abs),
+        bias: c.bias.as_ref().map(|(d, _)| abs(d)),
+        residual: c.res.as_ref().map(|(d, _)| abs(d)),
+        out: abs(&c.out),
+    };
+    let f = QFusion {
+        norm: Some(QNorm {
+            weight: abs(&c.norm_w.0),
+            eps: c.eps,
+            unit_offset: c.unit_offset,
+        }),
+        act: c.kind.act(),
+    };
+    let (q, n, k, t, od) = (w.q, w.n, w.k, c.t, c.kind.out());
+    let ks = match kern {
+        Kern::Gemv => lower_qgemv_fused(q, n, k, t, od, &bufs, &f, true, b.pdl()),
+        Kern::Skinny => lower_qskinny_fused(q, n, k, t, od, &bufs, &f, true, b.pdl()),
+    }
+    .unwrap();
+    for l in &ks {
+        assert!(l.entry.contains("_fused_norm_"), "{}", l.entry);
+    }
+    let mut args = vec![c.x.clone(), w.w.clone()];
+    args.extend(w.scale.clone());
+    args.extend(c.bias.as_ref().map(|(d, _)| d.clone()));
+    args.push(c.norm_w.0.clone());
+    args.extend(c.res.as_ref().map(|(d, _)| d.clone()));
+    launch_of(
+        if kern == Kern::Gemv {
+            "qgemv_fused"
+        } else {
+            "qskinny_fused"
+        },
+        &ks,
+        args,
+        c.out.clone(),
+    )
+}
+
+/// Relative error allowed in the device's inverse RMS (f32 sum of squares
+/// over up to 4128 terms in another order, sqrt and divide): an element
+/// whose normalized value lies this close to a bf16 rounding boundary may
+/// round to either neighbour.
+const INV_RMS_REL: f64 = 1.0 / 16384.0;
+
+/// The unfused prologue on the host: each row's inverse RMS in f64, the
+/// normed rows `bf16(x * inv * w)` (w + 1 in f32 under the unit offset, as
+/// the kernels and `cpu::norm` form it), and per element how far the
+/// device may land from it (0 unless the value is within
+/// [`INV_RMS_REL`] of a rounding boundary: then the other neighbour).
+fn host_normed(c: &FusedCase, x: &HT, k: usize) -> (Vec<f64>, Vec<f64>) {
+    let nw = &c.norm_w.1;
+    let mut xn = vec![0f64; x.f.len()];
+    let mut amb = vec![0f64; x.f.len()];
+    for t in 0..c.t as usize {
+        let row = &x.f[t * k..(t + 1) * k];
+        let ss: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let inv = 1.0 / (ss / k as f64 + f64::from(c.eps)).sqrt();
+        for e in 0..k {
+            let g = if c.unit_offset {
+                1.0f32 + nw.f[e]
+            } else {
+                nw.f[e]
+            };
+            let v = f64::from(row[e]) * inv * f64::from(g);
+            let round = |v: f64| f64::from(bf16::from_f64(v).to_f32());
+            let mid = round(v);
+            let lo = round(v * (1.0 - INV_RMS_REL));
+            let hi = round(v * (1.0 + INV_RMS_REL));
+            xn[t * k + e] = mid;
+            amb[t * k + e] = (lo - mid).abs().max((hi - mid).abs());
+        }
+    }
+    (xn, amb)
+}
+
+/// Checks a fused case against the unfused sequence computed on the host
+/// from the decoded weight: the prologue as [`host_normed`], the product in
+/// f64, then the epilogue with the unfused ops' rounding points.
+///
+/// Bound per element, extending [`check_gemv`]'s: each product sum may be
+/// off by 2^-14 sum_k |xn w| (f32 accumulation) plus sum_k amb_k |w_k|
+/// (normalized elements on a rounding boundary); a sum the unfused
+/// sequence rounds to bf16 (y before the residual, g and u before the
+/// activation) may land a full ulp (2^-7) away; the activation moves that
+/// by at most 1.13 |u| |dg| + |act(g)| |du| + |dg du| (|silu'|, |gelu'| <=
+/// 1.13); the result's own bf16 rounding adds 2^-8 |want|.
+fn check_fused(what: &str, w: &DevWeight, c: &FusedCase, x: &HT, got: &HT) {
+    let (n, k) = (w.n as usize, w.k as usize);
+    let (xn, amb) = host_normed(c, x, k);
+    let act = c.kind.act();
+    let out_n = if act.is_some() { n / 2 } else { n };
+    // The product of token t with row `row`, its bias, and its error bound.
+    let dot = |t: usize, row: usize| {
+        let (mut acc, mut bound) = (0f64, 1e-6);
+        let mut mag = 0f64;
+        for e in 0..k {
+            let wv = f64::from(w.deq[row * k + e]);
+            let p = xn[t * k + e] * wv;
+            acc += p;
+            mag += p.abs();
+            bound += amb[t * k + e] * wv.abs();
+        }
+        if let Some((_, bh)) = &c.bias {
+            acc += f64::from(bh.f[row]);
+        }
+        (acc, bound + 2f64.powi(-14) * mag)
+    };
+    let rb = |v: f64| f64::from(bf16::from_f64(v).to_f32());
+    let mut worst = 0f64;
+    for t in 0..c.t as usize {
+        for j in 0..out_n {
+            let (want, mut bound) = match act {
+                Some(a) => {
+                    let (ga, gb) = dot(t, j);
+                    let (ua, ub) = dot(t, j + out_n);
+                    let (g, u) = (rb(ga), rb(ua));
+                    let dg = gb + 2f64.powi(-7) * g.abs();
+                    let du = ub + 2f64.powi(-7) * u.abs();
+                    let f = match a {
+                        QAct::Silu => g / (1.0 + (-g).exp()),
+                        QAct::GeluTanh => {
+                            let k0 = (2.0 / std::f64::consts::PI).sqrt();
+                            0.5 * g * (1.0 + (k0 * (g + 0.044715 * g * g * g)).tanh())
+                        }
+                    };
+                    // The activation in f32 (expf / tanhf): a few ulps.
+                    let b = 1.13 * u.abs() * dg + f.abs() * du + 1.13 * dg * du;
+                    (f * u, b + 2f64.powi(-20) * (f * u).abs())
+                }
+                None => {
+                    let (y, b) = dot(t, j);
+                    match &c.res {
+                        Some((_, rh)) => {
+                            let r1 = rb(y);
+                            (
+                                r1 + f64::from(rh.f[t * n + j]),
+                                b + 2f64.powi(-7) * r1.abs(),
+                            )
+                        }
+                        None => (y, b),
+                    }
+                }
+            };
+            if c.kind.out() == DType::BF16 {
+                bound += 2f64.powi(-8) * want.abs();
+            }
+            let g = f64::from(got.f[t * out_n + j]);
+            let err = (g - want).abs();
+            assert!(
+                err <= bound,
+                "{what}: y[{t}, {j}] = {g}, want {want} (error {err:.3e} > bound {bound:.3e})"
+            );
+            worst = worst.max(err / bound);
+        }
+    }
+    eprintln!("{what}: worst error / bound = {worst:.3}");
+}
+
+/// Both kernels' fused entries (the RMSNorm prologue, plain and Gemma's
+/// (1 + w), with no epilogue, SiLU*up, GELU-tanh*up, the residual add and
+/// an f32 result) for every type, at T = 1, 3, 8, 17 and 32 (the GEMV at up
+/// to 17 tokens, its 8-token loop included; the tensor-core GEMM from 3 on
+/// sm_80+), K a few blocks and a long row, N not a multiple of 16 (37
+/// outputs under the activations) and large; outputs poisoned; against the
+/// unfused sequence on the host ([`check_fused`]). The reference is not
+/// the CPU backend's `fused_matmul`: its quantized matmul rounds x to int8
+/// (`cpu::qmatmul`), an error far above the GPU kernels' bound; the host
+/// sequence here has the CPU backend's rounding points and the decoded
+/// weight exactly.
+#[test]
+fn quantized_fused_gemms_match_the_unfused_sequence_for_every_type_prologue_and_epilogue() {
+    let Some(mut b) = gpu() else { return };
+    let tensor_cores = b.sm() >= 80;
+    let mut r = Rng::new(31);
+    let mut cases = 0;
+    for (qi, q) in QUANT_TYPES.into_iter().enumerate() {
+        for (si, (n, k)) in [(74u64, ks(q)[1]), (600, ks(q)[2])].into_iter().enumerate() {
+            let w = weight(&mut b, q, n, k, 8000 + 10 * qi as u64 + si as u64);
+            for (fi, kind) in FUSED.into_iter().enumerate() {
+                for t in [1u64, 3, 8, 17, 32] {
+                    let bias = (t as usize + fi + si) % 2 == 1;
+                    let c = fused_case(&mut b, &mut r, &w, t, kind, bias);
+                    let mut kerns = Vec::new();
+                    if t <= 17 {
+                        kerns.push(Kern::Gemv);
+                    }
+                    if t >= 3 && tensor_cores {
+                        kerns.push(Kern::Skinny);
+                    }
+                    for kern in kerns {
+                        let l = fused_launch(&b, &w, &c, kern);
+                        b.upload(c.out.ptr, &vec![0xff; c.out.ty.size_bytes() as usize])
+                            .unwrap();
+                        b.prepare(&l).unwrap();
+                        b.launch(&l).unwrap();
+                        b.synchronize().unwrap();
+                        let x = download(&mut b, &c.x);
+                        let got = download(&mut b, &c.out);
+                        check_fused(
+                            &format!(
+                                "fused {kern:?} {q:?} {kind:?} [{t},{k}]x[{n},{k}]^T bias={bias}"
+                            ),
+                            &w,
+                            &c,
+                            &x,
+                            &got,
+                        );
+                        cases += 1;
+                    }
+                    for d in [Some(&c.x), Some(&c.norm_w.0), Some(&c.out)]
+                        .into_iter()
+                        .chain([c.bias.as_ref().map(|p| &p.0), c.res.as_ref().map(|p| &p.0)])
+                        .flatten()
+                    {
+                        let _ = b.free(d.ptr);
+                    }
+                }
+            }
+            let _ = b.free(w.w.ptr);
+        }
+    }
+    let per_shape = if tensor_cores { 4 + 4 } else { 4 };
+    assert_eq!(cases, 8 * 2 * 5 * per_shape);
+}
+
+/// Each type's fused GEMM (norm + SiLU*up; the GEMV at one token, the
+/// tensor-core GEMM above where it applies) captured once and replayed
+/// with a new x and a new norm weight every step: each replay matches the
+/// host reference on that step's inputs, and the replay counter moves.
+#[test]
+fn quantized_fused_gemms_under_capture_and_replay_follow_changing_inputs() {
+    let Some(mut b) = gpu() else { return };
+    let tensor_cores = b.sm() >= 80;
+    let mut r = Rng::new(32);
+    for (qi, q) in QUANT_TYPES.into_iter().enumerate() {
+        let (n, k, t) = (1000u64, ks(q)[2], [1u64, 9, 32][qi % 3]);
+        let kern = if t >= 2 && tensor_cores {
+            Kern::Skinny
+        } else {
+            Kern::Gemv
+        };
+        let w = weight(&mut b, q, n, k, 9000 + qi as u64);
+        let mut c = fused_case(&mut b, &mut r, &w, t, Fused::NormSilu, true);
+        let l = fused_launch(&b, &w, &c, kern);
+        b.prepare(&l).unwrap();
+        b.begin_capture(Key::new(t as u32, 1, 0)).unwrap();
+        b.launch(&l).unwrap();
+        let graph = b.end_capture().unwrap();
+        let before = b.counters().graphs.replays();
+        for step in 0..4 {
+            let x = HT::random(
+                &mut r,
+                DType::BF16,
+                &[t as u32, k as u32],
+                1.0 + step as f32,
+            );
+            b.upload(c.x.ptr, &x.bytes()).unwrap();
+            let nw = HT::random(&mut r, DType::BF16, &[k as u32], 2.0);
+            b.upload(c.norm_w.0.ptr, &nw.bytes()).unwrap();
+            c.norm_w.1 = nw;
+            b.upload(c.out.ptr, &vec![0xff; c.out.ty.size_bytes() as usize])
+                .unwrap();
+            b.replay(graph).unwrap();
+            b.synchronize().unwrap();
+            let got = download(&mut b, &c.out);
+            check_fused(
+                &format!("fused {kern:?} {q:?} replay step {step} t={t}"),
                 &w,
                 &c,
                 &x,

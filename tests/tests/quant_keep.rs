@@ -407,6 +407,91 @@ fn a_kept_plan_for_a_gpu_lowers_its_quantized_weights_to_qgemv_and_qskinny_launc
     kiln_ir::validate(&plan).unwrap();
 }
 
+/// Every kernel launch of each key of `plan`: (key, entries in order).
+fn launches_per_key(plan: &kiln_ir::plan::Plan) -> Vec<(Key, Vec<String>)> {
+    plan.keys
+        .iter()
+        .map(|kp| {
+            let mut v = Vec::new();
+            for op in &kp.ops {
+                match &op.lowering {
+                    kiln_ir::plan::Lowering::Kernels(ls) => {
+                        v.extend(ls.iter().map(|l| l.entry.clone()))
+                    }
+                    other => v.push(format!("{other:?}")),
+                }
+            }
+            (kp.key, v)
+        })
+        .collect()
+}
+
+/// `--fused-gemv` on a kept Q4_K plan for CUDA sm_90: every key folds the
+/// norms into the GEMMs that read them and SiLU*up into the gate/up GEMM
+/// (the quantized fused entries, qgemv at one token and qskinny at eight,
+/// gate and up tiles paired), so each key launches fewer kernels; without
+/// the option nothing is fused (the opt-in is the dense fused GEMV's).
+#[test]
+fn a_kept_q4_k_plan_for_a_gpu_fuses_its_norms_and_silu_into_the_quantized_gemms_only_when_asked() {
+    let model = TinyLlama {
+        hidden: 256,
+        ffn: 256,
+        matrix_type: GgmlType::Q4K,
+        embed_type: GgmlType::Q6K,
+        ..TinyLlama::default()
+    };
+    let im = import_both(&model);
+    let compile = |fused_gemv: bool| {
+        let opts = CompileOptions {
+            target: kiln_ir::plan::Target::Cuda { sm: 90 },
+            fused_gemv,
+            ..opts()
+        };
+        let plan = compile_dir(&im.kept, &opts, &mut |_, _| {}).unwrap().plan;
+        kiln_ir::validate(&plan).unwrap();
+        plan
+    };
+    let (plain, fused) = (compile(false), compile(true));
+    let fused_ops = |p: &kiln_ir::plan::Plan| {
+        p.keys
+            .iter()
+            .flat_map(|k| &k.ops)
+            .filter(|o| matches!(o.op, kiln_ir::Op::FusedMatMul { .. }))
+            .count()
+    };
+    assert_eq!(fused_ops(&plain), 0);
+    assert!(fused_ops(&fused) > 0);
+    let (lp, lf) = (launches_per_key(&plain), launches_per_key(&fused));
+    for ((key, p), (_, f)) in lp.iter().zip(&lf) {
+        assert!(
+            !p.iter().any(|e| e.contains("fused")),
+            "{key}: the plain plan launches {p:?}"
+        );
+        // At least the two norms and the SiLU of each layer are gone.
+        assert!(
+            f.len() + 3 * model.layers <= p.len(),
+            "{key}: {} launches fused, {} plain\n{f:?}",
+            f.len(),
+            p.len()
+        );
+        let want = if key.query == 1 {
+            "qgemv_fused_norm_q4k_t1_bf16_bf16"
+        } else {
+            "qskinny_fused_norm_q4k_t8_r2_bf16_bf16"
+        };
+        assert!(
+            f.iter().any(|e| e == want),
+            "{key}: {want} missing from {f:?}"
+        );
+        // No rms_norm or silu_mul kernel is left between the GEMMs.
+        assert!(!f.iter().any(|e| e.starts_with("silu_mul")), "{key}: {f:?}");
+    }
+    // The fused plan's quantized weights still run only qgemv / qskinny.
+    for kp in &fused.keys {
+        assert_eq!(kp.workspace_bytes, 0, "{}", kp.key);
+    }
+}
+
 #[test]
 fn an_fp8_plan_of_a_bf16_model_decodes_like_the_bf16_plan_and_reports_its_stored_bytes() {
     let im = import_both(&TinyLlama::default());

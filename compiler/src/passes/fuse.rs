@@ -479,8 +479,12 @@ impl Fusable {
     }
 
     /// Whether `target`'s kernels run this fused matmul: always on the CPU
-    /// (its reference is the unfused sequence); on a GPU what the fused
-    /// GEMV's catalog entry accepts (T <= 8, bf16/f16, K % 8 == 0).
+    /// (its reference is the unfused sequence); on a GPU what the kernel
+    /// catalog's [`kiln_kernels::gpu::fused_matmul_runs`] accepts (the
+    /// check the lowering makes): the dense fused GEMV for keys of up to
+    /// [`GPU_FUSE_MAX_TOKENS`] tokens, and for a weight kept quantized the
+    /// qgemv / qskinny fused entries at any token count (the unfused
+    /// quantized matmul runs the same kernels, never cuBLASLt).
     fn runs_on(&self, ed: &Editor, target: &Target) -> bool {
         let tys: Vec<TensorType> = self.args().iter().map(|&v| ed.g.ty(v).clone()).collect();
         if self.op().infer(&tys).is_err() {
@@ -489,9 +493,10 @@ impl Fusable {
         match target {
             Target::Cpu => true,
             Target::Cuda { .. } | Target::Hip { .. } => {
+                let quantized = tys.get(1).is_some_and(|w| w.storage.is_some());
                 let tokens = tys.first().and_then(|x| x.shape.dims().first().copied());
-                tokens.is_some_and(|t| t <= GPU_FUSE_MAX_TOKENS)
-                    && kiln_kernels::gpu::fused_matmul_call(&self.op(), &tys, true).is_ok()
+                (quantized || tokens.is_some_and(|t| t <= GPU_FUSE_MAX_TOKENS))
+                    && kiln_kernels::gpu::fused_matmul_runs(&self.op(), &tys, target).is_ok()
             }
         }
     }
