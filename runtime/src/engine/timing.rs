@@ -123,6 +123,7 @@ impl StepProfile {
 /// `PROFILE_WINDOW + 1` marks stay live at once, fewer than the 64 events
 /// a GPU backend keeps.
 pub const PROFILE_WINDOW: usize = 32;
+const _: () = assert!((PROFILE_WINDOW as u64) < crate::gpu::EVENT_RING);
 
 /// The kernel class of each launch of `op`, in stream order: `module.entry`
 /// of a kernel (the entry keeps its dtype and tile suffix, e.g.
