@@ -151,8 +151,9 @@ pub fn launch_classes(op: &PlanOp) -> Vec<String> {
 
 /// Bytes `op` moves in one step with every sequence `context` tokens long,
 /// per the planner's cost model applied to one op: each operand read or
-/// written once at its full size (weights included: an op reads its whole
-/// weight, even where another op shares it), except that an `embedding`
+/// written once at its full size (weights included, quantized ones at
+/// their stored size as `kiln bench`'s HBM floor counts them: an op reads
+/// its whole weight, even where another op shares it), except that an `embedding`
 /// reads only the table rows it gathers, KV cache operands count only the
 /// rows touched (attention reads K and V of every context position of each
 /// sequence, or of its sliding window; a KV write writes K and V of each
@@ -173,7 +174,7 @@ pub fn op_bytes(op: &PlanOp, kv: &KvLayout, context: u32) -> u64 {
         total += if op.op == Op::Embedding && i == 1 {
             op.results.first().map_or(0, |r| r.ty.size_bytes())
         } else {
-            a.ty.size_bytes()
+            a.ty.stored_bytes()
         };
     }
     total += op
