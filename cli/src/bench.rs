@@ -12,6 +12,21 @@
 //! backend measures one), capture time, and arena/workspace bytes, as a table
 //! and as JSON.
 //!
+//! `--profile` adds, per key, a table by kernel class from
+//! [`Engine::profile_ops`]: eager steps with a timing mark around every
+//! planned op, each op's median time summed per class (the kernel entry
+//! with its dtype and tile suffix, e.g. `gemv.gemv_t1_bf16_bf16`; an op of
+//! several launches is one class, its entries joined by ` + `): launches
+//! and microseconds per step, share of the profiled step, microseconds per
+//! launch, and the bytes the cost model says the class moves over its time
+//! (GB/s and percent of the measured copy bandwidth: the share of DRAM
+//! peak). Marks between ops serialize the launches (no
+//! programmatic-dependent-launch overlap, and the device may wait for the
+//! host between ops), so the profiled step is longer than the replayed one;
+//! the report prints the ratio (sum of profiled ops over the replayed
+//! step). The same rows are the `profile` array of each key in the JSON
+//! (present only with `--profile`; the other fields are unchanged).
+//!
 //! A tensor-parallel plan runs on its ranks (CPU ranks, or GPUs from the
 //! ordinal on) and its rows add the time per replayed step spent inside
 //! collectives, the busiest rank's (`allred ms`, `collective_ms`).
@@ -27,9 +42,9 @@
 use kiln_ir::Key;
 use kiln_runtime::{
     open_backend_ranks, DeviceSpec, Engine, EngineError, EngineOptions, GraphMode, StepMode,
-    Weights,
+    StepProfile, Weights,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 /// Command-line arguments of `kiln bench`.
@@ -63,6 +78,10 @@ pub struct BenchArgs {
     /// needs); an error when it differs from the plan's.
     #[arg(long, value_name = "N")]
     pub tp: Option<u32>,
+    /// Also time every op of each key on its own (eager, a mark around each
+    /// op) and report time and bandwidth per kernel class.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// Why a benchmark could not run.
@@ -108,6 +127,84 @@ pub struct KeyResult {
     /// How many of the key's GEMMs run as each implementation the plan
     /// recorded (`gemv`, `skinny`, `blas`; all zero on the CPU target).
     pub gemms: GemmCounts,
+    /// `--profile`: one row per kernel class, slowest first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub profile: Option<Vec<ClassRow>>,
+    /// `--profile`: the sum of the profiled ops' median times (ms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub profiled_step_ms: Option<f64>,
+    /// `--profile`: `profiled_step_ms` over `replay_ms` (above 1: the marks
+    /// between ops serialize them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub profile_over_replay: Option<f64>,
+}
+
+/// One kernel class of a profiled step (`kiln bench --profile`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ClassRow {
+    /// `module.entry` of the kernel (entries joined by ` + ` for an op of
+    /// several launches; `blas.gemm_<dtype>_<out>` for a vendor GEMM,
+    /// `cpu.<kernel>` for a CPU reference kernel).
+    pub class: String,
+    /// Ops of this class in the step.
+    pub ops: u32,
+    /// Launches per step.
+    pub launches: u32,
+    /// Microseconds per step: the sum of the ops' median times.
+    pub us: f64,
+    /// `us` over the profiled step (the shares sum to 1).
+    pub share: f64,
+    pub us_per_launch: f64,
+    /// Bytes the class moves per step (cost model, at the timed context).
+    pub bytes: u64,
+    /// `bytes` over `us`.
+    pub gbs: f64,
+    /// `gbs` over the measured copy bandwidth, in percent; `None` where the
+    /// backend measures none (the CPU).
+    pub pct_of_copy_bw: Option<f64>,
+}
+
+/// The rows of `profile` grouped by kernel class, slowest first (ties by
+/// name); `copy_gbs` is the measured copy bandwidth, where there is one.
+pub fn class_rows(profile: &StepProfile, copy_gbs: Option<f64>) -> Vec<ClassRow> {
+    let total_us = profile.total_ms() * 1e3;
+    let mut by_class: std::collections::BTreeMap<String, (u32, u32, f64, u64)> =
+        std::collections::BTreeMap::new();
+    for op in &profile.ops {
+        let class = if op.classes.is_empty() {
+            format!("{} (no launch)", op.mnemonic)
+        } else {
+            op.classes.join(" + ")
+        };
+        let e = by_class.entry(class).or_default();
+        e.0 += 1;
+        e.1 += op.classes.len() as u32;
+        e.2 += op.median_ms * 1e3;
+        e.3 += op.bytes;
+    }
+    let mut rows: Vec<ClassRow> = by_class
+        .into_iter()
+        .map(|(class, (ops, launches, us, bytes))| {
+            let gbs = if us > 0.0 {
+                bytes as f64 / (us * 1e3)
+            } else {
+                0.0
+            };
+            ClassRow {
+                class,
+                ops,
+                launches,
+                us,
+                share: if total_us > 0.0 { us / total_us } else { 0.0 },
+                us_per_launch: us / launches.max(1) as f64,
+                bytes,
+                gbs,
+                pct_of_copy_bw: copy_gbs.filter(|b| *b > 0.0).map(|b| 100.0 * gbs / b),
+            }
+        })
+        .collect();
+    rows.sort_by(|a, b| b.us.total_cmp(&a.us).then_with(|| a.class.cmp(&b.class)));
+    rows
 }
 
 /// GEMMs per implementation in one key's plan.
@@ -191,8 +288,44 @@ impl BenchReport {
                 k.workspace_bytes
             ));
         }
+        for k in &self.keys {
+            if let Some(rows) = &k.profile {
+                s.push_str(&profile_table(k, rows));
+            }
+        }
         s
     }
+}
+
+/// One key's `--profile` table.
+fn profile_table(k: &KeyResult, rows: &[ClassRow]) -> String {
+    let mut s = format!(
+        "\nprofile {}: {} launches, profiled step {:.3} ms = {:.2}x the replayed {:.3} ms (marks between ops serialize them)\n",
+        k.key,
+        rows.iter().map(|r| r.launches).sum::<u32>(),
+        k.profiled_step_ms.unwrap_or(0.0),
+        k.profile_over_replay.unwrap_or(0.0),
+        k.replay_ms
+    );
+    s.push_str(&format!(
+        "{:<48} {:>5} {:>8} {:>10} {:>6} {:>9} {:>8} {:>6}\n",
+        "kernel class", "ops", "launches", "us/step", "share", "us/launch", "GB/s", "%copy"
+    ));
+    for r in rows {
+        s.push_str(&format!(
+            "{:<48} {:>5} {:>8} {:>10.1} {:>5.1}% {:>9.2} {:>8.1} {}\n",
+            r.class,
+            r.ops,
+            r.launches,
+            r.us,
+            100.0 * r.share,
+            r.us_per_launch,
+            r.gbs,
+            r.pct_of_copy_bw
+                .map_or(format!("{:>6}", "-"), |p| format!("{p:>5.1}%"))
+        ));
+    }
+    s
 }
 
 /// Bytes one step of `key` must move at `context` tokens per sequence: every
@@ -267,6 +400,12 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
             .map(GemmCounts::of)
             .unwrap_or_default();
         let floor = bw.map(|bw| bytes as f64 / bw * 1e3);
+        let profile = if args.profile {
+            let p = engine.profile_ops(key, args.context, 3, eager_steps)?;
+            Some((class_rows(&p, bw.map(|b| b / 1e9)), p.total_ms()))
+        } else {
+            None
+        };
         results.push(KeyResult {
             key: key.to_string(),
             batch: key.batch,
@@ -287,6 +426,9 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
             arena_bytes: facts.arena_bytes,
             workspace_bytes: facts.workspace_bytes,
             gemms,
+            profiled_step_ms: profile.as_ref().map(|p| p.1),
+            profile_over_replay: profile.as_ref().map(|p| p.1 / r),
+            profile: profile.map(|p| p.0),
         });
     }
     let report = BenchReport {
@@ -347,6 +489,9 @@ mod tests {
                 skinny: 7,
                 blas: 1,
             },
+            profile: None,
+            profiled_step_ms: None,
+            profile_over_replay: None,
         }
     }
 
@@ -385,15 +530,74 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
         assert_eq!(v["keys"][0]["replay_ms"], 0.5);
         assert!(v["keys"][1]["hbm_floor_ms"].is_null());
+        assert!(
+            v["keys"][0].get("profile").is_none() && v["keys"][0].get("profiled_step_ms").is_none(),
+            "without --profile the JSON keeps its old fields only"
+        );
+    }
+
+    fn op(classes: &[&str], ms: f64, bytes: u64) -> kiln_runtime::OpTime {
+        kiln_runtime::OpTime {
+            index: 0,
+            mnemonic: "matmul".into(),
+            kernel: "k".into(),
+            classes: classes.iter().map(|c| c.to_string()).collect(),
+            bytes,
+            median_ms: ms,
+        }
+    }
+
+    /// Two one-launch GEMV ops and one two-launch attention op, with times
+    /// and bytes chosen so every figure is known by hand.
+    #[test]
+    fn class_rows_sum_ops_per_kernel_class_slowest_first_with_bandwidth_against_the_copy_peak() {
+        let gemv = "gemv.gemv_t1_bf16_bf16";
+        let p = StepProfile {
+            key: Key::new(1, 1, 0),
+            context: 512,
+            reps: 5,
+            ops: vec![
+                op(&[gemv], 0.002, 4_000_000),
+                op(
+                    &["attention.split_bf16", "attention.combine_bf16"],
+                    0.006,
+                    1_200_000,
+                ),
+                op(&[gemv], 0.003, 4_000_000),
+            ],
+        };
+        let rows = class_rows(&p, Some(4000.0));
+        assert_eq!(rows.len(), 2);
+        let (a, g) = (&rows[0], &rows[1]);
+        assert_eq!(a.class, "attention.split_bf16 + attention.combine_bf16");
+        assert_eq!((a.ops, a.launches, a.bytes), (1, 2, 1_200_000));
+        assert!((a.us - 6.0).abs() < 1e-9 && (a.us_per_launch - 3.0).abs() < 1e-9);
+        // 1.2 MB in 6 us = 200 GB/s = 5% of 4000 GB/s.
+        assert!((a.gbs - 200.0).abs() < 1e-6, "{a:?}");
+        assert!((a.pct_of_copy_bw.unwrap() - 5.0).abs() < 1e-6);
+        assert_eq!(g.class, gemv);
+        assert_eq!((g.ops, g.launches, g.bytes), (2, 2, 8_000_000));
+        // 8 MB in 5 us = 1600 GB/s = 40%.
+        assert!((g.gbs - 1600.0).abs() < 1e-6, "{g:?}");
+        assert!((g.pct_of_copy_bw.unwrap() - 40.0).abs() < 1e-6);
+        assert!((a.share - 6.0 / 11.0).abs() < 1e-9 && (g.share - 5.0 / 11.0).abs() < 1e-9);
+        // Without a measured copy bandwidth there is no percentage.
+        assert!(class_rows(&p, None)
+            .iter()
+            .all(|r| r.pct_of_copy_bw.is_none()));
     }
 
     fn tiny_plan(dir: &Path, keys: &[Key]) -> PathBuf {
+        tiny_plan_for(dir, keys, Target::Cpu)
+    }
+
+    fn tiny_plan_for(dir: &Path, keys: &[Key], target: Target) -> PathBuf {
         let model = dir.join("model");
         std::fs::create_dir_all(&model).unwrap();
         write_tiny_model(&model, Family::Llama, &TinySpec::for_family(Family::Llama)).unwrap();
         let opts = CompileOptions {
             keys: keys.to_vec(),
-            target: Target::Cpu,
+            target,
             kv: KvOptions {
                 max_context: Some(64),
                 ..KvOptions::default()
@@ -417,6 +621,7 @@ mod tests {
             context: 20,
             json: None,
             tp: None,
+            profile: false,
         }
     }
 
@@ -458,6 +663,154 @@ mod tests {
         bad.keys = vec!["b4q1s0".into()];
         let e = run(&bad).unwrap_err().to_string();
         assert!(e.contains("b4q1s0") && e.contains("b2q1s0"), "{e}");
+    }
+
+    /// `kiln bench --device cpu --profile`: per key one row per kernel class
+    /// of the plan (counted here from the plan's ops), launches adding up to
+    /// the key's, positive times, shares summing to 1, the cost model's
+    /// bytes, and the rows round-trip through the JSON file.
+    #[test]
+    fn profiling_gives_one_row_per_kernel_class_whose_launches_add_up_to_the_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let keys = [Key::new(1, 1, 0), Key::new(2, 3, 2)];
+        let plan_path = tiny_plan(dir.path(), &keys);
+        let plan = kiln_runtime::loader::read_plan_file(&plan_path).unwrap();
+        let mut a = args(plan_path);
+        a.profile = true;
+        a.json = Some(dir.path().join("bench.json"));
+        let r = run(&a).unwrap();
+        assert_eq!(r.keys.len(), 2);
+        for k in &r.keys {
+            let key: Key = k.key.parse().unwrap();
+            let kp = plan.key_plan(key).unwrap();
+            let rows = k.profile.as_ref().expect("--profile gives rows");
+            let mut want = std::collections::BTreeMap::new();
+            for op in &kp.ops {
+                *want.entry(format!("cpu.{}", op.kernel)).or_insert(0u32) += 1;
+            }
+            let got: std::collections::BTreeMap<String, u32> =
+                rows.iter().map(|r| (r.class.clone(), r.launches)).collect();
+            assert_eq!(rows.len(), got.len(), "one row per class");
+            assert_eq!(got, want);
+            assert_eq!(rows.iter().map(|r| r.launches).sum::<u32>(), k.launches);
+            assert!(
+                rows.iter()
+                    .all(|r| r.us > 0.0 && r.pct_of_copy_bw.is_none()),
+                "{rows:?}"
+            );
+            assert!(rows.windows(2).all(|w| w[0].us >= w[1].us), "slowest first");
+            let share: f64 = rows.iter().map(|r| r.share).sum();
+            assert!((share - 1.0).abs() < 1e-9, "shares sum to {share}");
+            let bytes: u64 = kp
+                .ops
+                .iter()
+                .map(|op| kiln_runtime::op_bytes(op, &plan.kv, 20))
+                .sum();
+            assert_eq!(rows.iter().map(|r| r.bytes).sum::<u64>(), bytes);
+            let profiled = k.profiled_step_ms.unwrap();
+            let sum_us: f64 = rows.iter().map(|r| r.us).sum();
+            assert!((profiled * 1e3 - sum_us).abs() < 1e-6 * sum_us.max(1.0));
+            assert!((k.profile_over_replay.unwrap() - profiled / k.replay_ms).abs() < 1e-9);
+        }
+        let t = r.table();
+        assert!(
+            t.contains("profile b1q1s0")
+                && t.contains("profile b2q3s2")
+                && t.contains("kernel class"),
+            "{t}"
+        );
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(a.json.as_ref().unwrap()).unwrap()).unwrap();
+        for (i, k) in r.keys.iter().enumerate() {
+            let back: Vec<ClassRow> =
+                serde_json::from_value(v["keys"][i]["profile"].clone()).unwrap();
+            // Floats come back within an ulp or so (serde_json's parser).
+            let close = |x: f64, y: f64| (x - y).abs() <= 1e-12 * x.abs().max(y.abs());
+            let rows = k.profile.as_ref().unwrap();
+            assert_eq!(back.len(), rows.len());
+            for (b, r) in back.iter().zip(rows) {
+                assert_eq!(
+                    (&b.class, b.ops, b.launches, b.bytes, b.pct_of_copy_bw),
+                    (&r.class, r.ops, r.launches, r.bytes, r.pct_of_copy_bw)
+                );
+                assert!(
+                    close(b.us, r.us)
+                        && close(b.share, r.share)
+                        && close(b.us_per_launch, r.us_per_launch)
+                        && close(b.gbs, r.gbs),
+                    "{b:?} vs {r:?}"
+                );
+            }
+            assert_eq!(v["keys"][i]["launches"], k.launches, "old fields stay");
+        }
+    }
+
+    /// The GPU machine's check of `--profile` (feature `cuda`; without a
+    /// device it prints SKIPPED and passes unless `KILN_REQUIRE_CUDA=1`):
+    /// classes are the plan's own `module.entry` launches (or the BLAS
+    /// library), launches add up, times are positive and each class has a
+    /// share of the measured copy bandwidth. The table goes to stderr.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn on_cuda_the_profile_names_the_plans_kernel_entries_and_their_share_of_the_copy_peak() {
+        use kiln_ir::plan::Lowering;
+        use kiln_runtime::cuda::CudaBackend;
+        if !CudaBackend::available() {
+            if std::env::var("KILN_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
+                panic!("KILN_REQUIRE_CUDA=1 but no CUDA device is usable");
+            }
+            eprintln!("SKIPPED: no CUDA driver or device on this machine");
+            return;
+        }
+        let sm = CudaBackend::new(0).expect("open CUDA device 0").sm();
+        let dir = tempfile::tempdir().unwrap();
+        let keys = [Key::new(1, 1, 0), Key::new(4, 1, 0)];
+        let path = tiny_plan_for(dir.path(), &keys, Target::Cuda { sm });
+        let plan = kiln_runtime::loader::read_plan_file(&path).unwrap();
+        let mut a = args(path);
+        a.device = "cuda".into();
+        a.profile = true;
+        a.steps = 50;
+        let r = run(&a).unwrap();
+        eprintln!("{}", r.table());
+        assert!(r.copy_bandwidth_gbs.is_some_and(|b| b > 0.0));
+        for k in &r.keys {
+            let key: Key = k.key.parse().unwrap();
+            let kp = plan.key_plan(key).unwrap();
+            let mut entries = std::collections::BTreeSet::new();
+            for op in &kp.ops {
+                match &op.lowering {
+                    Lowering::Kernels(ks) => {
+                        entries.extend(ks.iter().map(|k| format!("{}.{}", k.module, k.entry)))
+                    }
+                    Lowering::Gemm {
+                        kernel: Some(k), ..
+                    } => {
+                        entries.insert(format!("{}.{}", k.module, k.entry));
+                    }
+                    _ => {}
+                }
+            }
+            let rows = k.profile.as_ref().expect("--profile gives rows");
+            for row in rows {
+                for part in row.class.split(" + ") {
+                    assert!(
+                        entries.contains(part) || part.starts_with("blas.gemm_"),
+                        "{part} is no launch of the plan"
+                    );
+                }
+                assert!(row.us > 0.0, "{row:?}");
+                assert!(
+                    row.pct_of_copy_bw
+                        .is_some_and(|p| p.is_finite() && p >= 0.0),
+                    "{row:?}"
+                );
+            }
+            assert_eq!(rows.iter().map(|r| r.launches).sum::<u32>(), k.launches);
+            let share: f64 = rows.iter().map(|r| r.share).sum();
+            assert!((share - 1.0).abs() < 1e-9);
+            assert!(k.profile_over_replay.is_some_and(|x| x > 0.0));
+        }
     }
 
     #[test]

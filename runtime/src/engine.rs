@@ -1429,7 +1429,9 @@ impl Drop for Engine {
 }
 
 mod timing;
-pub use timing::{KeyFacts, StepMode, StepTimes};
+pub use timing::{
+    launch_classes, op_bytes, KeyFacts, OpTime, StepMode, StepProfile, StepTimes, PROFILE_WINDOW,
+};
 
 #[cfg(test)]
 mod tests {

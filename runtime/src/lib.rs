@@ -42,6 +42,7 @@ pub use backend::{Backend, BackendError, DeviceInfo};
 pub use cpu::CpuBackend;
 pub use device::{open_backend, open_backend_ranks, DeviceSpec};
 pub use draft::{DraftError, PromptLookup};
+pub use engine::{launch_classes, op_bytes, OpTime, StepProfile, PROFILE_WINDOW};
 pub use engine::{
     Engine, EngineOptions, EngineStats, Faults, FinishReason, KeyCounters, KeyFacts, PrefillMode,
     SeqId, SeqOptions, SeqView, StepMode, StepTimes,

@@ -10,14 +10,26 @@
 //! the host clock otherwise). Steps timed here count in the key's counters
 //! like any other.
 //!
+//! [`Engine::profile_ops`] times each planned op on its own: eager steps
+//! with a mark before the first op and after every op, so op `i` lies
+//! between two consecutive marks. Marks between ops serialize the launches
+//! (on GPUs no programmatic-dependent-launch overlap, and the device may
+//! wait for the host's next launch), so the sum of the per-op times exceeds
+//! a replayed step; the ratio says by how much. Marks are taken in windows
+//! of [`PROFILE_WINDOW`] ops and read back after each window, because GPU
+//! backends keep a bounded ring of live events. Each op comes with its
+//! kernel classes ([`launch_classes`]) and the bytes the cost model says it
+//! moves ([`op_bytes`]) so reports can group ops and put their bandwidth
+//! next to the device's.
+//!
 //! Not here: output readback (a timed step downloads nothing), the
 //! dispatcher and padding (a timed step is always the key's full batch), and
 //! any report formatting (the CLI's `bench` module).
 
 use super::{Engine, EngineError, KeyRt};
 use crate::backend::Backend;
-use kiln_ir::plan::KvLayout;
-use kiln_ir::Key;
+use kiln_ir::plan::{KvLayout, Lowering, PlanOp, Region};
+use kiln_ir::{Key, Op};
 
 /// How a timed step runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +74,127 @@ pub struct KeyFacts {
     pub workspace_bytes: u64,
     /// The key's own Io region (staging inputs and outputs).
     pub io_bytes: u64,
+}
+
+/// One planned op's time in a profiled step ([`Engine::profile_ops`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpTime {
+    /// Index of the op in the key's plan (`kiln inspect` order).
+    pub index: u32,
+    /// The op's IR mnemonic (`matmul`, `paged_attention`, ...).
+    pub mnemonic: String,
+    /// The plan's kernel catalog name of the op.
+    pub kernel: String,
+    /// The kernel class of each of the op's launches, in stream order
+    /// ([`launch_classes`]); its length is the op's launches per step.
+    pub classes: Vec<String>,
+    /// Bytes the op moves at the profiled context ([`op_bytes`]).
+    pub bytes: u64,
+    /// Median over the timed steps of the time between the marks around
+    /// the op, in milliseconds.
+    pub median_ms: f64,
+}
+
+/// Every op of one key's step, timed on its own ([`Engine::profile_ops`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepProfile {
+    pub key: Key,
+    /// Tokens per sequence of the timed batch.
+    pub context: u32,
+    /// Timed steps (after the warm-up ones).
+    pub reps: u32,
+    /// One entry per planned op, in plan order.
+    pub ops: Vec<OpTime>,
+}
+
+impl StepProfile {
+    /// The sum of the ops' median times (milliseconds): the profiled step.
+    pub fn total_ms(&self) -> f64 {
+        self.ops.iter().map(|o| o.median_ms).sum()
+    }
+
+    /// Launches per step of the profiled ops.
+    pub fn launches(&self) -> u32 {
+        self.ops.iter().map(|o| o.classes.len() as u32).sum()
+    }
+}
+
+/// Ops timed between one pair of read-backs in [`Engine::profile_ops`]:
+/// `PROFILE_WINDOW + 1` marks stay live at once, fewer than the 64 events
+/// a GPU backend keeps.
+pub const PROFILE_WINDOW: usize = 32;
+const _: () = assert!((PROFILE_WINDOW as u64) < crate::gpu::EVENT_RING);
+
+/// The kernel class of each launch of `op`, in stream order: `module.entry`
+/// of a kernel (the entry keeps its dtype and tile suffix, e.g.
+/// `gemv.gemv_t1_bf16_bf16`); for a GEMM run by the vendor library
+/// `blas.gemm_<dtype>_<out>`; `collective.<mnemonic>` for a collective;
+/// `cpu.<kernel>` for a CPU reference kernel.
+pub fn launch_classes(op: &PlanOp) -> Vec<String> {
+    match &op.lowering {
+        Lowering::Reference => vec![format!("cpu.{}", op.kernel)],
+        Lowering::Kernels(ks) => ks
+            .iter()
+            .map(|k| format!("{}.{}", k.module, k.entry))
+            .collect(),
+        Lowering::Collective => vec![format!("collective.{}", op.op.mnemonic())],
+        Lowering::Gemm {
+            shape,
+            kind,
+            kernel,
+        } => vec![match kernel {
+            Some(k) => format!("{}.{}", k.module, k.entry),
+            None => format!("{}.gemm_{}_{}", kind.name(), shape.dtype, shape.out),
+        }],
+    }
+}
+
+/// Bytes `op` moves in one step with every sequence `context` tokens long,
+/// per the planner's cost model applied to one op: each operand read or
+/// written once at its full size (weights included, quantized ones at
+/// their stored size as `kiln bench`'s HBM floor counts them: an op reads
+/// its whole weight, even where another op shares it), except that an `embedding`
+/// reads only the table rows it gathers, KV cache operands count only the
+/// rows touched (attention reads K and V of every context position of each
+/// sequence, or of its sliding window; a KV write writes K and V of each
+/// token).
+pub fn op_bytes(op: &PlanOp, kv: &KvLayout, context: u32) -> u64 {
+    let kv_row = kv.kv_heads as u64 * kv.head_dim as u64 * kv.dtype.size() as u64;
+    let cache =
+        |o: &kiln_ir::plan::Operand| matches!(o.buf.region, Region::KCache(_) | Region::VCache(_));
+    let rows = |o: Option<&kiln_ir::plan::Operand>| {
+        o.and_then(|o| o.ty.shape.dims().first().copied())
+            .unwrap_or(0) as u64
+    };
+    let mut total = 0u64;
+    for (i, a) in op.args.iter().enumerate() {
+        if cache(a) {
+            continue;
+        }
+        total += if op.op == Op::Embedding && i == 1 {
+            op.results.first().map_or(0, |r| r.ty.size_bytes())
+        } else {
+            a.ty.stored_bytes()
+        };
+    }
+    total += op
+        .results
+        .iter()
+        .filter(|r| !cache(r))
+        .map(|r| r.ty.size_bytes())
+        .sum::<u64>();
+    match &op.op {
+        Op::PagedAttention { window, .. } => {
+            // args: q, kc, vc, block tables [batch, blocks], context lengths.
+            let read = window.map_or(context, |w| context.min(w)) as u64;
+            total += 2 * rows(op.args.get(3)) * read * kv_row;
+        }
+        Op::KvWrite | Op::QkvRopeKvWrite { .. } => {
+            total += 2 * rows(op.args.first()) * kv_row;
+        }
+        _ => {}
+    }
+    total
 }
 
 /// Synthetic staging of one full batch: each sequence `context` tokens long,
@@ -213,31 +346,7 @@ impl Engine {
         warmup: u32,
         reps: u32,
     ) -> Result<StepTimes, EngineError> {
-        let ki = self.key_index(key)?;
-        if !self.seqs.is_empty() {
-            return Err(EngineError::Timing {
-                key,
-                message: format!(
-                    "{} sequence(s) are live and a timed step would overwrite their KV blocks; time on an engine with no sequences",
-                    self.seqs.len()
-                ),
-            });
-        }
-        if reps == 0 {
-            return Err(EngineError::Timing {
-                key,
-                message: "zero timed steps asked for; time at least one".into(),
-            });
-        }
-        let batch = synthetic_batch(
-            key,
-            &self.plan.kv,
-            context,
-            self.plan.meta.info.vocab_size,
-            11,
-        )
-        .map_err(|message| EngineError::Timing { key, message })?;
-        self.stage_batch(ki, &batch)?;
+        let ki = self.stage_timed_batch(key, context, reps)?;
         if mode == StepMode::Graph {
             self.capture_key(ki)?;
         }
@@ -282,6 +391,103 @@ impl Engine {
             back_to_back_ms: back_to_back,
             capture_ms,
             collective_ms,
+        })
+    }
+
+    /// Checks that `key` can be timed (no live sequences, at least one
+    /// step) and stages a synthetic full batch of `context` tokens per
+    /// sequence for it; returns the key's index.
+    fn stage_timed_batch(
+        &mut self,
+        key: Key,
+        context: u32,
+        reps: u32,
+    ) -> Result<usize, EngineError> {
+        let ki = self.key_index(key)?;
+        if !self.seqs.is_empty() {
+            return Err(EngineError::Timing {
+                key,
+                message: format!(
+                    "{} sequence(s) are live and a timed step would overwrite their KV blocks; time on an engine with no sequences",
+                    self.seqs.len()
+                ),
+            });
+        }
+        if reps == 0 {
+            return Err(EngineError::Timing {
+                key,
+                message: "zero timed steps asked for; time at least one".into(),
+            });
+        }
+        let batch = synthetic_batch(
+            key,
+            &self.plan.kv,
+            context,
+            self.plan.meta.info.vocab_size,
+            11,
+        )
+        .map_err(|message| EngineError::Timing { key, message })?;
+        self.stage_batch(ki, &batch)?;
+        Ok(ki)
+    }
+
+    /// Stages a synthetic full batch for `key` as [`Engine::time_steps`]
+    /// does, runs `warmup` untimed eager steps, then `reps` eager steps with
+    /// a timing mark before the first op and after every op; returns each
+    /// op's median time with its kernel classes and bytes (see the module
+    /// docs: marks serialize the ops, so the sum exceeds a replayed step).
+    /// Refused while sequences are live.
+    pub fn profile_ops(
+        &mut self,
+        key: Key,
+        context: u32,
+        warmup: u32,
+        reps: u32,
+    ) -> Result<StepProfile, EngineError> {
+        let ki = self.stage_timed_batch(key, context, reps)?;
+        let k = &self.keys[ki];
+        let be: &mut dyn Backend = self.backend.as_mut();
+        for _ in 0..warmup {
+            launch_all(be, k)?;
+        }
+        be.synchronize()?;
+        let mut samples = vec![Vec::with_capacity(reps as usize); k.launches.len()];
+        for _ in 0..reps {
+            for (w, window) in k.launches.chunks(PROFILE_WINDOW).enumerate() {
+                let mut marks = Vec::with_capacity(window.len() + 1);
+                marks.push(be.mark()?);
+                for l in window {
+                    be.launch(l)?;
+                    marks.push(be.mark()?);
+                }
+                for (i, pair) in marks.windows(2).enumerate() {
+                    let ms = be.elapsed_ms(pair[0], pair[1])? as f64;
+                    samples[w * PROFILE_WINDOW + i].push(ms);
+                }
+            }
+        }
+        be.synchronize()?;
+        let c = self.counters.get_mut(&key).expect("every key has counters");
+        c.eager_steps += (warmup + reps) as u64;
+        let ops = self.plan.keys[ki]
+            .ops
+            .iter()
+            .zip(&mut samples)
+            .enumerate()
+            .map(|(i, (op, times))| OpTime {
+                index: i as u32,
+                mnemonic: op.op.mnemonic().to_string(),
+                kernel: op.kernel.clone(),
+                classes: launch_classes(op),
+                bytes: op_bytes(op, &self.plan.kv, context),
+                median_ms: median(times),
+            })
+            .collect();
+        Ok(StepProfile {
+            key,
+            context,
+            reps,
+            ops,
         })
     }
 

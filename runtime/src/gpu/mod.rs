@@ -90,7 +90,7 @@ pub struct GpuCounters {
 }
 
 /// Timing events kept live at once; older marks are refused.
-const EVENT_RING: u64 = 64;
+pub(crate) const EVENT_RING: u64 = 64;
 
 struct Allocation {
     bytes: u64,
