@@ -9,7 +9,7 @@
 #                                   optionally followed by libtest arguments
 #                                   (filters, --skip NAME)
 #   .device-carry/cubins/           prebuilt kernel images (sm_80 and sm_90)
-#   .device-carry/bench/<variant>/  kiln.xz + plans.tgz per variant to compare
+#   .device-carry/bench/<variant>/  kiln.xz + plans.txz (or .tgz) per variant to compare
 #                                   (e.g. old = a baseline commit, new = HEAD)
 # Stages (KILN_FINAL_STAGES, default "tests bench"):
 #   tests   every binary in tests.txt with KILN_REQUIRE_CUDA=1, bounded in time
@@ -89,12 +89,19 @@ for f in "$C"/bin/*.xz; do
   xz -dc "$f" > "$B/$n" && chmod +x "$B/$n"
 done
 
+# Kernel images for the tests: .device-carry/cubins/, or packed as
+# cubins.tar.xz (they compress ~5x; all of them raw exceed a call's carry).
+cubins="$C/cubins"
+if [[ -f "$C/cubins.tar.xz" ]]; then
+  mkdir -p /tmp/kiln-cubins && tar xJf "$C/cubins.tar.xz" -C /tmp/kiln-cubins && cubins=/tmp/kiln-cubins/cubins
+fi
+
 if [[ " $stages " == *" tests "* ]]; then
   while read -r t targs; do
     [[ -z "$t" ]] && continue
     [[ -x "$B/$t" ]] || { echo "test $t: binary missing" >> "$S"; continue; }
     start=$(date +%s)
-    KILN_REQUIRE_CUDA=1 KILN_CUBIN_DIR="$C/cubins" timeout "${KILN_TEST_TIMEOUT:-200}" "$B/$t" ${targs:-} \
+    KILN_REQUIRE_CUDA=1 KILN_CUBIN_DIR="$cubins" timeout "${KILN_TEST_TIMEOUT:-200}" "$B/$t" ${targs:-} \
       --test-threads=1 > "$OUT/logs/test-$t.txt" 2>&1
     rc=$?
     echo "test $t: rc=$rc $(grep -E '^test result' "$OUT/logs/test-$t.txt" | tail -1) ($(( $(date +%s) - start )) s)" >> "$S"
@@ -108,8 +115,17 @@ for v in "$C"/bench/*/; do
   n=$(basename "$v")
   variants="$variants $n"
   mkdir -p "/tmp/plans-$n"
-  tar xzf "$v/plans.tgz" -C "/tmp/plans-$n"
-  xz -dc "$v/kiln.xz" > "$B/kiln-$n" && chmod +x "$B/kiln-$n"
+  if [[ -f "$v/plans.txz" ]]; then
+    xz -dc "$v/plans.txz" | tar xf - -C "/tmp/plans-$n"
+  else
+    tar xzf "$v/plans.tgz" -C "/tmp/plans-$n"
+  fi
+  # A variant without its own kiln.xz runs the carried bin/kiln.
+  if [[ -f "$v/kiln.xz" ]]; then
+    xz -dc "$v/kiln.xz" > "$B/kiln-$n" && chmod +x "$B/kiln-$n"
+  else
+    cp "$B/kiln" "$B/kiln-$n"
+  fi
 done
 
 if [[ " $stages " == *" bench "* ]]; then
@@ -254,7 +270,7 @@ if [[ " $stages " == *" sanitize "* ]]; then
     [[ "$spec" == *:* ]] && filt=${spec#*:}
     [[ -x "$B/$t" ]] || { echo "sanitize $t: binary missing" >> "$S"; continue; }
     start=$(date +%s)
-    KILN_REQUIRE_CUDA=1 KILN_GEMM_AUTOTUNE=0 KILN_CUBIN_DIR="$C/cubins" timeout "${KILN_SANITIZE_TIMEOUT:-200}" \
+    KILN_REQUIRE_CUDA=1 KILN_GEMM_AUTOTUNE=0 KILN_CUBIN_DIR="$cubins" timeout "${KILN_SANITIZE_TIMEOUT:-200}" \
       compute-sanitizer --tool memcheck --error-exitcode 9 "$B/$t" $filt --test-threads=1 \
       > "$OUT/logs/sanitize-$t.txt" 2>&1
     echo "sanitize $t${filt:+ ($filt)}: rc=$? ($(( $(date +%s) - start )) s)" >> "$S"
@@ -303,7 +319,7 @@ if len(r) == 2:
           f"all-reduce per step {'%.3f ms' % c if c is not None else 'not measured'}")
 PY
     if [[ -x "$B/cuda_tp" ]]; then
-      KILN_REQUIRE_CUDA=1 KILN_CUBIN_DIR="$C/cubins" KILN_TP_SHAPED_DIR=/tmp/shapes/llama-3-8b-l4 \
+      KILN_REQUIRE_CUDA=1 KILN_CUBIN_DIR="$cubins" KILN_TP_SHAPED_DIR=/tmp/shapes/llama-3-8b-l4 \
         timeout "${KILN_TEST_TIMEOUT:-400}" "$B/cuda_tp" --test-threads=1 > "$OUT/logs/test-cuda_tp.txt" 2>&1
       echo "test cuda_tp: rc=$? $(grep -E '^test result' "$OUT/logs/test-cuda_tp.txt" | tail -1)" >> "$S"
       grep -E "FAILED|panicked|near-tie|tokens equal" "$OUT/logs/test-cuda_tp.txt" | head -20 >> "$S"

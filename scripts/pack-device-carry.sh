@@ -49,7 +49,8 @@ case "${1:-}" in
       "$kiln" compile "$src" --target cuda:sm_90 --keys "${KILN_PACK_KEYS:-b1q1s0,b8q1s0,b32q1s0}" \
         $flags -o "$d/$m.kiln" > /dev/null
     done
-    tar czf "$C/bench/$v/plans.tgz" -C "$d" .
+    rm -f "$C/bench/$v/plans.tgz"
+    tar cf - -C "$d" . | xz -T2 -6 > "$C/bench/$v/plans.txz"
     strip -o "/tmp/pack-kiln-$v" "$kiln"
     xz -T2 -6 -c "/tmp/pack-kiln-$v" > "$C/bench/$v/kiln.xz"
     rm -f "/tmp/pack-kiln-$v"
