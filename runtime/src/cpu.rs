@@ -39,11 +39,11 @@ use crate::backend::{
     Backend, BackendError, DevOperand, DevPtr, DeviceInfo, GraphHandle, Launch, Result,
 };
 use crate::capture::{CaptureState, GraphTable};
+use crate::hostmem::{HostBlock, HostMem};
 use kiln_ir::plan::KernelImage;
 use kiln_ir::{Key, Op};
 use kiln_kernels::cpu::collective::{self, Exchange};
 use kiln_kernels::cpu::{KernelError, RawTensor};
-use std::alloc::Layout;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -110,15 +110,7 @@ impl CpuStats {
 
 struct Allocation {
     len: u64,
-    host: *mut u8,
-    layout: Layout,
-}
-
-impl Drop for Allocation {
-    fn drop(&mut self) {
-        // SAFETY: `host` came from `alloc_zeroed(layout)` and is freed once.
-        unsafe { std::alloc::dealloc(self.host, self.layout) }
-    }
+    host: HostBlock,
 }
 
 /// The emulated device address space.
@@ -130,6 +122,8 @@ struct AddressSpace {
     /// Bumped by every `free`: host pointers resolved at an earlier epoch
     /// may point into freed memory; at the same epoch they are still valid.
     epoch: u64,
+    /// Where the host memory comes from (huge-page slabs for large blocks).
+    host: HostMem,
 }
 
 impl AddressSpace {
@@ -140,6 +134,7 @@ impl AddressSpace {
             live_bytes: 0,
             limit,
             epoch: 0,
+            host: HostMem::default(),
         }
     }
 
@@ -154,22 +149,13 @@ impl AddressSpace {
             }
         }
         let size = usize::try_from(bytes.max(1)).map_err(|_| oom())?;
-        let layout = Layout::from_size_align(size, ALIGN as usize).map_err(|_| oom())?;
-        // SAFETY: layout has a non-zero size.
-        let host = unsafe { std::alloc::alloc_zeroed(layout) };
-        if host.is_null() {
-            return Err(oom());
-        }
+        let host = self
+            .host
+            .alloc_zeroed(size, ALIGN as usize)
+            .ok_or_else(oom)?;
         let base = self.next;
         self.next = (base + bytes + GUARD).div_ceil(ALIGN) * ALIGN;
-        self.allocs.insert(
-            base,
-            Allocation {
-                len: bytes,
-                host,
-                layout,
-            },
-        );
+        self.allocs.insert(base, Allocation { len: bytes, host });
         self.live_bytes += bytes;
         Ok(DevPtr(base))
     }
@@ -198,7 +184,7 @@ impl AddressSpace {
             return Err(BackendError::BadAddress(addr));
         }
         // SAFETY: off + bytes <= len, inside the allocation.
-        Ok(unsafe { a.host.add(off as usize) })
+        Ok(unsafe { a.host.ptr.add(off as usize) })
     }
 }
 

@@ -28,6 +28,7 @@ pub mod draft;
 pub mod engine;
 pub mod error;
 pub mod gpu;
+mod hostmem;
 pub mod kv;
 pub mod loader;
 pub mod policy;
