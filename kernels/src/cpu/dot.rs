@@ -224,6 +224,23 @@ pub(crate) mod x86 {
         hsum(lo, hi)
     }
 
+    /// How far ahead of the element being read the weight stream is
+    /// prefetched: the hardware prefetchers stop at page boundaries and keep
+    /// too few lines in flight for a core to reach the memory bandwidth
+    /// (the same measurement as `qgroup`'s PREFETCH).
+    const PREFETCH: usize = 4096;
+
+    /// Prefetches the line `PREFETCH` bytes past element `i` of the
+    /// weight row `w` (bf16 or f32 elements); never faults.
+    #[inline(always)]
+    unsafe fn prefetch_ahead<const BF16: bool>(w: *const u8, i: usize) {
+        let at = if BF16 { 2 * i } else { 4 * i };
+        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(at + PREFETCH) as *const i8);
+        if !BF16 {
+            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(at + PREFETCH + 32) as *const i8);
+        }
+    }
+
     pub(crate) struct Avx2;
 
     impl Avx2 {
@@ -243,6 +260,7 @@ pub(crate) mod x86 {
             let kb = k - k % LANES;
             let mut i = 0;
             while i < kb {
+                prefetch_ahead::<BF16>(w, i);
                 let (wl, wh) = if BF16 {
                     let p = (w as *const u16).add(i);
                     (bf16x8(p), bf16x8(p.add(8)))
@@ -367,6 +385,7 @@ pub(crate) mod x86 {
             let kb = k - k % LANES;
             let mut i = 0;
             while i < kb {
+                prefetch_ahead::<BF16>(w, i);
                 let wv = if BF16 {
                     bf16x16((w as *const u16).add(i))
                 } else {
