@@ -9,10 +9,10 @@
 //! 8 rows fill one 32-byte vector, one broadcast of four activations and
 //! one integer dot (`vpdpbusd`, or `maddubs`+`madd`) advance all 8 rows, and
 //! the 8 rows' f16 scales convert with one instruction. The block formats
-//! whose 32 weights share one scale (Q8_0, Q4_0, Q4_1) take this layout;
-//! the others keep the stored layout (the identity repack).
+//! whose 32 weights share one scale (Q8_0, Q4_0, Q4_1, Q5_0) take this
+//! layout; the others keep the stored layout (the identity repack).
 //!
-//! The layout is a permutation of the stored bytes, so a weight's size is
+//! The layout is a permutation of the stored bits, so a weight's size is
 //! the same in both ([`kiln_ir::TensorType::size_bytes`] needs no CPU
 //! term). For an `[n, k]` weight of blocks of 32, rows `8g..8g+8` form group
 //! `g` (`n / 8` groups, in order); a group holds, for each block `b` in
@@ -21,13 +21,17 @@
 //! ```text
 //! d[8]     f16   the 8 rows' block scales           (16 bytes)
 //! m[8]     f16   Q4_1 only: the 8 rows' block mins  (16 bytes)
+//! h[32]    u8    Q5_0 only: the 8 rows' fifth bits as bit planes (32 bytes):
+//!                bit 2c+u of byte 4r+j is the fifth bit of element 16u+4c+j
+//!                of row r (so chunk c's low nibbles take bit 2c, its high
+//!                nibbles bit 2c+1, of the byte in the same place as theirs)
 //! chunks   for c in 0..C, for r in 0..8: the stored quant bytes 4c..4c+4 of row r
-//!          (C = 4 for the 4-bit types: chunk c's low nibbles are elements
-//!          4c..4c+4, its high nibbles 16+4c..16+4c+4; C = 8 for Q8_0)
+//!          (C = 4 for the 4- and 5-bit types: chunk c's low nibbles are
+//!          elements 4c..4c+4, its high nibbles 16+4c..16+4c+4; C = 8 for Q8_0)
 //! ```
 //!
 //! The `n % 8` rows that do not fill a group follow the groups in the
-//! stored layout. FP8 and the K-quants and Q5_0 are kept as stored.
+//! stored layout. FP8 and the K-quants are kept as stored.
 //!
 //! Not here: the kernels that read it (`cpu::qgroup`), GPU layouts
 //! ([`crate::quant_gpu`]).
@@ -40,18 +44,50 @@ pub const GROUP: usize = 8;
 
 /// Whether the CPU keeps `q` interleaved (otherwise as stored).
 pub fn interleaves(q: QuantType) -> bool {
-    matches!(q, QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1)
+    matches!(
+        q,
+        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0
+    )
 }
 
-/// `(scale bytes, quant bytes)` of one row's block of `q` in the stored
-/// layout: the f16 header (`d`, and `m` for Q4_1) and the quants. A group
-/// block's header is [`GROUP`] times the first.
+/// `(header bytes, quant bytes)` of one row's block of `q` in the stored
+/// layout: the header (`d`, and `m` for Q4_1, `qh` for Q5_0) and the
+/// quants. A group block's header is [`GROUP`] times the first.
 pub(crate) fn split(q: QuantType) -> (usize, usize) {
     match q {
         QuantType::Q4_1 => (4, 16),
+        QuantType::Q5_0 => (6, 16),
         QuantType::Q4_0 => (2, 16),
         _ => (2, 32),
     }
+}
+
+/// One Q5_0 row's 32 fifth bits `qh` (bit `e` for element `e`) as the four
+/// bit-plane bytes of the group layout: bit `2c+u` of byte `j` is bit
+/// `16u + 4c + j` of `qh`.
+pub(crate) fn fifth_planes(qh: u32) -> [u8; 4] {
+    std::array::from_fn(|j| {
+        let mut v = 0u8;
+        for c in 0..4 {
+            for u in 0..2 {
+                v |= (((qh >> (16 * u + 4 * c + j)) & 1) as u8) << (2 * c + u);
+            }
+        }
+        v
+    })
+}
+
+/// The inverse of [`fifth_planes`].
+fn fifth_bits(planes: [u8; 4]) -> u32 {
+    let mut qh = 0u32;
+    for (j, v) in planes.iter().enumerate() {
+        for c in 0..4 {
+            for u in 0..2 {
+                qh |= u32::from((v >> (2 * c + u)) & 1) << (16 * u + 4 * c + j);
+            }
+        }
+    }
+    qh
 }
 
 /// Repacks an `[n, k]` weight of `q` from the stored layout into the CPU
@@ -73,8 +109,12 @@ pub fn repack(q: QuantType, src: &[u8], n: usize, k: usize) -> Result<Vec<u8>, Q
             for r in 0..GROUP {
                 let blk = &src[(g * GROUP + r) * rb + b * bb..][..bb];
                 dst[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
-                if hdr == 4 {
+                if q == QuantType::Q4_1 {
                     dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&blk[2..4]);
+                }
+                if q == QuantType::Q5_0 {
+                    let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                    dst[16 + 4 * r..16 + 4 * r + 4].copy_from_slice(&fifth_planes(qh));
                 }
                 for c in 0..qb / 4 {
                     let at = GROUP * hdr + c * 4 * GROUP + 4 * r;
@@ -105,8 +145,17 @@ pub fn stored_row(q: QuantType, data: &[u8], n: usize, k: usize, row: usize, out
         let src = &data[g * GROUP * rb + b * GROUP * bb..][..GROUP * bb];
         let blk = &mut out[b * bb..(b + 1) * bb];
         blk[0..2].copy_from_slice(&src[2 * r..2 * r + 2]);
-        if hdr == 4 {
+        if q == QuantType::Q4_1 {
             blk[2..4].copy_from_slice(&src[16 + 2 * r..16 + 2 * r + 2]);
+        }
+        if q == QuantType::Q5_0 {
+            let planes = [
+                src[16 + 4 * r],
+                src[17 + 4 * r],
+                src[18 + 4 * r],
+                src[19 + 4 * r],
+            ];
+            blk[2..6].copy_from_slice(&fifth_bits(planes).to_le_bytes());
         }
         for c in 0..qb / 4 {
             let at = GROUP * hdr + c * 4 * GROUP + 4 * r;

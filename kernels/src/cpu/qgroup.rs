@@ -1,4 +1,4 @@
-//! The quantized GEMV over Q8_0, Q4_0 and Q4_1 weights in the CPU's
+//! The quantized GEMV over Q8_0, Q4_0, Q4_1 and Q5_0 weights in the CPU's
 //! interleaved layout ([`crate::quant_cpu`]): 8 output rows per SIMD
 //! vector.
 //!
@@ -16,7 +16,8 @@
 //! ```text
 //! isum = Σ_{e<32} w[e]·q[e]                 exact, i32
 //! acc  = acc + (isum as f32) · (d_r·dx)
-//! m    = m + off_r · s                      off = min (Q4_1), d_r·(-8) (Q4_0); none for Q8_0
+//! m    = m + off_r · s                      off = min (Q4_1), d_r·(-8) (Q4_0),
+//!                                           d_r·(-16) (Q5_0); none for Q8_0
 //! out  = (acc + m) + bias                   rounded once to the result dtype
 //! ```
 //!
@@ -26,7 +27,7 @@
 //! the same bits; the unit tests check it. The `n % 8` rows outside a group
 //! take the portable per-row loop, which is the same formula.
 //!
-//! Not here: the K-quants, Q5_0 and FP8 (the per-row kernel of `qmatmul`,
+//! Not here: the K-quants and FP8 (the per-row kernel of `qmatmul`,
 //! their layout is the stored one), prefill blocking beyond reusing each
 //! group's bytes from cache for the `T` rows of `x`.
 
@@ -49,7 +50,8 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
-/// The header bytes of a group block (8 f16 scales, and 8 mins for Q4_1)
+/// The header bytes of a group block (8 f16 scales, and 8 mins for Q4_1
+/// or 32 bytes of fifth-bit planes for Q5_0)
 /// and of a stored block ([`crate::quant_cpu`]'s layout).
 fn header(q: QuantType) -> (usize, usize) {
     let (stored, _) = crate::quant_cpu::split(q);
@@ -81,8 +83,15 @@ fn group_portable(q: QuantType, g: &[u8], blocks: usize, x: &QRow) -> [f32; GROU
                     for c in 0..4 {
                         for e in 0..4 {
                             let v = p[gh + 32 * c + 4 * r + e];
-                            isum += i32::from(v & 15) * i32::from(xq[4 * c + e]);
-                            isum += i32::from(v >> 4) * i32::from(xq[16 + 4 * c + e]);
+                            // Q5_0's fifth bits (bit planes at byte 16+4r+e).
+                            let (f0, f1) = if q == QuantType::Q5_0 {
+                                let h = p[16 + 4 * r + e];
+                                (((h >> (2 * c)) & 1) << 4, ((h >> (2 * c + 1)) & 1) << 4)
+                            } else {
+                                (0, 0)
+                            };
+                            isum += i32::from((v & 15) | f0) * i32::from(xq[4 * c + e]);
+                            isum += i32::from((v >> 4) | f1) * i32::from(xq[16 + 4 * c + e]);
                         }
                     }
                 }
@@ -92,6 +101,7 @@ fn group_portable(q: QuantType, g: &[u8], blocks: usize, x: &QRow) -> [f32; GROU
             match q {
                 QuantType::Q4_1 => m[r] += f16_at(p, 16 + 2 * r) * s,
                 QuantType::Q4_0 => m[r] += (d * -8.0) * s,
+                QuantType::Q5_0 => m[r] += (d * -16.0) * s,
                 _ => {}
             }
         }
@@ -116,10 +126,16 @@ fn row_portable(q: QuantType, row: &[u8], x: &QRow) -> f32 {
                 }
             }
             _ => {
+                let qh = if q == QuantType::Q5_0 {
+                    u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]])
+                } else {
+                    0
+                };
+                let fifth = |e: usize| (((qh >> e) & 1) << 4) as u8;
                 for e in 0..16 {
                     let v = blk[h + e];
-                    isum += i32::from(v & 15) * i32::from(xq[e]);
-                    isum += i32::from(v >> 4) * i32::from(xq[16 + e]);
+                    isum += i32::from((v & 15) | fifth(e)) * i32::from(xq[e]);
+                    isum += i32::from((v >> 4) | fifth(16 + e)) * i32::from(xq[16 + e]);
                 }
             }
         }
@@ -128,6 +144,7 @@ fn row_portable(q: QuantType, row: &[u8], x: &QRow) -> f32 {
         match q {
             QuantType::Q4_1 => m += f16_at(blk, 2) * s,
             QuantType::Q4_0 => m += (d * -8.0) * s,
+            QuantType::Q5_0 => m += (d * -16.0) * s,
             _ => {}
         }
     }
@@ -156,6 +173,18 @@ mod x86 {
             let p = _mm256_maddubs_epi16(w, x);
             _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
         }
+    }
+
+    /// Bit `k` of every byte of `planes` at bit 4, the rest zero (a 16-bit
+    /// shift keeps each byte's bit 4 from its own byte for shifts up to 4).
+    #[inline(always)]
+    unsafe fn fifth(planes: __m256i, k: i32) -> __m256i {
+        let v = if k <= 4 {
+            _mm256_sll_epi16(planes, _mm_cvtsi32_si128(4 - k))
+        } else {
+            _mm256_srl_epi16(planes, _mm_cvtsi32_si128(k - 4))
+        };
+        _mm256_and_si256(v, _mm256_set1_epi8(0x10))
     }
 
     /// Four bytes of `x` at `p` in every lane.
@@ -197,6 +226,21 @@ mod x86 {
                     let xv = _mm256_sign_epi8(bcast(xb.add(4 * c)), w);
                     isum = dot4::<VNNI>(isum, _mm256_sign_epi8(w, w), xv);
                 }
+            } else if q == QuantType::Q5_0 {
+                // The fifth bits: bit 2c (low nibbles) or 2c+1 (high) of
+                // the plane byte in the same place.
+                let planes = _mm256_loadu_si256(p.add(16) as *const __m256i);
+                for c in 0..4 {
+                    let raw = _mm256_loadu_si256(w0.add(32 * c) as *const __m256i);
+                    let lo =
+                        _mm256_or_si256(_mm256_and_si256(raw, nib), fifth(planes, 2 * c as i32));
+                    let hi = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib),
+                        fifth(planes, 2 * c as i32 + 1),
+                    );
+                    isum = dot4::<VNNI>(isum, lo, bcast(xb.add(4 * c)));
+                    isum = dot4::<VNNI>(isum, hi, bcast(xb.add(16 + 4 * c)));
+                }
             } else {
                 for c in 0..4 {
                     let raw = _mm256_loadu_si256(w0.add(32 * c) as *const __m256i);
@@ -220,6 +264,10 @@ mod x86 {
                 }
                 QuantType::Q4_0 => {
                     let off = _mm256_mul_ps(d, _mm256_set1_ps(-8.0));
+                    m = _mm256_add_ps(m, _mm256_mul_ps(off, s));
+                }
+                QuantType::Q5_0 => {
+                    let off = _mm256_mul_ps(d, _mm256_set1_ps(-16.0));
                     m = _mm256_add_ps(m, _mm256_mul_ps(off, s));
                 }
                 _ => {}
@@ -374,7 +422,12 @@ mod tests {
 
     #[test]
     fn every_path_gives_the_bits_of_the_per_row_formula() {
-        for q in [QuantType::Q8_0, QuantType::Q4_0, QuantType::Q4_1] {
+        for q in [
+            QuantType::Q8_0,
+            QuantType::Q4_0,
+            QuantType::Q4_1,
+            QuantType::Q5_0,
+        ] {
             for (n, blocks) in [(8, 1), (16, 3), (24, 7)] {
                 let k = 32 * blocks;
                 let src = random_tensor(q, n, k, 5 + n as u64);

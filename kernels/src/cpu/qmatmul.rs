@@ -29,7 +29,7 @@
 //! code is decoded through a 256-entry table, 8 lanes accumulate
 //! `w·x` in element order, and the row scale multiplies the lane sum.
 //!
-//! Q8_0, Q4_0 and Q4_1 do not take the per-row loop below: the CPU keeps
+//! Q8_0, Q4_0, Q4_1 and Q5_0 do not take the per-row loop below: the CPU keeps
 //! them with 8 rows interleaved ([`crate::quant_cpu`]) and `qgroup`
 //! computes 8 rows per vector with its own, equally fixed, formula.
 //!
@@ -456,7 +456,7 @@ fn dot_fp8(row: &[u8], x: &[f32]) -> f32 {
 }
 
 /// `out[t, n] = x[t] · w[n] (+ bias[n])` with `w` in the CPU layout of `q`
-/// ([`crate::quant_cpu`]: Q8_0, Q4_0 and Q4_1 interleaved and computed by
+/// ([`crate::quant_cpu`]: Q8_0, Q4_0, Q4_1 and Q5_0 interleaved and computed by
 /// `qgroup`, the others as stored), at `level`.
 ///
 /// # Safety
