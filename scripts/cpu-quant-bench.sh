@@ -10,6 +10,12 @@
 # fixed prompt for 128 tokens; each REPEATS times (default 5), because a
 # shared machine's memory bandwidth varies from run to run. Writes the raw
 # outputs and summary.md (median and best of the repeats) to OUT_DIR.
+#
+# With LLAMACPP_PYTHON set to a Python that has llama-cpp-python installed
+# (`python3 -m venv V && V/bin/pip install llama-cpp-python`, built from
+# source for this CPU), each repeat also runs llama.cpp's decode of the
+# same file, prompt and token count (bench/llamacpp/decode_speed.py), so the
+# comparison is taken in the same minutes on the same machine.
 set -euo pipefail
 out=${1:?usage: cpu-quant-bench.sh OUT_DIR [REPEATS]}
 reps=${2:-5}
@@ -37,6 +43,10 @@ for r in $(seq 1 "$reps"); do
     "$kiln" run "$work/$m.kiln" --weights "$work/$m" --prompt "$prompt" --max-tokens 128 \
       2> "$out/run-$m-$r.txt" > /dev/null
   done
+  if [ -n "${LLAMACPP_PYTHON:-}" ]; then
+    "$LLAMACPP_PYTHON" "$(dirname "$0")/../bench/llamacpp/decode_speed.py" "$gguf" \
+      --threads "$(nproc)" --repeats 1 --max-tokens 128 > "$out/llamacpp-$r.jsonl" 2> /dev/null
+  fi
 done
 python3 - "$out" "$reps" <<'EOF'
 import json, re, statistics, sys
@@ -54,6 +64,15 @@ for m, name in [("bf16", "bf16 import"), ("q", "Q4_1 kept (--keep-quant)")]:
         t = open(f"{out}/run-{m}-{r}.txt").read()
         tps.append(float(re.search(r"decode ([0-9.]+) tokens/s", t).group(1)))
     rows.append((name, "kiln run decode tok/s", statistics.median(tps), max(tps), None))
+import os
+lc = []
+for r in range(1, reps + 1):
+    f = f"{out}/llamacpp-{r}.jsonl"
+    if os.path.exists(f):
+        lines = [json.loads(l) for l in open(f) if l.strip()]
+        lc += [l["decode_tokens_per_s"] for l in lines if "decode_tokens_per_s" in l]
+if lc:
+    rows.append(("llama.cpp, same GGUF (Q4_1)", "decode tok/s", statistics.median(lc), max(lc), None))
 with open(f"{out}/summary.md", "w") as f:
     f.write(f"| model | measure | median | best | tok/s (median) |\n|---|---|---|---|---|\n")
     for name, what, med, best, tps in rows:

@@ -71,21 +71,32 @@ enum Cmd {
     },
 }
 
+/// Writes a command's report to stdout. A reader that went away (`kiln
+/// inspect plan | head`) ends the output, not the program with a panic.
+fn emit(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => Ok(r?),
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Cmd::Compile(a) => {
             kiln_cli::progress::warm_kernel_cache(&a.target, a.quiet);
-            print!("{}", kiln_compiler::compile::run(&a)?)
+            emit(&kiln_compiler::compile::run(&a)?)?
         }
         Cmd::Serve(a) => kiln_serve::cli::run(a)?,
-        Cmd::Inspect(a) => print!("{}", kiln_compiler::inspect::run(&a)?),
-        Cmd::Bench(a) => print!("{}", kiln_cli::bench::run(&a)?.table()),
-        Cmd::Tune(a) => print!("{}", kiln_cli::tune::run(&a)?),
+        Cmd::Inspect(a) => emit(&kiln_compiler::inspect::run(&a)?)?,
+        Cmd::Bench(a) => emit(&kiln_cli::bench::run(&a)?.table())?,
+        Cmd::Tune(a) => emit(&kiln_cli::tune::run(&a)?)?,
         Cmd::BenchSpec(a) => {
             let command = std::env::args().collect::<Vec<_>>().join(" ");
             let report = kiln_cli::bench_spec::run(&a, &command)?;
             let table = report.table();
-            print!("{table}");
+            emit(&table)?;
             if let Some(p) = &a.json {
                 let json = serde_json::to_string_pretty(&report)? + "\n";
                 kiln_cli::bench_spec::write_atomic(p, &json)?;
@@ -94,7 +105,7 @@ fn main() -> anyhow::Result<()> {
                 kiln_cli::bench_spec::write_atomic(p, &table)?;
             }
         }
-        Cmd::BenchCompile(a) => print!("{}", kiln_compiler::compile_bench::run(&a)?),
+        Cmd::BenchCompile(a) => emit(&kiln_compiler::compile_bench::run(&a)?)?,
         Cmd::Import {
             gguf,
             out,

@@ -213,3 +213,36 @@ fn cli_errors_name_the_problem_and_the_fix() {
     names.sort();
     assert_eq!(names, ["bad.kiln", "m", "p.kiln"]);
 }
+
+#[test]
+fn inspect_into_a_reader_that_stops_early_exits_cleanly_without_a_panic() {
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    let family = Family::Llama;
+    write_tiny_model(&model, family, &TinySpec::for_family(family)).unwrap();
+    let plan = dir.path().join("tiny.kiln");
+    let (ok, _, err) = kiln(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--keys",
+        "b2q1s0,b1q2s1",
+        "-q",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["inspect", plan.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Hang up before the report is written (as `| head` does once it has
+    // its lines): loading the plan takes the child far longer than this.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "status {:?}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
