@@ -221,9 +221,10 @@ pub trait Backend {
         self.synchronize()?;
         Ok(to.host_ns.saturating_sub(from.host_ns) as f32 / 1e6)
     }
-    /// Measured device-to-device copy bandwidth in bytes per second over a
-    /// buffer of `bytes` (the HBM floor's denominator); `None` where the
-    /// backend has no device memory of its own to measure.
+    /// Measured memory bandwidth in bytes moved per second over a buffer of
+    /// `bytes` (the HBM floor's denominator): on a GPU a device-to-device
+    /// copy, bytes read plus written; on the CPU the kernels' threads'
+    /// read stream; `None` where the backend has nothing to measure.
     fn copy_bandwidth(&mut self, bytes: u64, reps: u32) -> Result<Option<f64>> {
         let _ = (bytes, reps);
         Ok(None)

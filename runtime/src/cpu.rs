@@ -76,6 +76,9 @@ const BASE_START: u64 = 0x10_0000_0000;
 /// Unmapped bytes between two allocations, so an overrun never lands in a
 /// neighbour.
 const GUARD: u64 = 1 << 16;
+/// The largest bandwidth probe: twice the largest L3 seen on the machines
+/// this runs on (260 MB), so the pass measures memory, not cache.
+const PROBE_MAX: u64 = 512 << 20;
 /// Alignment of every allocation's base address and host memory.
 const ALIGN: u64 = 256;
 
@@ -447,6 +450,28 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    /// The read bandwidth of the kernels' threads over a probe buffer on
+    /// the backend's own pages (`kiln_kernels::cpu::stream`): bytes read per
+    /// second, the CPU's floor denominator. At most [`PROBE_MAX`] bytes and
+    /// 5 passes (more only lengthens a `kiln bench`); no figure, rather than
+    /// an error, when the probe cannot be allocated.
+    fn copy_bandwidth(&mut self, bytes: u64, reps: u32) -> Result<Option<f64>> {
+        self.forbid_in_capture(|| "copy_bandwidth".to_string())?;
+        let bytes = bytes.min(PROBE_MAX);
+        let Ok(p) = self.alloc(bytes, "bandwidth probe") else {
+            return Ok(None);
+        };
+        let host = self.mem.resolve(p.0, bytes);
+        let bw = host.map(|h| {
+            // SAFETY: `h` is valid for `bytes` bytes of a live allocation,
+            // which nothing else touches until it is freed below.
+            let data = unsafe { std::slice::from_raw_parts(h, bytes as usize) };
+            kiln_kernels::cpu::stream::read_bandwidth(data, reps.min(5))
+        });
+        self.free(p)?;
+        Ok(bw?).map(|b| (b > 0.0).then_some(b))
+    }
+
     fn download(&mut self, src: DevPtr, out: &mut [u8]) -> Result<()> {
         self.forbid_in_capture(|| format!("download({} bytes from {:#x})", out.len(), src.0))?;
         let p = self.mem.resolve(src.0, out.len() as u64)?;
@@ -654,6 +679,22 @@ mod tests {
                 (s % 20001) as f32 / 1000.0 - 10.0
             })
             .collect()
+    }
+
+    #[test]
+    fn the_read_bandwidth_is_measured_outside_a_capture_and_refused_inside_one() {
+        let mut be = CpuBackend::with_kernels(add_only);
+        let bw = be.copy_bandwidth(16 << 20, 2).unwrap();
+        assert!(bw.is_some_and(|b| b.is_finite() && b > 0.0), "{bw:?}");
+        // The probe is freed again.
+        assert_eq!(CpuStats::get(&be.stats().live_bytes), 0);
+        be.begin_capture(Key::new(1, 1, 0)).unwrap();
+        let e = be.copy_bandwidth(16 << 20, 2).unwrap_err().to_string();
+        assert!(e.contains("copy_bandwidth"), "{e}");
+        let _ = be.end_capture();
+        // A probe the memory limit cannot hold gives no figure, not an error.
+        let mut small = CpuBackend::with_kernels(add_only).with_memory_limit(1 << 20);
+        assert_eq!(small.copy_bandwidth(16 << 20, 2).unwrap(), None);
     }
 
     #[test]

@@ -71,6 +71,7 @@ pub mod reduce;
 pub mod rope;
 pub mod sample;
 mod simd;
+pub mod stream;
 
 use buf::Buf;
 use kiln_ir::{Op, TensorType};

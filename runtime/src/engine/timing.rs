@@ -328,8 +328,9 @@ impl Engine {
         })
     }
 
-    /// The backend's measured device-to-device copy bandwidth (bytes per
-    /// second over a `bytes` buffer), `None` where it has none to measure.
+    /// The backend's measured memory bandwidth (bytes moved per second over
+    /// a `bytes` buffer; see `Backend::copy_bandwidth`), `None` where it has
+    /// none to measure.
     pub fn copy_bandwidth(&mut self, bytes: u64, reps: u32) -> Result<Option<f64>, EngineError> {
         Ok(self.backend.copy_bandwidth(bytes, reps)?)
     }
