@@ -28,7 +28,9 @@ const CHUNKS: usize = 64;
 pub fn read_bandwidth(data: &[u8], reps: u32) -> f64 {
     // SAFETY: every bit pattern is a valid u64.
     let (_, words, _) = unsafe { data.align_to::<u64>() };
-    let per = words.len().div_ceil(CHUNKS).max(1);
+    // Whole 8-word rows per chunk, so only the buffer's last < 8 words are
+    // left unread (and uncounted).
+    let per = words.len().div_ceil(CHUNKS).next_multiple_of(8).max(8);
     let sink = AtomicU64::new(0);
     let pass = || {
         par::for_each_chunk(CHUNKS, |c| {
