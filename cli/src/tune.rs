@@ -119,6 +119,7 @@ pub fn tune_plan(b: &mut dyn Backend, plan: &Plan, reps: u32) -> anyhow::Result<
                 grid: c.grid,
                 block: c.block,
                 shared_bytes: c.shared_bytes,
+                cluster: c.cluster,
                 params: c
                     .params
                     .iter()

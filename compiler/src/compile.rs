@@ -124,6 +124,10 @@ pub struct CompileOptions {
     /// Attention blocks the GPU partition size aims for (a lowering
     /// decision: `--attn-target-blocks`).
     pub attn_target_blocks: u64,
+    /// Lower attention without thread-block clusters even on CUDA sm_90
+    /// (`--no-attn-clusters`; the A/B of bench/attn/). Clusters are the
+    /// default there: each context's partitions combine inside one cluster.
+    pub no_attn_clusters: bool,
     /// Measured GEMM choices (`kiln compile --tuning`, written by `kiln
     /// tune`); without one the target's default rule decides
     /// (`kiln_kernels::gpu::default_gemm_kind`).
@@ -169,6 +173,7 @@ impl Default for CompileOptions {
             verify: true,
             passes: DEFAULT_PIPELINE.to_vec(),
             attn_target_blocks: kiln_kernels::gpu::ATTN_TARGET_BLOCKS,
+            no_attn_clusters: false,
             tuning: None,
             fused_gemv: false,
             tp: 1,
@@ -580,6 +585,7 @@ pub fn compile_traced<E: Display>(
 
     let mut lower =
         kiln_kernels::gpu::LowerOptions::for_target(&opts.target, opts.attn_target_blocks);
+    lower.attn_clusters &= !opts.no_attn_clusters;
     let mut notes = Vec::new();
     if let Some(table) = &opts.tuning {
         let (tuned, stale) = table.choices(&opts.target);
@@ -808,6 +814,10 @@ pub struct CompileArgs {
     /// compile-time lowering decision; more blocks, shorter partitions).
     #[arg(long, default_value_t = kiln_kernels::gpu::ATTN_TARGET_BLOCKS, value_parser = clap::value_parser!(u64).range(1..))]
     pub attn_target_blocks: u64,
+    /// CUDA sm_90: lower attention without thread-block clusters (the plain
+    /// combine through scratch, as on sm_80 and HIP). For A/B measurements.
+    #[arg(long)]
+    pub no_attn_clusters: bool,
     /// GPU targets: a GEMM tuning table written by `kiln tune`; its current
     /// entries for the target choose gemv / skinny / blas per shape (stale
     /// ones are ignored with a note). Without it the target's default rule
@@ -895,6 +905,7 @@ impl CompileArgs {
             verify: !self.no_verify,
             passes: DEFAULT_PIPELINE.to_vec(),
             attn_target_blocks: self.attn_target_blocks,
+            no_attn_clusters: self.no_attn_clusters,
             tuning: None,
             fused_gemv: self.fused_gemv,
             tp: self.tp,

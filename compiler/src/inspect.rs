@@ -147,13 +147,18 @@ fn dims(d: [u32; 3]) -> String {
 
 fn launch_line(l: &KernelLaunch) -> String {
     format!(
-        "{}.{} grid {} block {} shared {}{} ({})",
+        "{}.{} grid {} block {} shared {}{}{} ({})",
         l.module,
         l.entry,
         dims(l.grid),
         dims(l.block),
         l.shared_bytes,
         if l.pdl { " pdl" } else { "" },
+        if l.cluster > 1 {
+            format!(" cluster {}", l.cluster)
+        } else {
+            String::new()
+        },
         l.params.iter().map(param).collect::<Vec<_>>().join(", ")
     )
 }
@@ -556,6 +561,7 @@ struct JsonLaunch {
     block: [u32; 3],
     shared_bytes: u32,
     pdl: bool,
+    cluster: u32,
     params: Vec<String>,
 }
 
@@ -567,6 +573,7 @@ fn json_launch(l: &KernelLaunch) -> JsonLaunch {
         block: l.block,
         shared_bytes: l.shared_bytes,
         pdl: l.pdl,
+        cluster: l.cluster,
         params: l.params.iter().map(param).collect(),
     }
 }

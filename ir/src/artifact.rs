@@ -34,7 +34,7 @@ pub const MAGIC: [u8; 8] = *b"KILNPLAN";
 
 /// Version of the encoding this build writes and reads. Bump it whenever a
 /// plan type changes shape (a serde field added, removed or reordered).
-pub const FORMAT_VERSION: u32 = 6;
+pub const FORMAT_VERSION: u32 = 7;
 
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 24;

@@ -281,7 +281,17 @@ pub struct KernelLaunch {
     /// kernel may start before its predecessor finishes and waits for it
     /// with `griddepcontrol.wait` before reading its outputs).
     pub pdl: bool,
+    /// Blocks per thread-block cluster along x (CUDA sm_90 and later; 1:
+    /// no cluster). The blocks of a cluster run at once on one GPC and read
+    /// each other's shared memory (attention combines its context
+    /// partitions so). At most [`MAX_CLUSTER`], a power of two dividing
+    /// `grid[0]`; above 8 the runtime allows the non-portable size.
+    pub cluster: u32,
 }
+
+/// The largest thread-block cluster a plan may ask for (sm_90's
+/// non-portable limit).
+pub const MAX_CLUSTER: u32 = 16;
 
 /// How one planned op executes on the plan's target.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

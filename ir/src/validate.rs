@@ -48,7 +48,10 @@
 //!     (`all_reduce`, `sharded_argmax`) and every `Sharded` weight names
 //!     exactly `tp` ranks (checked by [`validate_tp`] before any key), and on
 //!     GPU targets collectives lower to `Collective` and nothing else does.
-//! 13. a megakernel schedule's tape passes [`crate::schedule::verify_tape`]
+//! 13. a kernel launch's thread-block cluster is 1, or (CUDA sm_90 and later
+//!     only) a power of two of at most [`crate::plan::MAX_CLUSTER`] that
+//!     divides `grid[0]`;
+//! 14. a megakernel schedule's tape passes [`crate::schedule::verify_tape`]
 //!     (its own invariants are listed there), and its counters count in
 //!     `counter_bytes`.
 //!
@@ -767,6 +770,27 @@ fn validate_lowering(
         .chain(op.counters)
         .collect();
     for (n, l) in kernel_launches(&op.lowering).into_iter().enumerate() {
+        let c = l.cluster;
+        if c != 1 {
+            let f = format!("{field}.launch[{n}].cluster");
+            if !matches!(target, Target::Cuda { sm } if *sm >= 90) {
+                return err(
+                    f,
+                    format!("a cluster of {c} blocks needs a CUDA sm_90 or later target"),
+                );
+            }
+            if !c.is_power_of_two() || c > crate::plan::MAX_CLUSTER || !l.grid[0].is_multiple_of(c)
+            {
+                return err(
+                    f,
+                    format!(
+                        "a cluster of {c} blocks over grid {:?}: want a power of two of at most {} dividing grid[0]",
+                        l.grid,
+                        crate::plan::MAX_CLUSTER
+                    ),
+                );
+            }
+        }
         for (p, param) in l.params.iter().enumerate() {
             let LaunchParam::Buf(b) = param else { continue };
             let f = || format!("{field}.launch[{n}].params[{p}]");

@@ -22,6 +22,7 @@ fn launch(module: &str, entry: &str, params: Vec<LaunchParam>) -> KernelLaunch {
         grid: [2, 1, 1],
         block: [32, 1, 1],
         shared_bytes: 0,
+        cluster: 1,
         params,
         pdl: true,
     }
@@ -383,4 +384,36 @@ fn launches_that_are_not_the_sum_of_the_lowerings_are_refused() {
     p.keys[0].launches = 5;
     let e = refused(&p, &format!("{K}.launches"));
     assert!(e.problem.contains("launch 2 kernels"), "{e}");
+}
+
+#[test]
+fn a_cluster_off_sm90_or_that_does_not_tile_the_grid_is_refused() {
+    let set = |p: &mut Plan, c: u32| {
+        let Lowering::Kernels(ks) = &mut p.keys[0].ops[0].lowering else {
+            panic!("a kernel lowering")
+        };
+        ks[0].cluster = c;
+    };
+    // grid[0] = 2: a cluster of 2 tiles it on sm_90.
+    let mut p = gpu();
+    set(&mut p, 2);
+    validate(&p).unwrap();
+    let field = format!("{K}.ops[0].lowering.launch[0].cluster");
+    for c in [0, 3, 4, 32] {
+        let mut p = gpu();
+        set(&mut p, c);
+        let e = refused(&p, &field);
+        assert!(e.problem.contains("power of two"), "{e}");
+    }
+    for t in [
+        Target::Cuda { sm: 80 },
+        Target::Hip {
+            gfx: "gfx1100".into(),
+        },
+    ] {
+        let mut p = plan(t);
+        set(&mut p, 2);
+        let e = refused(&p, &field);
+        assert!(e.problem.contains("sm_90"), "{e}");
+    }
 }

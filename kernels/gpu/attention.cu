@@ -24,6 +24,9 @@
 #include "kiln_port.h"
 
 #define KILN_ATTN_THREADS 128
+// The most partitions one thread-block cluster combines (a non-portable
+// cluster size beyond 8 on sm_90).
+#define KILN_ATTN_MAX_CLUSTER 16
 #define KILN_ATTN_WARPS (KILN_ATTN_THREADS / KILN_WARP)
 
 // VEC consecutive elements of T as f32 (VEC = 8 needs 16-byte alignment).
@@ -60,20 +63,20 @@ KILN_DEV void load_vec(const float* p, float* o) {
 
 // The tile's query rows into shared memory as f32 (zeros past the group).
 template <typename T, int RT>
-KILN_DEV void load_q_rows(const T* __restrict__ q, const int* rid, int hd, float* qs) {
-  for (int i = threadIdx.x; i < RT * hd; i += KILN_ATTN_THREADS) {
+KILN_DEV void load_q_rows(const T* __restrict__ q, const int* rid, KilnDiv hd, float* qs) {
+  for (int i = threadIdx.x; i < RT * hd.d; i += KILN_ATTN_THREADS) {
     const int j = i / hd, d = i % hd;
-    qs[i] = rid[j] >= 0 ? ld(q[(i64)rid[j] * hd + d]) : 0.0f;
+    qs[i] = rid[j] >= 0 ? ld(q[(i64)rid[j] * hd.d + d]) : 0.0f;
   }
 }
 
 // The cache slot of each of the partition's np positions from p0, read
 // through the sequence's block table `bt`.
-KILN_DEV void fill_slots(const int* __restrict__ bt, int p0, int np, int block_size,
+KILN_DEV void fill_slots(const int* __restrict__ bt, int p0, int np, KilnDiv block_size,
                          int* slot_of) {
   for (int x = threadIdx.x; x < np; x += KILN_ATTN_THREADS) {
     const int p = p0 + x;
-    slot_of[x] = bt[p / block_size] * block_size + p % block_size;
+    slot_of[x] = bt[p / block_size] * block_size.d + p % block_size;
   }
 }
 
@@ -87,6 +90,7 @@ struct AttnShape {
   int tiles;      // row tiles per (b, kv head)
   int tg;         // lanes that share one key in the q.k phase (power of two <= 32)
   int want_parts; // partitions a step's actual context is spread over (0: part_len fixed)
+  int cluster;    // partitions per thread-block cluster (sm_90, streaming form); <= 1: none
 };
 
 template <typename T, int RT, int VEC>
@@ -96,15 +100,15 @@ KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
                              const AttnShape& a, int b, int g, int part, int p0, int p1,
                              const int* rid, const int* qpos, i64 slot_stride, T* direct_out);
 
-template <typename T, int RT>
+template <typename T, int RT, int KU>
 KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
                           const T* __restrict__ vc, const int* __restrict__ block_tables,
                           float* __restrict__ part_acc, float* __restrict__ part_ml,
                           const AttnShape& a, int b, int g, int part, int p0, int p1,
                           const int* rid, const int* qpos, i64 slot_stride, int new_from,
-                          T* direct_out);
+                          T* direct_out, float* cres);
 
-template <typename T, int RT, int VEC, bool STREAM>
+template <typename T, int RT, int VEC, bool STREAM, int KU = (RT <= 2 ? 8 : 4)>
 KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
                         const int* __restrict__ block_tables, const int* __restrict__ context_lens,
                         float* __restrict__ part_acc, float* __restrict__ part_ml,
@@ -117,13 +121,14 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   __shared__ int last_block;
   const int tid = threadIdx.x;
   const int part = blockIdx.x;
-  const int tile = blockIdx.y % a.tiles;
-  const int bg = blockIdx.y / a.tiles;
-  const int g = bg % a.kv_heads;
-  const int b = bg / a.kv_heads;
-  const int group = a.heads / a.kv_heads;
+  const int tile = a.tiles == 1 ? 0 : blockIdx.y % a.tiles;
+  const int bg = a.tiles == 1 ? blockIdx.y : blockIdx.y / a.tiles;
+  const int b = bg / kiln_div(a.kv_heads);
+  const int g = bg - b * a.kv_heads;
+  const int group = a.heads / kiln_div(a.kv_heads);
   const int rows = group * a.query;  // query rows reading kv head g
   const int hd = a.head_dim;
+  const KilnDiv hdd = kiln_div(hd);
   const int max_ctx = a.max_blocks * a.block_size;
   int ctx = context_lens[b];
   ctx = ctx < max_ctx ? ctx : max_ctx;
@@ -134,18 +139,36 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   // shared memory and the scratch are sized for).
   int plen = a.part_len;
   if (a.want_parts > 0) {
-    const int one_pass = (RT <= 2 ? 8 : 4) * KILN_ATTN_WARPS * (KILN_WARP / a.tg);
+    const int one_pass = KU * KILN_ATTN_WARPS * (KILN_WARP / a.tg);
     int dyn = (ctx + a.want_parts - 1) / a.want_parts;
     dyn = dyn > one_pass ? dyn : one_pass;
     dyn = (dyn + 15) & ~15;
     plen = dyn < plen ? dyn : plen;
   }
   const int p0 = part * plen;
-  if (p0 >= ctx) return;  // the combine never reads this partition
-  const int p1 = min(p0 + plen, ctx);
+  // Partitions per cluster: the partitions of one cluster combine through
+  // distributed shared memory (see the cluster step below).
+  int csize = 1;
+#if defined(KILN_CLUSTERS)
+  if (STREAM && a.cluster > 1) csize = a.cluster;
+#endif
+  if (csize > 1) {
+    // A whole cluster past the context leaves (the same test in all its
+    // blocks); a cluster holding context keeps its empty members, which
+    // take part in its barriers with an empty softmax state.
+    if ((part & ~(csize - 1)) * plen >= ctx) return;  // csize: a power of two
+  } else if (p0 >= ctx) {
+    return;  // the combine never reads this partition
+  }
+  const int p1 = min(p0 + plen, ctx);  // <= p0 for an empty cluster member
   // Partitions holding context positions; with one, the block normalizes
   // and writes the output itself (no scratch round trip, no combine).
-  const int nact = (ctx + plen - 1) / plen;
+  int nact = (ctx + plen - 1) / plen;
+  // Where the streaming form leaves its partition's state for the cluster
+  // step: [RT][hd] accumulators, then [RT] (max, sum) pairs.
+  float* cres = csize > 1 ? smem + (RT * a.head_dim + a.part_len +
+                                    KILN_ATTN_WARPS * RT * (a.head_dim + 2))
+                          : nullptr;
 
   // Row j of this tile: r = tile*RT + j, head h = g*group + r/Q, query qi = r%Q.
   int rid[RT];    // output row id ((b*Q + qi)*heads + h), or -1 when past the group
@@ -154,7 +177,8 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   for (int j = 0; j < RT; ++j) {
     const int r = tile * RT + j;
     if (r < rows) {
-      const int qi = r % a.query, h = g * group + r / a.query;
+      const KilnDiv qd = kiln_div(a.query);
+      const int qi = r % qd, h = g * group + r / qd;
       rid[j] = (b * a.query + qi) * a.heads + h;
       qpos[j] = ctx - a.query + qi;
     } else {
@@ -164,16 +188,21 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   }
   const i64 slot_stride = (i64)a.kv_heads * hd;
 
-  // A partition wholly before every row's sliding window contributes nothing.
-  bool skip = false;
+  // A partition wholly before every row's sliding window contributes
+  // nothing; neither does an empty cluster member.
+  bool skip = p1 <= p0;
   if (a.window > 0) {
     int lo = 0x7fffffff;
 #pragma unroll
     for (int j = 0; j < RT; ++j)
       if (rid[j] >= 0) lo = min(lo, qpos[j] - a.window + 1);
-    skip = p1 <= lo;
+    skip = skip || p1 <= lo;
   }
-  if (skip) {
+  if (skip && cres != nullptr) {
+    KILN_PROLOGUE();
+    for (int i = tid; i < RT * (hd + 2); i += KILN_ATTN_THREADS)
+      cres[i] = i < RT * hd || (i - RT * hd) % 2 == 1 ? 0.0f : -KILN_INF;
+  } else if (skip) {
     if (STREAM) KILN_PROLOGUE();
     if (tid == 0) {
 #pragma unroll
@@ -186,13 +215,84 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
     }
   } else {
     if (STREAM) {
-      attn_stream<T, RT>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0, p1, rid,
-                         qpos, slot_stride, ctx - a.query, nact == 1 ? out : nullptr);
+      attn_stream<T, RT, KU>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0, p1, rid,
+                         qpos, slot_stride, ctx - a.query,
+                         nact == 1 && cres == nullptr ? out : nullptr, cres);
     } else {
       attn_partition<T, RT, VEC>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0,
                                  p1, rid, qpos, slot_stride, nact == 1 ? out : nullptr);
     }
   }
+#if defined(KILN_CLUSTERS)
+  if (cres != nullptr) {
+    // The cluster step: every block of the cluster takes a slice of the
+    // tile's RT * hd outputs and merges the cluster's csize partition states
+    // for it, read from their shared memory (no DRAM or L2 round trip, no
+    // fence, no counter). A single cluster holding context writes the
+    // normalized output; otherwise the merged state goes to scratch as
+    // partition `cidx` and the last cluster combines as below.
+    cluster_sync();
+    const int crank = part & (csize - 1), cidx = part / kiln_div(csize);
+    const int ncl = (nact + csize - 1) / kiln_div(csize);
+    const int elems = RT * hd, per = (elems + csize - 1) / kiln_div(csize);
+    // Per row, once: the cluster members' weights exp(m_r - M) (0 for a
+    // member that saw no visible position) and 1 / sum of weighted l; a
+    // warp per row, a lane per member.
+    float* cw = smem;                                  // [RT][KILN_ATTN_MAX_CLUSTER]
+    float* crow = cw + RT * KILN_ATTN_MAX_CLUSTER;      // [RT]: (M, L)
+    {
+      const int lane = tid % KILN_WARP, warp = tid / KILN_WARP;
+      for (int j = warp; j < RT; j += KILN_ATTN_WARPS) {
+        float mr = -KILN_INF, lr = 0.0f;
+        if (lane < csize) {
+          mr = ld_cluster(cres + elems + 2 * j, lane);
+          lr = ld_cluster(cres + elems + 2 * j + 1, lane);
+        }
+        const float mm = warp_max(lr > 0.0f ? mr : -KILN_INF);
+        const float w = lr > 0.0f ? expf(mr - mm) : 0.0f;
+        const float ls = warp_sum(w * lr);
+        if (lane < csize) cw[j * KILN_ATTN_MAX_CLUSTER + lane] = w;
+        if (lane == 0) {
+          crow[2 * j] = mm;
+          crow[2 * j + 1] = ls;
+        }
+      }
+    }
+    __syncthreads();
+    const int hi = min(elems, (crank + 1) * per);
+    for (int i = crank * per + tid; i < hi; i += KILN_ATTN_THREADS) {
+      const int j = i / hdd, d = i % hdd;
+      if (rid[j] < 0) continue;
+      float vr[KILN_ATTN_MAX_CLUSTER];
+#pragma unroll
+      for (int r = 0; r < KILN_ATTN_MAX_CLUSTER; ++r)
+        if (r < csize) vr[r] = ld_cluster(cres + i, r);
+      float sacc = 0.0f;
+#pragma unroll
+      for (int r = 0; r < KILN_ATTN_MAX_CLUSTER; ++r) {
+        if (r < csize) {
+          const float w = cw[j * KILN_ATTN_MAX_CLUSTER + r];
+          sacc += w > 0.0f ? vr[r] * w : 0.0f;
+        }
+      }
+      const float mm = crow[2 * j], ls = crow[2 * j + 1];
+      if (ncl == 1) {
+        out[(i64)rid[j] * hd + d] = st<T>(sacc * (ls > 0.0f ? 1.0f / ls : 0.0f));
+      } else {
+        part_acc[((i64)rid[j] * a.num_parts + cidx) * hd + d] = sacc;
+        if (d == 0) {
+          float* ml = part_ml + ((i64)rid[j] * a.num_parts + cidx) * 2;
+          ml[0] = mm;
+          ml[1] = ls;
+        }
+      }
+    }
+    if (ncl > 1) __threadfence();  // before rank 0 counts the cluster done
+    cluster_sync();  // no block leaves while another still reads its shared memory
+    if (ncl == 1 || crank != 0) return;
+    nact = ncl;  // the cross-cluster combine below, over cluster states
+  } else
+#endif
   if (nact == 1) return;  // written directly (a window-skipped lone partition is impossible:
                           // the last position is always visible to the last row)
 
@@ -231,7 +331,7 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   }
   __syncthreads();
   for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
-    const int j = i / hd, d = i % hd;
+    const int j = i / hdd, d = i % hdd;
     if (rid[j] < 0) continue;
     const float* acc = part_acc + (i64)rid[j] * a.num_parts * hd + d;
     const float* wr = wts + j * nact;
@@ -263,8 +363,8 @@ KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
   float* sc = smem + RT * hd;             // [RT][P]
   int* slot_of = (int*)(sc + RT * a.part_len);  // [P]: cache slot of each position
   const int* bt = block_tables + (i64)b * a.max_blocks;
-  load_q_rows<T, RT>(q, rid, hd, qs);
-  fill_slots(bt, p0, np, a.block_size, slot_of);
+  load_q_rows<T, RT>(q, rid, kiln_div(hd), qs);
+  fill_slots(bt, p0, np, kiln_div(a.block_size), slot_of);
   __syncthreads();
 
   // Scores. tg lanes share a key (each lane VEC elements of the chunks it
@@ -396,7 +496,7 @@ KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
   }
   __syncthreads();
   for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
-    const int j = i / hd, d = i % hd;
+    const int j = i / kiln_div(hd), d = i % kiln_div(hd);
     if (rid[j] < 0) continue;
     float s = 0.0f;
     for (int x = 0; x < npl; ++x) s += red[((i64)x * RT + j) * hd + d];
@@ -450,18 +550,6 @@ KILN_DEV void load_kv(const T* kbase, const T* vbase, i64 off, Raw8<T>& k, Raw8<
   v = load_raw8(vbase + off);
 }
 
-// Merges softmax state (m2, l2, acc2) into (m, l, acc): both are sums of
-// exp(s - m) over disjoint key sets; an empty set has m = -inf and l = 0.
-KILN_DEV void merge_state(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
-  const float mm = fmaxf(m, m2);
-  const float wa = m == -KILN_INF ? 0.0f : expf(m - mm);
-  const float wb = m2 == -KILN_INF ? 0.0f : expf(m2 - mm);
-  l = l * wa + l2 * wb;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) acc[k] = acc[k] * wa + acc2[k] * wb;
-  m = mm;
-}
-
 // The streaming form of one partition, for head_dim a multiple of 8 and at
 // most 256 (one 8-element chunk per lane; the catalog picks it then).
 // Groups of tg lanes own one key each; every lane issues the K and the V
@@ -471,13 +559,13 @@ KILN_DEV void merge_state(float& m, float& l, float* acc, float m2, float l2, co
 // out interleaved (key = base + u * keys_per_pass + group), so a short
 // partition still keeps every warp busy. At the end the lane groups of a
 // warp merge by shuffles and the warps through shared memory.
-template <typename T, int RT>
+template <typename T, int RT, int KU>
 KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
                           const T* __restrict__ vc, const int* __restrict__ block_tables,
                           float* __restrict__ part_acc, float* __restrict__ part_ml,
                           const AttnShape& a, int b, int g, int part, int p0, int p1,
                           const int* rid, const int* qpos, i64 slot_stride, int new_from,
-                          T* direct_out) {
+                          T* direct_out, float* cres) {
   extern __shared__ float smem[];
   const int tid = threadIdx.x;
   const int hd = a.head_dim;
@@ -494,10 +582,11 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
   // query) were written by earlier steps. The kernel before attention
   // writes q and the new tokens' K/V, so those are loaded after the wait.
   // Nothing is written before it.
-  fill_slots(bt, p0, np, a.block_size, slot_of);
+  fill_slots(bt, p0, np, kiln_div(a.block_size), slot_of);
   __syncthreads();
 
-  constexpr int KU = RT <= 2 ? 8 : 4;
+  // KU: keys per lane group per pass (a template parameter, so shorter
+  // partitions can use fewer and leave more blocks to the chip).
   const int lane = tid % KILN_WARP, warp = tid / KILN_WARP;
   const int tg = a.tg, lig = lane % tg, kslot = lane / tg, kpw = KILN_WARP / tg;
   const int nch = hd / 8;
@@ -528,7 +617,7 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
     }
   }
   KILN_PROLOGUE();
-  load_q_rows<T, RT>(q, rid, hd, qs);
+  load_q_rows<T, RT>(q, rid, kiln_div(hd), qs);
 #pragma unroll
   for (int u = 0; u < KU; ++u) {
     const int p = p0 + u * per_pass + me;
@@ -618,18 +707,29 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
       }
     }
   }
-  // Lane groups of a warp: merge by shuffles (every lane takes part).
-#pragma unroll
-  for (int off = 1; off < KILN_WARP; off <<= 1) {
-    if (off < tg) continue;
+  // Lane groups of a warp: each rescales its state to the warp's max (one
+  // exp per row), then the states add up by shuffles (every lane takes
+  // part).
+  if (tg < KILN_WARP) {
 #pragma unroll
     for (int j = 0; j < RT; ++j) {
-      const float m2 = shfl_xor(m[j], off);
-      const float l2 = shfl_xor(l[j], off);
-      float a2[8];
+      float mw = m[j];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) a2[k] = shfl_xor(acc[j][k], off);
-      merge_state(m[j], l[j], acc[j], m2, l2, a2);
+      for (int off = 16; off > 0; off >>= 1)
+        if (off >= tg) mw = fmaxf(mw, shfl_xor(mw, off));
+      const float corr = m[j] == -KILN_INF ? 0.0f : expf(m[j] - mw);
+      l[j] *= corr;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[j][k] *= corr;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        if (off >= tg) {
+          l[j] += shfl_xor(l[j], off);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[j][k] += shfl_xor(acc[j][k], off);
+        }
+      }
+      m[j] = mw;
     }
   }
   if (kslot == 0) {
@@ -646,26 +746,45 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
     }
   }
   __syncthreads();
-  // Warps: merge through shared memory, one output element per thread.
-  for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
-    const int j = i / hd, d = i % hd;
-    if (rid[j] < 0) continue;
+  // Warps: per row, once, the warps' weights exp(m_w - M) and the sum of
+  // weighted l (in the dead q rows); then one output element per thread.
+  float* wwt = qs;                            // [RT][warps]
+  float* wrow = qs + RT * KILN_ATTN_WARPS;    // [RT]: (M, L)
+  if (tid < RT) {
+    const int j = tid;
     float mm = -KILN_INF;
 #pragma unroll
     for (int w = 0; w < KILN_ATTN_WARPS; ++w) mm = fmaxf(mm, wml[(w * RT + j) * 2]);
-    float ls = 0.0f, s = 0.0f;
-    if (mm != -KILN_INF) {
+    float ls = 0.0f;
 #pragma unroll
-      for (int w = 0; w < KILN_ATTN_WARPS; ++w) {
-        const float mw = wml[(w * RT + j) * 2];
-        const float e = mw == -KILN_INF ? 0.0f : expf(mw - mm);
-        ls += wml[(w * RT + j) * 2 + 1] * e;
-        s += wacc[(w * RT + j) * hd + d] * e;
-      }
+    for (int w = 0; w < KILN_ATTN_WARPS; ++w) {
+      const float mw = wml[(w * RT + j) * 2];
+      const float e = mw == -KILN_INF ? 0.0f : expf(mw - mm);
+      wwt[j * KILN_ATTN_WARPS + w] = e;
+      ls += wml[(w * RT + j) * 2 + 1] * e;
     }
+    wrow[2 * j] = mm;
+    wrow[2 * j + 1] = ls;
+  }
+  __syncthreads();
+  const KilnDiv hdd = kiln_div(hd);
+  for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
+    const int j = i / hdd, d = i % hdd;
+    if (rid[j] < 0) continue;
+    const float mm = wrow[2 * j], ls = wrow[2 * j + 1];
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < KILN_ATTN_WARPS; ++w)
+      s += wacc[(w * RT + j) * hd + d] * wwt[j * KILN_ATTN_WARPS + w];
     if (direct_out != nullptr) {
       // The combine's arithmetic for one partition (weight exp(0) = 1).
       direct_out[(i64)rid[j] * hd + d] = st<T>(s * (ls > 0.0f ? 1.0f / ls : 0.0f));
+    } else if (cres != nullptr) {
+      cres[i] = s;
+      if (d == 0) {
+        cres[RT * hd + 2 * j] = mm;
+        cres[RT * hd + 2 * j + 1] = ls;
+      }
     } else {
       part_acc[((i64)rid[j] * a.num_parts + part) * hd + d] = s;
       if (d == 0) {

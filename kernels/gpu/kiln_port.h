@@ -54,6 +54,29 @@ KILN_DEV void kiln_prologue() {
 }
 #define KILN_PROLOGUE() kiln_prologue()
 
+// Thread-block clusters (sm_90+): the blocks of one cluster run at once on
+// one GPC and read each other's shared memory. KILN_CLUSTERS is defined
+// where a kernel may be launched with a cluster dimension; elsewhere (sm_80,
+// HIP) no kernel uses these, and the plans never ask for a cluster.
+#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define KILN_CLUSTERS 1
+// Every thread of every block of the cluster arrives, then waits: shared
+// memory written before is visible to the cluster's blocks after.
+KILN_DEV void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+}
+// The f32 at `p` (this block's shared memory) in cluster block `rank`.
+KILN_DEV float ld_cluster(const float* p, unsigned int rank) {
+  unsigned int a, r;
+  float v;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+  return v;
+}
+#endif
+
 // A load that bypasses L1 (data another block wrote during this launch).
 KILN_DEV float ld_cg(const float* p) {
 #if defined(KILN_CUDA)
@@ -62,6 +85,23 @@ KILN_DEV float ld_cg(const float* p) {
   return __builtin_nontemporal_load(p);
 #endif
 }
+
+// Division by a divisor known only at run time. Every head_dim, block size
+// and query count kiln plans in practice is a power of two, and a shift and
+// a mask replace the ~25-instruction division sequence then; decode kernels
+// whose whole work is a few hundred instructions per warp feel the
+// difference. x >= 0.
+struct KilnDiv {
+  int d, shift;  // shift < 0: not a power of two
+};
+KILN_DEV KilnDiv kiln_div(int d) {
+  KilnDiv f;
+  f.d = d;
+  f.shift = d > 0 && (d & (d - 1)) == 0 ? __ffs(d) - 1 : -1;
+  return f;
+}
+KILN_DEV int operator/(int x, KilnDiv f) { return f.shift >= 0 ? x >> f.shift : x / f.d; }
+KILN_DEV int operator%(int x, KilnDiv f) { return f.shift >= 0 ? x & (f.d - 1) : x % f.d; }
 
 // Loads: storage -> f32.
 KILN_DEV float ld(float v) { return v; }

@@ -240,6 +240,7 @@ pub fn gemv_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
         grid: [g.n.div_ceil(GEMV_ROWS_PER_BLOCK / ks), 1, 1],
         block: [256, 1, 1],
         shared_bytes: 0,
+        cluster: 1,
         params: vec![
             Param::Arg(0),
             Param::Arg(1),
@@ -387,6 +388,7 @@ pub fn fused_matmul_launch(
         grid: [grid, 1, 1],
         block: [256, 1, 1],
         shared_bytes: 0,
+        cluster: 1,
         params: vec![
             Param::Arg(0),
             Param::Arg(1),
@@ -445,6 +447,7 @@ fn fused_argmax_call(
         grid: [n.div_ceil(GEMV_ROWS_PER_BLOCK), 1, 1],
         block: [256, 1, 1],
         shared_bytes: 0,
+        cluster: 1,
         params: vec![
             Param::Arg(0),
             Param::Arg(1),
@@ -554,6 +557,7 @@ pub fn skinny_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
         grid: [g.n.div_ceil(16 * mt), 1, 1],
         block: [32 * warps, 1, 1],
         shared_bytes: shared,
+        cluster: 1,
         params: vec![
             Param::Arg(0),
             Param::Arg(1),
@@ -785,6 +789,9 @@ pub struct KernelCall {
     pub block: [u32; 3],
     /// Dynamic shared memory bytes.
     pub shared_bytes: u32,
+    /// Blocks per thread-block cluster along x (1: none); see
+    /// `KernelLaunch::cluster`.
+    pub cluster: u32,
     pub params: Vec<Param>,
 }
 
@@ -845,6 +852,10 @@ pub const ATTN_THREADS: u32 = 128;
 const KILN_WARP: u32 = 32;
 /// Upper bound on attention partitions per sequence.
 pub const ATTN_MAX_PARTS: u32 = 256;
+/// The most partitions one thread-block cluster of the attention kernel
+/// holds (`KILN_ATTN_MAX_CLUSTER` in attention.cu; sm_90's non-portable
+/// cluster limit, [`kiln_ir::plan::MAX_CLUSTER`]).
+pub const ATTN_MAX_CLUSTER: u32 = 16;
 /// Threads of the `sample` kernel's one block per row.
 pub const SAMPLE_THREADS: u32 = 1024;
 
@@ -919,6 +930,7 @@ fn call(
         grid,
         block: [block, 1, 1],
         shared_bytes: 0,
+        cluster: 1,
         params,
     }
 }
@@ -957,6 +969,14 @@ pub struct AttnGeometry {
     /// and at most `part_len` positions, so a short context still gives
     /// the chip about `target_blocks` blocks.
     pub want_parts: u32,
+    /// Partitions per thread-block cluster (1: none). With clusters (CUDA
+    /// sm_90, the streaming kernel) the partitions of one cluster merge
+    /// their softmax states through distributed shared memory, without the
+    /// scratch round trip, fence and completion counter of the plain
+    /// combine; only a context spread over more than one cluster still
+    /// combines the clusters' states through scratch. `num_parts` is a
+    /// multiple of it.
+    pub cluster: u32,
     /// Dynamic shared memory of the partition kernel.
     pub shared_bytes: u32,
     /// Byte offset of the (max, sum) pairs in scratch.
@@ -986,11 +1006,14 @@ pub fn attention_geometry(
         block_size,
         max_blocks,
         attn_target_blocks(),
+        false,
     )
 }
 
 /// [`attention_geometry`] aiming at `target_blocks` attention blocks (the
-/// compile option `--attn-target-blocks`) instead of the environment's.
+/// compile option `--attn-target-blocks`) instead of the environment's;
+/// `clusters`: the target launches thread-block clusters (CUDA sm_90 and
+/// later, [`LowerOptions::attn_clusters`]).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_geometry_for(
     batch: u32,
@@ -1001,6 +1024,7 @@ pub fn attention_geometry_for(
     block_size: u32,
     max_blocks: u32,
     target_blocks: u64,
+    clusters: bool,
 ) -> Result<AttnGeometry, CatalogError> {
     let op = "paged_attention";
     let unsupported = |why: String| CatalogError::Unsupported { op, why };
@@ -1033,17 +1057,37 @@ pub fn attention_geometry_for(
     if max_ctx.div_ceil(part_len) > ATTN_MAX_PARTS as u64 {
         part_len = max_ctx.div_ceil(ATTN_MAX_PARTS as u64).div_ceil(32) * 32;
     }
-    let num_parts = max_ctx.div_ceil(part_len).max(1);
+    let mut num_parts = max_ctx.div_ceil(part_len).max(1);
     let want_parts = target.div_ceil(base_blocks.max(1)).clamp(1, num_parts);
     let npl = (ATTN_THREADS / nch) as u64;
     let (rt, hd) = (row_tile as u64, head_dim as u64);
     // The streaming kernel (K and V loaded together, online softmax in
     // registers) needs one 8-element chunk per lane.
     let stream = vec == 8 && nch <= KILN_WARP;
+    // A cluster holds as many partitions as a step may spread a context
+    // over, up to the hardware's limit: a context then combines inside one
+    // cluster (measured on the H200 with bench/attn/attn_bench.cu: a short
+    // context split over two clusters of 8 is slower than no cluster).
+    // The cluster's state region (the block's merged state, RT * (hd + 2)
+    // floats) must fit beside the streaming kernel's shared memory; where it
+    // does not (head_dim 256 with 8-row tiles), the plain combine runs.
+    let warps = (ATTN_THREADS / KILN_WARP) as u64;
+    let stream_floats = rt * hd + part_len + warps * rt * (hd + 2);
+    let fits =
+        (stream_floats + rt * (hd + 2)).max(rt * (num_parts + 1)) * 4 <= MAX_STATIC_SHARED as u64;
+    // Clusters of fewer than 4 partitions measured slower than the plain
+    // combine (SmolLM2-135M b32: 3 partitions, 16.2 us plain, 18.4 us with
+    // clusters of 2), so those stay plain.
+    let cluster = match (want_parts.min(ATTN_MAX_CLUSTER as u64) + 1).next_power_of_two() / 2 {
+        c if clusters && stream && fits && c >= 4 => c,
+        _ => 1,
+    };
+    num_parts = num_parts.div_ceil(cluster) * cluster;
     let partition = if stream {
-        // q rows, the slot of each position, then each warp's (acc, m, l).
-        let warps = (ATTN_THREADS / KILN_WARP) as u64;
-        rt * hd + part_len + warps * rt * (hd + 2)
+        // q rows, the slot of each position, each warp's (acc, m, l), then
+        // (clusters) the block's merged state that the cluster reads.
+        let cres = if cluster > 1 { rt * (hd + 2) } else { 0 };
+        stream_floats + cres
     } else {
         // Phase 1: q rows, scores and the slot of each position; phase 2:
         // the per-position-lane partial sums of V.
@@ -1070,6 +1114,7 @@ pub fn attention_geometry_for(
         part_len: part_len as u32,
         num_parts: num_parts as u32,
         want_parts: want_parts as u32,
+        cluster: cluster as u32,
         shared_bytes: shared as u32,
         ml_offset,
         scratch_bytes,
@@ -1088,16 +1133,18 @@ pub fn lower(
     results: &[TensorType],
     placement: Placement,
 ) -> Result<Lowered, CatalogError> {
-    lower_symbolic(op, args, results, placement, attn_target_blocks())
+    lower_symbolic(op, args, results, placement, attn_target_blocks(), false)
 }
 
-/// [`lower`] with an explicit attention block target.
+/// [`lower`] with an explicit attention block target and whether attention
+/// may use thread-block clusters ([`LowerOptions::attn_clusters`]).
 pub fn lower_symbolic(
     op: &Op,
     args: &[TensorType],
     results: &[TensorType],
     placement: Placement,
     attn_target_blocks: u64,
+    attn_clusters: bool,
 ) -> Result<Lowered, CatalogError> {
     let m = op.mnemonic();
     let arity_ok = op.arity().contains(&args.len());
@@ -1342,6 +1389,7 @@ pub fn lower_symbolic(
                 *block_size,
                 max_blocks,
                 attn_target_blocks,
+                attn_clusters,
             )?;
             to_i32(m, "context", max_blocks as u64 * *block_size as u64)?;
             let mut shape = Vec::with_capacity(60);
@@ -1359,7 +1407,14 @@ pub fn lower_symbolic(
             }
             shape.extend_from_slice(&scale.to_ne_bytes());
             shape.extend_from_slice(&softcap.unwrap_or(0.0).to_ne_bytes());
-            for v in [g.part_len, g.num_parts, g.tiles, g.tg, g.want_parts] {
+            for v in [
+                g.part_len,
+                g.num_parts,
+                g.tiles,
+                g.tg,
+                g.want_parts,
+                g.cluster,
+            ] {
                 shape.extend_from_slice(&(v as i32).to_ne_bytes());
             }
             let grid_y = batch as u64 * *kv_heads as u64 * g.tiles as u64;
@@ -1379,6 +1434,7 @@ pub fn lower_symbolic(
                 grid: [g.num_parts, grid_y as u32, 1],
                 block: [ATTN_THREADS, 1, 1],
                 shared_bytes: g.shared_bytes,
+                cluster: g.cluster,
                 params: vec![
                     Param::Arg(0),
                     Param::Arg(1),
@@ -1608,6 +1664,9 @@ pub struct LowerOptions {
     pub attn_target_blocks: u64,
     /// Launch every kernel with the programmatic-dependent-launch attribute.
     pub pdl: bool,
+    /// Attention combines its context partitions inside thread-block
+    /// clusters (CUDA sm_90 and later; see [`AttnGeometry::cluster`]).
+    pub attn_clusters: bool,
     /// The target whose default GEMM rule applies ([`default_gemm_kind`]).
     pub target: Target,
     /// GEMM implementations measured by `kiln tune`, already filtered to
@@ -1625,6 +1684,7 @@ impl LowerOptions {
         LowerOptions {
             attn_target_blocks: attn_target_blocks.max(1),
             pdl: matches!(target, Target::Cuda { sm } if *sm >= 90),
+            attn_clusters: matches!(target, Target::Cuda { sm } if *sm >= 90),
             target: target.clone(),
             tuned: HashMap::new(),
         }
@@ -1636,6 +1696,7 @@ impl Default for LowerOptions {
         LowerOptions {
             attn_target_blocks: ATTN_TARGET_BLOCKS,
             pdl: false,
+            attn_clusters: false,
             target: Target::Cuda { sm: 80 },
             tuned: HashMap::new(),
         }
@@ -1696,6 +1757,7 @@ pub fn op_needs(
         results,
         Placement::default(),
         opts.attn_target_blocks,
+        opts.attn_clusters,
     )?;
     Ok(match l {
         Lowered::Kernels {
@@ -1970,6 +2032,7 @@ pub fn lower_op(
             &types(results),
             placement_of(args, results),
             opts.attn_target_blocks,
+            opts.attn_clusters,
         )?,
     };
     let short = |what: &str, need: u64, have: u64| CatalogError::Unsupported {
@@ -2032,6 +2095,7 @@ pub fn lower_op(
             grid: c.grid,
             block: c.block,
             shared_bytes: c.shared_bytes,
+            cluster: c.cluster,
             params,
             pdl: opts.pdl,
         })
@@ -2267,12 +2331,71 @@ mod tests {
         // 8 (sequence, kv head) rows need 32 partitions for 256 blocks; at
         // batch 32 they are 256 already, so one partition (the direct
         // write, no combine) stays.
-        let g = attention_geometry_for(1, 1, 16, 8, 128, 16, 256, ATTN_TARGET_BLOCKS).unwrap();
+        let g =
+            attention_geometry_for(1, 1, 16, 8, 128, 16, 256, ATTN_TARGET_BLOCKS, false).unwrap();
         assert_eq!((g.part_len, g.num_parts, g.want_parts), (128, 32, 32));
-        let g = attention_geometry_for(8, 1, 16, 8, 128, 16, 256, ATTN_TARGET_BLOCKS).unwrap();
+        let g =
+            attention_geometry_for(8, 1, 16, 8, 128, 16, 256, ATTN_TARGET_BLOCKS, false).unwrap();
         assert_eq!(g.want_parts, 4);
-        let g = attention_geometry_for(32, 1, 16, 8, 128, 16, 256, ATTN_TARGET_BLOCKS).unwrap();
+        let g =
+            attention_geometry_for(32, 1, 16, 8, 128, 16, 256, ATTN_TARGET_BLOCKS, false).unwrap();
         assert_eq!(g.want_parts, 1);
+        assert_eq!(g.cluster, 1);
+    }
+
+    #[test]
+    fn attention_clusters_hold_the_partitions_a_step_spreads_a_context_over() {
+        // (batch, heads, kv heads, head_dim, want_parts, cluster) for the
+        // default block target over a 4096-position table.
+        for (batch, heads, kvh, hd, want, cluster) in [
+            (1, 16, 8, 128, 32, 16), // Qwen3-0.6B b1: capped at 16
+            (8, 16, 8, 128, 4, 4),   // b8: all four partitions in one cluster
+            (32, 16, 8, 128, 1, 1),  // b32: one partition, no cluster
+            (32, 9, 3, 64, 3, 1),    // 3 partitions: a cluster of 2 would be slower
+            (1, 9, 3, 64, 86, 16),   // SmolLM2 b1
+            (4, 9, 3, 64, 22, 16),   // 22 partitions: the largest power of two under them
+            (2, 32, 8, 64, 16, 16),
+            (3, 32, 8, 64, 11, 8),
+        ] {
+            let on =
+                attention_geometry_for(batch, 1, heads, kvh, hd, 16, 256, ATTN_TARGET_BLOCKS, true)
+                    .unwrap();
+            let off = attention_geometry_for(
+                batch,
+                1,
+                heads,
+                kvh,
+                hd,
+                16,
+                256,
+                ATTN_TARGET_BLOCKS,
+                false,
+            )
+            .unwrap();
+            let what = format!("b{batch} {heads}/{kvh}x{hd}");
+            assert_eq!((on.want_parts, on.cluster), (want, cluster), "{what}");
+            assert_eq!(off.cluster, 1, "{what}");
+            assert!(on.cluster.is_power_of_two() && on.cluster <= ATTN_MAX_CLUSTER);
+            assert!(on.cluster <= on.want_parts.max(1), "{what}");
+            assert_eq!(on.num_parts % on.cluster, 0, "{what}");
+            assert!(on.num_parts >= off.num_parts && on.num_parts <= ATTN_MAX_PARTS);
+            // The cluster's state region: RT * (hd + 2) more floats.
+            let extra = if on.cluster > 1 {
+                on.row_tile * (hd + 2) * 4
+            } else {
+                0
+            };
+            assert_eq!(on.shared_bytes, off.shared_bytes + extra, "{what}");
+        }
+        // head_dim 256 with 8-row tiles: the state region would not fit, so
+        // the plain combine runs.
+        let g = attention_geometry_for(1, 8, 4, 1, 256, 4, 24, ATTN_TARGET_BLOCKS, true).unwrap();
+        assert_eq!((g.row_tile, g.cluster), (8, 1));
+        assert!(g.shared_bytes <= MAX_STATIC_SHARED);
+        // The phased kernel (head_dim not a multiple of 8) never clusters.
+        let g = attention_geometry_for(1, 1, 4, 1, 36, 16, 4, ATTN_TARGET_BLOCKS, true).unwrap();
+        assert!(!g.stream);
+        assert_eq!(g.cluster, 1);
     }
 
     #[test]
@@ -2302,16 +2425,16 @@ mod tests {
         let Param::Blob(b) = calls[0].params.last().unwrap() else {
             panic!("shape struct is the last parameter")
         };
-        // struct AttnShape: 8 ints, 2 floats, 5 ints.
-        assert_eq!(b.len(), 15 * 4);
+        // struct AttnShape: 8 ints, 2 floats, 6 ints.
+        assert_eq!(b.len(), 16 * 4);
         let src = MODULES
             .iter()
             .find(|m| m.name == "attention")
             .unwrap()
             .raw_source;
         assert!(
-            src.contains("int want_parts;"),
-            "the kernel struct ends with want_parts"
+            src.contains("int want_parts;") && src.contains("int cluster;"),
+            "the kernel struct ends with want_parts and cluster"
         );
         let f = |i: usize| f32::from_ne_bytes(b[i * 4..i * 4 + 4].try_into().unwrap());
         let n = |i: usize| i32::from_ne_bytes(b[i * 4..i * 4 + 4].try_into().unwrap());

@@ -700,6 +700,7 @@ pub fn lower_qgemv(
             grid: [grid, 1, 1],
             block: [QGEMV_THREADS, 1, 1],
             shared_bytes: 0,
+            cluster: 1,
             params: c.params(bufs, n, k, t0, tokens, w_const),
             pdl,
         });
@@ -812,6 +813,7 @@ pub fn lower_qskinny(
             grid: [g.grid, 1, 1],
             block: [32 * g.warps as u32, 1, 1],
             shared_bytes: g.shared_bytes(),
+            cluster: 1,
             params: c.params(bufs, n, k, t0, tokens, w_const),
             pdl,
         });
@@ -1086,6 +1088,7 @@ pub fn lower_qgemv_fused(
             grid: [grid, 1, 1],
             block: [QGEMV_THREADS, 1, 1],
             shared_bytes: 0,
+            cluster: 1,
             params: c.fused_params(bufs, f, (n, k, out_n), t0, tokens, w_const),
             pdl,
         });
@@ -1144,6 +1147,7 @@ pub fn lower_qskinny_fused(
             grid: [g.grid, 1, 1],
             block: [32 * g.warps as u32, 1, 1],
             shared_bytes: g.shared_bytes(),
+            cluster: 1,
             params: c.fused_params(bufs, f, (n, k, out_n), t0, tokens, w_const),
             pdl,
         });
@@ -1221,6 +1225,7 @@ pub fn lower_qgather(
         grid: [nv.div_ceil(QGEMV_THREADS as u64) as u32, t as u32, 1],
         block: [QGEMV_THREADS, 1, 1],
         shared_bytes: 0,
+        cluster: 1,
         params: vec![
             LaunchParam::Buf(ids),
             LaunchParam::Buf(w),

@@ -82,6 +82,9 @@ pub struct ResolvedKernel {
     pub shared_bytes: u32,
     pub params: Vec<ResolvedParam>,
     pub pdl: bool,
+    /// Blocks per thread-block cluster along x (1: none; see
+    /// `KernelLaunch::cluster`).
+    pub cluster: u32,
 }
 
 /// One resolved kernel parameter.

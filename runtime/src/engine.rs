@@ -331,6 +331,7 @@ impl Regions {
                 })
                 .collect(),
             pdl: k.pdl,
+            cluster: k.cluster,
         };
         match l {
             Lowering::Reference => LaunchBody::Reference,

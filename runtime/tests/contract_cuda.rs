@@ -71,6 +71,7 @@ fn lowered(op: &Op, args: &[DevOperand], results: &[DevOperand]) -> Vec<Resolved
             block: c.block,
             shared_bytes: c.shared_bytes,
             pdl: true,
+            cluster: 1,
             params: c
                 .params
                 .into_iter()

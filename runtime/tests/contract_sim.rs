@@ -30,6 +30,7 @@ fn kernel(entry: &str, params: Vec<ResolvedParam>) -> ResolvedKernel {
         shared_bytes: 0,
         params,
         pdl: true,
+        cluster: 1,
     }
 }
 
@@ -359,6 +360,36 @@ fn the_pdl_attribute_reaches_the_driver_only_where_the_device_supports_it() {
             .rfind(|l| l.starts_with("launch_kernel"))
             .unwrap();
         assert!(!launch.contains("pdl"), "{launch}");
+    }
+}
+
+#[test]
+fn a_cluster_launch_reaches_the_cuda_driver_and_is_refused_on_hip() {
+    for (t, ok) in [
+        (Sim(SimConfig::cuda()), true),
+        (Sim(SimConfig::hip()), false),
+    ] {
+        let mut b = t.open();
+        let (x, y, z) = buffers(&mut b, 16);
+        let mut l = t.add(x, y, z, 16);
+        let LaunchBody::Kernels(ks) = &mut l.body else {
+            panic!("a kernel body")
+        };
+        ks[0].grid = [4, 1, 1];
+        ks[0].cluster = 2;
+        let got = b.prepare(&l).and_then(|()| b.launch(&l));
+        let log = b.driver().log();
+        if ok {
+            got.unwrap();
+            let launch = log
+                .iter()
+                .rfind(|l| l.starts_with("launch_kernel"))
+                .unwrap();
+            assert!(launch.contains("cluster 2"), "{launch}");
+        } else {
+            let e = got.unwrap_err().to_string();
+            assert!(e.contains("cluster"), "{e}");
+        }
     }
 }
 

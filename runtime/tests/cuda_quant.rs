@@ -161,6 +161,7 @@ fn resolve(k: &KernelLaunch) -> ResolvedKernel {
             })
             .collect(),
         pdl: k.pdl,
+        cluster: k.cluster,
     }
 }
 

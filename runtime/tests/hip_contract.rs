@@ -1624,6 +1624,7 @@ mod on_gpu_backend {
                         ResolvedParam::I64(n.into()),
                     ],
                     pdl: true,
+                    cluster: 1,
                 }]),
             }
         }

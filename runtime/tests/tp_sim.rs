@@ -46,6 +46,7 @@ fn add(a: DevPtr, b: DevPtr, c: DevPtr) -> Launch {
                 ResolvedParam::I32(N as i32),
             ],
             pdl: false,
+            cluster: 1,
         }]),
     }
 }

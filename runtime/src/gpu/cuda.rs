@@ -222,6 +222,8 @@ pub struct CudaDriver {
     descriptors: HashMap<GemmShape, Descriptors>,
     algorithms: HashMap<Handle, lt::cublasLtMatmulAlgo_t>,
     next_algorithm: Handle,
+    /// Functions already allowed a non-portable cluster size.
+    nonportable: std::collections::HashSet<Handle>,
 }
 
 // SAFETY: the context is made current on the calling thread by `set_device`
@@ -235,6 +237,7 @@ impl Default for CudaDriver {
             descriptors: HashMap::new(),
             algorithms: HashMap::new(),
             next_algorithm: 1,
+            nonportable: std::collections::HashSet::new(),
         }
     }
 }
@@ -440,16 +443,39 @@ impl GpuDriver for CudaDriver {
             .map(|&o| unsafe { base.add(o) } as *mut c_void)
             .collect();
         let f: cu::CUfunction = p(function);
+        // A cluster above the portable 8 blocks needs the function's
+        // opt-in, set once before its first such launch.
+        if dims.cluster > 8 && self.nonportable.insert(function) {
+            // SAFETY: a live function handle.
+            ok(unsafe {
+                cu::cuFuncSetAttribute(
+                    f,
+                    cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                    1,
+                )
+            })?;
+        }
         // SAFETY: the parameters were packed by `ResolvedKernel::pack` for
         // this entry point; the driver copies them before returning. With
         // PDL a kernel may start while its predecessor runs; every kiln
         // kernel waits for its predecessors before touching their outputs.
+        // A cluster launch needs sm_90 (the plan's target, checked at load).
         ok(unsafe {
-            if pdl {
-                let mut attr: cu::CUlaunchAttribute = std::mem::zeroed();
-                attr.id =
-                    cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-                attr.value.programmaticStreamSerializationAllowed = 1;
+            if pdl || dims.cluster > 1 {
+                let mut attrs: [cu::CUlaunchAttribute; 2] = std::mem::zeroed();
+                let mut n = 0;
+                if pdl {
+                    attrs[n].id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                    attrs[n].value.programmaticStreamSerializationAllowed = 1;
+                    n += 1;
+                }
+                if dims.cluster > 1 {
+                    attrs[n].id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+                    attrs[n].value.clusterDim.x = dims.cluster;
+                    attrs[n].value.clusterDim.y = 1;
+                    attrs[n].value.clusterDim.z = 1;
+                    n += 1;
+                }
                 let cfg = cu::CUlaunchConfig {
                     gridDimX: dims.grid[0],
                     gridDimY: dims.grid[1],
@@ -459,8 +485,8 @@ impl GpuDriver for CudaDriver {
                     blockDimZ: dims.block[2],
                     sharedMemBytes: dims.shared_bytes,
                     hStream: p(stream),
-                    attrs: &mut attr,
-                    numAttrs: 1,
+                    attrs: attrs.as_mut_ptr(),
+                    numAttrs: n as u32,
                 };
                 cu::cuLaunchKernelEx(&cfg, f, ptrs.as_mut_ptr(), std::ptr::null_mut())
             } else {

@@ -98,6 +98,8 @@ pub struct Dims {
     pub grid: [u32; 3],
     pub block: [u32; 3],
     pub shared_bytes: u32,
+    /// Blocks per thread-block cluster along x (1: none).
+    pub cluster: u32,
 }
 
 /// The device the backend runs on, as the driver reports it.

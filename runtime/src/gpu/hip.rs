@@ -247,6 +247,14 @@ impl<H: HipDriver> GpuDriver for HipGpuDriver<H> {
         offsets: &[usize],
         stream: Handle,
     ) -> DriverResult<()> {
+        if dims.cluster > 1 {
+            // Plans never ask for clusters on HIP (validate refuses them off
+            // CUDA sm_90); a hand-built launch that does is refused here.
+            return Err(DriverError::other(
+                1,
+                "hipErrorInvalidValue (1): thread-block clusters are not supported on HIP",
+            ));
+        }
         let mut packed = PackedParams::from_packed(params, offsets);
         let dims = hd::Dims {
             grid: dims.grid,

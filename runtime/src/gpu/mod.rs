@@ -374,6 +374,7 @@ impl<D: GpuDriver> GpuBackend<D> {
             grid: k.grid,
             block: k.block,
             shared_bytes: k.shared_bytes,
+            cluster: k.cluster,
         };
         self.driver
             .launch_kernel(f, dims, k.pdl && self.pdl, &params, &offsets, self.stream)

@@ -558,6 +558,7 @@ impl GpuDriver for NcclDriver {
             grid: [count.div_ceil(256).max(1) as u32, 1, 1],
             block: [256, 1, 1],
             shared_bytes: 0,
+            cluster: 1,
         };
         self.inner
             .launch_kernel(function, dims, false, &params, &offsets, stream)
@@ -604,6 +605,7 @@ impl GpuDriver for NcclDriver {
             grid: [rows.max(1) as u32, 1, 1],
             block: [256, 1, 1],
             shared_bytes: 0,
+            cluster: 1,
         };
         self.inner
             .launch_kernel(local, one_block_per_row, false, &params, &offsets, stream)?;
@@ -632,6 +634,7 @@ impl GpuDriver for NcclDriver {
             grid: [rows.div_ceil(128).max(1) as u32, 1, 1],
             block: [128, 1, 1],
             shared_bytes: 0,
+            cluster: 1,
         };
         self.inner
             .launch_kernel(k.reduce_best, dims, false, &params, &offsets, stream)

@@ -747,7 +747,7 @@ impl GpuDriver for SimDriver {
     fn launch_kernel(
         &mut self,
         function: Handle,
-        _dims: Dims,
+        dims: Dims,
         pdl: bool,
         params: &[u8],
         offsets: &[usize],
@@ -758,16 +758,27 @@ impl GpuDriver for SimDriver {
             .get(&function)
             .cloned()
             .ok_or_else(|| DriverError::other(400, "simErrorInvalidHandle (400): function"))?;
-        let detail = if pdl {
+        let mut detail = if pdl {
             format!("{entry}, pdl")
         } else {
             entry.clone()
         };
+        if dims.cluster > 1 {
+            detail.push_str(&format!(", cluster {}", dims.cluster));
+        }
         self.call("launch_kernel", detail, true)?;
         if pdl && !self.cfg.pdl {
             return Err(DriverError::other(
                 1,
                 "simErrorInvalidValue (1): programmatic dependent launch is not supported",
+            ));
+        }
+        // Clusters come with PDL (sm_90); either needs the simulated part to
+        // offer it. A cluster must tile the grid's x dimension.
+        if dims.cluster > 1 && (!self.cfg.pdl || !dims.grid[0].is_multiple_of(dims.cluster)) {
+            return Err(DriverError::other(
+                1,
+                "simErrorInvalidClusterSize (1): thread-block cluster not supported for this launch",
             ));
         }
         self.submit(Node::Kernel {

@@ -17,6 +17,21 @@ use kiln_runtime::backend::{
 /// BLAS workspace reserved for a GEMM lowered without one.
 pub const WORKSPACE_BYTES: u64 = 32 << 20;
 
+thread_local! {
+    /// Lower attention without thread-block clusters even where the device
+    /// launches them ([`without_clusters`]).
+    static NO_CLUSTERS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with attention lowered as for a target without clusters (sm_80,
+/// HIP), so a test can run both forms of the kernel on an sm_90 device.
+pub fn without_clusters<R>(f: impl FnOnce() -> R) -> R {
+    NO_CLUSTERS.with(|c| c.set(true));
+    let r = f();
+    NO_CLUSTERS.with(|c| c.set(false));
+    r
+}
+
 fn absolute(ptr: DevPtr, bytes: u64) -> BufRef {
     // Every buffer is "arena" at its absolute address, so the lowering's
     // overlap checks compare real addresses and resolving is the identity.
@@ -56,6 +71,7 @@ fn resolve(k: &KernelLaunch) -> ResolvedKernel {
             })
             .collect(),
         pdl: k.pdl,
+        cluster: k.cluster,
     }
 }
 
@@ -92,8 +108,11 @@ pub fn lower_as<B: Backend>(
     gemm: Option<GemmKind>,
 ) -> Vec<DevPtr> {
     let tys = |v: &[DevOperand]| v.iter().map(|o| o.ty.clone()).collect::<Vec<_>>();
+    // As `kiln compile` lowers for the device: PDL and attention clusters
+    // come together (sm_90).
     let mut opts = LowerOptions {
         pdl,
+        attn_clusters: pdl && !NO_CLUSTERS.with(|c| c.get()),
         ..LowerOptions::default()
     };
     if let (Some(kind), Some(shape)) = (gemm, gemm_shape(launch)) {
