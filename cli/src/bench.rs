@@ -83,6 +83,11 @@ pub struct BenchArgs {
     /// op) and report time and bandwidth per kernel class.
     #[arg(long)]
     pub profile: bool,
+    /// A second plan of the same model timed in the same run, its rows
+    /// after the first plan's (e.g. the `--schedule megakernel` plan next
+    /// to the graph-schedule one: both schedules side by side).
+    #[arg(long, value_name = "PLAN")]
+    pub also: Option<PathBuf>,
 }
 
 /// Why a benchmark could not run.
@@ -100,6 +105,11 @@ pub enum BenchError {
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct KeyResult {
     pub key: String,
+    /// How the step ran: `graph` (the op list's launches, replayed as a
+    /// graph) or `megakernel` (one persistent kernel walking the tape).
+    pub schedule: String,
+    /// The plan file the row was timed from.
+    pub plan: String,
     pub batch: u32,
     pub query: u32,
     pub context: u32,
@@ -258,8 +268,9 @@ impl BenchReport {
             v.map_or(format!("{:>width$}", "-"), |v| format!("{v:>width$.prec$}"))
         };
         s.push_str(&format!(
-            "{:<10} {:>5} {:>10} {:>10} {:>10} {:>7} {:>10} {:>9} {:>7} {:>9} {:>12} {:>12}\n",
+            "{:<10} {:<10} {:>5} {:>10} {:>10} {:>10} {:>7} {:>10} {:>9} {:>7} {:>9} {:>12} {:>12}\n",
             "key",
+            "schedule",
             "ctx",
             "eager ms",
             "replay ms",
@@ -274,8 +285,9 @@ impl BenchReport {
         ));
         for k in &self.keys {
             s.push_str(&format!(
-                "{:<10} {:>5} {:>10.3} {:>10.3} {} {:>7.2} {:>10.0} {} {} {:>9.1} {:>12} {:>12}\n",
+                "{:<10} {:<10} {:>5} {:>10.3} {:>10.3} {} {:>7.2} {:>10.0} {} {} {:>9.1} {:>12} {:>12}\n",
                 k.key,
+                k.schedule,
                 k.context,
                 k.eager_ms,
                 k.replay_ms,
@@ -373,6 +385,62 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
     crate::run_cmd::check_tp(args.tp, plan.tp)?;
     let tp = plan.tp;
     let keys = wanted_keys(args, &plan)?;
+    let (device, bw, mut results) = bench_plan(args, &spec, plan, &args.plan, &keys)?;
+    if let Some(also) = &args.also {
+        let plan = kiln_runtime::loader::read_plan_file(also)?;
+        if plan.tp != tp {
+            return Err(BenchError::Usage(format!(
+                "--also {}: the plan is tensor-parallel over {} rank(s), the first over {tp}; compare plans of one shape",
+                also.display(),
+                plan.tp
+            )));
+        }
+        // The second plan's keys are the first's (each must exist).
+        let (_, _, more) = bench_plan(args, &spec, plan, also, &keys)?;
+        results.extend(more);
+    }
+    let report = BenchReport {
+        plan: args.plan.display().to_string(),
+        device,
+        weights: args
+            .weights
+            .as_ref()
+            .map_or("random".to_string(), |d| d.display().to_string()),
+        copy_bandwidth_gbs: bw.map(|b| b / 1e9),
+        tp,
+        keys: results,
+    };
+    if let Some(p) = &args.json {
+        write_json(&report, p)?;
+    }
+    Ok(report)
+}
+
+/// Loads `plan` (read from `path`) on a fresh backend and times `keys`:
+/// the device's description, the measured copy bandwidth and one row per
+/// key. The engine (and its device memory) is gone when this returns, so a
+/// second plan runs on the same free device.
+fn bench_plan(
+    args: &BenchArgs,
+    spec: &DeviceSpec,
+    plan: kiln_ir::plan::Plan,
+    path: &Path,
+    keys: &[Key],
+) -> Result<(String, Option<f64>, Vec<KeyResult>), BenchError> {
+    let tp = plan.tp;
+    for key in keys {
+        if plan.key_plan(*key).is_none() {
+            return Err(BenchError::Usage(format!(
+                "{} has no key {key} (it has: {}); bench keys the plan has, or compile it with them",
+                path.display(),
+                plan.keys
+                    .iter()
+                    .map(|k| k.key.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+    }
     let weights = match &args.weights {
         Some(d) => Weights::Dir(d),
         None => Weights::Random { seed: 1000 },
@@ -382,13 +450,13 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         log: false,
         ..EngineOptions::default()
     };
-    let backend = open_backend_ranks(spec, tp)?;
+    let backend = open_backend_ranks(*spec, tp)?;
     let mut engine = Engine::with_weights(plan, weights, backend, options)?;
     let info = engine.device();
     let bw = engine.copy_bandwidth(1 << 30, 10)?;
     let eager_steps = (args.steps / 10).max(10);
     let mut results = Vec::new();
-    for key in keys {
+    for &key in keys {
         let facts = engine.key_facts(key)?;
         let eager = engine.time_steps(key, StepMode::Eager, args.context, 3, eager_steps)?;
         let replay =
@@ -407,8 +475,11 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
         } else {
             None
         };
+        let megakernel = engine.runs_megakernel(key);
         results.push(KeyResult {
             key: key.to_string(),
+            schedule: if megakernel { "megakernel" } else { "graph" }.to_string(),
+            plan: path.display().to_string(),
             batch: key.batch,
             query: key.query,
             context: args.context,
@@ -432,21 +503,8 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport, BenchError> {
             profile: profile.map(|p| p.0),
         });
     }
-    let report = BenchReport {
-        plan: args.plan.display().to_string(),
-        device: format!("{} ({}, {})", info.name, info.backend, info.arch),
-        weights: args
-            .weights
-            .as_ref()
-            .map_or("random".to_string(), |d| d.display().to_string()),
-        copy_bandwidth_gbs: bw.map(|b| b / 1e9),
-        tp,
-        keys: results,
-    };
-    if let Some(p) = &args.json {
-        write_json(&report, p)?;
-    }
-    Ok(report)
+    let device = format!("{} ({}, {})", info.name, info.backend, info.arch);
+    Ok((device, bw, results))
 }
 
 /// Writes the report as JSON to `path` (temp file, then rename).
@@ -472,6 +530,8 @@ mod tests {
             query: 1,
             context: 512,
             launches: 256,
+            schedule: "graph".into(),
+            plan: "p.kiln".into(),
             eager_ms: 1.5,
             replay_ms: 0.5,
             replay_back_to_back_ms: 0.5,
@@ -623,7 +683,44 @@ mod tests {
             json: None,
             tp: None,
             profile: false,
+            also: None,
         }
+    }
+
+    /// `kiln bench PLAN --also PLAN2`: the second plan's rows follow the
+    /// first's in the same report, each row naming its plan and schedule;
+    /// a second plan without one of the keys is refused naming it.
+    #[test]
+    fn also_times_a_second_plan_in_the_same_run_with_its_rows_after_the_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let a_dir = dir.path().join("a");
+        let b_dir = dir.path().join("b");
+        let a_plan = tiny_plan(&a_dir, &[Key::new(1, 1, 0), Key::new(2, 1, 0)]);
+        let b_plan = tiny_plan(&b_dir, &[Key::new(1, 1, 0), Key::new(2, 1, 0)]);
+        let mut a = args(a_plan.clone());
+        a.also = Some(b_plan.clone());
+        let r = run(&a).unwrap();
+        let rows: Vec<(String, String, String)> = r
+            .keys
+            .iter()
+            .map(|k| (k.key.clone(), k.plan.clone(), k.schedule.clone()))
+            .collect();
+        let (pa, pb) = (a_plan.display().to_string(), b_plan.display().to_string());
+        assert_eq!(
+            rows,
+            vec![
+                ("b1q1s0".into(), pa.clone(), "graph".into()),
+                ("b2q1s0".into(), pa, "graph".into()),
+                ("b1q1s0".into(), pb.clone(), "graph".into()),
+                ("b2q1s0".into(), pb, "graph".into()),
+            ]
+        );
+        assert!(r.table().contains("schedule"), "{}", r.table());
+        let c_plan = tiny_plan(&dir.path().join("c"), &[Key::new(1, 1, 0)]);
+        let mut bad = args(a_plan);
+        bad.also = Some(c_plan);
+        let e = run(&bad).unwrap_err().to_string();
+        assert!(e.contains("no key b2q1s0"), "{e}");
     }
 
     /// `kiln bench --device cpu` on a compiled tiny plan: one row per key,

@@ -458,8 +458,13 @@ pub fn kernel_images(
         // NVRTC compiles each used module to a CUBIN for the target SM (no
         // GPU needed); the plan embeds cubins, never PTX.
         Target::Cuda { sm } => {
+            // The megakernel interpreter is not a launch-list module: it
+            // is compiled only for plans with a tape.
             let used: Vec<_> = kiln_kernels::gpu::MODULES
                 .iter()
+                .chain(std::iter::once(
+                    &kiln_kernels::megakernel::MEGAKERNEL_MODULE,
+                ))
                 .filter(|m| modules.contains(m.name))
                 .collect();
             // Through the on-disk image cache (keyed by source, options,
@@ -586,6 +591,7 @@ pub fn compile_traced<E: Display>(
     let mut lower =
         kiln_kernels::gpu::LowerOptions::for_target(&opts.target, opts.attn_target_blocks);
     lower.attn_clusters &= !opts.no_attn_clusters;
+    lower.prefer_gemv = opts.schedule == passes::megakernel::ScheduleKind::Megakernel;
     let mut notes = Vec::new();
     if let Some(table) = &opts.tuning {
         let (tuned, stale) = table.choices(&opts.target);
@@ -634,6 +640,13 @@ pub fn compile_traced<E: Display>(
         tp,
     };
     if opts.schedule == passes::megakernel::ScheduleKind::Megakernel {
+        if let Target::Hip { .. } = opts.target {
+            return Err(passes::megakernel::MegakernelError::Options(format!(
+                "the megakernel interpreter runs on CUDA only, not on {}; compile with --schedule graph",
+                opts.target
+            ))
+            .into());
+        }
         passes::megakernel::schedule_plan(&mut plan, &opts.megakernel)?;
     }
     check_plan_bytes(&plan)?;

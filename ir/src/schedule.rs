@@ -86,6 +86,11 @@ use crate::validate::PlanError;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// The kernel module of the persistent interpreter that runs a tape on a
+/// GPU. A GPU plan with a tape must carry its image (validation checks it
+/// with the modules the launch lists use).
+pub const INTERPRETER_MODULE: &str = "megakernel";
+
 /// How a key's step runs.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub enum Schedule {

@@ -53,7 +53,9 @@
 //!     divides `grid[0]`;
 //! 14. a megakernel schedule's tape passes [`crate::schedule::verify_tape`]
 //!     (its own invariants are listed there), and its counters count in
-//!     `counter_bytes`.
+//!     `counter_bytes`; a tape is on a CPU or CUDA target, and a CUDA plan
+//!     with one carries the interpreter's image
+//!     ([`crate::schedule::INTERPRETER_MODULE`]).
 //!
 //! Not here: whether two live arena buffers overlap or how good a placement
 //! is (the compiler's checker), weight files against the manifest (the
@@ -160,6 +162,9 @@ pub fn modules_used(plan: &Plan) -> BTreeSet<String> {
         for l in kernel_launches(&op.lowering) {
             out.insert(l.module.clone());
         }
+    }
+    if plan.meta.target != Target::Cpu && plan.keys.iter().any(|k| k.schedule.tape().is_some()) {
+        out.insert(crate::schedule::INTERPRETER_MODULE.to_string());
     }
     out
 }
@@ -589,6 +594,19 @@ fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo
     if let Some(tape) = kp.schedule.tape() {
         check(&|| format!("{kf}.schedule.counters"), &tape.counters)?;
         crate::schedule::verify_tape(plan, kp, tape)?;
+        match plan.meta.target {
+            Target::Cpu => {}
+            Target::Cuda { .. } => {
+                out.modules
+                    .insert(crate::schedule::INTERPRETER_MODULE.to_string());
+            }
+            Target::Hip { .. } => {
+                return err(
+                    format!("{kf}.schedule"),
+                    "a megakernel tape on a hip target: the interpreter runs on CUDA only; compile with --schedule graph",
+                );
+            }
+        }
     }
     if kp.arena_peak > plan.arena_bytes {
         return err(

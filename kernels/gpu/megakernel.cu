@@ -1,56 +1,83 @@
-// The megakernel interpreter (skeleton): one persistent kernel per decode
-// step whose thread blocks each walk one queue of the plan's task tape
+// The megakernel interpreter: one persistent kernel per decode step whose
+// thread blocks each walk one queue of the plan's task tape
 // (kiln_ir::schedule::Tape), waiting on u32 counters in global memory
-// instead of kernel boundaries.
+// instead of kernel boundaries. Each task is a tile of one planned op (see
+// kiln_ir::schedule::footprint for what a tile reads and writes); the
+// records are encoded by kernels/src/megakernel.rs (encode_tape).
 //
-// Status: written and compiled under NVRTC only; it has never run on a GPU
-// and no backend launches it yet. It implements the control path (queue
-// walk, acquire waits, release bumps) and one task kind, a GEMV tile; every
-// other kind traps. See kernels/src/megakernel.rs for the device records.
+// Status: every op of a default bf16 llama / qwen3 / gemma-family decode
+// plan has a task kind here. Every kind has run once on an H200 against the
+// CPU reference over hand-built tapes (kernels/tests/megakernel_gpu.rs); a
+// whole compiled plan's tape has not run through it yet. Semantics are the CPU reference kernels' (kiln_kernels::cpu)
+// with the graph kernels' rounding points; where the graph kernels depart
+// from the reference on bad integer inputs (an out-of-range slot is
+// skipped, an out-of-range token id gives a zero row) this does the same.
 //
 // Memory model. A task's writes become visible to a waiter as follows: every
 // thread of the block stores its results, the block synchronizes, thread 0
 // issues a device-scope fence and then bumps the task's counter. A waiter's
 // thread 0 spins on the counter with acquire loads, then the block
-// synchronizes. Data another block wrote during this launch is read with
-// L1-bypassing loads (ld.global.cg), because an SM's L1 is not coherent and
-// the arena reuses addresses within a step. Weights are read plainly.
+// synchronizes. Data another block may have written during this launch
+// (activations, the KV cache, token ids and the other per-step inputs) is
+// read with L1-bypassing loads (ld.global.cg), because an SM's L1 is not
+// coherent and the arena reuses addresses within a step. Weights, norm
+// weights, biases, the RoPE tables and the block tables are read plainly.
+// While thread 0 waits, the block asks L2 to prefetch the task's weight
+// rows (weights never depend on a wait).
 //
 // Deadlock freedom is the tape's (verified at load): a task waits only on
 // tasks earlier on the tape, each queue is in tape order, and every block of
 // the grid (one per queue) is co-resident (occupancy is checked at load
-// against the plan's blocks_per_sm).
+// against the plan's blocks_per_sm). Only static shared memory is used
+// (KILN_MK_SMEM_FLOATS floats), no dynamic shared memory.
 #include "kiln_port.h"
 
 #define KILN_MK_THREADS 256
 #define KILN_MK_WARPS (KILN_MK_THREADS / KILN_WARP)
+#define KILN_MK_SMEM_FLOATS 1344
+#define KILN_MK_NORM_MAX 8192
+#define KILN_MK_MAX_HEAD_DIM 256
+#define KILN_MK_PREFETCH_MAX (4u << 20)
 
 // Task kinds (kiln_kernels::megakernel::TaskKind).
 #define KILN_MK_GEMV_BF16 1
 #define KILN_MK_GEMV_BF16_F32 2
+#define KILN_MK_GEMV_ARGMAX 3
+#define KILN_MK_EMBEDDING 4
+#define KILN_MK_RMS_NORM 5
+#define KILN_MK_ADD_RMS_NORM 6
+#define KILN_MK_QKV_ROPE_KV_WRITE 7
+#define KILN_MK_PAGED_ATTENTION 8
+#define KILN_MK_SILU_MUL 9
+#define KILN_MK_GELU_TANH_MUL 10
+#define KILN_MK_ADD 11
+#define KILN_MK_SCALE 12
+#define KILN_MK_ARGMAX 13
+#define KILN_MK_GATHER_LAST 14
 
-// One task, 80 bytes (kiln_kernels::megakernel::DeviceTask).
+// One task, 192 bytes (kiln_kernels::megakernel::DeviceTask). The meaning
+// of i[], f[] and p[] per kind is documented on TaskKind and at each
+// task's function below.
 struct MkTask {
   unsigned int kind;
   unsigned int counter;     // bumped by one when the task is done
   unsigned int wait_begin;  // first wait in the waits array
   unsigned int wait_count;
-  unsigned int tile_begin;  // GEMV: output columns [tile_begin, tile_end)
+  unsigned int tile_begin;  // the tile: a range of the op's units
   unsigned int tile_end;
-  unsigned int tokens;      // GEMV: rows of x and of out (at most 8)
-  unsigned int k;           // GEMV: reduction length (a multiple of 8)
-  unsigned int n;           // GEMV: columns of out (its row stride)
-  unsigned int pad[3];
-  const void* x;
-  const void* w;
-  const void* bias;  // may be null
-  void* out;
+  unsigned int reserved[2];
+  int i[16];                    // byte 32
+  float f[4];                   // byte 96
+  unsigned long long p[10];     // byte 112: device addresses, 0 = null
 };
+static_assert(sizeof(MkTask) == 192, "MkTask is 192 bytes");
 
 struct MkWait {
   unsigned int counter;
   unsigned int target;
 };
+
+#define KILN_MK_NO_INDEX 0x7fffffff
 
 KILN_DEV unsigned int mk_load_acquire(const unsigned int* p) {
 #if defined(KILN_CUDA)
@@ -68,6 +95,7 @@ KILN_DEV void mk_pause() {
 #endif
 }
 
+// ---- L1-bypassing loads (data written during this launch) ----
 KILN_DEV uint4 mk_ld_cg(const uint4* p) {
 #if defined(KILN_CUDA)
   return __ldcg(p);
@@ -75,47 +103,880 @@ KILN_DEV uint4 mk_ld_cg(const uint4* p) {
   return *p;
 #endif
 }
+KILN_DEV uint2 mk_ld_cg2(const uint2* p) {
+#if defined(KILN_CUDA)
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+KILN_DEV float4 mk_ld_cg4(const float4* p) {
+#if defined(KILN_CUDA)
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+KILN_DEV int mk_ld_cg_int(const int* p) {
+#if defined(KILN_CUDA)
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+KILN_DEV unsigned short mk_ld_cg_u16(const unsigned short* p) {
+#if defined(KILN_CUDA)
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+KILN_DEV float mk_ld_bf(const kbf16* p) {
+  kbf16 v;
+  v.bits = mk_ld_cg_u16(&p->bits);
+  return ld(v);
+}
 
-// One GEMV tile: out[t, j] = sum_k x[t, k] * w[j, k] (+ bias[j]) for the
-// tile's columns j, one warp per column. Each lane accumulates the 8-element
-// vectors lane, lane + 32, ... in order and the warp sums the lanes: the
-// order of gemv.cu's gemv_rows, so a tile's bits are meant to equal the
-// graph schedule's GEMV (to be proven on the device).
-template <typename O>
-KILN_DEV void mk_gemv_tile(const MkTask& t) {
+// Eight consecutive bf16 (16-byte aligned) as f32, through L2.
+KILN_DEV void mk_load8(const kbf16* p, float* o) {
+  unpack8(mk_ld_cg(reinterpret_cast<const uint4*>(p)), p, o);
+}
+// Eight consecutive f32 (16-byte aligned), through L2.
+KILN_DEV void mk_load8(const float* p, float* o) {
+  const float4 a = mk_ld_cg4(reinterpret_cast<const float4*>(p));
+  const float4 b = mk_ld_cg4(reinterpret_cast<const float4*>(p) + 1);
+  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+  o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+// Eight bf16 of a weight (plain load).
+KILN_DEV void mk_load8_w(const kbf16* p, float* o) {
+  unpack8(*reinterpret_cast<const uint4*>(p), p, o);
+}
+// Eight values rounded to bf16 (round to nearest even), one 16-byte store.
+KILN_DEV void mk_store8(kbf16* p, const float* v) {
+  unsigned int w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    w[k] = (unsigned int)st<kbf16>(v[2 * k]).bits |
+           ((unsigned int)st<kbf16>(v[2 * k + 1]).bits << 16);
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+KILN_DEV void mk_store8(float* p, const float* v) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// Asks L2 to fetch `bytes` (a multiple of 16) at `p` (16-byte aligned),
+// capped at KILN_MK_PREFETCH_MAX; every thread of the block takes a share.
+// A hint: no effect on results.
+KILN_DEV void mk_prefetch_l2(const void* p, unsigned long long bytes) {
+#if defined(KILN_CUDA)
+  if (p == nullptr) return;
+  if (bytes > KILN_MK_PREFETCH_MAX) bytes = KILN_MK_PREFETCH_MAX;
+  const char* c = reinterpret_cast<const char*>(p);
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  for (unsigned long long off = (unsigned long long)threadIdx.x * 4096; off < bytes;
+       off += (unsigned long long)KILN_MK_THREADS * 4096) {
+    unsigned long long left = bytes - off;
+    const unsigned int size = (unsigned int)(left < 4096 ? left : 4096) & ~15u;
+    if (size != 0)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c + off), "r"(size)
+                   : "memory");
+  }
+#else
+  for (unsigned long long off = (unsigned long long)threadIdx.x * 128; off < bytes;
+       off += (unsigned long long)KILN_MK_THREADS * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+#endif
+#endif
+}
+
+// The weight bytes a GEMV task's tile reads: rows [tile_begin, tile_end)
+// (and the matching up rows of a gated epilogue); the whole weight (capped)
+// for the argmax GEMV.
+KILN_DEV void mk_prefetch(const MkTask& t) {
+  const unsigned int kind = t.kind;
+  if (kind != KILN_MK_GEMV_BF16 && kind != KILN_MK_GEMV_BF16_F32 && kind != KILN_MK_GEMV_ARGMAX)
+    return;
+  const char* w = reinterpret_cast<const char*>(t.p[1]);
+  const unsigned long long row = (unsigned long long)t.i[1] * 2;
+  if (kind == KILN_MK_GEMV_ARGMAX) {
+    mk_prefetch_l2(w, row * (unsigned long long)t.i[2]);
+    return;
+  }
+  const unsigned long long rows = t.tile_end - t.tile_begin;
+  mk_prefetch_l2(w + row * t.tile_begin, row * rows);
+  if (t.i[6] != 0) mk_prefetch_l2(w + row * (t.tile_begin + (unsigned long long)t.i[6]), row * rows);
+}
+
+// ---- GEMV tiles ----
+//
+// mk_dot2: this warp's two weight rows r0, r1 times tokens [t0, t0 + tt)
+// (tt <= 8) of x ([T, k], bf16), normalized first when PRE (inv: each
+// token's inverse RMS, nw the norm weight, + 1 under unit_offset, each
+// normed element rounded to bf16 as rms_norm would store it). Each lane
+// accumulates the 8-element vectors lane, lane + 32, ... in order (four in
+// flight) and the warp sums the lanes: gemv.cu's order (gemv_rows with
+// KS = 1, gemv_fused_dot), so a tile's sums are the graph GEMV's. acc ends
+// warp-reduced in every lane.
+template <int PRE>
+KILN_DEV void mk_dot2(const kbf16* __restrict__ x, const kbf16* __restrict__ w,
+                      const kbf16* __restrict__ nw, int unit_offset, i64 r0, i64 r1, int t0,
+                      int tt, int k, const float* inv, float (&acc)[2][8]) {
   const int lane = threadIdx.x % KILN_WARP;
-  const int warp = threadIdx.x / KILN_WARP;
-  const kbf16* x = reinterpret_cast<const kbf16*>(t.x);
-  const kbf16* w = reinterpret_cast<const kbf16*>(t.w);
-  const kbf16* bias = reinterpret_cast<const kbf16*>(t.bias);
-  O* out = reinterpret_cast<O*>(t.out);
-  const int kv = (int)(t.k / 8);
-  const int tokens = (int)t.tokens;
-  const uint4* xv = reinterpret_cast<const uint4*>(x);
-  for (unsigned int j = t.tile_begin + warp; j < t.tile_end; j += KILN_MK_WARPS) {
-    const uint4* wv = reinterpret_cast<const uint4*>(w + (i64)j * t.k);
-    float acc[8];
+  const int kv = k / 8;
+  const uint4* wv0 = reinterpret_cast<const uint4*>(w + r0 * k);
+  const uint4* wv1 = reinterpret_cast<const uint4*>(w + r1 * k);
+  const uint4* xv = reinterpret_cast<const uint4*>(x) + (i64)t0 * kv;
+  const uint4* nv = reinterpret_cast<const uint4*>(nw);
 #pragma unroll
-    for (int r = 0; r < 8; ++r) acc[r] = 0.0f;
-    for (int c = lane; c < kv; c += KILN_WARP) {
-      float wf[8];
-      unpack8(wv[c], w, wf);
+  for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        if (r < tokens) {
+    for (int q = 0; q < 8; ++q) acc[r][q] = 0.0f;
+  auto x_chunk = [&](int q, int cc, const float* nf, float* xf) {
+    unpack8(mk_ld_cg(&xv[(i64)q * kv + cc]), x, xf);
+    if (PRE) {
+      const float s = inv[q];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xf[e] = round_to<kbf16>(xf[e] * s * nf[e]);
+    }
+  };
+  auto norm_unpack = [&](int cc, float* nf) {
+    if (PRE) {
+      unpack8(nv[cc], nw, nf);
+      if (unit_offset) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) nf[e] += 1.0f;
+      }
+    }
+  };
+  constexpr int UNROLL = 4;
+  int c = lane;
+  while (c + (UNROLL - 1) * KILN_WARP < kv) {
+    uint4 wr[2][UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      wr[0][u] = wv0[c + u * KILN_WARP];
+      wr[1][u] = wv1[c + u * KILN_WARP];
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int cc = c + u * KILN_WARP;
+      float nf[8];
+      norm_unpack(cc, nf);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        if (q < tt) {
           float xf[8];
-          unpack8(mk_ld_cg(&xv[(i64)r * kv + c]), x, xf);
+          x_chunk(q, cc, nf, xf);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[r] += xf[e] * wf[e];
+          for (int r = 0; r < 2; ++r) {
+            float wf[8];
+            unpack8(wr[r][u], w, wf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[r][q] += xf[e] * wf[e];
+          }
         }
       }
     }
+    c += UNROLL * KILN_WARP;
+  }
+  for (; c < kv; c += KILN_WARP) {
+    float nf[8];
+    norm_unpack(c, nf);
+    const uint4 wr0 = wv0[c], wr1 = wv1[c];
 #pragma unroll
-    for (int r = 0; r < 8; ++r) acc[r] = warp_sum(acc[r]);
-    if (lane == 0) {
-      const float b = bias ? ld(bias[j]) : 0.0f;
-      for (int r = 0; r < tokens; ++r) out[(i64)r * t.n + j] = st<O>(acc[r] + b);
+    for (int q = 0; q < 8; ++q) {
+      if (q < tt) {
+        float xf[8];
+        x_chunk(q, c, nf, xf);
+        float wf[8];
+        unpack8(wr0, w, wf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[0][q] += xf[e] * wf[e];
+        unpack8(wr1, w, wf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[1][q] += xf[e] * wf[e];
+      }
     }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[r][q] = warp_sum(acc[r][q]);
+}
+
+// The inverse RMS of tokens [t0, t0 + tt) of x into inv[0, tt): warp q takes
+// token t0 + q, its lanes the vectors lane, lane + 32, ... (gemv_fused_dot's
+// order, so the statistic is the graph fused GEMV's). Ends with a barrier.
+KILN_DEV void mk_inv_rms(const kbf16* __restrict__ x, int t0, int tt, int k, float eps,
+                         float* inv) {
+  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
+  const int kv = k / 8;
+  if (warp < tt) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x) + (i64)(t0 + warp) * kv;
+    float ss = 0.0f;
+    for (int c = lane; c < kv; c += KILN_WARP) {
+      float f[8];
+      unpack8(mk_ld_cg(&xv[c]), x, f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) inv[warp] = 1.0f / sqrtf(ss / (float)k + eps);
+  }
+  __syncthreads();
+}
+
+KILN_DEV void mk_dot2_any(int pre, const kbf16* x, const kbf16* w, const kbf16* nw, int unit,
+                          i64 r0, i64 r1, int t0, int tt, int k, const float* inv,
+                          float (&acc)[2][8]) {
+  if (pre)
+    mk_dot2<1>(x, w, nw, unit, r0, r1, t0, tt, k, inv, acc);
+  else
+    mk_dot2<0>(x, w, nw, unit, r0, r1, t0, tt, k, inv, acc);
+}
+
+// GEMV tile (KILN_MK_GEMV_BF16 / _F32): output columns [tile_begin,
+// tile_end) of out[T, cols]. i: 0 T, 1 K, 2 cols, 3 epilogue (0 none,
+// 1 silu_mul, 2 gelu_tanh_mul, 3 residual), 4 prologue, 5 unit_offset,
+// 6 up-row offset (gated). f: 0 eps. p: 0 x, 1 w, 2 bias, 3 norm weight,
+// 4 residual, 5 out. Tokens in chunks of 8. Epilogues round where
+// gemv_fused_rows does: gated g and u to bf16 before act(g) * u; residual
+// round(acc + bias) + residual.
+template <typename O>
+KILN_DEV void mk_gemv(const MkTask& t, float* smem) {
+  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
+  const int T = t.i[0], k = t.i[1], cols = t.i[2], mode = t.i[3], pre = t.i[4];
+  const int unit = t.i[5], up = t.i[6];
+  const float eps = t.f[0];
+  const kbf16* x = reinterpret_cast<const kbf16*>(t.p[0]);
+  const kbf16* w = reinterpret_cast<const kbf16*>(t.p[1]);
+  const kbf16* bias = reinterpret_cast<const kbf16*>(t.p[2]);
+  const kbf16* nw = reinterpret_cast<const kbf16*>(t.p[3]);
+  const kbf16* res = reinterpret_cast<const kbf16*>(t.p[4]);
+  O* out = reinterpret_cast<O*>(t.p[5]);
+  const int j0 = (int)t.tile_begin, j1 = (int)t.tile_end;
+  const bool gated = mode == 1 || mode == 2;
+  for (int t0 = 0; t0 < T; t0 += 8) {
+    const int tt = T - t0 < 8 ? T - t0 : 8;
+    float inv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (pre) {
+      mk_inv_rms(x, t0, tt, k, eps, smem);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) inv[q] = q < tt ? smem[q] : 0.0f;
+    }
+    if (gated) {
+      for (int j = j0 + warp; j < j1; j += KILN_MK_WARPS) {
+        float acc[2][8];
+        mk_dot2_any(pre, x, w, nw, unit, j, (i64)j + up, t0, tt, k, inv, acc);
+        if (lane == 0) {
+          const float bg = bias ? ld(bias[j]) : 0.0f;
+          const float bu = bias ? ld(bias[j + up]) : 0.0f;
+          for (int q = 0; q < tt; ++q) {
+            const float g = round_to<kbf16>(acc[0][q] + bg);
+            const float u = round_to<kbf16>(acc[1][q] + bu);
+            const float a = mode == 1 ? kiln_silu(g) : kiln_gelu_tanh(g);
+            out[(i64)(t0 + q) * cols + j] = st<O>(a * u);
+          }
+        }
+      }
+    } else {
+      for (int j = j0 + 2 * warp; j < j1; j += 2 * KILN_MK_WARPS) {
+        const int jb = j + 1 < j1 ? j + 1 : j;
+        float acc[2][8];
+        mk_dot2_any(pre, x, w, nw, unit, j, jb, t0, tt, k, inv, acc);
+        if (lane == 0) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = j + r;
+            if (row >= j1) continue;
+            const float b = bias ? ld(bias[row]) : 0.0f;
+            for (int q = 0; q < tt; ++q) {
+              float v = acc[r][q] + b;
+              const i64 at = (i64)(t0 + q) * cols + row;
+              if (mode == 3) v = round_to<kbf16>(v) + mk_ld_bf(res + at);
+              out[at] = st<O>(v);
+            }
+          }
+        }
+      }
+    }
+    if (pre) __syncthreads();  // smem's inv is rewritten by the next chunk
+  }
+}
+
+// argmax's order (kernels/src/cpu/reduce.rs): NaN never wins, a larger
+// value wins, equal values go to the smaller index; KILN_MK_NO_INDEX
+// carries nothing.
+KILN_DEV void mk_take(float& best, int& bi, float v, int i) {
+  if (i == KILN_MK_NO_INDEX || v != v) return;
+  if (bi == KILN_MK_NO_INDEX || v > best || (v == best && i < bi)) {
+    best = v;
+    bi = i;
+  }
+}
+
+// The block's pair from every thread's (best, bi); thread 0 gets it. Uses
+// 2 * KILN_MK_WARPS words of smem; contains two barriers.
+KILN_DEV void mk_argmax_block(float& best, int& bi, float* smem) {
+  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
+#pragma unroll
+  for (int m = KILN_WARP / 2; m > 0; m >>= 1) {
+    const float v = shfl_xor(best, m);
+    const int i = shfl_xor_int(bi, m);
+    mk_take(best, bi, v, i);
+  }
+  int* si = reinterpret_cast<int*>(smem + KILN_MK_WARPS);
+  if (lane == 0) {
+    smem[warp] = best;
+    si[warp] = bi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int q = 1; q < KILN_MK_WARPS; ++q) mk_take(best, bi, smem[q], si[q]);
+  }
+  __syncthreads();
+}
+
+// fused_matmul{argmax}, the whole op (KILN_MK_GEMV_ARGMAX): out[t] = the
+// first maximum over the N logits of token t, each rounded to the logit
+// dtype as the unfused matmul would store it. i: 0 T, 1 K, 2 N, 3 logit
+// dtype (0 bf16, 1 f32), 4 prologue, 5 unit_offset. f: 0 eps. p: 0 x,
+// 1 w, 2 bias, 3 norm weight, 5 out (i32).
+KILN_DEV void mk_gemv_argmax(const MkTask& t, float* smem) {
+  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
+  const int T = t.i[0], k = t.i[1], n = t.i[2], f32 = t.i[3], pre = t.i[4], unit = t.i[5];
+  const kbf16* x = reinterpret_cast<const kbf16*>(t.p[0]);
+  const kbf16* w = reinterpret_cast<const kbf16*>(t.p[1]);
+  const kbf16* bias = reinterpret_cast<const kbf16*>(t.p[2]);
+  const kbf16* nw = reinterpret_cast<const kbf16*>(t.p[3]);
+  int* out = reinterpret_cast<int*>(t.p[5]);
+  float* wbest = smem + 8;                                   // [warps][8]
+  int* widx = reinterpret_cast<int*>(smem + 8 + 8 * KILN_MK_WARPS);  // [warps][8]
+  for (int t0 = 0; t0 < T; t0 += 8) {
+    const int tt = T - t0 < 8 ? T - t0 : 8;
+    float inv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (pre) {
+      mk_inv_rms(x, t0, tt, k, t.f[0], smem);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) inv[q] = q < tt ? smem[q] : 0.0f;
+    }
+    float best[8];
+    int bi[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      best[q] = 0.0f;
+      bi[q] = KILN_MK_NO_INDEX;
+    }
+    for (int j = 2 * warp; j < n; j += 2 * KILN_MK_WARPS) {
+      const int jb = j + 1 < n ? j + 1 : j;
+      float acc[2][8];
+      mk_dot2_any(pre, x, w, nw, unit, j, jb, t0, tt, k, inv, acc);
+      if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = j + r;
+          if (row >= n) continue;
+          const float b = bias ? ld(bias[row]) : 0.0f;
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            if (q >= tt) continue;
+            const float v = f32 ? acc[r][q] + b : round_to<kbf16>(acc[r][q] + b);
+            mk_take(best[q], bi[q], v, row);
+          }
+        }
+      }
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        wbest[warp * 8 + q] = best[q];
+        widx[warp * 8 + q] = bi[q];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < tt) {
+      const int q = threadIdx.x;
+      float b2 = 0.0f;
+      int i2 = KILN_MK_NO_INDEX;
+      for (int v = 0; v < KILN_MK_WARPS; ++v) mk_take(b2, i2, wbest[v * 8 + q], widx[v * 8 + q]);
+      out[t0 + q] = i2 == KILN_MK_NO_INDEX ? 0 : i2;
+    }
+    __syncthreads();
+  }
+}
+
+// ---- Whole-op tasks ----
+
+// embedding: out[t] = table[ids[t]], a zero row for an id outside [0,
+// vocab) (as elementwise.cu's embedding_rows). i: 0 T, 1 H, 2 vocab.
+// p: 0 ids, 1 table, 2 out.
+KILN_DEV void mk_embedding(const MkTask& t) {
+  const int T = t.i[0], h8 = t.i[1] / 8, vocab = t.i[2];
+  const int* ids = reinterpret_cast<const int*>(t.p[0]);
+  const uint4* table = reinterpret_cast<const uint4*>(t.p[1]);
+  uint4* out = reinterpret_cast<uint4*>(t.p[2]);
+  for (int r = 0; r < T; ++r) {
+    const int id = mk_ld_cg_int(ids + r);
+    const bool ok = id >= 0 && id < vocab;
+    for (int c = threadIdx.x; c < h8; c += KILN_MK_THREADS)
+      out[(i64)r * h8 + c] = ok ? table[(i64)id * h8 + c] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// rms_norm (KILN_MK_RMS_NORM) and add_rms_norm (KILN_MK_ADD_RMS_NORM), row
+// by row over the block, each thread keeping its 8-element chunks c = tid,
+// tid + 256, ... in registers (rows up to KILN_MK_NORM_MAX). y = x * inv *
+// w (w + 1 under unit_offset), rounded once; add_rms_norm rounds the sum
+// first and normalizes the rounded sum (norm.cu's rule). i: 0 T, 1 H,
+// 2 unit_offset. f: 0 eps. p (rms_norm): 0 x, 1 w, 2 out; (add_rms_norm):
+// 0 x, 1 residual, 2 w, 3 normed, 4 sum.
+template <int ADD>
+KILN_DEV void mk_rms_norm(const MkTask& t, float* smem) {
+  constexpr int PER = KILN_MK_NORM_MAX / 8 / KILN_MK_THREADS;
+  const int T = t.i[0], h = t.i[1], unit = t.i[2];
+  const int h8 = h / 8;
+  const float eps = t.f[0];
+  const kbf16* x = reinterpret_cast<const kbf16*>(t.p[0]);
+  const kbf16* res = ADD ? reinterpret_cast<const kbf16*>(t.p[1]) : nullptr;
+  const kbf16* w = reinterpret_cast<const kbf16*>(ADD ? t.p[2] : t.p[1]);
+  kbf16* out = reinterpret_cast<kbf16*>(ADD ? t.p[3] : t.p[2]);
+  kbf16* sum = ADD ? reinterpret_cast<kbf16*>(t.p[4]) : nullptr;
+  for (int r = 0; r < T; ++r) {
+    const i64 base = (i64)r * h;
+    float v[PER][8];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int c = threadIdx.x + j * KILN_MK_THREADS;
+      if (c < h8) {
+        mk_load8(x + base + c * 8, v[j]);
+        if (ADD) {
+          float rv[8];
+          mk_load8(res + base + c * 8, rv);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[j][e] = round_to<kbf16>(v[j][e] + rv[e]);
+          mk_store8(sum + base + c * 8, v[j]);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += v[j][e] * v[j][e];
+      }
+    }
+    ss = block_sum(ss, smem);
+    const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int c = threadIdx.x + j * KILN_MK_THREADS;
+      if (c < h8) {
+        float wf[8];
+        mk_load8_w(w + c * 8, wf);
+        float y[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) y[e] = v[j][e] * inv * (unit ? 1.0f + wf[e] : wf[e]);
+        mk_store8(out + base + c * 8, y);
+      }
+    }
+  }
+}
+
+// qkv_rope_kv_write (KILN_MK_QKV_ROPE_KV_WRITE): rope.cu's
+// qkv_rope_kv_write_units with a warp per (token, unit) looping over the
+// op: units [0, heads) are q heads, then kv_heads k heads, then kv_heads v
+// heads. q/k: optional per-head RMSNorm (rounded to bf16), then RoPE at the
+// token's position, rounded once; v copied; q to q_out, k/v to the token's
+// cache slot (a slot outside [0, slots) is skipped). i: 0 T, 1 heads,
+// 2 kv_heads, 3 head_dim, 4 q/k norm, 5 unit_offset, 6 slots. f: 0 eps.
+// p: 0 qkv, 1 positions, 2 slots, 3 K cache, 4 V cache, 5 q_norm,
+// 6 k_norm, 7 q_out, 8 inverse frequencies (f32[head_dim / 2]).
+KILN_DEV void mk_qkv_rope_kv_write(const MkTask& t) {
+  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
+  const int T = t.i[0], heads = t.i[1], kvh = t.i[2], hd = t.i[3], has_norm = t.i[4];
+  const int unit_offset = t.i[5];
+  const i64 num_slots = t.i[6];
+  const float eps = t.f[0];
+  const kbf16* qkv = reinterpret_cast<const kbf16*>(t.p[0]);
+  const int* pos = reinterpret_cast<const int*>(t.p[1]);
+  const int* slots = reinterpret_cast<const int*>(t.p[2]);
+  kbf16* kc = reinterpret_cast<kbf16*>(t.p[3]);
+  kbf16* vc = reinterpret_cast<kbf16*>(t.p[4]);
+  const kbf16* qn = reinterpret_cast<const kbf16*>(t.p[5]);
+  const kbf16* kn = reinterpret_cast<const kbf16*>(t.p[6]);
+  kbf16* q_out = reinterpret_cast<kbf16*>(t.p[7]);
+  const float* fr = reinterpret_cast<const float*>(t.p[8]);
+  const int units = heads + 2 * kvh;
+  const int half = hd / 2;
+  const i64 kvrow = (i64)kvh * hd;
+  constexpr int PER = KILN_MK_MAX_HEAD_DIM / 2 / KILN_WARP;
+  for (int wu = warp; wu < T * units; wu += KILN_MK_WARPS) {
+    const int tok = wu / units, u = wu % units;
+    const kbf16* src = qkv + (i64)tok * units * hd + (i64)u * hd;
+    const i64 slot = mk_ld_cg_int(slots + tok);
+    const bool slot_ok = slot >= 0 && slot < num_slots;
+    if (u >= heads + kvh) {  // v head: copied bit for bit
+      if (!slot_ok) continue;
+      kbf16* dst = vc + slot * kvrow + (i64)(u - heads - kvh) * hd;
+      for (int i = lane; i < hd; i += KILN_WARP) dst[i].bits = mk_ld_cg_u16(&src[i].bits);
+      continue;
+    }
+    float a[PER], b[PER];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = lane + j * KILN_WARP;
+      a[j] = i < half ? mk_ld_bf(src + i) : 0.0f;
+      b[j] = i < half ? mk_ld_bf(src + i + half) : 0.0f;
+      ss += a[j] * a[j] + b[j] * b[j];
+    }
+    const bool is_q = u < heads;
+    if (has_norm) {
+      ss = warp_sum(ss);
+      const float inv = 1.0f / sqrtf(ss / (float)hd + eps);
+      const kbf16* nwp = is_q ? qn : kn;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int i = lane + j * KILN_WARP;
+        if (i < half) {
+          float w1 = ld(nwp[i]), w2 = ld(nwp[i + half]);
+          if (unit_offset) {
+            w1 += 1.0f;
+            w2 += 1.0f;
+          }
+          a[j] = round_to<kbf16>(a[j] * inv * w1);
+          b[j] = round_to<kbf16>(b[j] * inv * w2);
+        }
+      }
+    }
+    kbf16* dst;
+    if (is_q) {
+      dst = q_out + (i64)tok * heads * hd + (i64)u * hd;
+    } else {
+      if (!slot_ok) continue;
+      dst = kc + slot * kvrow + (i64)(u - heads) * hd;
+    }
+    const float p = (float)mk_ld_cg_int(pos + tok);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = lane + j * KILN_WARP;
+      if (i < half) {
+        const float ang = p * fr[i];
+        const float c = cosf(ang), s = sinf(ang);
+        dst[i] = st<kbf16>(a[j] * c - b[j] * s);
+        dst[i + half] = st<kbf16>(b[j] * c + a[j] * s);
+      }
+    }
+  }
+}
+
+// paged_attention (KILN_MK_PAGED_ATTENTION), KV heads [tile_begin,
+// tile_end) of every sequence. For each (sequence b, kv head g) the query
+// rows reading g (r = hi * Q + qi over the group's heads hi and query
+// tokens qi, as attention.cu orders them) go in tiles of KILN_MK_ATTN_RT.
+// The block streams the positions the tile's rows see: a sub-group of tg
+// lanes (tg = head_dim / 8 rounded up to a power of two, each lane 8
+// elements) takes one position at a time, KILN_MK_ATTN_KU in flight, with
+// an online softmax per row in registers (f32); the sub-groups of a warp
+// merge by shuffles, the warps through shared memory in warp order
+// (deterministic). Masking is the CPU reference's: query token qi of a
+// sequence of ctx tokens sits at ctx - Q + qi and sees positions p <= that
+// and, with a window, p > pos - window; position p lives in slot
+// block_tables[b][p / bs] * bs + p % bs; scores q.k * scale, then softcap
+// * tanh(s / softcap). A row that sees nothing is written as zeros. ctx is
+// clamped to the block table's capacity (as attention.cu does).
+// i: 0 batch, 1 query, 2 heads, 3 kv_heads, 4 head_dim, 5 block_size,
+// 6 block table columns, 7 window (0 none). f: 0 scale, 1 softcap (0 none).
+// p: 0 q, 1 K cache, 2 V cache, 3 block tables, 4 context lengths, 5 out.
+#define KILN_MK_ATTN_RT 4
+#define KILN_MK_ATTN_KU 2
+KILN_DEV void mk_attention(const MkTask& t, float* smem) {
+  constexpr int RT = KILN_MK_ATTN_RT, KU = KILN_MK_ATTN_KU;
+  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
+  const int batch = t.i[0], Q = t.i[1], heads = t.i[2], kvh = t.i[3], hd = t.i[4];
+  const int bs = t.i[5], M = t.i[6], window = t.i[7];
+  const float scale = t.f[0], cap = t.f[1];
+  const kbf16* q = reinterpret_cast<const kbf16*>(t.p[0]);
+  const kbf16* kc = reinterpret_cast<const kbf16*>(t.p[1]);
+  const kbf16* vc = reinterpret_cast<const kbf16*>(t.p[2]);
+  const int* bt = reinterpret_cast<const int*>(t.p[3]);
+  const int* lens = reinterpret_cast<const int*>(t.p[4]);
+  kbf16* out = reinterpret_cast<kbf16*>(t.p[5]);
+  const int group = heads / kvh;
+  const int rows = group * Q;
+  const int nch = hd / 8;
+  int tg = 1;
+  while (tg < nch) tg <<= 1;
+  const int kpw = KILN_WARP / tg, sub = lane / tg, lig = lane % tg;
+  const bool has = lig < nch;
+  const KilnDiv bsd = kiln_div(bs), qd = kiln_div(Q), hdd = kiln_div(hd);
+  const i64 kvrow = (i64)kvh * hd;
+  float* red = smem;                                       // [RT][hd]
+  float* ml = smem + RT * KILN_MK_MAX_HEAD_DIM;            // [warps][RT][2]
+  float* fin = ml + KILN_MK_WARPS * RT * 2;                // [RT][2]: max, 1 / sum
+  const int step = KILN_MK_WARPS * kpw * KU;
+  for (int b = 0; b < batch; ++b) {
+    int ctx = mk_ld_cg_int(lens + b);
+    ctx = ctx < M * bs ? ctx : M * bs;
+    const int* table = bt + (i64)b * M;
+    for (int g = (int)t.tile_begin; g < (int)t.tile_end; ++g) {
+      for (int r0 = 0; r0 < rows; r0 += RT) {
+        int rid[RT], qpos[RT];
+        float qv[RT][8];
+        int hi_p = 0, lo_p = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < RT; ++j) {
+          const int r = r0 + j;
+          if (r < rows) {
+            const int qi = r % qd, hh = g * group + r / qd;
+            rid[j] = (b * Q + qi) * heads + hh;
+            qpos[j] = ctx - Q + qi;
+            hi_p = max(hi_p, qpos[j] + 1);
+            lo_p = min(lo_p, window > 0 ? qpos[j] - window + 1 : 0);
+          } else {
+            rid[j] = -1;
+            qpos[j] = -1;
+          }
+          if (has && rid[j] >= 0) {
+            mk_load8(q + (i64)rid[j] * hd + lig * 8, qv[j]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) qv[j][e] = 0.0f;
+          }
+        }
+        lo_p = max(lo_p, 0);
+        float m[RT], l[RT], acc[RT][8];
+#pragma unroll
+        for (int j = 0; j < RT; ++j) {
+          m[j] = -KILN_INF;
+          l[j] = 0.0f;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[j][e] = 0.0f;
+        }
+        // Warp-uniform trip count: every lane reaches every shuffle.
+        for (int pb = lo_p + warp * kpw * KU; pb < hi_p; pb += step) {
+          uint4 kr[KU], vr[KU];
+          int pp[KU];
+#pragma unroll
+          for (int u = 0; u < KU; ++u) {
+            pp[u] = pb + u * kpw + sub;
+            if (pp[u] < hi_p && has) {
+              const i64 slot = (i64)table[pp[u] / bsd] * bs + pp[u] % bsd;
+              const i64 at = slot * kvrow + (i64)g * hd + lig * 8;
+              kr[u] = mk_ld_cg(reinterpret_cast<const uint4*>(kc + at));
+              vr[u] = mk_ld_cg(reinterpret_cast<const uint4*>(vc + at));
+            } else {
+              kr[u] = make_uint4(0, 0, 0, 0);
+              vr[u] = make_uint4(0, 0, 0, 0);
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < KU; ++u) {
+            float kf[8], vf[8];
+            unpack8(kr[u], kc, kf);
+            unpack8(vr[u], vc, vf);
+#pragma unroll
+            for (int j = 0; j < RT; ++j) {
+              float d = 0.0f;
+#pragma unroll
+              for (int e = 0; e < 8; ++e) d += qv[j][e] * kf[e];
+              for (int msk = tg / 2; msk > 0; msk >>= 1) d += shfl_xor(d, msk);
+              float s = d * scale;
+              if (cap > 0.0f) s = cap * tanhf(s / cap);
+              const int p = pp[u];
+              const bool vis = p < hi_p && rid[j] >= 0 && p <= qpos[j] &&
+                               (window <= 0 || p > qpos[j] - window);
+              if (vis) {
+                const float mn = fmaxf(m[j], s);
+                const float c = expf(m[j] - mn);
+                const float ev = expf(s - mn);
+                l[j] = l[j] * c + ev;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[j][e] = acc[j][e] * c + ev * vf[e];
+                m[j] = mn;
+              }
+            }
+          }
+        }
+        // Merge the warp's sub-groups (lanes lig, lig + tg, ...).
+        for (int msk = tg; msk < KILN_WARP; msk <<= 1) {
+#pragma unroll
+          for (int j = 0; j < RT; ++j) {
+            const float mo = shfl_xor(m[j], msk), lo = shfl_xor(l[j], msk);
+            const float mm = fmaxf(m[j], mo);
+            const float wa = l[j] > 0.0f ? expf(m[j] - mm) : 0.0f;
+            const float wb = lo > 0.0f ? expf(mo - mm) : 0.0f;
+            l[j] = l[j] * wa + lo * wb;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              const float ao = shfl_xor(acc[j][e], msk);
+              acc[j][e] = acc[j][e] * wa + ao * wb;
+            }
+            m[j] = mm;
+          }
+        }
+        if (lane == 0) {
+#pragma unroll
+          for (int j = 0; j < RT; ++j) {
+            ml[(warp * RT + j) * 2] = m[j];
+            ml[(warp * RT + j) * 2 + 1] = l[j];
+          }
+        }
+        __syncthreads();
+        if (threadIdx.x < RT) {
+          const int j = threadIdx.x;
+          float mx = -KILN_INF;
+          for (int v = 0; v < KILN_MK_WARPS; ++v)
+            if (ml[(v * RT + j) * 2 + 1] > 0.0f) mx = fmaxf(mx, ml[(v * RT + j) * 2]);
+          float ls = 0.0f;
+          for (int v = 0; v < KILN_MK_WARPS; ++v) {
+            const float lv = ml[(v * RT + j) * 2 + 1];
+            ls += lv > 0.0f ? expf(ml[(v * RT + j) * 2] - mx) * lv : 0.0f;
+          }
+          fin[2 * j] = mx;
+          fin[2 * j + 1] = ls > 0.0f ? 1.0f / ls : 0.0f;
+        }
+        __syncthreads();
+        // Warps add their rescaled accumulators in warp order.
+        for (int v = 0; v < KILN_MK_WARPS; ++v) {
+          if (warp == v && lane < nch) {
+#pragma unroll
+            for (int j = 0; j < RT; ++j) {
+              const float wv = l[j] > 0.0f ? expf(m[j] - fin[2 * j]) : 0.0f;
+#pragma unroll
+              for (int e = 0; e < 8; ++e) {
+                float* o = red + j * hd + lane * 8 + e;
+                *o = (v == 0 ? 0.0f : *o) + acc[j][e] * wv;
+              }
+            }
+          }
+          __syncthreads();
+        }
+        for (int x = threadIdx.x; x < RT * hd; x += KILN_MK_THREADS) {
+          const int j = x / hdd, d = x % hdd;
+          const int r = r0 + j;
+          if (r >= rows) continue;
+          const int row = (b * Q + r % qd) * heads + g * group + r / qd;
+          out[(i64)row * hd + d] = st<kbf16>(red[x] * fin[2 * j + 1]);
+        }
+        __syncthreads();  // red and fin are reused by the next tile
+      }
+    }
+  }
+}
+
+// silu_mul / gelu_tanh_mul: out[t, i] = act(gate[t, i]) * up[t, i], in f32,
+// rounded once; packed (p1 null): row t of gate_up is [gate | up]. Rows go
+// in order with a barrier between them: a packed result written over its
+// input (in place) only lands on input rows already read. i: 0 T, 1 I,
+// 2 packed. p: 0 gate, 1 up, 2 out.
+template <int GELU>
+KILN_DEV void mk_act_mul(const MkTask& t) {
+  const int T = t.i[0], inter = t.i[1], packed = t.i[2];
+  const int n8 = inter / 8;
+  const kbf16* gate = reinterpret_cast<const kbf16*>(t.p[0]);
+  const kbf16* up = reinterpret_cast<const kbf16*>(t.p[1]);
+  kbf16* out = reinterpret_cast<kbf16*>(t.p[2]);
+  for (int r = 0; r < T; ++r) {
+    const kbf16* g = gate + (i64)r * (packed ? 2 * inter : inter);
+    const kbf16* u = packed ? g + inter : up + (i64)r * inter;
+    for (int c = threadIdx.x; c < n8; c += KILN_MK_THREADS) {
+      float gv[8], uv[8], y[8];
+      mk_load8(g + c * 8, gv);
+      mk_load8(u + c * 8, uv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) y[e] = (GELU ? kiln_gelu_tanh(gv[e]) : kiln_silu(gv[e])) * uv[e];
+      mk_store8(out + (i64)r * inter + c * 8, y);
+    }
+    if (packed) __syncthreads();
+  }
+}
+
+// add: out = a + b, rounded once (in place is safe: each thread reads its
+// elements before writing them). i: 0 elements. p: 0 a, 1 b, 2 out.
+KILN_DEV void mk_add(const MkTask& t) {
+  const int n8 = t.i[0] / 8;
+  const kbf16* a = reinterpret_cast<const kbf16*>(t.p[0]);
+  const kbf16* b = reinterpret_cast<const kbf16*>(t.p[1]);
+  kbf16* out = reinterpret_cast<kbf16*>(t.p[2]);
+#pragma unroll 2
+  for (int c = threadIdx.x; c < n8; c += KILN_MK_THREADS) {
+    float x[8], y[8];
+    mk_load8(a + (i64)c * 8, x);
+    mk_load8(b + (i64)c * 8, y);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = x[e] + y[e];
+    mk_store8(out + (i64)c * 8, x);
+  }
+}
+
+// scale: y = x * factor, then cap * tanh(y / cap), no contraction
+// (elementwise.cu's scale_elems). i: 0 elements, 1 dtype (0 bf16, 1 f32),
+// 2 softcap. f: 0 factor, 1 cap. p: 0 x, 1 out.
+template <typename T>
+KILN_DEV void mk_scale_t(const MkTask& t) {
+  const int n8 = t.i[0] / 8, has_cap = t.i[2];
+  const float factor = t.f[0], cap = t.f[1];
+  const T* x = reinterpret_cast<const T*>(t.p[0]);
+  T* out = reinterpret_cast<T*>(t.p[1]);
+#pragma unroll 2
+  for (int c = threadIdx.x; c < n8; c += KILN_MK_THREADS) {
+    float v[8];
+    mk_load8(x + (i64)c * 8, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float y = __fmul_rn(v[e], factor);
+      if (has_cap) y = __fmul_rn(cap, tanhf(__fdiv_rn(y, cap)));
+      v[e] = y;
+    }
+    mk_store8(out + (i64)c * 8, v);
+  }
+}
+
+// argmax: out[r] = the first maximum of row r (NaN skipped, -inf a value, a
+// row without a number gives 0). i: 0 rows, 1 vocab (a multiple of 4),
+// 2 dtype (0 bf16, 1 f32). p: 0 x, 1 out (i32).
+KILN_DEV void mk_argmax(const MkTask& t, float* smem) {
+  const int rows = t.i[0], vocab = t.i[1], f32 = t.i[2];
+  const int n4 = vocab / 4;
+  int* out = reinterpret_cast<int*>(t.p[1]);
+  for (int r = 0; r < rows; ++r) {
+    float best = -KILN_INF;
+    int bi = KILN_MK_NO_INDEX;
+#pragma unroll 4
+    for (int c = threadIdx.x; c < n4; c += KILN_MK_THREADS) {
+      float v[4];
+      if (f32) {
+        const float4 a =
+            mk_ld_cg4(reinterpret_cast<const float4*>(t.p[0]) + (i64)r * n4 + c);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+      } else {
+        const uint2 a = mk_ld_cg2(reinterpret_cast<const uint2*>(t.p[0]) + (i64)r * n4 + c);
+        v[0] = kiln_u2f(a.x << 16); v[1] = kiln_u2f(a.x & 0xffff0000u);
+        v[2] = kiln_u2f(a.y << 16); v[3] = kiln_u2f(a.y & 0xffff0000u);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (v[e] > best || (bi == KILN_MK_NO_INDEX && v[e] == best)) {
+          best = v[e];
+          bi = 4 * c + e;
+        }
+      }
+    }
+    mk_argmax_block(best, bi, smem);
+    if (threadIdx.x == 0) out[r] = bi == KILN_MK_NO_INDEX ? 0 : bi;
+  }
+}
+
+// gather_last: out[r] = x[r * group + group - 1], copied as 16-bit units.
+// i: 0 result rows, 1 group, 2 row width in 16-bit units. p: 0 x, 1 out.
+KILN_DEV void mk_gather_last(const MkTask& t) {
+  const int rows = t.i[0], group = t.i[1], units = t.i[2];
+  const unsigned short* x = reinterpret_cast<const unsigned short*>(t.p[0]);
+  unsigned short* out = reinterpret_cast<unsigned short*>(t.p[1]);
+  for (int r = 0; r < rows; ++r) {
+    const unsigned short* src = x + ((i64)r * group + group - 1) * units;
+#pragma unroll 4
+    for (int c = threadIdx.x; c < units; c += KILN_MK_THREADS)
+      out[(i64)r * units + c] = mk_ld_cg_u16(src + c);
   }
 }
 
@@ -125,10 +986,12 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
     megakernel_run(const MkTask* __restrict__ tasks, const unsigned int* __restrict__ queue_start,
                    const unsigned int* __restrict__ queue_tasks, const MkWait* __restrict__ waits,
                    unsigned int* counters) {
+  __shared__ float smem[KILN_MK_SMEM_FLOATS];
   const unsigned int q = blockIdx.x;
   const unsigned int end = queue_start[q + 1];
   for (unsigned int i = queue_start[q]; i < end; ++i) {
-    const MkTask t = tasks[queue_tasks[i]];
+    const MkTask& t = tasks[queue_tasks[i]];
+    mk_prefetch(t);
     if (threadIdx.x == 0) {
       for (unsigned int n = 0; n < t.wait_count; ++n) {
         const MkWait wt = waits[t.wait_begin + n];
@@ -138,13 +1001,52 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
     __syncthreads();
     switch (t.kind) {
       case KILN_MK_GEMV_BF16:
-        mk_gemv_tile<kbf16>(t);
+        mk_gemv<kbf16>(t, smem);
         break;
       case KILN_MK_GEMV_BF16_F32:
-        mk_gemv_tile<float>(t);
+        mk_gemv<float>(t, smem);
+        break;
+      case KILN_MK_GEMV_ARGMAX:
+        mk_gemv_argmax(t, smem);
+        break;
+      case KILN_MK_EMBEDDING:
+        mk_embedding(t);
+        break;
+      case KILN_MK_RMS_NORM:
+        mk_rms_norm<0>(t, smem);
+        break;
+      case KILN_MK_ADD_RMS_NORM:
+        mk_rms_norm<1>(t, smem);
+        break;
+      case KILN_MK_QKV_ROPE_KV_WRITE:
+        mk_qkv_rope_kv_write(t);
+        break;
+      case KILN_MK_PAGED_ATTENTION:
+        mk_attention(t, smem);
+        break;
+      case KILN_MK_SILU_MUL:
+        mk_act_mul<0>(t);
+        break;
+      case KILN_MK_GELU_TANH_MUL:
+        mk_act_mul<1>(t);
+        break;
+      case KILN_MK_ADD:
+        mk_add(t);
+        break;
+      case KILN_MK_SCALE:
+        if (t.i[1])
+          mk_scale_t<float>(t);
+        else
+          mk_scale_t<kbf16>(t);
+        break;
+      case KILN_MK_ARGMAX:
+        mk_argmax(t, smem);
+        break;
+      case KILN_MK_GATHER_LAST:
+        mk_gather_last(t);
         break;
       default:
-        // A kind this build does not run: the loader refuses such tapes
+        // A kind this build does not run: the encoder refuses such tapes
         // before launch; trap rather than let waiters hang.
         __trap();
     }
@@ -154,4 +1056,11 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
       atomicAdd(&counters[t.counter], 1u);
     }
   }
+}
+
+// Zeroes the tape's n counters (grid-stride); launched right before
+// megakernel_run in the same graph.
+KILN_GLOBAL void megakernel_reset(unsigned int* counters, unsigned int n) {
+  for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    counters[i] = 0;
 }

@@ -103,7 +103,8 @@ pub const MODULES: [GpuModule; 9] = [
 const CATALOG_SOURCE: &str = include_str!("gpu.rs");
 
 /// A fingerprint of the GPU kernel ABI: FNV-1a over `kiln_port.h`, every
-/// module's source and this launch catalog. A plan records the value its
+/// module's source, this launch catalog and the megakernel interpreter
+/// (whose task records the runtime encodes). A plan records the value its
 /// kernel images were compiled under; a runtime whose kernels or catalog
 /// differ (a stale plan: the images would be launched with another
 /// parameter layout) refuses it before loading anything. Any edit counts,
@@ -114,7 +115,10 @@ pub fn kernel_abi() -> u64 {
         let mut h = 0xcbf2_9ce4_8422_2325u64;
         let parts = std::iter::once(PORT_HEADER)
             .chain(MODULES.iter().map(|m| m.raw_source))
-            .chain(std::iter::once(CATALOG_SOURCE));
+            .chain(std::iter::once(CATALOG_SOURCE))
+            .chain(std::iter::once(
+                crate::megakernel::MEGAKERNEL_MODULE.raw_source,
+            ));
         for part in parts {
             // Length first, so moving text between parts changes the hash.
             for b in (part.len() as u64)
@@ -614,6 +618,9 @@ pub fn default_gemm_kind(target: &Target, g: &GemmCall) -> GemmKind {
 /// The implementation `opts` picks for `g`: a tuned entry when it applies,
 /// otherwise [`default_gemm_kind`].
 pub fn choose_gemm(g: &GemmCall, opts: &LowerOptions) -> GemmKind {
+    if opts.prefer_gemv && gemm_kind_applies(GemmKind::Gemv, &opts.target, g) {
+        return GemmKind::Gemv;
+    }
     opts.tuned
         .get(g)
         .copied()
@@ -1674,6 +1681,10 @@ pub struct LowerOptions {
     /// (`crate::tuning::TuningTable::choices`); shapes not here (or whose
     /// entry names a kernel that cannot run them) use the default rule.
     pub tuned: HashMap<GemmShape, GemmKind>,
+    /// Every GEMM the GEMV kernel takes (up to 8 tokens) lowers to it,
+    /// whatever the default rule or a tuning table says: the megakernel
+    /// schedule's interpreter runs GEMV tiles only.
+    pub prefer_gemv: bool,
 }
 
 impl LowerOptions {
@@ -1687,6 +1698,7 @@ impl LowerOptions {
             attn_clusters: matches!(target, Target::Cuda { sm } if *sm >= 90),
             target: target.clone(),
             tuned: HashMap::new(),
+            prefer_gemv: false,
         }
     }
 }
@@ -1699,6 +1711,7 @@ impl Default for LowerOptions {
             attn_clusters: false,
             target: Target::Cuda { sm: 80 },
             tuned: HashMap::new(),
+            prefer_gemv: false,
         }
     }
 }

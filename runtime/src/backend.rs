@@ -70,6 +70,18 @@ pub enum LaunchBody {
         kind: kiln_ir::plan::GemmKind,
         kernel: Option<ResolvedKernel>,
     },
+    /// A key's whole step as one persistent kernel walking its tape
+    /// (`kiln_ir::schedule::Tape`): `reset` zeroes the tape's counters,
+    /// then `run` launches one block per queue. Every block of `run` must be
+    /// co-resident (a block spins on counters other blocks bump), so the
+    /// backend checks at `prepare` that the device holds `run.grid[0]`
+    /// blocks at once, `blocks_per_sm` on each SM, and refuses the plan
+    /// otherwise. `Launch::op` is the key's first op (for messages only).
+    Megakernel {
+        reset: ResolvedKernel,
+        run: ResolvedKernel,
+        blocks_per_sm: u32,
+    },
 }
 
 /// A kernel launch with its parameters resolved to addresses.

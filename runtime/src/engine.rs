@@ -99,6 +99,10 @@ pub struct Faults {
     pub freeze_staging: bool,
     /// Make replay a no-op (counted as a replay, nothing executed).
     pub skip_replay: bool,
+    /// In every megakernel key's uploaded tape, drop the last wait of the
+    /// task with this index (the dependency-mutation proof: the task may
+    /// then read bytes before their producer wrote them).
+    pub drop_tape_wait: Option<u32>,
 }
 
 /// Engine options. `Default` reads `KILN_GRAPHS` when the engine is built.
@@ -350,6 +354,91 @@ impl Regions {
     }
 }
 
+/// A megakernel key's step: its tape encoded into one device buffer
+/// (uploaded here, before any capture), and the launch that zeroes the
+/// tape's counters and starts one interpreter block per queue. Returns the
+/// launch and the buffer (the engine frees it with the others).
+fn megakernel_launch(
+    plan: &Plan,
+    kp: &kiln_ir::plan::KeyPlan,
+    tape: &kiln_ir::schedule::Tape,
+    regions: &Regions,
+    io: DevPtr,
+    backend: &mut dyn Backend,
+    faults: Faults,
+) -> Result<(Launch, DevPtr), EngineError> {
+    use kiln_kernels::megakernel as mk;
+    let resolve = |b: &BufRef| regions.resolve(io, b).0;
+    let bad = |e: mk::MegakernelError| EngineError::BadPlan(e.to_string());
+    // The image's size does not depend on where it lives: size it, place
+    // it, encode it again with the real addresses.
+    let sized = mk::encode_tape(plan, kp, 0, &resolve).map_err(bad)?;
+    let buf = backend.alloc(
+        sized.bytes.len().max(16) as u64,
+        &format!("megakernel tape {}", kp.key),
+    )?;
+    let mut image = mk::encode_tape(plan, kp, buf.0, &resolve).map_err(bad)?;
+    if let Some(t) = faults.drop_tape_wait.filter(|&t| t < image.tasks) {
+        let at = (image.tasks_at + t as u64 * mk::TASK_BYTES as u64 + 12) as usize;
+        let n = u32::from_le_bytes(image.bytes[at..at + 4].try_into().expect("4 bytes"));
+        image.bytes[at..at + 4].copy_from_slice(&n.saturating_sub(1).to_le_bytes());
+    }
+    backend.upload(buf, &image.bytes)?;
+    let counters = regions.resolve(io, &tape.counters);
+    let tasks = tape.tasks.len() as u32;
+    let module = kiln_ir::schedule::INTERPRETER_MODULE.to_string();
+    let reset = ResolvedKernel {
+        module: module.clone(),
+        entry: mk::RESET_ENTRY.into(),
+        grid: [tasks.div_ceil(256).clamp(1, 64), 1, 1],
+        block: [256, 1, 1],
+        shared_bytes: 0,
+        params: vec![
+            ResolvedParam::Ptr(counters),
+            ResolvedParam::I32(tasks as i32),
+        ],
+        pdl: false,
+        cluster: 1,
+    };
+    let at = |o: u64| ResolvedParam::Ptr(buf.offset(o));
+    let run = ResolvedKernel {
+        module,
+        entry: mk::ENTRY.into(),
+        grid: [image.queues, 1, 1],
+        block: [mk::BLOCK_THREADS, 1, 1],
+        shared_bytes: 0,
+        params: vec![
+            at(image.tasks_at),
+            at(image.queue_start_at),
+            at(image.queue_tasks_at),
+            at(image.waits_at),
+            ResolvedParam::Ptr(counters),
+        ],
+        pdl: false,
+        cluster: 1,
+    };
+    let first = kp
+        .ops
+        .first()
+        .ok_or_else(|| EngineError::BadPlan(format!("key {} has a tape but no ops", kp.key)))?;
+    Ok((
+        Launch {
+            kernel: format!("megakernel tape of {} ({tasks} tasks)", kp.key),
+            op: first.op.clone(),
+            args: Vec::new(),
+            results: Vec::new(),
+            workspace: None,
+            const_args: 0,
+            body: LaunchBody::Megakernel {
+                reset,
+                run,
+                blocks_per_sm: tape.blocks_per_sm,
+            },
+        },
+        buf,
+    ))
+}
+
 impl Engine {
     /// Loads `plan` with the weights in `weights_dir` onto `backend`.
     ///
@@ -457,6 +546,10 @@ impl Engine {
             vc,
         };
 
+        let carries_interpreter = plan
+            .kernels
+            .iter()
+            .any(|k| k.name == kiln_ir::schedule::INTERPRETER_MODULE);
         let mut keys = Vec::new();
         for kp in &plan.keys {
             let io = backend.alloc(kp.io_bytes.max(1), &format!("io {}", kp.key))?;
@@ -481,6 +574,25 @@ impl Engine {
                     }
                 })
                 .collect();
+            // A key with a megakernel tape runs as one persistent kernel
+            // where the plan carries the interpreter (CUDA targets); a CPU
+            // plan's tape was verified and its op list runs instead.
+            let launches = match kp.schedule.tape() {
+                Some(tape) if carries_interpreter => {
+                    let (launch, buf) = megakernel_launch(
+                        &plan,
+                        kp,
+                        tape,
+                        &regions,
+                        io,
+                        backend.as_mut(),
+                        options.faults,
+                    )?;
+                    allocations.push(buf);
+                    vec![launch]
+                }
+                _ => launches,
+            };
             for l in &launches {
                 backend.prepare(l)?;
             }
@@ -558,12 +670,20 @@ impl Engine {
                 .map(|k| k.key.to_string())
                 .collect();
             if !taped.is_empty() {
-                // The tape was verified with the plan; no backend launches
-                // one yet, so these keys run their op lists.
-                eprintln!(
-                    "kiln: keys {} carry a megakernel tape (verified); this runtime runs their op lists as graphs (the tape interpreter is not built yet)",
-                    taped.join(",")
-                );
+                if carries_interpreter {
+                    eprintln!(
+                        "kiln: keys {} run as one persistent kernel walking their tape",
+                        taped.join(",")
+                    );
+                } else {
+                    // A CPU plan: the tape was verified with the plan, the
+                    // op lists run.
+                    eprintln!(
+                        "kiln: keys {} carry a megakernel tape (verified); the {} backend runs their op lists",
+                        taped.join(","),
+                        info.backend
+                    );
+                }
             }
         }
         Ok(Engine {
@@ -602,6 +722,21 @@ impl Engine {
     pub fn plan(&self) -> &Plan {
         &self.plan
     }
+    /// Whether `key`'s step runs as one persistent kernel walking its tape
+    /// (a megakernel key on a backend running the plan's interpreter).
+    pub fn runs_megakernel(&self, key: Key) -> bool {
+        self.keys.iter().any(|k| {
+            k.key == key
+                && matches!(
+                    k.launches.as_slice(),
+                    [Launch {
+                        body: LaunchBody::Megakernel { .. },
+                        ..
+                    }]
+                )
+        })
+    }
+
     pub fn graph_decision(&self) -> &GraphDecision {
         &self.decision
     }

@@ -5,7 +5,7 @@
 //! first; the counters zeroed by a memset between two runs, which must give
 //! the same bits.
 //!
-//! Written without a GPU and never run yet: the first GPU session runs it
+//! Run on the GPU machine with
 //! (`cargo test -p kiln-runtime --features cuda --test cuda_megakernel`).
 //! Skips without a CUDA device unless `KILN_REQUIRE_CUDA=1`.
 #![cfg(feature = "cuda")]
@@ -67,6 +67,21 @@ fn bf16s(r: &mut kiln_ir::rng::SplitMix64, n: usize) -> Vec<half::bf16> {
 
 fn bytes16(v: &[half::bf16]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
+}
+
+/// A plain GEMV tile's integers (`TaskKind::GemvBf16`): one token, `k`,
+/// `n` output columns, no epilogue or norm prologue.
+fn gemv_ints(k: usize, n: usize) -> [i32; 16] {
+    let mut i = [0i32; 16];
+    (i[0], i[1], i[2]) = (1, k as i32, n as i32);
+    i
+}
+
+/// A GEMV tile's addresses: x, w, no bias / norm / residual, out.
+fn gemv_ptrs(x: u64, w: u64, out: u64) -> [u64; 10] {
+    let mut p = [0u64; 10];
+    (p[0], p[1], p[5]) = (x, w, out);
+    p
 }
 
 #[test]
@@ -160,13 +175,9 @@ fn two_chained_gemv_layers_on_two_queues_match_the_host_and_a_rerun_after_the_me
                 wait_count: 0,
                 tile_begin: i * w,
                 tile_end: (i + 1) * w,
-                tokens: 1,
-                k: k1 as u32,
-                n: n1 as u32,
-                x: dx,
-                w: dw1,
-                bias: 0,
-                out: dy1,
+                i: gemv_ints(k1, n1),
+                f: [0.0; 4],
+                p: gemv_ptrs(dx, dw1, dy1),
             });
         }
         for i in 0..4u32 {
@@ -178,13 +189,9 @@ fn two_chained_gemv_layers_on_two_queues_match_the_host_and_a_rerun_after_the_me
                 wait_count: 4,
                 tile_begin: i * w,
                 tile_end: (i + 1) * w,
-                tokens: 1,
-                k: n1 as u32,
-                n: n2 as u32,
-                x: dy1,
-                w: dw2,
-                bias: 0,
-                out: dy2,
+                i: gemv_ints(n1, n2),
+                f: [0.0; 4],
+                p: gemv_ptrs(dy1, dw2, dy2),
             });
         }
         let task_bytes: Vec<u8> = tasks.iter().flat_map(|t| t.to_bytes()).collect();

@@ -122,6 +122,7 @@ pub fn schedule_key(
     kp: &KeyPlan,
     counters_at: u64,
     opts: &MegakernelOptions,
+    gpu: bool,
 ) -> Result<Tape, MegakernelError> {
     if opts.sm_count == 0 || opts.blocks_per_sm == 0 {
         return Err(MegakernelError::Options(
@@ -130,7 +131,14 @@ pub fn schedule_key(
     }
     let nq = opts.sm_count as usize * opts.blocks_per_sm as usize;
     for (i, op) in kp.ops.iter().enumerate() {
-        if let Some(why) = unsupported(op) {
+        // A GPU plan's tape runs on the interpreter kernel, which must run
+        // every op; a CPU plan's tape is the CPU executor's (any op).
+        let interpreter = if gpu {
+            kiln_kernels::megakernel::supported(op).err()
+        } else {
+            None
+        };
+        if let Some(why) = unsupported(op).or(interpreter) {
             return Err(MegakernelError::Unsupported {
                 key: kp.key,
                 op: i,
@@ -210,8 +218,9 @@ pub fn schedule_plan(plan: &mut Plan, opts: &MegakernelOptions) -> Result<(), Me
         .unwrap_or(0)
         .next_multiple_of(4);
     let mut bytes = plan.counter_bytes;
+    let gpu = plan.meta.target != kiln_ir::plan::Target::Cpu;
     for kp in &mut plan.keys {
-        let tape = schedule_key(kp, base, opts)?;
+        let tape = schedule_key(kp, base, opts, gpu)?;
         bytes = bytes.max(base + tape.counters.bytes);
         kp.schedule = Schedule::Megakernel(Box::new(tape));
     }

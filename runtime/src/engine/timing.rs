@@ -320,7 +320,11 @@ impl Engine {
         let kp = &self.plan.keys[ki];
         Ok(KeyFacts {
             key,
-            launches: kp.launches,
+            launches: if self.runs_megakernel(key) {
+                2
+            } else {
+                kp.launches
+            },
             bytes_moved: kp.bytes_moved,
             arena_bytes: self.plan.arena_bytes,
             workspace_bytes: self.plan.workspace_bytes,
@@ -470,6 +474,32 @@ impl Engine {
         be.synchronize()?;
         let c = self.counters.get_mut(&key).expect("every key has counters");
         c.eager_steps += (warmup + reps) as u64;
+        if self.runs_megakernel(key) {
+            // One persistent kernel: the step is one "op" (the reset and
+            // the interpreter), whatever the tape's tasks.
+            let kp = &self.plan.keys[ki];
+            let bytes = kp
+                .ops
+                .iter()
+                .map(|o| op_bytes(o, &self.plan.kv, context))
+                .sum();
+            return Ok(StepProfile {
+                key,
+                context,
+                reps,
+                ops: vec![OpTime {
+                    index: 0,
+                    mnemonic: "megakernel".into(),
+                    kernel: self.keys[ki].launches[0].kernel.clone(),
+                    classes: vec![
+                        "megakernel.megakernel_reset".into(),
+                        "megakernel.megakernel_run".into(),
+                    ],
+                    bytes,
+                    median_ms: median(&mut samples[0]),
+                }],
+            });
+        }
         let ops = self.plan.keys[ki]
             .ops
             .iter()

@@ -417,6 +417,25 @@ impl GpuDriver for CudaDriver {
         (r == cu::CUresult::CUDA_SUCCESS).then(|| h(f))
     }
 
+    fn occupancy(
+        &mut self,
+        function: Handle,
+        block_threads: u32,
+        shared_bytes: u32,
+    ) -> DriverResult<u32> {
+        let mut n: i32 = 0;
+        // SAFETY: a live function handle and an out-pointer to an i32.
+        ok(unsafe {
+            cu::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut n,
+                p(function),
+                block_threads as i32,
+                shared_bytes as usize,
+            )
+        })?;
+        Ok(n.max(0) as u32)
+    }
+
     fn launch_kernel(
         &mut self,
         function: Handle,

@@ -187,6 +187,24 @@ pub trait GpuDriver {
         stream: Handle,
     ) -> DriverResult<()>;
 
+    /// How many blocks of `function` one SM holds at once with
+    /// `block_threads` threads and `shared_bytes` of dynamic shared memory
+    /// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`): what a persistent
+    /// kernel's co-residency is checked against. A driver that cannot say
+    /// refuses, and so does every persistent launch on it.
+    fn occupancy(
+        &mut self,
+        function: Handle,
+        block_threads: u32,
+        shared_bytes: u32,
+    ) -> DriverResult<u32> {
+        let _ = (function, block_threads, shared_bytes);
+        Err(DriverError::other(
+            -1,
+            "this driver cannot report occupancy, so it runs no persistent (megakernel) launch; compile with --schedule graph",
+        ))
+    }
+
     /// Begins a global-mode stream capture.
     fn begin_capture(&mut self, stream: Handle) -> DriverResult<()>;
     /// Ends the capture and returns its graph. On error the stream is no

@@ -83,6 +83,9 @@ pub struct GpuCounters {
     pub gemv_calls: u64,
     /// GEMMs that ran as kiln's tensor-core skinny-GEMM kernel.
     pub skinny_calls: u64,
+    /// Persistent megakernel steps launched or recorded (each is two
+    /// kernels: the counter reset and the interpreter).
+    pub megakernel_launches: u64,
     /// GEMM shapes whose BLAS algorithm was looked up.
     pub gemm_choices: u64,
     /// Buffers outgrown after a capture and kept until teardown.
@@ -126,6 +129,9 @@ pub struct GpuBackend<D: GpuDriver> {
     events: Vec<Handle>,
     marks: u64,
     counters: GpuCounters,
+    /// Persistent kernels (entry, blocks) whose co-residency `prepare`
+    /// checked: only those may launch.
+    persistent_ok: std::collections::HashSet<(String, u32)>,
 }
 
 fn range_ok(allocs: &BTreeMap<u64, Allocation>, ptr: DevPtr, len: u64) -> bool {
@@ -198,6 +204,7 @@ impl<D: GpuDriver> GpuBackend<D> {
             events: Vec::new(),
             marks: 0,
             counters: GpuCounters::default(),
+            persistent_ok: Default::default(),
         })
     }
 
@@ -383,6 +390,44 @@ impl<D: GpuDriver> GpuBackend<D> {
         Ok(())
     }
 
+    /// Resolves a persistent step's two kernels and checks the device holds
+    /// every block of `run` at once: a block spins on counters that other
+    /// blocks bump, so a block that waits for an SM to free up would hang
+    /// the step. Refused here, at load, with the figures and the fix.
+    fn prepare_megakernel(
+        &mut self,
+        reset: &ResolvedKernel,
+        run: &ResolvedKernel,
+        blocks_per_sm: u32,
+    ) -> Result<()> {
+        if self.vendor != Vendor::Cuda {
+            return Err(BackendError::Device(format!(
+                "the megakernel schedule runs on CUDA only; this is a {} device: compile the plan with --schedule graph",
+                self.vendor.backend_name()
+            )));
+        }
+        self.resolve(&reset.module, &reset.entry)?;
+        self.check_params(reset)?;
+        let f = self.resolve(&run.module, &run.entry)?;
+        self.check_params(run)?;
+        let threads = run.block.iter().product::<u32>();
+        let per_sm = self
+            .driver
+            .occupancy(f, threads, run.shared_bytes)
+            .map_err(|e| e.during(&format!("occupancy of {}", run.entry)))?;
+        let sms = self.props.multiprocessors;
+        let queues = run.grid.iter().product::<u32>();
+        if per_sm < blocks_per_sm || queues as u64 > sms as u64 * per_sm as u64 {
+            return Err(BackendError::Device(format!(
+                "the plan's megakernel needs {queues} co-resident blocks of {threads} threads ({blocks_per_sm} per SM), but this {} holds {per_sm} per SM on {sms} SMs; recompile with `kiln compile --schedule megakernel --megakernel-sms {sms} --megakernel-blocks-per-sm {}` (or --schedule graph)",
+                self.info.name,
+                per_sm.clamp(1, blocks_per_sm.max(1)),
+            )));
+        }
+        self.persistent_ok.insert((run.entry.clone(), run.grid[0]));
+        Ok(())
+    }
+
     /// The workspace the plan grants this GEMM: exactly `Launch.workspace`
     /// (none: 0). The backend's reserved workspace is never a fallback
     /// grant, so an algorithm is chosen under the plan's figure only.
@@ -558,6 +603,18 @@ impl<D: GpuDriver> GpuBackend<D> {
                 done.map_err(|e| BackendError::Device(e.description))
             }
             LaunchBody::Kernels(ks) => ks.iter().try_for_each(|k| self.launch_kernel(k, capturing)),
+            LaunchBody::Megakernel { reset, run, .. } => {
+                if !self
+                    .persistent_ok
+                    .contains(&(run.entry.clone(), run.grid[0]))
+                {
+                    return Err(Self::not_prepared(&run.entry));
+                }
+                self.launch_kernel(reset, capturing)?;
+                self.launch_kernel(run, capturing)?;
+                self.counters.megakernel_launches += 1;
+                Ok(())
+            }
             LaunchBody::Gemm { shape, .. } => {
                 let shape = *shape;
                 let choice = match self.gemm_choice(launch) {
@@ -734,6 +791,11 @@ impl<D: GpuDriver> Backend for GpuBackend<D> {
                 self.resolve(&k.module, &k.entry)?;
                 self.check_params(k)
             }),
+            LaunchBody::Megakernel {
+                reset,
+                run,
+                blocks_per_sm,
+            } => self.prepare_megakernel(reset, run, *blocks_per_sm),
             LaunchBody::Gemm { shape, .. } => {
                 let shape = *shape;
                 self.prepare_gemm(launch, &shape).map(|_| ())

@@ -94,6 +94,9 @@ pub struct SimConfig {
     /// Workspace bytes the BLAS heuristic's only algorithm needs, whatever
     /// maximum the backend asks for (a library that ignores the preference).
     pub algorithm_workspace: u64,
+    /// Blocks of any kernel one simulated SM holds at once (what
+    /// `occupancy` answers; 0: the driver cannot say).
+    pub blocks_per_sm: u32,
 }
 
 impl SimConfig {
@@ -107,6 +110,7 @@ impl SimConfig {
             pdl: true,
             memory_limit: 1 << 30,
             algorithm_workspace: 0,
+            blocks_per_sm: 2,
         }
     }
 
@@ -120,6 +124,7 @@ impl SimConfig {
             pdl: false,
             memory_limit: 1 << 30,
             algorithm_workspace: 0,
+            blocks_per_sm: 0,
         }
     }
 }
@@ -130,6 +135,7 @@ enum Node {
         entry: String,
         params: Vec<u8>,
         offsets: Vec<usize>,
+        grid: [u32; 3],
     },
     Matmul {
         shape: GemmShape,
@@ -453,6 +459,7 @@ impl SimDriver {
                 entry,
                 params,
                 offsets,
+                grid,
             } => {
                 self.clock_us += if entry.ends_with("gemv_f32") || entry == "skinny_f32" {
                     2.0
@@ -477,6 +484,15 @@ impl SimDriver {
                     "gemv_f32" | "skinny_f32" => {
                         let bias = Some(p(2)?).filter(|&b| b != 0);
                         self.gemm(p(0)?, p(1)?, bias, p(3)?, (n(4)?, n(5)?, n(6)?))
+                    }
+                    "megakernel_reset" => {
+                        let bytes = 4 * n(1)? as u64;
+                        self.region(p(0)?, bytes)?.fill(0);
+                        Ok(())
+                    }
+                    "megakernel_run" => {
+                        let ptrs = [p(0)?, p(1)?, p(2)?, p(3)?, p(4)?];
+                        self.walk_tape(ptrs, grid[0])
                     }
                     other => Err(DriverError::other(
                         98,
@@ -578,6 +594,93 @@ impl SimDriver {
                     c.copy_from_slice(&v.to_le_bytes());
                 }
                 Ok(())
+            }
+        }
+    }
+
+    /// The control path of the megakernel interpreter over the tape image
+    /// in simulated memory (no task's math): every block (queue) runs its
+    /// head task once its waits are met, then bumps the task's counter;
+    /// blocks take turns, the highest queue first, so a consumer on a later
+    /// queue is tried before its producer. A step where no head task can run
+    /// is the hang a real device would show, reported as an error naming the
+    /// task and the counter it waits on; so is a counter not zero at launch.
+    /// `ptrs`: tasks, queue_start,
+    /// queue_tasks, waits, counters.
+    fn walk_tape(&mut self, ptrs: [u64; 5], queues: u32) -> DriverResult<()> {
+        use kiln_kernels::megakernel::{TASK_BYTES, WAIT_BYTES};
+        let [tasks, qstart, qtasks, waits, counters] = ptrs;
+        let u32_at = |d: &mut SimDriver, at: u64| -> DriverResult<u32> {
+            let b = d.region(at, 4)?;
+            Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        };
+        let nq = queues as u64;
+        let mut head = Vec::with_capacity(queues as usize);
+        let mut end = Vec::with_capacity(queues as usize);
+        for q in 0..nq {
+            head.push(u32_at(self, qstart + 4 * q)?);
+            end.push(u32_at(self, qstart + 4 * (q + 1))?);
+        }
+        // The interpreter needs every tape counter zero at launch (the
+        // reset kernel's job); a stale one would let a waiter run early.
+        for q in 0..queues as usize {
+            for i in head[q]..end[q] {
+                let t = u32_at(self, qtasks + 4 * i as u64)? as u64;
+                let c = u32_at(self, tasks + t * TASK_BYTES as u64 + 4)? as u64;
+                let v = u32_at(self, counters + 4 * c)?;
+                if v != 0 {
+                    return Err(DriverError::other(
+                        900,
+                        format!(
+                            "simErrorIllegalState: megakernel counter {c} (task {t}) is {v} at launch: the tape's counters were not reset"
+                        ),
+                    ));
+                }
+            }
+        }
+        loop {
+            let mut progressed = false;
+            let mut blocked = None;
+            for q in (0..queues as usize).rev() {
+                if head[q] >= end[q] {
+                    continue;
+                }
+                let t = u32_at(self, qtasks + 4 * head[q] as u64)? as u64;
+                let rec = tasks + t * TASK_BYTES as u64;
+                let counter = u32_at(self, rec + 4)? as u64;
+                let (wb, wc) = (
+                    u32_at(self, rec + 8)? as u64,
+                    u32_at(self, rec + 12)? as u64,
+                );
+                let mut ready = true;
+                for w in wb..wb + wc {
+                    let at = waits + w * WAIT_BYTES as u64;
+                    let (c, target) = (u32_at(self, at)? as u64, u32_at(self, at + 4)?);
+                    if u32_at(self, counters + 4 * c)? < target {
+                        ready = false;
+                        blocked = Some((q, t, c));
+                        break;
+                    }
+                }
+                if ready {
+                    let v = u32_at(self, counters + 4 * counter)? + 1;
+                    self.region(counters + 4 * counter, 4)?
+                        .copy_from_slice(&v.to_le_bytes());
+                    head[q] += 1;
+                    progressed = true;
+                }
+            }
+            if head.iter().zip(&end).all(|(h, e)| h >= e) {
+                return Ok(());
+            }
+            if !progressed {
+                let (q, t, c) = blocked.unwrap_or((0, 0, 0));
+                return Err(DriverError::other(
+                    702,
+                    format!(
+                        "simErrorLaunchTimeout (702): megakernel hang: queue {q}'s task {t} waits on counter {c}, which no runnable task bumps"
+                    ),
+                ));
             }
         }
     }
@@ -744,6 +847,31 @@ impl GpuDriver for SimDriver {
         Some(f)
     }
 
+    fn occupancy(
+        &mut self,
+        function: Handle,
+        block_threads: u32,
+        shared_bytes: u32,
+    ) -> DriverResult<u32> {
+        let entry = self
+            .functions
+            .get(&function)
+            .cloned()
+            .ok_or_else(|| DriverError::other(400, "simErrorInvalidHandle (400): function"))?;
+        self.call(
+            "occupancy",
+            format!("{entry}, {block_threads} threads, {shared_bytes} shared"),
+            true,
+        )?;
+        if self.cfg.blocks_per_sm == 0 {
+            return Err(DriverError::other(
+                801,
+                "simErrorNotSupported (801): occupancy queries",
+            ));
+        }
+        Ok(self.cfg.blocks_per_sm)
+    }
+
     fn launch_kernel(
         &mut self,
         function: Handle,
@@ -785,6 +913,7 @@ impl GpuDriver for SimDriver {
             entry,
             params: params.to_vec(),
             offsets: offsets.to_vec(),
+            grid: dims.grid,
         })
     }
 
