@@ -218,6 +218,78 @@ pub fn class_rows(profile: &StepProfile, copy_gbs: Option<f64>) -> Vec<ClassRow>
     rows
 }
 
+/// A megakernel step's profile from its tape trace (one `[reached, waits
+/// met, done]` per task, ns): one row per task class (`task.<op mnemonic>`)
+/// whose `us` is the blocks' busy time summed over the class's tasks and
+/// divided by the queues (the share of every SM's step the class takes),
+/// then `wait (counters)`, the time blocks spent with a task whose waits
+/// were not met yet, and `idle`, the rest of each queue's step (before its
+/// first task, after its last, between tasks). The shares sum to 1; the
+/// returned span (ms) is the step from the first task reached to the last
+/// done. `bytes` is the op's cost-model bytes in the proportion of its
+/// units the tasks cover.
+pub fn tape_rows(
+    plan: &kiln_ir::plan::Plan,
+    kp: &kiln_ir::plan::KeyPlan,
+    trace: &[[u64; 3]],
+    context: u32,
+    copy_gbs: Option<f64>,
+) -> (Vec<ClassRow>, f64) {
+    let Some(tape) = kp.schedule.tape() else {
+        return (Vec::new(), 0.0);
+    };
+    let queues = tape.queues.len().max(1) as f64;
+    let t0 = trace.iter().map(|t| t[0]).min().unwrap_or(0);
+    let t1 = trace.iter().map(|t| t[2]).max().unwrap_or(0);
+    let span_ns = t1.saturating_sub(t0) as f64;
+    let mut by: std::collections::BTreeMap<String, (u32, f64, u64)> = Default::default();
+    let mut wait_ns = 0.0;
+    for (task, t) in tape.tasks.iter().zip(trace) {
+        let op = &kp.ops[task.op as usize];
+        let e = by.entry(format!("task.{}", op.op.mnemonic())).or_default();
+        e.0 += 1;
+        e.1 += t[2].saturating_sub(t[1]) as f64;
+        let units = kiln_ir::schedule::tile_units(op).max(1) as u64;
+        e.2 += kiln_runtime::op_bytes(op, &plan.kv, context)
+            * (task.tile.end - task.tile.begin) as u64
+            / units;
+        wait_ns += t[1].saturating_sub(t[0]) as f64;
+    }
+    let busy: f64 = by.values().map(|v| v.1).sum();
+    let idle_ns = (span_ns * queues - busy - wait_ns).max(0.0);
+    let row = |class: String, ops: u32, ns: f64, bytes: u64| {
+        let us = ns / queues / 1e3;
+        let gbs = if us > 0.0 {
+            bytes as f64 / (us * 1e3)
+        } else {
+            0.0
+        };
+        ClassRow {
+            class,
+            ops,
+            launches: 0,
+            us,
+            share: if span_ns > 0.0 {
+                ns / queues / span_ns
+            } else {
+                0.0
+            },
+            us_per_launch: us,
+            bytes,
+            gbs,
+            pct_of_copy_bw: copy_gbs.filter(|b| *b > 0.0).map(|b| 100.0 * gbs / b),
+        }
+    };
+    let mut rows: Vec<ClassRow> = by
+        .into_iter()
+        .map(|(class, (n, ns, bytes))| row(class, n, ns, bytes))
+        .collect();
+    rows.sort_by(|a, b| b.us.total_cmp(&a.us).then_with(|| a.class.cmp(&b.class)));
+    rows.push(row("wait (counters)".into(), 0, wait_ns, 0));
+    rows.push(row("idle".into(), 0, idle_ns, 0));
+    (rows, span_ns / 1e6)
+}
+
 /// GEMMs per implementation in one key's plan.
 #[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct GemmCounts {
@@ -448,6 +520,7 @@ fn bench_plan(
     let options = EngineOptions {
         graphs: GraphMode::On,
         log: false,
+        trace_megakernel: args.profile,
         ..EngineOptions::default()
     };
     let backend = open_backend_ranks(*spec, tp)?;
@@ -469,13 +542,21 @@ fn bench_plan(
             .map(GemmCounts::of)
             .unwrap_or_default();
         let floor = bw.map(|bw| bytes as f64 / bw * 1e3);
-        let profile = if args.profile {
-            let p = engine.profile_ops(key, args.context, 3, eager_steps)?;
-            Some((class_rows(&p, bw.map(|b| b / 1e9)), p.total_ms()))
-        } else {
-            None
-        };
         let megakernel = engine.runs_megakernel(key);
+        let profile = match (args.profile, engine.megakernel_trace(key)?) {
+            (false, _) => None,
+            // The last replayed step's tape trace: time per task class.
+            (true, Some(trace)) => {
+                let kp = engine.plan().key_plan(key).expect("a loaded key");
+                let (rows, span) =
+                    tape_rows(engine.plan(), kp, &trace, args.context, bw.map(|b| b / 1e9));
+                Some((rows, span))
+            }
+            (true, None) => {
+                let p = engine.profile_ops(key, args.context, 3, eager_steps)?;
+                Some((class_rows(&p, bw.map(|b| b / 1e9)), p.total_ms()))
+            }
+        };
         results.push(KeyResult {
             key: key.to_string(),
             schedule: if megakernel { "megakernel" } else { "graph" }.to_string(),
@@ -685,6 +766,59 @@ mod tests {
             profile: false,
             also: None,
         }
+    }
+
+    /// A megakernel step's trace becomes one row per task class plus the
+    /// blocks' waiting and idle time, whose shares sum to one and whose
+    /// task counts are the tape's.
+    #[test]
+    fn a_tape_trace_gives_time_per_task_class_waiting_and_idle_shares() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("model");
+        std::fs::create_dir_all(&model).unwrap();
+        write_tiny_model(&model, Family::Llama, &TinySpec::for_family(Family::Llama)).unwrap();
+        let opts = CompileOptions {
+            keys: vec![Key::new(1, 1, 0)],
+            schedule: kiln_compiler::passes::megakernel::ScheduleKind::Megakernel,
+            megakernel: kiln_compiler::passes::megakernel::MegakernelOptions {
+                sm_count: 4,
+                blocks_per_sm: 1,
+                min_tile: 8,
+            },
+            kv: KvOptions {
+                max_context: Some(64),
+                ..KvOptions::default()
+            },
+            ..Default::default()
+        };
+        let plan = compile_dir(&model, &opts, &mut |_, _| {}).unwrap().plan;
+        let kp = &plan.keys[0];
+        let tape = kp.schedule.tape().unwrap();
+        // Task i: reached at 100 i, waits met 10 later, done 50 after that.
+        let trace: Vec<[u64; 3]> = (0..tape.tasks.len() as u64)
+            .map(|i| [100 * i, 100 * i + 10, 100 * i + 60])
+            .collect();
+        let (rows, span) = tape_rows(&plan, kp, &trace, 20, Some(100.0));
+        let n = tape.tasks.len() as f64;
+        assert!(
+            (span - (100.0 * (n - 1.0) + 60.0) / 1e6).abs() < 1e-12,
+            "{span}"
+        );
+        let share: f64 = rows.iter().map(|r| r.share).sum();
+        assert!((share - 1.0).abs() < 1e-9, "{rows:#?}");
+        let tasks: u32 = rows
+            .iter()
+            .filter(|r| r.class.starts_with("task."))
+            .map(|r| r.ops)
+            .sum();
+        assert_eq!(tasks as usize, tape.tasks.len());
+        assert!(
+            rows.iter().any(|r| r.class.ends_with("matmul")),
+            "{rows:#?}"
+        );
+        let wait = rows.iter().find(|r| r.class == "wait (counters)").unwrap();
+        assert!((wait.us - 10.0 * n / 4.0 / 1e3).abs() < 1e-9, "{wait:?}");
+        assert_eq!(rows.last().unwrap().class, "idle");
     }
 
     /// `kiln bench PLAN --also PLAN2`: the second plan's rows follow the

@@ -384,7 +384,7 @@ fn tape_text(o: &mut String, kp: &KeyPlan, tape: &Tape) {
     let c = &tape.counters;
     let _ = writeln!(
         o,
-        "  schedule    megakernel: {} SMs x {} blocks per SM = {} queues, {} tasks, counters {}+{}[{}] (zeroed by a memset at the start of each step)",
+        "  schedule    megakernel: {} SMs x {} blocks per SM = {} queues, {} tasks, counters {}+{}[{}] (zeroed by the reset kernel at the start of each step)",
         tape.sm_count,
         tape.blocks_per_sm,
         tape.queues.len(),

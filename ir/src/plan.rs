@@ -163,7 +163,7 @@ pub enum Region {
     /// load, before any capture; every kernel that uses them leaves them
     /// zero. Within a key each op has its own counters. A megakernel tape's
     /// counters (`crate::schedule::Tape::counters`) lie above every op's and
-    /// are zeroed by a memset at the start of each step instead.
+    /// are zeroed by the reset kernel at the start of each step instead.
     Counters,
 }
 

@@ -32,15 +32,16 @@
 //!   allows shared counters, and a wait guards the tasks bumping its counter
 //!   only when `target` is their number.
 //!
-//! # Counter reset: a planned memset at the start of the step
+//! # Counter reset: a planned reset at the start of the step
 //! The key's tape counters (`Tape::counters`, in [`Region::Counters`] above
-//! every op's own counters in every key) are zeroed by a memset captured in
-//! the same graph right before the persistent kernel. Chosen over an epoch
+//! every op's own counters in every key) are zeroed by a reset kernel
+//! (`megakernel_reset`, a memset in effect) captured in the same graph
+//! right before the persistent kernel. Chosen over an epoch
 //! scheme or a last-block-out reset because it is self-healing: a step that
 //! was aborted half way (a fault, a host interrupt in eager mode) cannot leave
 //! a counter that makes the next step skip a wait or hang, nothing ever
 //! overflows, and no grid-wide barrier is needed at the end of the step. The
-//! cost is one memset node of `4 * tasks` bytes per step. The tape counters
+//! cost is one small kernel node writing `4 * tasks` bytes per step. The tape counters
 //! never overlap an op's counters, so graph-schedule keys of the same plan
 //! still find theirs zero.
 //!
@@ -78,7 +79,7 @@
 //!
 //! Not here: choosing tiles and queues (the compiler's megakernel pass),
 //! executing a tape (the runtime's tape executor, the interpreter kernel),
-//! and the memset itself (the runtime captures it).
+//! and the reset itself (the runtime captures it).
 
 use crate::op::{Epilogue, Op};
 use crate::plan::{BufRef, KeyPlan, Operand, Plan, PlanOp, Region};
@@ -124,7 +125,7 @@ pub struct Tape {
     pub sm_count: u32,
     /// Co-resident thread blocks per SM the persistent kernel needs.
     pub blocks_per_sm: u32,
-    /// The tape's completion counters (`u32` each), zeroed by a memset at
+    /// The tape's completion counters (`u32` each), zeroed by the reset kernel at
     /// the start of every step.
     pub counters: BufRef,
     /// Every task, in global order.

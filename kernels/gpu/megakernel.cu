@@ -15,15 +15,18 @@
 //
 // Memory model. A task's writes become visible to a waiter as follows: every
 // thread of the block stores its results, the block synchronizes, thread 0
-// issues a device-scope fence and then bumps the task's counter. A waiter's
-// thread 0 spins on the counter with acquire loads, then the block
-// synchronizes. Data another block may have written during this launch
+// bumps the task's counter with a device-scope release add. A waiter's
+// threads spin on the task's counters with acquire loads (each thread its
+// share of the waits, so a task waiting on a hundred tiles pays about one
+// round trip, not a hundred), then the block synchronizes. Data another block may have written during this launch
 // (activations, the KV cache, token ids and the other per-step inputs) is
 // read with L1-bypassing loads (ld.global.cg), because an SM's L1 is not
 // coherent and the arena reuses addresses within a step. Weights, norm
 // weights, biases, the RoPE tables and the block tables are read plainly.
-// While thread 0 waits, the block asks L2 to prefetch the task's weight
-// rows (weights never depend on a wait).
+// Before it waits, the block asks L2 to prefetch the task's weight rows
+// (weights never depend on a wait); once the waits are met, it asks for the
+// next task's first KILN_MK_PREFETCH_NEXT bytes, which then stream in while
+// this task computes.
 //
 // Deadlock freedom is the tape's (verified at load): a task waits only on
 // tasks earlier on the tape, each queue is in tape order, and every block of
@@ -38,6 +41,9 @@
 #define KILN_MK_NORM_MAX 8192
 #define KILN_MK_MAX_HEAD_DIM 256
 #define KILN_MK_PREFETCH_MAX (4u << 20)
+// The look-ahead prefetch's cap per block: 132 queues x 256 KB stays under
+// an H200's 50 MB L2.
+#define KILN_MK_PREFETCH_NEXT (256u << 10)
 
 // Task kinds (kiln_kernels::megakernel::TaskKind).
 #define KILN_MK_GEMV_BF16 1
@@ -86,6 +92,19 @@ KILN_DEV unsigned int mk_load_acquire(const unsigned int* p) {
   return v;
 #else
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#endif
+}
+
+// The task's completion: a release add at device scope. The block's
+// barrier before it orders every thread's stores before thread 0's release
+// (causality is transitive through bar.sync), so a waiter whose acquire load
+// sees the new count sees the task's results; no full fence is needed.
+KILN_DEV void mk_release_add(unsigned int* p) {
+#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 700)
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
+#else
+  __threadfence();
+  atomicAdd(p, 1u);
 #endif
 }
 
@@ -169,10 +188,11 @@ KILN_DEV void mk_store8(float* p, const float* v) {
 // Asks L2 to fetch `bytes` (a multiple of 16) at `p` (16-byte aligned),
 // capped at KILN_MK_PREFETCH_MAX; every thread of the block takes a share.
 // A hint: no effect on results.
-KILN_DEV void mk_prefetch_l2(const void* p, unsigned long long bytes) {
+KILN_DEV void mk_prefetch_l2(const void* p, unsigned long long bytes,
+                             unsigned long long cap = KILN_MK_PREFETCH_MAX) {
 #if defined(KILN_CUDA)
   if (p == nullptr) return;
-  if (bytes > KILN_MK_PREFETCH_MAX) bytes = KILN_MK_PREFETCH_MAX;
+  if (bytes > cap) bytes = cap;
   const char* c = reinterpret_cast<const char*>(p);
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   for (unsigned long long off = (unsigned long long)threadIdx.x * 4096; off < bytes;
@@ -194,19 +214,21 @@ KILN_DEV void mk_prefetch_l2(const void* p, unsigned long long bytes) {
 // The weight bytes a GEMV task's tile reads: rows [tile_begin, tile_end)
 // (and the matching up rows of a gated epilogue); the whole weight (capped)
 // for the argmax GEMV.
-KILN_DEV void mk_prefetch(const MkTask& t) {
+KILN_DEV void mk_prefetch(const MkTask& t, unsigned long long cap = KILN_MK_PREFETCH_MAX) {
   const unsigned int kind = t.kind;
   if (kind != KILN_MK_GEMV_BF16 && kind != KILN_MK_GEMV_BF16_F32 && kind != KILN_MK_GEMV_ARGMAX)
     return;
   const char* w = reinterpret_cast<const char*>(t.p[1]);
   const unsigned long long row = (unsigned long long)t.i[1] * 2;
   if (kind == KILN_MK_GEMV_ARGMAX) {
-    mk_prefetch_l2(w, row * (unsigned long long)t.i[2]);
+    mk_prefetch_l2(w, row * (unsigned long long)t.i[2], cap);
     return;
   }
   const unsigned long long rows = t.tile_end - t.tile_begin;
-  mk_prefetch_l2(w + row * t.tile_begin, row * rows);
-  if (t.i[6] != 0) mk_prefetch_l2(w + row * (t.tile_begin + (unsigned long long)t.i[6]), row * rows);
+  const bool gated = t.i[6] != 0;
+  if (gated) cap /= 2;
+  mk_prefetch_l2(w + row * t.tile_begin, row * rows, cap);
+  if (gated) mk_prefetch_l2(w + row * (t.tile_begin + (unsigned long long)t.i[6]), row * rows, cap);
 }
 
 // ---- GEMV tiles ----
@@ -215,7 +237,7 @@ KILN_DEV void mk_prefetch(const MkTask& t) {
 // (tt <= 8) of x ([T, k], bf16), normalized first when PRE (inv: each
 // token's inverse RMS, nw the norm weight, + 1 under unit_offset, each
 // normed element rounded to bf16 as rms_norm would store it). Each lane
-// accumulates the 8-element vectors lane, lane + 32, ... in order (four in
+// accumulates the 8-element vectors lane, lane + 32, ... in order (eight in
 // flight) and the warp sums the lanes: gemv.cu's order (gemv_rows with
 // KS = 1, gemv_fused_dot), so a tile's sums are the graph GEMV's. acc ends
 // warp-reduced in every lane.
@@ -250,53 +272,39 @@ KILN_DEV void mk_dot2(const kbf16* __restrict__ x, const kbf16* __restrict__ w,
       }
     }
   };
-  constexpr int UNROLL = 4;
-  int c = lane;
-  while (c + (UNROLL - 1) * KILN_WARP < kv) {
+  // UNROLL vectors of each row in flight per lane, the tail predicated
+  // (same order: a lane's vectors in increasing index), so a row of up to
+  // UNROLL * 256 elements costs one memory round trip, not one per vector.
+  constexpr int UNROLL = 8;
+  for (int c = lane; c < kv; c += UNROLL * KILN_WARP) {
     uint4 wr[2][UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      wr[0][u] = wv0[c + u * KILN_WARP];
-      wr[1][u] = wv1[c + u * KILN_WARP];
+      const int cc = c + u * KILN_WARP;
+      const bool in = cc < kv;
+      wr[0][u] = in ? wv0[cc] : make_uint4(0, 0, 0, 0);
+      wr[1][u] = in ? wv1[cc] : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int cc = c + u * KILN_WARP;
-      float nf[8];
-      norm_unpack(cc, nf);
+      if (cc < kv) {
+        float nf[8];
+        norm_unpack(cc, nf);
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        if (q < tt) {
-          float xf[8];
-          x_chunk(q, cc, nf, xf);
+        for (int q = 0; q < 8; ++q) {
+          if (q < tt) {
+            float xf[8];
+            x_chunk(q, cc, nf, xf);
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float wf[8];
-            unpack8(wr[r][u], w, wf);
+            for (int r = 0; r < 2; ++r) {
+              float wf[8];
+              unpack8(wr[r][u], w, wf);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[r][q] += xf[e] * wf[e];
+              for (int e = 0; e < 8; ++e) acc[r][q] += xf[e] * wf[e];
+            }
           }
         }
-      }
-    }
-    c += UNROLL * KILN_WARP;
-  }
-  for (; c < kv; c += KILN_WARP) {
-    float nf[8];
-    norm_unpack(c, nf);
-    const uint4 wr0 = wv0[c], wr1 = wv1[c];
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      if (q < tt) {
-        float xf[8];
-        x_chunk(q, c, nf, xf);
-        float wf[8];
-        unpack8(wr0, w, wf);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[0][q] += xf[e] * wf[e];
-        unpack8(wr1, w, wf);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[1][q] += xf[e] * wf[e];
       }
     }
   }
@@ -687,7 +695,7 @@ KILN_DEV void mk_qkv_rope_kv_write(const MkTask& t) {
 // 6 block table columns, 7 window (0 none). f: 0 scale, 1 softcap (0 none).
 // p: 0 q, 1 K cache, 2 V cache, 3 block tables, 4 context lengths, 5 out.
 #define KILN_MK_ATTN_RT 4
-#define KILN_MK_ATTN_KU 2
+#define KILN_MK_ATTN_KU 4
 KILN_DEV void mk_attention(const MkTask& t, float* smem) {
   constexpr int RT = KILN_MK_ATTN_RT, KU = KILN_MK_ATTN_KU;
   const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
@@ -982,23 +990,39 @@ KILN_DEV void mk_gather_last(const MkTask& t) {
 
 // grid = one block per queue; queue q's tasks are
 // queue_tasks[queue_start[q] .. queue_start[q + 1]).
+// trace: null, or 3 u64 per task (the device's global timer in ns when the
+// block reached the task, when its waits were met, when its counter was
+// bumped), for
+// `kiln bench --profile`; written by thread 0, no effect on results.
+KILN_DEV unsigned long long mk_now() {
+#if defined(KILN_CUDA)
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#else
+  return 0;
+#endif
+}
+
 KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
     megakernel_run(const MkTask* __restrict__ tasks, const unsigned int* __restrict__ queue_start,
                    const unsigned int* __restrict__ queue_tasks, const MkWait* __restrict__ waits,
-                   unsigned int* counters) {
+                   unsigned int* counters, unsigned long long* trace) {
   __shared__ float smem[KILN_MK_SMEM_FLOATS];
   const unsigned int q = blockIdx.x;
   const unsigned int end = queue_start[q + 1];
   for (unsigned int i = queue_start[q]; i < end; ++i) {
-    const MkTask& t = tasks[queue_tasks[i]];
+    const unsigned int ti = queue_tasks[i];
+    const MkTask& t = tasks[ti];
+    if (trace != nullptr && threadIdx.x == 0) trace[3 * (unsigned long long)ti] = mk_now();
     mk_prefetch(t);
-    if (threadIdx.x == 0) {
-      for (unsigned int n = 0; n < t.wait_count; ++n) {
-        const MkWait wt = waits[t.wait_begin + n];
-        while (mk_load_acquire(&counters[wt.counter]) < wt.target) mk_pause();
-      }
+    for (unsigned int n = threadIdx.x; n < t.wait_count; n += KILN_MK_THREADS) {
+      const MkWait wt = waits[t.wait_begin + n];
+      while (mk_load_acquire(&counters[wt.counter]) < wt.target) mk_pause();
     }
     __syncthreads();
+    if (trace != nullptr && threadIdx.x == 0) trace[3 * (unsigned long long)ti + 1] = mk_now();
+    if (i + 1 < end) mk_prefetch(tasks[queue_tasks[i + 1]], KILN_MK_PREFETCH_NEXT);
     switch (t.kind) {
       case KILN_MK_GEMV_BF16:
         mk_gemv<kbf16>(t, smem);
@@ -1052,8 +1076,8 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(&counters[t.counter], 1u);
+      mk_release_add(&counters[t.counter]);
+      if (trace != nullptr) trace[3 * (unsigned long long)ti + 2] = mk_now();
     }
   }
 }

@@ -131,7 +131,7 @@ fn run(g: &Gpu, mem: &Mem, tasks: &[(DeviceTask, Vec<u32>)], queues: &[Vec<u32>]
             cu::cuMemcpyHtoD_v2(di, ib.as_ptr() as *const c_void, ib.len()),
             "upload",
         );
-        let mut params: [u64; 5] = [di + ta, di + sa, di + qa, di + wa, di + ca];
+        let mut params: [u64; 6] = [di + ta, di + sa, di + qa, di + wa, di + ca, 0];
         let mut ptrs: Vec<*mut c_void> = params
             .iter_mut()
             .map(|p| p as *mut u64 as *mut c_void)

@@ -119,6 +119,9 @@ pub struct EngineOptions {
     pub keep_logits: bool,
     /// Log the graph decision (and teardown problems) to stderr.
     pub log: bool,
+    /// Megakernel keys record when each task started, had its waits met and
+    /// finished ([`Engine::megakernel_trace`]; `kiln bench --profile`).
+    pub trace_megakernel: bool,
     pub faults: Faults,
 }
 
@@ -132,6 +135,7 @@ impl Default for EngineOptions {
             max_new_tokens: 128,
             keep_logits: false,
             log: true,
+            trace_megakernel: false,
             faults: Faults::default(),
         }
     }
@@ -268,6 +272,8 @@ struct KeyRt {
     graph: Option<GraphHandle>,
     captured_before: bool,
     staged_once: bool,
+    /// A megakernel key's trace buffer and its task count (traced only).
+    trace: Option<(DevPtr, u32)>,
 }
 
 /// A loaded plan serving sequences. See the module docs.
@@ -366,6 +372,7 @@ fn megakernel_launch(
     io: DevPtr,
     backend: &mut dyn Backend,
     faults: Faults,
+    trace: Option<DevPtr>,
 ) -> Result<(Launch, DevPtr), EngineError> {
     use kiln_kernels::megakernel as mk;
     let resolve = |b: &BufRef| regions.resolve(io, b).0;
@@ -413,6 +420,7 @@ fn megakernel_launch(
             at(image.queue_tasks_at),
             at(image.waits_at),
             ResolvedParam::Ptr(counters),
+            ResolvedParam::Ptr(trace.unwrap_or(DevPtr(0))),
         ],
         pdl: false,
         cluster: 1,
@@ -577,8 +585,18 @@ impl Engine {
             // A key with a megakernel tape runs as one persistent kernel
             // where the plan carries the interpreter (CUDA targets); a CPU
             // plan's tape was verified and its op list runs instead.
+            let mut trace = None;
             let launches = match kp.schedule.tape() {
                 Some(tape) if carries_interpreter => {
+                    if options.trace_megakernel {
+                        let n = tape.tasks.len() as u32;
+                        let t = backend.alloc(
+                            24 * n.max(1) as u64,
+                            &format!("megakernel trace {}", kp.key),
+                        )?;
+                        allocations.push(t);
+                        trace = Some((t, n));
+                    }
                     let (launch, buf) = megakernel_launch(
                         &plan,
                         kp,
@@ -587,6 +605,7 @@ impl Engine {
                         io,
                         backend.as_mut(),
                         options.faults,
+                        trace.map(|t| t.0),
                     )?;
                     allocations.push(buf);
                     vec![launch]
@@ -643,6 +662,7 @@ impl Engine {
                 graph: None,
                 captured_before: false,
                 staged_once: false,
+                trace,
             });
         }
         let mut chunk_queries: Vec<u32> = plan
@@ -735,6 +755,33 @@ impl Engine {
                     }]
                 )
         })
+    }
+
+    /// The last step's trace of `key`'s tape, one `[reached, waits met,
+    /// done]` per task (the device's global timer, ns), or `None` where the
+    /// key is not a traced megakernel key (see
+    /// [`EngineOptions::trace_megakernel`]). Synchronizes the backend.
+    pub fn megakernel_trace(&mut self, key: Key) -> Result<Option<Vec<[u64; 3]>>, EngineError> {
+        let Some((ptr, n)) = self
+            .keys
+            .iter()
+            .find(|k| k.key == key)
+            .and_then(|k| k.trace)
+        else {
+            return Ok(None);
+        };
+        self.backend.synchronize()?;
+        let mut bytes = vec![0u8; 24 * n as usize];
+        self.backend.download(ptr, &mut bytes)?;
+        Ok(Some(
+            bytes
+                .chunks_exact(24)
+                .map(|c| {
+                    let w = |i: usize| u64::from_le_bytes(c[8 * i..8 * i + 8].try_into().unwrap());
+                    [w(0), w(1), w(2)]
+                })
+                .collect(),
+        ))
     }
 
     pub fn graph_decision(&self) -> &GraphDecision {

@@ -215,7 +215,7 @@ fn two_chained_gemv_layers_on_two_queues_match_the_host_and_a_rerun_after_the_me
         let dc = upload(&[0u8; 32]);
         let run = || -> Vec<u8> {
             ok(cu::cuMemsetD32_v2(dc, 0, 8), "counter memset");
-            let mut params: [u64; 5] = [dt, ds, dq, dw, dc];
+            let mut params: [u64; 6] = [dt, ds, dq, dw, dc, 0];
             let mut ptrs: Vec<*mut c_void> = params
                 .iter_mut()
                 .map(|p| p as *mut u64 as *mut c_void)

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One GPU call for the megakernel schedule: its tests and both schedules
+# timed side by side.
+#
+# Built here (no GPU) and carried in .device-carry/:
+#   bin/*.xz    cuda_megakernel, megakernel_gpu, cuda_serve (test binaries,
+#               `cargo test --release --no-run`, the cuda feature) and kiln
+#   plans.txz   plans/<model>-graph.kiln and plans/<model>-mk.kiln: one
+#               shaped model (scripts/make-shaped-model.py) compiled with the
+#               graph schedule and with `--schedule megakernel`, same keys
+# On the GPU machine it runs:
+#   1. cuda_megakernel (the hand-built two-layer tape) and megakernel_gpu
+#      (every task kind against the CPU reference, KILN_MK_GPU=1);
+#   2. cuda_serve's megakernel tests (every key of the tiny families and the
+#      Gemma-3-270M shape: megakernel vs graph schedule, replay vs eager);
+#   3. the dependency mutation (one tape wait dropped, `--ignored`): it must
+#      FAIL to match, i.e. the test above catches it;
+#   4. `kiln bench <model>-graph.kiln --also <model>-mk.kiln` per model
+#      (KILN_MK_MODELS, KILN_MK_KEYS, KILN_MK_STEPS), JSON per model.
+# Results: $OUT/summary.txt (the tables) and $OUT/logs.tgz.
+#
+# Usage there: bash scripts/gpu-megakernel.sh
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+C="$root/.device-carry"
+OUT="${OUT:-/tmp/kiln-mk-out}"
+L=/tmp/kiln-mk-logs
+mkdir -p "$OUT" "$L"
+S="$OUT/summary.txt"
+: > "$S"
+libdirs=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+         $(python3 -c 'import nvidia,os;[print(os.path.join(p,"cu13","lib")) for p in nvidia.__path__]' 2>/dev/null); do
+  [[ -d "$d" ]] && libdirs="$libdirs:$d"
+done
+export LD_LIBRARY_PATH="${libdirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export KILN_CACHE=/tmp/kiln-cache KILN_REQUIRE_CUDA=1
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; } >> "$S" 2>&1
+B=/tmp/kiln-mk-bin
+mkdir -p "$B"
+for f in "$C"/bin/*.xz; do
+  n=$(basename "$f" .xz)
+  xz -dc "$f" > "$B/$n" && chmod +x "$B/$n"
+done
+P=/tmp/kiln-mk-plans
+rm -rf "$P" && mkdir -p "$P" && tar xJf "$C/plans.txz" -C "$P"
+
+# name, timeout (s), command...: its log in $L/name.txt, one summary line.
+run() {
+  local name=$1 limit=$2
+  shift 2
+  local start
+  start=$(date +%s)
+  timeout "$limit" "$@" > "$L/$name.txt" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc $(grep -E '^test result' "$L/$name.txt" | tail -1) ($(( $(date +%s) - start )) s)" >> "$S"
+  grep -E "FAILED|panicked|megakernel on|dropped" "$L/$name.txt" | head -20 >> "$S"
+}
+if [[ " ${KILN_MK_STAGES:-tests bench} " == *" tests "* ]]; then
+  run cuda_megakernel 60 "$B/cuda_megakernel" --test-threads=1
+  KILN_MK_GPU=1 run megakernel_gpu 120 "$B/megakernel_gpu" --test-threads=1 --nocapture
+  run cuda_serve_megakernel 240 "$B/cuda_serve" megakernel --test-threads=1 --nocapture
+  run mutation_dropped_wait 120 "$B/cuda_serve" a_dropped_tape_wait --ignored --test-threads=1 --nocapture
+fi
+if [[ " ${KILN_MK_STAGES:-tests bench} " == *" bench "* ]]; then
+  for m in ${KILN_MK_MODELS:-smollm2-135m qwen3-0.6b llama-3.2-1b}; do
+    timeout 200 "$B/kiln" bench "$P/plans/$m-graph.kiln" --also "$P/plans/$m-mk.kiln" \
+      --keys "${KILN_MK_KEYS:-b1q1s0,b8q1s0}" --steps "${KILN_MK_STEPS:-200}" --context 512 \
+      --json "$OUT/bench-$m.json" > "$L/bench-$m.txt" 2>&1
+    echo "bench $m: rc=$?" >> "$S"
+    cat "$L/bench-$m.txt" >> "$S"
+  done
+fi
+tar czf "$OUT/logs.tgz" -C "$L" .
+cat "$S"
