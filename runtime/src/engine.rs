@@ -367,7 +367,6 @@ impl Regions {
 fn megakernel_launch(
     plan: &Plan,
     kp: &kiln_ir::plan::KeyPlan,
-    tape: &kiln_ir::schedule::Tape,
     regions: &Regions,
     io: DevPtr,
     backend: &mut dyn Backend,
@@ -375,6 +374,10 @@ fn megakernel_launch(
     trace: Option<DevPtr>,
 ) -> Result<(Launch, DevPtr), EngineError> {
     use kiln_kernels::megakernel as mk;
+    let tape = kp
+        .schedule
+        .tape()
+        .ok_or_else(|| EngineError::BadPlan(format!("key {} has no megakernel tape", kp.key)))?;
     let resolve = |b: &BufRef| regions.resolve(io, b).0;
     let bad = |e: mk::MegakernelError| EngineError::BadPlan(e.to_string());
     // The image's size does not depend on where it lives: size it, place
@@ -600,7 +603,6 @@ impl Engine {
                     let (launch, buf) = megakernel_launch(
                         &plan,
                         kp,
-                        tape,
                         &regions,
                         io,
                         backend.as_mut(),
