@@ -7,8 +7,10 @@
 //
 // Status: every op of a default bf16 llama / qwen3 / gemma-family decode
 // plan has a task kind here. Every kind has run once on an H200 against the
-// CPU reference over hand-built tapes (kernels/tests/megakernel_gpu.rs); a
-// whole compiled plan's tape has not run through it yet. Semantics are the CPU reference kernels' (kiln_kernels::cpu)
+// CPU reference over hand-built tapes (kernels/tests/megakernel_gpu.rs), and
+// whole compiled plans' tapes give the graph schedule's tokens
+// (tests/tests/cuda_serve.rs). Semantics are the CPU reference kernels'
+// (kiln_kernels::cpu)
 // with the graph kernels' rounding points; where the graph kernels depart
 // from the reference on bad integer inputs (an out-of-range slot is
 // skipped, an out-of-range token id gives a zero row) this does the same.

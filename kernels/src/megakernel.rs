@@ -16,8 +16,12 @@
 //! per KV-head group, the gated activations, add, scale, argmax, gather
 //! last). It compiles under NVRTC (tested here). Every task kind has run
 //! once on an H200 against the CPU reference over hand-built tapes
-//! (`kernels/tests/megakernel_gpu.rs`, opt-in with `KILN_MK_GPU=1`); the
-//! tape of a whole compiled plan has not run through it yet. It is
+//! (`kernels/tests/megakernel_gpu.rs`, opt-in with `KILN_MK_GPU=1`), and
+//! whole compiled plans' tapes run through it on the engine
+//! (`tests/tests/cuda_serve.rs`: the graph schedule's tokens on every key of
+//! five families; bench/results/gpu-2026-12-02-s13). It is correct but
+//! not yet fast (4.7-20x the graph schedule's step: the tape's critical
+//! path, see those results). It is
 //! deliberately not in [`crate::gpu::MODULES`] (the compiler adds it to a
 //! plan's images only for megakernel keys). Known cost: `fused_matmul
 //! {argmax}` (and `argmax`) have one unit, so the whole lm_head runs on one

@@ -31,12 +31,16 @@
 //!   `kiln_ir::schedule`'s docs, and the validator checks both facts).
 //! * **Counters.** One `u32` per task, placed in the Counters region above
 //!   every op's own counters of every key (keys share the tape counters:
-//!   they never run concurrently, and each step's memset zeroes them).
+//!   they never run concurrently, and each step's reset kernel zeroes them).
 //!
 //! Not here: anything a GPU decides at run time (the interpreter kernel and
 //! its occupancy check live in kiln-kernels / the CUDA backend), prefetch
 //! hints, and ops the interpreter cannot run: a BLAS-Lt or tensor-core
-//! (`skinny`) GEMM and collectives are refused with the op named.
+//! (`skinny`) GEMM, collectives, and on GPU targets whatever
+//! `kiln_kernels::megakernel::supported` refuses (quantized weights,
+//! sampling, speculative acceptance) are refused with the op named. Under
+//! `--schedule megakernel` the lowering gives every GEMM of up to 8 tokens
+//! to the GEMV (`LowerOptions::prefer_gemv`), so decode keys up to b8 fit.
 
 use kiln_ir::plan::{BufRef, GemmKind, KeyPlan, Lowering, Plan, PlanOp, Region};
 use kiln_ir::schedule::{footprint, tile_units, Clocks, Hazards, Schedule, Tape, Task, Tile, Wait};
