@@ -59,16 +59,39 @@ run() {
 if [[ " ${KILN_MK_STAGES:-tests bench} " == *" tests "* ]]; then
   run cuda_megakernel 60 "$B/cuda_megakernel" --test-threads=1
   KILN_MK_GPU=1 run megakernel_gpu 120 "$B/megakernel_gpu" --test-threads=1 --nocapture
-  run cuda_serve_megakernel 240 "$B/cuda_serve" megakernel --test-threads=1 --nocapture
-  run mutation_dropped_wait 120 "$B/cuda_serve" a_dropped_tape_wait --ignored --test-threads=1 --nocapture
+  run cuda_serve_megakernel 300 "$B/cuda_serve" megakernel --test-threads=1 --nocapture
+  if [[ "${KILN_MK_MUTATION:-1}" == 1 ]]; then
+    run mutation_dropped_wait 120 "$B/cuda_serve" a_dropped_tape_wait --ignored --test-threads=1 --nocapture
+  fi
 fi
 if [[ " ${KILN_MK_STAGES:-tests bench} " == *" bench "* ]]; then
   for m in ${KILN_MK_MODELS:-smollm2-135m qwen3-0.6b llama-3.2-1b}; do
-    timeout 200 "$B/kiln" bench "$P/plans/$m-graph.kiln" --also "$P/plans/$m-mk.kiln" \
-      --keys "${KILN_MK_KEYS:-b1q1s0,b8q1s0}" --steps "${KILN_MK_STEPS:-200}" --context 512 \
-      --json "$OUT/bench-$m.json" > "$L/bench-$m.txt" 2>&1
-    echo "bench $m: rc=$?" >> "$S"
-    cat "$L/bench-$m.txt" >> "$S"
+    mk="$P/plans/$m-mk.kiln"
+    [[ -f "$mk" ]] || mk="$P/plans/$m-mkf.kiln"
+    # KILN_MK_PROFILE_ONLY=1: only the traced megakernel run below.
+    if [[ "${KILN_MK_PROFILE_ONLY:-0}" != 1 ]]; then
+      timeout 200 "$B/kiln" bench "$P/plans/$m-graph.kiln" --also "$mk" \
+        --keys "${KILN_MK_KEYS:-b1q1s0,b8q1s0}" --steps "${KILN_MK_STEPS:-200}" --context 512 \
+        --json "$OUT/bench-$m.json" > "$L/bench-$m.txt" 2>&1
+      echo "bench $m: rc=$?" >> "$S"
+      cat "$L/bench-$m.txt" >> "$S"
+    fi
+    # The megakernel plan with the interpreter's fused GEMV tiles
+    # (`--fused-gemv`), timed and then traced (time per task class).
+    if [[ -f "$P/plans/$m-mkf.kiln" ]]; then
+      if [[ "$mk" != "$P/plans/$m-mkf.kiln" ]]; then
+        timeout 200 "$B/kiln" bench "$P/plans/$m-mkf.kiln" \
+          --keys "${KILN_MK_KEYS:-b1q1s0,b8q1s0}" --steps "${KILN_MK_STEPS:-200}" --context 512 \
+          --json "$OUT/bench-$m-mkf.json" > "$L/bench-$m-mkf.txt" 2>&1
+        echo "bench $m fused megakernel: rc=$?" >> "$S"
+        cat "$L/bench-$m-mkf.txt" >> "$S"
+      fi
+      timeout 200 "$B/kiln" bench "$P/plans/$m-mkf.kiln" --profile \
+        --keys "${KILN_MK_KEYS:-b1q1s0,b8q1s0}" --steps 50 --context 512 \
+        --json "$OUT/profile-$m-mkf.json" > "$L/profile-$m-mkf.txt" 2>&1
+      echo "profile $m fused megakernel: rc=$?" >> "$S"
+      grep -E "^(task|wait|idle|profile|key|b[0-9]|critical)" "$L/profile-$m-mkf.txt" >> "$S"
+    fi
   done
 fi
 tar czf "$OUT/logs.tgz" -C "$L" .

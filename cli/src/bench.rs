@@ -148,6 +148,35 @@ pub struct KeyResult {
     /// between ops serialize them).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub profile_over_replay: Option<f64>,
+    /// `--profile` on a megakernel key: the traced step's critical path.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub critical_path: Option<CriticalPath>,
+}
+
+/// The chain of tasks that decided a traced megakernel step's length
+/// ([`critical_path`]), and where its time went. `busy_us + signal_us +
+/// queue_us` is the path's span (up to clock skew between SMs, clamped).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct CriticalPath {
+    /// Tasks on the path.
+    pub tasks: u32,
+    /// Steps of the path that followed a wait to another queue's task.
+    pub hops: u32,
+    /// From the first path task reaching its block to the last one's
+    /// counter bump (microseconds).
+    pub span_us: f64,
+    /// Path tasks computing (waits met to counter bumped), per task class,
+    /// largest first.
+    pub busy_us: Vec<(String, f64)>,
+    /// From a producer's counter bump to its waiter seeing it (the
+    /// counters' round trip: release add, acquire polling, the barrier
+    /// after it), summed over the hops.
+    pub signal_us: f64,
+    /// From the previous task of the same queue finishing to this one's
+    /// waits being met, where the queue (not a wait) was the later: the
+    /// interpreter's own time between tasks (the next record, its waits,
+    /// the prefetches) plus polls of waits already met.
+    pub queue_us: f64,
 }
 
 /// One kernel class of a profiled step (`kiln bench --profile`).
@@ -290,6 +319,89 @@ pub fn tape_rows(
     (rows, span_ns / 1e6)
 }
 
+/// The critical path of a traced megakernel step: from the task that
+/// finished last, repeatedly step to whichever came later of its queue
+/// predecessor finishing and its last-met wait's producer finishing (the
+/// producer of a wait `(counter, n)` is the n-th task to bump the counter,
+/// by finish time), until a queue's first task. `None` for a key without a
+/// tape or a trace that does not match it.
+pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 3]]) -> Option<CriticalPath> {
+    let tape = kp.schedule.tape()?;
+    let n = tape.tasks.len();
+    if n == 0 || trace.len() != n {
+        return None;
+    }
+    let mut prev = vec![None; n];
+    for q in &tape.queues {
+        for w in q.windows(2) {
+            prev[*w.get(1)? as usize] = Some(w[0] as usize);
+        }
+    }
+    let mut bumpers: std::collections::HashMap<u32, Vec<usize>> = Default::default();
+    for (i, t) in tape.tasks.iter().enumerate() {
+        bumpers.entry(t.counter).or_default().push(i);
+    }
+    for v in bumpers.values_mut() {
+        v.sort_by_key(|&i| trace[i][2]);
+    }
+    let class = |i: usize| {
+        kp.ops
+            .get(tape.tasks[i].op as usize)
+            .map_or("task.?".to_string(), |o| {
+                format!("task.{}", o.op.mnemonic())
+            })
+    };
+    let last = (0..n).max_by_key(|&i| trace[i][2])?;
+    let (mut i, mut first) = (last, last);
+    let mut busy: std::collections::BTreeMap<String, f64> = Default::default();
+    let (mut signal, mut queue, mut tasks, mut hops) = (0.0f64, 0.0f64, 0u32, 0u32);
+    let gap = |a: u64, b: u64| a.saturating_sub(b) as f64 / 1e3;
+    // Each step moves to a task that finished no later (ties broken by the
+    // tape order), so the walk ends; the bound guards a corrupt trace.
+    for _ in 0..=n {
+        tasks += 1;
+        first = i;
+        let [reach, met, done] = trace[i];
+        *busy.entry(class(i)).or_default() += gap(done, met);
+        let producer = tape.tasks[i]
+            .waits
+            .iter()
+            .filter_map(|w| {
+                let b = bumpers.get(&w.counter)?;
+                let k = (w.target as usize).clamp(1, b.len());
+                Some(b[k - 1])
+            })
+            .filter(|&p| p != i && (trace[p][2], p) < (done, i))
+            .max_by_key(|&p| (trace[p][2], p));
+        let pred = prev[i].filter(|&p| (trace[p][2], p) < (done, i));
+        match (producer, pred) {
+            (Some(p), q) if q.is_none_or(|q| trace[p][2] >= trace[q][2]) => {
+                signal += gap(met, trace[p][2]);
+                hops += 1;
+                i = p;
+            }
+            (_, Some(q)) => {
+                queue += gap(met, trace[q][2]);
+                i = q;
+            }
+            _ => {
+                queue += gap(met, reach);
+                break;
+            }
+        }
+    }
+    let mut busy_us: Vec<(String, f64)> = busy.into_iter().collect();
+    busy_us.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    Some(CriticalPath {
+        tasks,
+        hops,
+        span_us: gap(trace[last][2], trace[first][0]),
+        busy_us,
+        signal_us: signal,
+        queue_us: queue,
+    })
+}
+
 /// GEMMs per implementation in one key's plan.
 #[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct GemmCounts {
@@ -377,9 +489,34 @@ impl BenchReport {
             if let Some(rows) = &k.profile {
                 s.push_str(&profile_table(k, rows));
             }
+            if let Some(c) = &k.critical_path {
+                s.push_str(&critical_path_line(k, c));
+            }
         }
         s
     }
+}
+
+/// One key's critical-path summary.
+fn critical_path_line(k: &KeyResult, c: &CriticalPath) -> String {
+    let busy: f64 = c.busy_us.iter().map(|b| b.1).sum();
+    let classes: Vec<String> = c
+        .busy_us
+        .iter()
+        .map(|(class, us)| format!("{} {us:.1}", class.trim_start_matches("task.")))
+        .collect();
+    format!(
+        "critical path {}: {} tasks, {} hops between queues, {:.1} us: busy {busy:.1} us ({}), signal {:.1} us ({:.2} us per hop), between tasks {:.1} us ({:.2} us per task)\n",
+        k.key,
+        c.tasks,
+        c.hops,
+        c.span_us,
+        classes.join(", "),
+        c.signal_us,
+        c.signal_us / c.hops.max(1) as f64,
+        c.queue_us,
+        c.queue_us / c.tasks.saturating_sub(c.hops).max(1) as f64,
+    )
 }
 
 /// One key's `--profile` table.
@@ -543,13 +680,16 @@ fn bench_plan(
             .unwrap_or_default();
         let floor = bw.map(|bw| bytes as f64 / bw * 1e3);
         let megakernel = engine.runs_megakernel(key);
+        let mut crit = None;
         let profile = match (args.profile, engine.megakernel_trace(key)?) {
             (false, _) => None,
-            // The last replayed step's tape trace: time per task class.
+            // The last replayed step's tape trace: time per task class, and
+            // the chain of tasks that decided the step's length.
             (true, Some(trace)) => {
                 let kp = engine.plan().key_plan(key).expect("a loaded key");
                 let (rows, span) =
                     tape_rows(engine.plan(), kp, &trace, args.context, bw.map(|b| b / 1e9));
+                crit = critical_path(kp, &trace);
                 Some((rows, span))
             }
             (true, None) => {
@@ -582,6 +722,7 @@ fn bench_plan(
             profiled_step_ms: profile.as_ref().map(|p| p.1),
             profile_over_replay: profile.as_ref().map(|p| p.1 / r),
             profile: profile.map(|p| p.0),
+            critical_path: crit,
         });
     }
     let device = format!("{} ({}, {})", info.name, info.backend, info.arch);
@@ -634,6 +775,7 @@ mod tests {
             profile: None,
             profiled_step_ms: None,
             profile_over_replay: None,
+            critical_path: None,
         }
     }
 
@@ -819,6 +961,52 @@ mod tests {
         let wait = rows.iter().find(|r| r.class == "wait (counters)").unwrap();
         assert!((wait.us - 10.0 * n / 4.0 / 1e3).abs() < 1e-9, "{wait:?}");
         assert_eq!(rows.last().unwrap().class, "idle");
+    }
+
+    /// The critical path of a traced step starts at the task that finished
+    /// last, follows waits across queues (hops) and queue order otherwise,
+    /// and its busy, signal and between-task times add up to its span.
+    #[test]
+    fn a_tape_traces_critical_path_accounts_for_its_whole_span() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("model");
+        std::fs::create_dir_all(&model).unwrap();
+        write_tiny_model(&model, Family::Llama, &TinySpec::for_family(Family::Llama)).unwrap();
+        let opts = CompileOptions {
+            keys: vec![Key::new(1, 1, 0)],
+            schedule: kiln_compiler::passes::megakernel::ScheduleKind::Megakernel,
+            megakernel: kiln_compiler::passes::megakernel::MegakernelOptions {
+                sm_count: 4,
+                blocks_per_sm: 1,
+                min_tile: 8,
+            },
+            kv: KvOptions {
+                max_context: Some(64),
+                ..KvOptions::default()
+            },
+            ..Default::default()
+        };
+        let plan = compile_dir(&model, &opts, &mut |_, _| {}).unwrap().plan;
+        let kp = &plan.keys[0];
+        let tape = kp.schedule.tape().unwrap();
+        // Task i: reached at 1000 i, waits met 100 later, done 500 after that.
+        let n = tape.tasks.len() as u64;
+        let trace: Vec<[u64; 3]> = (0..n)
+            .map(|i| [1000 * i, 1000 * i + 100, 1000 * i + 600])
+            .collect();
+        let c = critical_path(kp, &trace).unwrap();
+        let busy: f64 = c.busy_us.iter().map(|b| b.1).sum();
+        assert!(
+            (busy + c.signal_us + c.queue_us - c.span_us).abs() < 1e-9,
+            "{c:#?}"
+        );
+        assert!(c.hops > 0 && c.tasks > c.hops, "{c:#?}");
+        assert!((busy - 0.5 * c.tasks as f64).abs() < 1e-9, "{c:#?}");
+        assert!(c.busy_us.iter().any(|b| b.0.ends_with("matmul")), "{c:#?}");
+        // The path ends at the task that finished last (the tape's last).
+        assert!(c.span_us <= trace[n as usize - 1][2] as f64 / 1e3);
+        // A trace of the wrong length is not this tape's.
+        assert!(critical_path(kp, &trace[1..]).is_none());
     }
 
     /// `kiln bench PLAN --also PLAN2`: the second plan's rows follow the

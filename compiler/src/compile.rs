@@ -134,7 +134,8 @@ pub struct CompileOptions {
     pub tuning: Option<kiln_kernels::tuning::TuningTable>,
     /// GPU targets: let the `fuse-matmul` pass fold RMSNorm prologues and
     /// SiLU/GELU/residual epilogues into kiln's GEMV (`kiln compile
-    /// --fused-gemv`). Off by default on GPUs: measured on the H200
+    /// --fused-gemv`). The megakernel schedule fuses regardless (with its
+    /// own rule, `Pass::FuseMatMulTape`). Off by default on GPUs: measured on the H200
     /// (bench/results/gpu-2026-12-01-s6/), the fused GEMV is slower than the
     /// unfused ops at b1 on four of six shapes and 1.6-4.9x slower at b8, so
     /// it stays opt-in until its kernels beat what they replace. The CPU
@@ -547,11 +548,30 @@ pub fn compile_traced<E: Display>(
 
     let mut graphs = Vec::with_capacity(keys.len());
     let mut stats = Vec::with_capacity(keys.len());
+    // On GPU targets `fuse-matmul` is opt-in for the graph schedule
+    // (`fused_gemv`); a megakernel schedule always runs it, with the
+    // interpreter's rule (`fuse-matmul-tape`): its fused tiles are never
+    // slower than the unfused ops and take a hop off the tape per fusion
+    // (bench/results/gpu-2026-12-02-s14/).
+    let tape_rule = opts.schedule == passes::megakernel::ScheduleKind::Megakernel
+        && !matches!(opts.target, Target::Cpu);
     let pipeline: Vec<Pass> = opts
         .passes
         .iter()
         .copied()
-        .filter(|p| *p != Pass::FuseMatMul || opts.fused_gemv || matches!(opts.target, Target::Cpu))
+        .filter(|p| {
+            *p != Pass::FuseMatMul
+                || opts.fused_gemv
+                || tape_rule
+                || matches!(opts.target, Target::Cpu)
+        })
+        .map(|p| {
+            if p == Pass::FuseMatMul && tape_rule {
+                Pass::FuseMatMulTape
+            } else {
+                p
+            }
+        })
         .collect();
     for &key in &keys {
         let g = trace(key, &kv).map_err(|e| CompileError::Trace {

@@ -8,6 +8,7 @@ mod planner_support;
 use kiln_compiler::compile::{CompileError, CompileOptions};
 use kiln_compiler::passes::megakernel::{MegakernelOptions, ScheduleKind};
 use kiln_compiler::passes::synth::{SynthFamily, SynthSpec};
+use kiln_compiler::passes::Pass;
 use kiln_ir::plan::{Plan, Region};
 use kiln_ir::schedule::{describe, Hazards, Schedule, Tape};
 use kiln_ir::validate::validate;
@@ -41,7 +42,7 @@ fn tape_mut(plan: &mut Plan, k: usize) -> &mut Tape {
 }
 
 #[test]
-fn a_gpu_plan_gets_a_tape_per_key_cut_into_gemv_tiles_and_attention_head_groups() {
+fn a_gpu_plan_gets_a_tape_per_key_cut_into_gemv_tiles_and_attention_heads() {
     for family in [SynthFamily::Llama, SynthFamily::Qwen3] {
         let spec = SynthSpec::tiny(family);
         let plan = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0", 3)).plan;
@@ -52,14 +53,37 @@ fn a_gpu_plan_gets_a_tape_per_key_cut_into_gemv_tiles_and_attention_head_groups(
             for (i, op) in kp.ops.iter().enumerate() {
                 let n = t.tasks.iter().filter(|x| x.op as usize == i).count();
                 match op.op {
-                    Op::PagedAttention { kv_heads, .. } => assert_eq!(n, kv_heads as usize),
-                    Op::MatMul { .. } => {
+                    Op::PagedAttention { heads, .. } => {
+                        // One unit per (sequence, query head), about one
+                        // tile per queue.
+                        let units = kp.key.batch * heads;
+                        assert_eq!(n as u32, units.div_ceil(units.div_ceil(6)), "op {i}");
+                    }
+                    Op::MatMul { .. } | Op::FusedMatMul { .. } => {
                         let cols = *op.results[0].ty.shape.dims().last().unwrap();
                         assert!(n > 1 && n <= 6, "op {i}: {n} tiles of {cols} columns");
                     }
                     _ => assert_eq!(n, 1, "op {i} `{}`", op.op.mnemonic()),
                 }
             }
+            // The megakernel schedule fuses with the interpreter's rule:
+            // norms and epilogues join the GEMVs, the argmax stays apart.
+            assert!(
+                kp.ops
+                    .iter()
+                    .any(|o| matches!(o.op, Op::FusedMatMul { .. })),
+                "{family:?}: no fused GEMV"
+            );
+            assert!(
+                !kp.ops.iter().any(|o| matches!(
+                    o.op,
+                    Op::FusedMatMul {
+                        post: kiln_ir::op::Epilogue::Argmax,
+                        ..
+                    }
+                )),
+                "{family:?}: the argmax was fused into the lm_head"
+            );
             // The counters sit above every op's own counters.
             let op_counters = plan
                 .keys
@@ -86,6 +110,23 @@ fn a_gpu_plan_gets_a_tape_per_key_cut_into_gemv_tiles_and_attention_head_groups(
         .plan;
         assert!(graph.keys.iter().all(|k| k.schedule == Schedule::Graph));
         assert!(graph.counter_bytes < plan.counter_bytes);
+        // Without its tapes the plan is the graph schedule's plan of the
+        // same fusions (the megakernel schedule runs `fuse-matmul-tape`).
+        let graph = compile_synth(
+            &spec,
+            &CompileOptions {
+                schedule: ScheduleKind::Graph,
+                passes: kiln_compiler::passes::DEFAULT_PIPELINE
+                    .iter()
+                    .map(|&p| match p {
+                        Pass::FuseMatMul => Pass::FuseMatMulTape,
+                        p => p,
+                    })
+                    .collect(),
+                ..options("cuda:sm_90", "b1q1s0", 3)
+            },
+        )
+        .plan;
         let mut stripped = plan.clone();
         for k in &mut stripped.keys {
             k.schedule = Schedule::Graph;

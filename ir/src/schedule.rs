@@ -15,8 +15,8 @@
 //!   by op in op order, and the tiles of one op write disjoint bytes and
 //!   never overwrite what another tile of the op reads.
 //! * A task's tile is a range of its op's **units** ([`tile_units`]): output
-//!   columns of a matmul / fused matmul (a GEMV's output rows), KV heads of
-//!   paged attention (one head group), or the single unit of any other op
+//!   columns of a matmul / fused matmul (a GEMV's output rows), (sequence,
+//!   query head) pairs of paged attention, or the single unit of any other op
 //!   (a whole-op task). What a tile reads and writes is [`footprint`]: the
 //!   one definition the scheduler, the verifier, the CPU executor and the
 //!   GPU interpreter share. Reads of a paged KV cache are the whole cache
@@ -217,9 +217,51 @@ pub fn tile_units(op: &PlanOp) -> u32 {
         Op::MatMul { .. } | Op::FusedMatMul { .. } if op.results[0].ty.shape.rank() == 2 => {
             last(&op.results[0]).max(1)
         }
-        Op::PagedAttention { kv_heads, .. } => (*kv_heads).max(1),
+        Op::PagedAttention { heads, .. } => attention_batch(op).saturating_mul((*heads).max(1)),
         _ => 1,
     }
+}
+
+/// The sequences of a `paged_attention` (its block tables' rows).
+fn attention_batch(op: &PlanOp) -> u32 {
+    op.args
+        .get(3)
+        .and_then(|t| t.ty.shape.dims().first().copied())
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// Units `[u0, u1)` of a `paged_attention` over `q` or `out` (`[batch *
+/// query, heads * head_dim]`): unit `u` is query head `u % heads` of
+/// sequence `u / heads`, its `query` rows' `head_dim` columns. One range
+/// per row of each sequence the units touch.
+fn attention_units(
+    o: &Operand,
+    u0: u32,
+    u1: u32,
+    heads: u32,
+    query: u32,
+    head_dim: u32,
+) -> Vec<BufRef> {
+    let es = o.ty.dtype.size() as u64;
+    let (heads, query, hd) = (heads.max(1) as u64, query.max(1) as u64, head_dim as u64);
+    let row = heads * hd * es;
+    let mut out = Vec::new();
+    let (mut u, u1) = (u0 as u64, u1 as u64);
+    while u < u1 {
+        let b = u / heads;
+        let h0 = u % heads;
+        let h1 = (u1 - b * heads).min(heads);
+        for r in b * query..(b + 1) * query {
+            out.push(BufRef {
+                region: o.buf.region,
+                offset: o.buf.offset + r * row + h0 * hd * es,
+                bytes: (h1 - h0) * hd * es,
+            });
+        }
+        u = (b + 1) * heads;
+    }
+    out
 }
 
 /// Columns `[c0, c1)` of a row-major 2-D operand `[rows, cols]`: one range
@@ -318,15 +360,14 @@ pub fn footprint(op: &PlanOp, tile: Tile) -> Result<(Vec<BufRef>, Vec<BufRef>), 
         }
         Op::PagedAttention {
             heads,
-            kv_heads,
             head_dim,
+            query,
             ..
         } => {
-            let group = heads / kv_heads.max(&1);
-            let (c0, c1) = (b * group * head_dim, e * group * head_dim);
-            let mut reads = columns(&op.args[0], c0, c1);
+            let mut reads = attention_units(&op.args[0], b, e, *heads, *query, *head_dim);
             reads.extend(op.args[1..].iter().map(extent));
-            Ok((reads, columns(&op.results[0], c0, c1)))
+            let writes = attention_units(&op.results[0], b, e, *heads, *query, *head_dim);
+            Ok((reads, writes))
         }
         _ => Ok(whole()),
     }

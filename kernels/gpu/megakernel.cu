@@ -34,7 +34,8 @@
 // tasks earlier on the tape, each queue is in tape order, and every block of
 // the grid (one per queue) is co-resident (occupancy is checked at load
 // against the plan's blocks_per_sm). Only static shared memory is used
-// (KILN_MK_SMEM_FLOATS floats), no dynamic shared memory.
+// (KILN_MK_SMEM_FLOATS floats of scratch, the GEMV's staged activations and
+// the current task's record), no dynamic shared memory.
 #include "kiln_port.h"
 
 #define KILN_MK_THREADS 256
@@ -216,8 +217,14 @@ KILN_DEV void mk_prefetch_l2(const void* p, unsigned long long bytes,
 // The weight bytes a GEMV task's tile reads: rows [tile_begin, tile_end)
 // (and the matching up rows of a gated epilogue); the whole weight (capped)
 // for the argmax GEMV.
+KILN_DEV void mk_prefetch_attention(const MkTask& t);
+
 KILN_DEV void mk_prefetch(const MkTask& t, unsigned long long cap = KILN_MK_PREFETCH_MAX) {
   const unsigned int kind = t.kind;
+  if (kind == KILN_MK_PAGED_ATTENTION) {
+    mk_prefetch_attention(t);
+    return;
+  }
   if (kind != KILN_MK_GEMV_BF16 && kind != KILN_MK_GEMV_BF16_F32 && kind != KILN_MK_GEMV_ARGMAX)
     return;
   const char* w = reinterpret_cast<const char*>(t.p[1]);
@@ -235,184 +242,117 @@ KILN_DEV void mk_prefetch(const MkTask& t, unsigned long long cap = KILN_MK_PREF
 
 // ---- GEMV tiles ----
 //
-// mk_dot2: this warp's two weight rows r0, r1 times tokens [t0, t0 + tt)
-// (tt <= 8) of x ([T, k], bf16), normalized first when PRE (inv: each
-// token's inverse RMS, nw the norm weight, + 1 under unit_offset, each
-// normed element rounded to bf16 as rms_norm would store it). Each lane
-// accumulates the 8-element vectors lane, lane + 32, ... in order (eight in
-// flight) and the warp sums the lanes: gemv.cu's order (gemv_rows with
-// KS = 1, gemv_fused_dot), so a tile's sums are the graph GEMV's. acc ends
-// warp-reduced in every lane.
-template <int PRE>
-KILN_DEV void mk_dot2(const kbf16* __restrict__ x, const kbf16* __restrict__ w,
-                      const kbf16* __restrict__ nw, int unit_offset, i64 r0, i64 r1, int t0,
-                      int tt, int k, const float* inv, float (&acc)[2][8]) {
+// A GEMV task first stages its tokens' activations in shared memory
+// (mk_stage_x), normalized there once when it has the RMSNorm prologue;
+// then each warp takes two weight rows at a time (mk_dot2) and reads x
+// from shared memory. One body serves the three GEMV kinds (bf16 or f32
+// products, the argmax lm_head), instantiated twice: for one token (TT 1,
+// decode at batch 1) and for up to eight (TT 8, predicated). Code size is
+// time here: every task runs its kind's code cold out of L2 (the whole
+// interpreter is one kernel and no two consecutive tasks of a queue share
+// much code), so the GEMV keeps its unrolled paths few and short.
+
+// bf16 elements of staged activations (32 KB): K <= this.
+#define KILN_MK_X_STAGE 16384
+
+// Eight f32 rounded to bf16 (round to nearest even) in one uint4.
+KILN_DEV uint4 mk_pack8(const float* v) {
+  unsigned int w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    w[k] = (unsigned int)st<kbf16>(v[2 * k]).bits |
+           ((unsigned int)st<kbf16>(v[2 * k + 1]).bits << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Stages tokens [t0, t0 + tc) of x ([T, k], bf16) into xs ([tc][k / 8]
+// vectors). With pre, each token's inverse RMS goes to inv[q] (warp q's
+// lanes summing vectors lane, lane + 32, ... then across the warp:
+// gemv_fused_dot's order, so the statistic is the graph fused GEMV's) and
+// each element becomes round(x * inv * nw) (nw + 1 under unit_offset), as
+// rms_norm would store it. Ends with a barrier.
+KILN_DEV void mk_stage_x(const kbf16* __restrict__ x, const kbf16* __restrict__ nw, int pre,
+                         int unit, float eps, int t0, int tc, int k, uint4* xs, float* inv) {
+  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
+  const int kv = k / 8;
+  const uint4* xv = reinterpret_cast<const uint4*>(x) + (i64)t0 * kv;
+  for (int c = threadIdx.x; c < tc * kv; c += KILN_MK_THREADS) xs[c] = mk_ld_cg(&xv[c]);
+  __syncthreads();
+  if (!pre) return;
+  for (int q = warp; q < tc; q += KILN_MK_WARPS) {
+    float ss = 0.0f;
+    for (int c = lane; c < kv; c += KILN_WARP) {
+      float f[8];
+      unpack8(xs[q * kv + c], x, f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) inv[q] = 1.0f / sqrtf(ss / (float)k + eps);
+  }
+  __syncthreads();
+  const uint4* nv = reinterpret_cast<const uint4*>(nw);
+  for (int c = threadIdx.x; c < tc * kv; c += KILN_MK_THREADS) {
+    const int q = c / kv, cc = c - q * kv;
+    float f[8], nf[8];
+    unpack8(xs[c], x, f);
+    unpack8(nv[cc], nw, nf);
+    const float s = inv[q];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = f[e] * s * (unit ? nf[e] + 1.0f : nf[e]);
+    xs[c] = mk_pack8(f);
+  }
+  __syncthreads();
+}
+
+// This warp's two weight rows r0, r1 times the tc (<= TT) staged tokens.
+// Each lane accumulates the 8-element vectors lane, lane + 32, ... in
+// order (U of each row in flight, the tail predicated) and the warp sums
+// the lanes: gemv.cu's order (gemv_rows with KS = 1, gemv_fused_dot), so
+// a tile's sums are the graph GEMV's. acc ends warp-reduced in every lane.
+template <int TT, int U>
+KILN_DEV void mk_dot2(const uint4* xs, const kbf16* __restrict__ w, i64 r0, i64 r1, int tc,
+                      int k, float (&acc)[2][TT]) {
   const int lane = threadIdx.x % KILN_WARP;
   const int kv = k / 8;
   const uint4* wv0 = reinterpret_cast<const uint4*>(w + r0 * k);
   const uint4* wv1 = reinterpret_cast<const uint4*>(w + r1 * k);
-  const uint4* xv = reinterpret_cast<const uint4*>(x) + (i64)t0 * kv;
-  const uint4* nv = reinterpret_cast<const uint4*>(nw);
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
+  for (int q = 0; q < TT; ++q) acc[0][q] = acc[1][q] = 0.0f;
+  for (int c = lane; c < kv; c += U * KILN_WARP) {
+    uint4 wr[2][U];
 #pragma unroll
-    for (int q = 0; q < 8; ++q) acc[r][q] = 0.0f;
-  auto x_chunk = [&](int q, int cc, const float* nf, float* xf) {
-    unpack8(mk_ld_cg(&xv[(i64)q * kv + cc]), x, xf);
-    if (PRE) {
-      const float s = inv[q];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) xf[e] = round_to<kbf16>(xf[e] * s * nf[e]);
-    }
-  };
-  auto norm_unpack = [&](int cc, float* nf) {
-    if (PRE) {
-      unpack8(nv[cc], nw, nf);
-      if (unit_offset) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) nf[e] += 1.0f;
-      }
-    }
-  };
-  // UNROLL vectors of each row in flight per lane, the tail predicated
-  // (same order: a lane's vectors in increasing index), so a row of up to
-  // UNROLL * 256 elements costs one memory round trip, not one per vector.
-  constexpr int UNROLL = 8;
-  for (int c = lane; c < kv; c += UNROLL * KILN_WARP) {
-    uint4 wr[2][UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int cc = c + u * KILN_WARP;
       const bool in = cc < kv;
       wr[0][u] = in ? wv0[cc] : make_uint4(0, 0, 0, 0);
       wr[1][u] = in ? wv1[cc] : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int cc = c + u * KILN_WARP;
       if (cc < kv) {
-        float nf[8];
-        norm_unpack(cc, nf);
+        float w0[8], w1[8];
+        unpack8(wr[0][u], w, w0);
+        unpack8(wr[1][u], w, w1);
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          if (q < tt) {
+        for (int q = 0; q < TT; ++q) {
+          if (q < tc) {
             float xf[8];
-            x_chunk(q, cc, nf, xf);
+            unpack8(xs[q * kv + cc], w, xf);
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              float wf[8];
-              unpack8(wr[r][u], w, wf);
+            for (int e = 0; e < 8; ++e) acc[0][q] += xf[e] * w0[e];
 #pragma unroll
-              for (int e = 0; e < 8; ++e) acc[r][q] += xf[e] * wf[e];
-            }
+            for (int e = 0; e < 8; ++e) acc[1][q] += xf[e] * w1[e];
           }
         }
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int q = 0; q < 8; ++q) acc[r][q] = warp_sum(acc[r][q]);
-}
-
-// The inverse RMS of tokens [t0, t0 + tt) of x into inv[0, tt): warp q takes
-// token t0 + q, its lanes the vectors lane, lane + 32, ... (gemv_fused_dot's
-// order, so the statistic is the graph fused GEMV's). Ends with a barrier.
-KILN_DEV void mk_inv_rms(const kbf16* __restrict__ x, int t0, int tt, int k, float eps,
-                         float* inv) {
-  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
-  const int kv = k / 8;
-  if (warp < tt) {
-    const uint4* xv = reinterpret_cast<const uint4*>(x) + (i64)(t0 + warp) * kv;
-    float ss = 0.0f;
-    for (int c = lane; c < kv; c += KILN_WARP) {
-      float f[8];
-      unpack8(mk_ld_cg(&xv[c]), x, f);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) inv[warp] = 1.0f / sqrtf(ss / (float)k + eps);
-  }
-  __syncthreads();
-}
-
-KILN_DEV void mk_dot2_any(int pre, const kbf16* x, const kbf16* w, const kbf16* nw, int unit,
-                          i64 r0, i64 r1, int t0, int tt, int k, const float* inv,
-                          float (&acc)[2][8]) {
-  if (pre)
-    mk_dot2<1>(x, w, nw, unit, r0, r1, t0, tt, k, inv, acc);
-  else
-    mk_dot2<0>(x, w, nw, unit, r0, r1, t0, tt, k, inv, acc);
-}
-
-// GEMV tile (KILN_MK_GEMV_BF16 / _F32): output columns [tile_begin,
-// tile_end) of out[T, cols]. i: 0 T, 1 K, 2 cols, 3 epilogue (0 none,
-// 1 silu_mul, 2 gelu_tanh_mul, 3 residual), 4 prologue, 5 unit_offset,
-// 6 up-row offset (gated). f: 0 eps. p: 0 x, 1 w, 2 bias, 3 norm weight,
-// 4 residual, 5 out. Tokens in chunks of 8. Epilogues round where
-// gemv_fused_rows does: gated g and u to bf16 before act(g) * u; residual
-// round(acc + bias) + residual.
-template <typename O>
-KILN_DEV void mk_gemv(const MkTask& t, float* smem) {
-  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
-  const int T = t.i[0], k = t.i[1], cols = t.i[2], mode = t.i[3], pre = t.i[4];
-  const int unit = t.i[5], up = t.i[6];
-  const float eps = t.f[0];
-  const kbf16* x = reinterpret_cast<const kbf16*>(t.p[0]);
-  const kbf16* w = reinterpret_cast<const kbf16*>(t.p[1]);
-  const kbf16* bias = reinterpret_cast<const kbf16*>(t.p[2]);
-  const kbf16* nw = reinterpret_cast<const kbf16*>(t.p[3]);
-  const kbf16* res = reinterpret_cast<const kbf16*>(t.p[4]);
-  O* out = reinterpret_cast<O*>(t.p[5]);
-  const int j0 = (int)t.tile_begin, j1 = (int)t.tile_end;
-  const bool gated = mode == 1 || mode == 2;
-  for (int t0 = 0; t0 < T; t0 += 8) {
-    const int tt = T - t0 < 8 ? T - t0 : 8;
-    float inv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (pre) {
-      mk_inv_rms(x, t0, tt, k, eps, smem);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) inv[q] = q < tt ? smem[q] : 0.0f;
-    }
-    if (gated) {
-      for (int j = j0 + warp; j < j1; j += KILN_MK_WARPS) {
-        float acc[2][8];
-        mk_dot2_any(pre, x, w, nw, unit, j, (i64)j + up, t0, tt, k, inv, acc);
-        if (lane == 0) {
-          const float bg = bias ? ld(bias[j]) : 0.0f;
-          const float bu = bias ? ld(bias[j + up]) : 0.0f;
-          for (int q = 0; q < tt; ++q) {
-            const float g = round_to<kbf16>(acc[0][q] + bg);
-            const float u = round_to<kbf16>(acc[1][q] + bu);
-            const float a = mode == 1 ? kiln_silu(g) : kiln_gelu_tanh(g);
-            out[(i64)(t0 + q) * cols + j] = st<O>(a * u);
-          }
-        }
-      }
-    } else {
-      for (int j = j0 + 2 * warp; j < j1; j += 2 * KILN_MK_WARPS) {
-        const int jb = j + 1 < j1 ? j + 1 : j;
-        float acc[2][8];
-        mk_dot2_any(pre, x, w, nw, unit, j, jb, t0, tt, k, inv, acc);
-        if (lane == 0) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = j + r;
-            if (row >= j1) continue;
-            const float b = bias ? ld(bias[row]) : 0.0f;
-            for (int q = 0; q < tt; ++q) {
-              float v = acc[r][q] + b;
-              const i64 at = (i64)(t0 + q) * cols + row;
-              if (mode == 3) v = round_to<kbf16>(v) + mk_ld_bf(res + at);
-              out[at] = st<O>(v);
-            }
-          }
-        }
-      }
-    }
-    if (pre) __syncthreads();  // smem's inv is rewritten by the next chunk
+  for (int q = 0; q < TT; ++q) {
+    acc[0][q] = warp_sum(acc[0][q]);
+    acc[1][q] = warp_sum(acc[1][q]);
   }
 }
 
@@ -449,71 +389,115 @@ KILN_DEV void mk_argmax_block(float& best, int& bi, float* smem) {
   __syncthreads();
 }
 
-// fused_matmul{argmax}, the whole op (KILN_MK_GEMV_ARGMAX): out[t] = the
+// The GEMV kinds. KILN_MK_GEMV_BF16 / _F32: output columns [tile_begin,
+// tile_end) of out[T, cols]. i: 0 T, 1 K, 2 cols, 3 epilogue (0 none,
+// 1 silu_mul, 2 gelu_tanh_mul, 3 residual), 4 prologue, 5 unit_offset,
+// 6 up-row offset (gated). f: 0 eps. p: 0 x, 1 w, 2 bias, 3 norm weight,
+// 4 residual, 5 out. Epilogues round where gemv_fused_rows does: gated g
+// and u to bf16 before act(g) * u; residual round(acc + bias) + residual.
+//
+// KILN_MK_GEMV_ARGMAX, fused_matmul{argmax} as a whole op: out[t] = the
 // first maximum over the N logits of token t, each rounded to the logit
 // dtype as the unfused matmul would store it. i: 0 T, 1 K, 2 N, 3 logit
 // dtype (0 bf16, 1 f32), 4 prologue, 5 unit_offset. f: 0 eps. p: 0 x,
 // 1 w, 2 bias, 3 norm weight, 5 out (i32).
-KILN_DEV void mk_gemv_argmax(const MkTask& t, float* smem) {
+//
+// Lane q of a warp owns token q's outputs (stores, argmax candidates).
+template <int TT>
+KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs) {
+  constexpr int U = TT == 1 ? 8 : 4;
   const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
-  const int T = t.i[0], k = t.i[1], n = t.i[2], f32 = t.i[3], pre = t.i[4], unit = t.i[5];
+  const unsigned int kind = t.kind;
+  const bool am = kind == KILN_MK_GEMV_ARGMAX;
+  const int T = t.i[0], k = t.i[1], pre = t.i[4], unit = t.i[5];
+  const int cols = t.i[2], mode = am ? 0 : t.i[3], up = am ? 0 : t.i[6];
+  const bool f32 = am ? t.i[3] != 0 : kind == KILN_MK_GEMV_BF16_F32;
+  const float eps = t.f[0];
   const kbf16* x = reinterpret_cast<const kbf16*>(t.p[0]);
   const kbf16* w = reinterpret_cast<const kbf16*>(t.p[1]);
   const kbf16* bias = reinterpret_cast<const kbf16*>(t.p[2]);
   const kbf16* nw = reinterpret_cast<const kbf16*>(t.p[3]);
-  int* out = reinterpret_cast<int*>(t.p[5]);
-  float* wbest = smem + 8;                                   // [warps][8]
+  const kbf16* res = reinterpret_cast<const kbf16*>(t.p[4]);
+  void* out = reinterpret_cast<void*>(t.p[5]);
+  const int j0 = am ? 0 : (int)t.tile_begin, j1 = am ? cols : (int)t.tile_end;
+  const bool gated = mode == 1 || mode == 2;
+  int tcap = KILN_MK_X_STAGE / k;
+  tcap = tcap < TT ? tcap : TT;
+  float* wbest = smem + 8;                                           // [warps][8]
   int* widx = reinterpret_cast<int*>(smem + 8 + 8 * KILN_MK_WARPS);  // [warps][8]
-  for (int t0 = 0; t0 < T; t0 += 8) {
-    const int tt = T - t0 < 8 ? T - t0 : 8;
-    float inv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (pre) {
-      mk_inv_rms(x, t0, tt, k, t.f[0], smem);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) inv[q] = q < tt ? smem[q] : 0.0f;
+  const int rstep = gated ? 1 : 2;
+#if defined(KILN_CUDA)
+  // Ask L1 for this warp's first two weight rows (already prefetched into
+  // L2 while the block waited) so they stream in while the block stages x.
+  // After the waits: the acquire polls invalidate L1. A hint only.
+  if (j0 + rstep * warp < j1) {
+    const int ja = j0 + rstep * warp;
+    const int jb = gated ? ja + up : (ja + 1 < j1 ? ja + 1 : ja);
+    const char* wa = reinterpret_cast<const char*>(w + (i64)ja * k);
+    const char* wb = reinterpret_cast<const char*>(w + (i64)jb * k);
+    for (int off = lane * 128; off < 2 * k; off += KILN_WARP * 128) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(wa + off));
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(wb + off));
     }
-    float best[8];
-    int bi[8];
+  }
+#endif
+  for (int t0 = 0; t0 < T; t0 += tcap) {
+    const int tc = T - t0 < tcap ? T - t0 : tcap;
+    mk_stage_x(x, nw, pre, unit, eps, t0, tc, k, xs, smem);
+    float best = 0.0f;
+    int bi = KILN_MK_NO_INDEX;
+    for (int j = j0 + rstep * warp; j < j1; j += rstep * KILN_MK_WARPS) {
+      const int jb = gated ? j + up : (j + 1 < j1 ? j + 1 : j);
+      float acc[2][TT];
+      mk_dot2<TT, U>(xs, w, j, jb, tc, k, acc);
+      float a0 = 0.0f, a1 = 0.0f;
 #pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      best[q] = 0.0f;
-      bi[q] = KILN_MK_NO_INDEX;
-    }
-    for (int j = 2 * warp; j < n; j += 2 * KILN_MK_WARPS) {
-      const int jb = j + 1 < n ? j + 1 : j;
-      float acc[2][8];
-      mk_dot2_any(pre, x, w, nw, unit, j, jb, t0, tt, k, inv, acc);
-      if (lane == 0) {
+      for (int q = 0; q < TT; ++q)
+        if (lane == q) {
+          a0 = acc[0][q];
+          a1 = acc[1][q];
+        }
+      const i64 orow = (i64)(t0 + lane) * cols;
+      if (lane < tc && gated) {
+        const float g = round_to<kbf16>(a0 + (bias ? ld(bias[j]) : 0.0f));
+        const float u = round_to<kbf16>(a1 + (bias ? ld(bias[j + up]) : 0.0f));
+        const float a = mode == 1 ? kiln_silu(g) : kiln_gelu_tanh(g);
+        reinterpret_cast<kbf16*>(out)[orow + j] = st<kbf16>(a * u);
+      } else if (lane < tc) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int row = j + r;
-          if (row >= n) continue;
-          const float b = bias ? ld(bias[row]) : 0.0f;
-#pragma unroll
-          for (int q = 0; q < 8; ++q) {
-            if (q >= tt) continue;
-            const float v = f32 ? acc[r][q] + b : round_to<kbf16>(acc[r][q] + b);
-            mk_take(best[q], bi[q], v, row);
+          if (row < j1) {
+            float v = (r == 0 ? a0 : a1) + (bias ? ld(bias[row]) : 0.0f);
+            if (am) {
+              mk_take(best, bi, f32 ? v : round_to<kbf16>(v), row);
+            } else {
+              if (mode == 3) v = round_to<kbf16>(v) + mk_ld_bf(res + orow + row);
+              if (f32)
+                reinterpret_cast<float*>(out)[orow + row] = v;
+              else
+                reinterpret_cast<kbf16*>(out)[orow + row] = st<kbf16>(v);
+            }
           }
         }
       }
     }
-    if (lane == 0) {
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        wbest[warp * 8 + q] = best[q];
-        widx[warp * 8 + q] = bi[q];
+    if (am) {
+      if (lane < 8) {
+        wbest[warp * 8 + lane] = best;
+        widx[warp * 8 + lane] = bi;
+      }
+      __syncthreads();
+      if (threadIdx.x < tc) {
+        const int q = threadIdx.x;
+        float b2 = 0.0f;
+        int i2 = KILN_MK_NO_INDEX;
+        for (int v = 0; v < KILN_MK_WARPS; ++v)
+          mk_take(b2, i2, wbest[v * 8 + q], widx[v * 8 + q]);
+        reinterpret_cast<int*>(out)[t0 + q] = i2 == KILN_MK_NO_INDEX ? 0 : i2;
       }
     }
-    __syncthreads();
-    if (threadIdx.x < tt) {
-      const int q = threadIdx.x;
-      float b2 = 0.0f;
-      int i2 = KILN_MK_NO_INDEX;
-      for (int v = 0; v < KILN_MK_WARPS; ++v) mk_take(b2, i2, wbest[v * 8 + q], widx[v * 8 + q]);
-      out[t0 + q] = i2 == KILN_MK_NO_INDEX ? 0 : i2;
-    }
-    __syncthreads();
+    __syncthreads();  // xs, inv and the argmax scratch are reused by the next chunk
   }
 }
 
@@ -678,10 +662,11 @@ KILN_DEV void mk_qkv_rope_kv_write(const MkTask& t) {
   }
 }
 
-// paged_attention (KILN_MK_PAGED_ATTENTION), KV heads [tile_begin,
-// tile_end) of every sequence. For each (sequence b, kv head g) the query
-// rows reading g (r = hi * Q + qi over the group's heads hi and query
-// tokens qi, as attention.cu orders them) go in tiles of KILN_MK_ATTN_RT.
+// paged_attention (KILN_MK_PAGED_ATTENTION), units [tile_begin, tile_end)
+// of batch x heads (unit u: sequence u / heads, query head u % heads, which
+// reads KV head (u % heads) / (heads / kv_heads)). A unit's query rows (its
+// head at each of the Q query tokens) go in tiles of RT rows: RT 1 for
+// decode (Q = 1), KILN_MK_ATTN_RT otherwise.
 // The block streams the positions the tile's rows see: a sub-group of tg
 // lanes (tg = head_dim / 8 rounded up to a power of two, each lane 8
 // elements) takes one position at a time, KILN_MK_ATTN_KU in flight, with
@@ -698,8 +683,46 @@ KILN_DEV void mk_qkv_rope_kv_write(const MkTask& t) {
 // p: 0 q, 1 K cache, 2 V cache, 3 block tables, 4 context lengths, 5 out.
 #define KILN_MK_ATTN_RT 4
 #define KILN_MK_ATTN_KU 4
+
+// Asks L2 for the K and V rows a paged_attention task's units will read:
+// each position the unit's rows can see (the last window positions with a
+// window), its KV head's head_dim elements in K and in V. Run before the
+// task waits: the block tables and context lengths are step inputs (the
+// host wrote them before launch), the cache rows of earlier positions were
+// written by earlier steps, and the one row this step writes is a stale
+// line at worst, which the writer's store replaces in L2. A hint: no
+// effect on results.
+KILN_DEV void mk_prefetch_attention(const MkTask& t) {
+#if defined(KILN_CUDA)
+  const int Q = t.i[1], heads = t.i[2], kvh = t.i[3], hd = t.i[4];
+  const int bs = t.i[5], M = t.i[6], window = t.i[7];
+  const char* kc = reinterpret_cast<const char*>(t.p[1]);
+  const char* vc = reinterpret_cast<const char*>(t.p[2]);
+  const int* bt = reinterpret_cast<const int*>(t.p[3]);
+  const int* lens = reinterpret_cast<const int*>(t.p[4]);
+  if (heads <= 0 || kvh <= 0 || bs <= 0) return;
+  const int group = heads / kvh;
+  const i64 kvrow = (i64)kvh * hd * 2;
+  for (int unit = (int)t.tile_begin; unit < (int)t.tile_end; ++unit) {
+    const int b = unit / heads, g = (unit % heads) / group;
+    int ctx = mk_ld_cg_int(lens + b);
+    ctx = ctx < M * bs ? ctx : M * bs;
+    int lo = window > 0 ? ctx - Q - window + 1 : 0;
+    lo = lo > 0 ? lo : 0;
+    const int* table = bt + (i64)b * M;
+    for (int p = lo + (int)threadIdx.x; p < ctx; p += KILN_MK_THREADS) {
+      const i64 slot = (i64)table[p / bs] * bs + p % bs;
+      const i64 at = slot * kvrow + (i64)g * hd * 2;
+      for (int off = 0; off < hd * 2; off += 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(kc + at + off));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(vc + at + off));
+      }
+    }
+  }
+#endif
+}
+template <int RT, int KU>
 KILN_DEV void mk_attention(const MkTask& t, float* smem) {
-  constexpr int RT = KILN_MK_ATTN_RT, KU = KILN_MK_ATTN_KU;
   const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
   const int batch = t.i[0], Q = t.i[1], heads = t.i[2], kvh = t.i[3], hd = t.i[4];
   const int bs = t.i[5], M = t.i[6], window = t.i[7];
@@ -711,23 +734,25 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem) {
   const int* lens = reinterpret_cast<const int*>(t.p[4]);
   kbf16* out = reinterpret_cast<kbf16*>(t.p[5]);
   const int group = heads / kvh;
-  const int rows = group * Q;
+  const int rows = Q;
   const int nch = hd / 8;
   int tg = 1;
   while (tg < nch) tg <<= 1;
   const int kpw = KILN_WARP / tg, sub = lane / tg, lig = lane % tg;
   const bool has = lig < nch;
-  const KilnDiv bsd = kiln_div(bs), qd = kiln_div(Q), hdd = kiln_div(hd);
+  const KilnDiv bsd = kiln_div(bs), hdd = kiln_div(hd);
   const i64 kvrow = (i64)kvh * hd;
   float* red = smem;                                       // [RT][hd]
   float* ml = smem + RT * KILN_MK_MAX_HEAD_DIM;            // [warps][RT][2]
   float* fin = ml + KILN_MK_WARPS * RT * 2;                // [RT][2]: max, 1 / sum
   const int step = KILN_MK_WARPS * kpw * KU;
-  for (int b = 0; b < batch; ++b) {
+  (void)batch;
+  for (int unit = (int)t.tile_begin; unit < (int)t.tile_end; ++unit) {
+    const int b = unit / heads, h = unit % heads, g = h / group;
     int ctx = mk_ld_cg_int(lens + b);
     ctx = ctx < M * bs ? ctx : M * bs;
     const int* table = bt + (i64)b * M;
-    for (int g = (int)t.tile_begin; g < (int)t.tile_end; ++g) {
+    {
       for (int r0 = 0; r0 < rows; r0 += RT) {
         int rid[RT], qpos[RT];
         float qv[RT][8];
@@ -736,8 +761,8 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem) {
         for (int j = 0; j < RT; ++j) {
           const int r = r0 + j;
           if (r < rows) {
-            const int qi = r % qd, hh = g * group + r / qd;
-            rid[j] = (b * Q + qi) * heads + hh;
+            const int qi = r;
+            rid[j] = (b * Q + qi) * heads + h;
             qpos[j] = ctx - Q + qi;
             hi_p = max(hi_p, qpos[j] + 1);
             lo_p = min(lo_p, window > 0 ? qpos[j] - window + 1 : 0);
@@ -864,7 +889,7 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem) {
           const int j = x / hdd, d = x % hdd;
           const int r = r0 + j;
           if (r >= rows) continue;
-          const int row = (b * Q + r % qd) * heads + g * group + r / qd;
+          const int row = (b * Q + r) * heads + h;
           out[(i64)row * hd + d] = st<kbf16>(red[x] * fin[2 * j + 1]);
         }
         __syncthreads();  // red and fin are reused by the next tile
@@ -1011,11 +1036,21 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
                    const unsigned int* __restrict__ queue_tasks, const MkWait* __restrict__ waits,
                    unsigned int* counters, unsigned long long* trace) {
   __shared__ float smem[KILN_MK_SMEM_FLOATS];
+  __shared__ uint4 xs[KILN_MK_X_STAGE / 8];
+  // The current task's record, copied once: its fields are then read from
+  // shared memory, not re-fetched from global memory after every barrier
+  // and acquire (which the compiler may not move loads across).
+  __shared__ MkTask cur;
   const unsigned int q = blockIdx.x;
   const unsigned int end = queue_start[q + 1];
   for (unsigned int i = queue_start[q]; i < end; ++i) {
     const unsigned int ti = queue_tasks[i];
-    const MkTask& t = tasks[ti];
+    if (threadIdx.x < sizeof(MkTask) / 4)
+      reinterpret_cast<unsigned int*>(&cur)[threadIdx.x] =
+          reinterpret_cast<const unsigned int*>(tasks + ti)[threadIdx.x];
+    __syncthreads();
+    const MkTask& t = cur;
+    const unsigned int counter = t.counter;
     if (trace != nullptr && threadIdx.x == 0) trace[3 * (unsigned long long)ti] = mk_now();
     mk_prefetch(t);
     for (unsigned int n = threadIdx.x; n < t.wait_count; n += KILN_MK_THREADS) {
@@ -1027,13 +1062,12 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
     if (i + 1 < end) mk_prefetch(tasks[queue_tasks[i + 1]], KILN_MK_PREFETCH_NEXT);
     switch (t.kind) {
       case KILN_MK_GEMV_BF16:
-        mk_gemv<kbf16>(t, smem);
-        break;
       case KILN_MK_GEMV_BF16_F32:
-        mk_gemv<float>(t, smem);
-        break;
       case KILN_MK_GEMV_ARGMAX:
-        mk_gemv_argmax(t, smem);
+        if (t.i[0] == 1)
+          mk_gemv<1>(t, smem, xs);
+        else
+          mk_gemv<8>(t, smem, xs);
         break;
       case KILN_MK_EMBEDDING:
         mk_embedding(t);
@@ -1048,7 +1082,11 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
         mk_qkv_rope_kv_write(t);
         break;
       case KILN_MK_PAGED_ATTENTION:
-        mk_attention(t, smem);
+        // Decode (one row per unit) keeps twice the positions in flight.
+        if (t.i[1] == 1)
+          mk_attention<1, 2 * KILN_MK_ATTN_KU>(t, smem);
+        else
+          mk_attention<KILN_MK_ATTN_RT, KILN_MK_ATTN_KU>(t, smem);
         break;
       case KILN_MK_SILU_MUL:
         mk_act_mul<0>(t);
@@ -1076,9 +1114,11 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
         // before launch; trap rather than let waiters hang.
         __trap();
     }
+    // Every thread's results are stored (and `cur` is no longer read)
+    // before thread 0 publishes them and the next record overwrites `cur`.
     __syncthreads();
     if (threadIdx.x == 0) {
-      mk_release_add(&counters[t.counter]);
+      mk_release_add(&counters[counter]);
       if (trace != nullptr) trace[3 * (unsigned long long)ti + 2] = mk_now();
     }
   }

@@ -337,100 +337,103 @@ fn every_task_kind_matches_the_cpu_reference() {
     }
 
     // 2. fused_matmul: RMSNorm prologue (unit offset) + silu_mul, gelu,
-    //    residual, argmax.
-    for post in [
-        Epilogue::SiluMul,
-        Epilogue::GeluTanhMul,
-        Epilogue::Residual,
-        Epilogue::Argmax,
-    ] {
-        for pre in [false, true] {
-            let (t, k, n) = (3u32, 512u32, 96u32);
-            let x = bf16_bytes(&mut r, (t * k) as usize, 2.0);
-            let w = bf16_bytes(&mut r, (n * k) as usize, 0.2);
-            let nw = bf16_bytes(&mut r, k as usize, 1.0);
-            let cols = if matches!(post, Epilogue::SiluMul | Epilogue::GeluTanhMul) {
-                n / 2
-            } else {
-                n
-            };
-            let res = bf16_bytes(&mut r, (t * cols) as usize, 1.0);
-            let mut m = Mem::default();
-            let (xa, wa, na, ra) = (m.put(&x), m.put(&w), m.put(&nw), m.put(&res));
-            let ya = m.zeros((t * cols * 2) as usize);
-            let mode = match post {
-                Epilogue::SiluMul => 1,
-                Epilogue::GeluTanhMul => 2,
-                Epilogue::Residual => 3,
-                _ => 0,
-            };
-            let (kind, ints, units) = if post == Epilogue::Argmax {
-                (
-                    TaskKind::GemvArgmax,
-                    vec![t as i32, k as i32, n as i32, 0, pre as i32, 1],
-                    1,
-                )
-            } else {
-                let up = if mode == 1 || mode == 2 {
-                    cols as i32
+    //    residual, argmax; at one token (the TT = 1 body), three, and five
+    //    tokens of K = 4096 (the staged activations hold four such tokens,
+    //    so the task takes two chunks).
+    for (t, k, n) in [(1u32, 512u32, 96u32), (3, 512, 96), (5, 4096, 40)] {
+        for post in [
+            Epilogue::SiluMul,
+            Epilogue::GeluTanhMul,
+            Epilogue::Residual,
+            Epilogue::Argmax,
+        ] {
+            for pre in [false, true] {
+                let x = bf16_bytes(&mut r, (t * k) as usize, 2.0);
+                let w = bf16_bytes(&mut r, (n * k) as usize, 0.2);
+                let nw = bf16_bytes(&mut r, k as usize, 1.0);
+                let cols = if matches!(post, Epilogue::SiluMul | Epilogue::GeluTanhMul) {
+                    n / 2
                 } else {
-                    0
+                    n
                 };
-                (
-                    TaskKind::GemvBf16,
-                    vec![t as i32, k as i32, cols as i32, mode, pre as i32, 1, up],
-                    cols,
-                )
-            };
-            let ptrs = [
-                at(xa),
-                at(wa),
-                0,
-                if pre { at(na) } else { 0 },
-                if mode == 3 { at(ra) } else { 0 },
-                at(ya),
-            ];
-            let mut tasks = Vec::new();
-            let mut queues = vec![vec![], vec![]];
-            let step = units.div_ceil(2).max(1);
-            let mut b0 = 0;
-            while b0 < units {
-                let c = tasks.len() as u32;
-                tasks.push((
-                    task(kind, c, (b0, (b0 + step).min(units)), &ints, &[1e-5], &ptrs),
-                    vec![],
-                ));
-                queues[c as usize % 2].push(c);
-                b0 += step;
-            }
-            let out = run(&g, &m, &tasks, &queues);
-            let op = Op::FusedMatMul {
-                bias: false,
-                out: bf,
-                pre: pre.then_some(PreNorm {
-                    eps: 1e-5,
-                    unit_offset: true,
-                }),
-                post,
-            };
-            let mut args = vec![(ty(bf, &[t, k]), x), (ty(bf, &[n, k]), w)];
-            if pre {
-                args.push((ty(bf, &[k]), nw));
-            }
-            if post == Epilogue::Residual {
-                args.push((ty(bf, &[t, n]), res));
-            }
-            let want = kiln_kernels::cpu::execute_on_vecs(&op, &args).unwrap();
-            let what = format!("fused_matmul {post:?} pre {pre}");
-            if post == Epilogue::Argmax {
-                close(
-                    &what,
-                    DType::I32,
-                    &slice(&out, ya, (t * 4) as u64),
-                    &want[0],
-                );
-            } else {
-                close(&what, bf, &slice(&out, ya, (t * cols * 2) as u64), &want[0]);
+                let res = bf16_bytes(&mut r, (t * cols) as usize, 1.0);
+                let mut m = Mem::default();
+                let (xa, wa, na, ra) = (m.put(&x), m.put(&w), m.put(&nw), m.put(&res));
+                let ya = m.zeros((t * cols * 2) as usize);
+                let mode = match post {
+                    Epilogue::SiluMul => 1,
+                    Epilogue::GeluTanhMul => 2,
+                    Epilogue::Residual => 3,
+                    _ => 0,
+                };
+                let (kind, ints, units) = if post == Epilogue::Argmax {
+                    (
+                        TaskKind::GemvArgmax,
+                        vec![t as i32, k as i32, n as i32, 0, pre as i32, 1],
+                        1,
+                    )
+                } else {
+                    let up = if mode == 1 || mode == 2 {
+                        cols as i32
+                    } else {
+                        0
+                    };
+                    (
+                        TaskKind::GemvBf16,
+                        vec![t as i32, k as i32, cols as i32, mode, pre as i32, 1, up],
+                        cols,
+                    )
+                };
+                let ptrs = [
+                    at(xa),
+                    at(wa),
+                    0,
+                    if pre { at(na) } else { 0 },
+                    if mode == 3 { at(ra) } else { 0 },
+                    at(ya),
+                ];
+                let mut tasks = Vec::new();
+                let mut queues = vec![vec![], vec![]];
+                let step = units.div_ceil(2).max(1);
+                let mut b0 = 0;
+                while b0 < units {
+                    let c = tasks.len() as u32;
+                    tasks.push((
+                        task(kind, c, (b0, (b0 + step).min(units)), &ints, &[1e-5], &ptrs),
+                        vec![],
+                    ));
+                    queues[c as usize % 2].push(c);
+                    b0 += step;
+                }
+                let out = run(&g, &m, &tasks, &queues);
+                let op = Op::FusedMatMul {
+                    bias: false,
+                    out: bf,
+                    pre: pre.then_some(PreNorm {
+                        eps: 1e-5,
+                        unit_offset: true,
+                    }),
+                    post,
+                };
+                let mut args = vec![(ty(bf, &[t, k]), x), (ty(bf, &[n, k]), w)];
+                if pre {
+                    args.push((ty(bf, &[k]), nw));
+                }
+                if post == Epilogue::Residual {
+                    args.push((ty(bf, &[t, n]), res));
+                }
+                let want = kiln_kernels::cpu::execute_on_vecs(&op, &args).unwrap();
+                let what = format!("fused_matmul {post:?} pre {pre} T {t} K {k}");
+                if post == Epilogue::Argmax {
+                    close(
+                        &what,
+                        DType::I32,
+                        &slice(&out, ya, (t * 4) as u64),
+                        &want[0],
+                    );
+                } else {
+                    close(&what, bf, &slice(&out, ya, (t * cols * 2) as u64), &want[0]);
+                }
             }
         }
     }
@@ -529,13 +532,17 @@ fn every_task_kind_matches_the_cpu_reference() {
     }
 
     // 4. qkv_rope_kv_write with q/k norm, then paged attention over the
-    //    caches it wrote (GQA, query 2, window, softcap), tiled by KV head.
-    for (hd, window, softcap, qk) in [
-        (64u32, Some(24u32), Some(30.0f32), true),
-        (128, None, None, false),
-        (256, Some(40), None, true),
+    //    caches it wrote (GQA, query 2 and decode, window, softcap), tiled
+    //    by (sequence, query head) in uneven tiles, one crossing from the
+    //    first sequence into the second.
+    for (hd, window, softcap, qk, q) in [
+        (64u32, Some(24u32), Some(30.0f32), true, 2u32),
+        (128, None, None, false, 2),
+        (256, Some(40), None, true, 2),
+        (64, Some(24), Some(30.0), true, 1),
+        (128, None, None, false, 1),
     ] {
-        let (batch, q, heads, kvh, bs, mb) = (2u32, 2u32, 8u32, 2u32, 16u32, 4u32);
+        let (batch, heads, kvh, bs, mb) = (2u32, 8u32, 2u32, 16u32, 4u32);
         let t = batch * q;
         let slots_n = 8 * bs;
         let rope = Rope {
@@ -550,9 +557,17 @@ fn every_task_kind_matches_the_cpu_reference() {
         // Sequence 0: 37 tokens in blocks 3, 1, 6; sequence 1: 20 in 2, 5.
         let lens = [37, 20];
         let tables = [3, 1, 6, 0, 2, 5, 0, 0];
-        let pos = [35, 36, 18, 19];
+        let pos: Vec<i32> = if q == 2 {
+            vec![35, 36, 18, 19]
+        } else {
+            vec![36, 19]
+        };
         let slot = |b: usize, p: i32| tables[b * 4 + (p / 16) as usize] * 16 + p % 16;
-        let slots = [slot(0, 35), slot(0, 36), slot(1, 18), slot(1, 19)];
+        let slots: Vec<i32> = pos
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| slot(i / q as usize, p))
+            .collect();
         let freqs = kiln_kernels::gpu::rope_freqs_blob(&rope, hd);
         let mut m = Mem::default();
         let (qa, pa, sla, ka, va, qna, kna, fa) = (
@@ -597,12 +612,12 @@ fn every_task_kind_matches_the_cpu_reference() {
             ),
             vec![],
         )];
-        for g0 in 0..kvh {
+        for (c, tile) in [(0u32, 5u32), (5, 11), (11, 16)].into_iter().enumerate() {
             tasks.push((
                 task(
                     TaskKind::PagedAttention,
-                    1 + g0,
-                    (g0, g0 + 1),
+                    1 + c as u32,
+                    tile,
                     &[
                         batch as i32,
                         q as i32,
@@ -619,7 +634,8 @@ fn every_task_kind_matches_the_cpu_reference() {
                 vec![0],
             ));
         }
-        let out = run(&g, &m, &tasks, &[vec![1], vec![0, 2]]);
+        assert_eq!(batch * heads, 16);
+        let out = run(&g, &m, &tasks, &[vec![1, 3], vec![0, 2]]);
         let op = Op::QkvRopeKvWrite {
             heads,
             kv_heads: kvh,
@@ -682,7 +698,7 @@ fn every_task_kind_matches_the_cpu_reference() {
         )
         .unwrap();
         close(
-            &format!("paged_attention hd {hd} window {window:?} softcap {softcap:?}"),
+            &format!("paged_attention hd {hd} query {q} window {window:?} softcap {softcap:?}"),
             bf,
             &slice(&out, oa, (t * heads * hd * 2) as u64),
             &a[0],

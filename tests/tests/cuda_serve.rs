@@ -436,7 +436,8 @@ fn an_allocation_forced_inside_a_cuda_capture_fails_the_step_naming_the_key() {
 const MEGAKERNEL_KEYS: &str = "b1q1s0,b2q1s0,b4q1s0,b8q1s0,b2q4s0";
 
 /// The model in `dir` compiled for the device with `schedule` over the
-/// megakernel tests' keys, the tape cut for `sms` SMs, one block each.
+/// megakernel tests' keys, the tape cut for `sms` SMs, one block each
+/// (the megakernel schedule fuses its GEMVs with the interpreter's rule).
 fn compile_schedule(
     dir: &Path,
     sm: u32,
@@ -486,6 +487,14 @@ fn megakernel_against_graph(
     let sms = CudaBackend::new(0).unwrap().sm_count();
     let gplan = compile_schedule(dir, sm, ScheduleKind::Graph, sms);
     let mplan = compile_schedule(dir, sm, ScheduleKind::Megakernel, sms);
+    // The megakernel schedule fuses its GEMVs (the interpreter's rule).
+    if !mplan.keys.iter().any(|kp| {
+        kp.ops
+            .iter()
+            .any(|o| matches!(o.op, kiln_ir::Op::FusedMatMul { .. }))
+    }) {
+        return Err(format!("{family}: the megakernel plan has no fused GEMV"));
+    }
     let vocab = gplan.meta.info.vocab_size;
     let mut graph = cuda_engine(dir, &gplan, GraphMode::On);
     let mk_engine = |graphs| {
@@ -602,8 +611,9 @@ fn the_megakernel_schedule_generates_the_graph_schedules_tokens_on_gemma3_270m_s
 }
 
 /// The mutation proof of the tape's dependencies: the b1 key's first
-/// lm_head tile loses its last wait (on the final norm), so it may read the
-/// normalized hidden state before the norm wrote it this step. Racy by
+/// lm_head tile (its final norm fused in as a prologue) loses its last wait
+/// (on a tile of the last down projection), so it may read hidden-state
+/// columns before they were written this step. Racy by
 /// nature (the tile must overtake its producer), hence ignored by default;
 /// the GPU session runs it with `--ignored` and records that it fails to
 /// match, i.e. that the witness above catches a dropped wait.
@@ -630,7 +640,12 @@ fn a_dropped_tape_wait_makes_the_megakernel_disagree_with_the_graph_schedule() {
     let lm_head = kp
         .ops
         .iter()
-        .rposition(|o| matches!(o.op, kiln_ir::Op::MatMul { .. }))
+        .rposition(|o| {
+            matches!(
+                o.op,
+                kiln_ir::Op::MatMul { .. } | kiln_ir::Op::FusedMatMul { .. }
+            )
+        })
         .unwrap() as u32;
     let task = tape
         .tasks

@@ -485,7 +485,7 @@ impl Fusable {
     /// [`GPU_FUSE_MAX_TOKENS`] tokens, and for a weight kept quantized the
     /// qgemv / qskinny fused entries at any token count (the unfused
     /// quantized matmul runs the same kernels, never cuBLASLt).
-    fn runs_on(&self, ed: &Editor, target: &Target) -> bool {
+    fn runs_on(&self, ed: &Editor, target: &Target, rule: FuseRule) -> bool {
         let tys: Vec<TensorType> = self.args().iter().map(|&v| ed.g.ty(v).clone()).collect();
         if self.op().infer(&tys).is_err() {
             return false;
@@ -495,7 +495,7 @@ impl Fusable {
             Target::Cuda { .. } | Target::Hip { .. } => {
                 let quantized = tys.get(1).is_some_and(|w| w.storage.is_some());
                 let tokens = tys.first().and_then(|x| x.shape.dims().first().copied());
-                (quantized || tokens.is_some_and(|t| t <= GPU_FUSE_MAX_TOKENS))
+                (quantized || tokens.is_some_and(|t| t <= rule.max_tokens))
                     && kiln_kernels::gpu::fused_matmul_runs(&self.op(), &tys, target).is_ok()
             }
         }
@@ -516,6 +516,37 @@ impl Fusable {
 /// step than the unfused ops with cuBLASLt (the GEMV is ALU-bound at 8
 /// tokens), so only one-token keys fuse; larger keys keep cuBLASLt.
 pub(crate) const GPU_FUSE_MAX_TOKENS: u32 = 1;
+
+/// Which fusions [`fuse_matmul`] makes on GPU targets (the CPU target
+/// fuses whatever its reference kernels run, at any token count).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct FuseRule {
+    /// The most tokens a key may have for its dense GEMVs to fuse
+    /// (quantized weights fuse at any count: their GEMV is the only one).
+    pub max_tokens: u32,
+    /// Whether `argmax(matmul)` becomes `fused_matmul{argmax}`.
+    pub argmax: bool,
+}
+
+impl FuseRule {
+    /// The graph schedule's rule (`fuse-matmul`).
+    pub fn for_target(_target: &Target) -> FuseRule {
+        FuseRule {
+            max_tokens: GPU_FUSE_MAX_TOKENS,
+            argmax: true,
+        }
+    }
+
+    /// The megakernel schedule's rule (`fuse-matmul-tape`): the
+    /// interpreter's GEMV tiles take up to eight tokens with every prologue
+    /// and epilogue, and a separate argmax task reads the logits that the
+    /// lm_head's tiles (spread over every queue) wrote, where a fused
+    /// argmax would be one task on one block reading the whole lm_head.
+    pub const TAPE: FuseRule = FuseRule {
+        max_tokens: 8,
+        argmax: false,
+    };
+}
 
 /// What [`fuse_matmul`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -542,7 +573,11 @@ pub(crate) struct MatMulFusions {
 /// The matmul's result (and the norm's) must have no other reader and not
 /// be a graph output, and the fused op must be one `target`'s kernels run
 /// ([`Fusable::runs_on`]); otherwise the ops stay as they are.
-pub(crate) fn fuse_matmul(ed: &mut Editor, target: &Target) -> Result<MatMulFusions, String> {
+pub(crate) fn fuse_matmul(
+    ed: &mut Editor,
+    target: &Target,
+    rule: FuseRule,
+) -> Result<MatMulFusions, String> {
     let mut count = MatMulFusions::default();
     // 1. Epilogues.
     for i in 0..ed.node_count() {
@@ -566,7 +601,7 @@ pub(crate) fn fuse_matmul(ed: &mut Editor, target: &Target) -> Result<MatMulFusi
                     let mut f = unfused(ed, y).filter(|_| sole(ed, y))?;
                     f.post = Epilogue::Residual;
                     f.residual = Some(r);
-                    f.runs_on(ed, target).then_some(f)
+                    f.runs_on(ed, target, rule).then_some(f)
                 });
                 let Some(f) = candidate else {
                     continue;
@@ -585,13 +620,13 @@ pub(crate) fn fuse_matmul(ed: &mut Editor, target: &Target) -> Result<MatMulFusi
             }
             // The greedy lm_head: its logits are read only by the argmax
             // (so not an output: plans without --logits / --sampling).
-            Op::Argmax => {
+            Op::Argmax if rule.argmax || matches!(target, Target::Cpu) => {
                 let y = node.args[0];
                 let Some(mut f) = unfused(ed, y).filter(|_| sole(ed, y)) else {
                     continue;
                 };
                 f.post = Epilogue::Argmax;
-                if !f.runs_on(ed, target) {
+                if !f.runs_on(ed, target, rule) {
                     continue;
                 }
                 let r = f.emit(ed)?;
@@ -609,7 +644,7 @@ pub(crate) fn fuse_matmul(ed: &mut Editor, target: &Target) -> Result<MatMulFusi
                 } else {
                     Epilogue::GeluTanhMul
                 };
-                if !f.runs_on(ed, target) {
+                if !f.runs_on(ed, target, rule) {
                     continue;
                 }
                 let r = f.emit(ed)?;
@@ -642,7 +677,7 @@ pub(crate) fn fuse_matmul(ed: &mut Editor, target: &Target) -> Result<MatMulFusi
         }
         f.x = node.args[0];
         f.pre = Some((PreNorm { eps, unit_offset }, node.args[1]));
-        if !f.runs_on(ed, target) {
+        if !f.runs_on(ed, target, rule) {
             continue;
         }
         let result = ed.g.node(m).results[0];

@@ -12,8 +12,10 @@
 //!
 //! * **Tiles.** Matmuls and fused matmuls are cut into output-column tiles
 //!   (a GEMV's output rows) at least [`MegakernelOptions::min_tile`] wide,
-//!   about one tile per queue; paged attention into one task per KV head
-//!   (a head group); every other op, and any op writing over its own
+//!   about one tile per queue; paged attention into tiles of (sequence,
+//!   query head) units, about one per queue (a head's KV is read by every
+//!   head of its group: at decode sizes the bytes are few and the
+//!   parallelism is what counts); every other op, and any op writing over its own
 //!   arguments, is one whole-op task. What each tile touches is
 //!   `kiln_ir::schedule::footprint`.
 //! * **Dependencies.** A byte-range hazard tracker returns the earlier tasks
@@ -23,10 +25,15 @@
 //!   dependency already implied (an earlier task on the same queue, or a
 //!   task some other wait already covers transitively, by vector clocks) gets
 //!   no wait of its own.
-//! * **Queues.** List scheduling in the global (op, tile) order: each task
-//!   goes to the queue with the fewest estimated bytes so far (the bytes it
-//!   reads and writes; a decode step is bandwidth bound), ties to the lower
-//!   queue. Every queue is therefore in global order and every wait names an
+//! * **Queues.** List scheduling in the global (op, tile) order over
+//!   estimated times: each task goes to the queue where it would finish
+//!   first, given when that queue frees up and when the tasks it depends on
+//!   finish (`task_cost_ns`: a fixed per-task part plus its bytes, KV reads
+//!   at full context), ties to the lower queue. (The first cut balanced
+//!   cumulative bytes instead; whole-cache KV footprints then made a few
+//!   queues "full" and piled the GEMV tiles of consecutive ops onto the
+//!   rest, which the H200 trace showed as one queue's tasks forming most
+//!   of the step's critical path.) Every queue is therefore in global order and every wait names an
 //!   earlier task: the tape cannot deadlock (the argument is in
 //!   `kiln_ir::schedule`'s docs, and the validator checks both facts).
 //! * **Counters.** One `u32` per task, placed in the Counters region above
@@ -153,17 +160,21 @@ pub fn schedule_key(
     }
     let mut tasks: Vec<Task> = Vec::new();
     let mut queues: Vec<Vec<u32>> = vec![Vec::new(); nq];
-    let mut load = vec![0u64; nq];
+    // A list schedule over estimated times: each task goes to the queue
+    // where it would finish first, given when the queue frees up and when
+    // the tasks it depends on finish (estimates: [`task_cost_ns`]). Every
+    // queue frees up at about the same time after an op, so an op's tiles
+    // spread over distinct queues, and no queue collects a long run of
+    // tasks that the next op then waits for.
+    let mut free = vec![0u64; nq];
+    let mut finish: Vec<u64> = Vec::new();
     let mut hazards = Hazards::new();
     let mut clocks = Clocks::new(nq);
     for (i, op) in kp.ops.iter().enumerate() {
         for tile in tiles(op, nq as u32, opts.min_tile) {
             let (reads, writes) = footprint(op, tile).map_err(MegakernelError::Options)?;
             let t = tasks.len() as u32;
-            let cost: u64 = reads.iter().chain(&writes).map(|b| b.bytes).sum();
-            let q = (0..nq).min_by_key(|&q| (load[q], q)).unwrap_or(0);
-            load[q] += cost.max(1);
-            let prev = queues[q].last().copied();
+            let cost = task_cost_ns(op, tile, &reads, &writes);
             let mut deps: Vec<u32> = hazards
                 .access(t, &reads, &writes)
                 .into_iter()
@@ -171,6 +182,13 @@ pub fn schedule_key(
                 .collect();
             deps.sort_unstable_by(|a, b| b.cmp(a));
             deps.dedup();
+            let ready = deps.iter().map(|&d| finish[d as usize]).max().unwrap_or(0);
+            let q = (0..nq)
+                .min_by_key(|&q| (free[q].max(ready), q))
+                .unwrap_or(0);
+            free[q] = free[q].max(ready) + cost;
+            finish.push(free[q]);
+            let prev = queues[q].last().copied();
             let mut after = Vec::new();
             for d in deps {
                 if !clocks.before_new(d, prev, &after) {
@@ -207,6 +225,45 @@ pub fn schedule_key(
         tasks,
         queues,
     })
+}
+
+/// The queue time a task is estimated to take, for placing it (not a
+/// promise: the trace of `kiln bench --profile` says what it took). A fixed
+/// part for the interpreter's work around every task (its record, waits,
+/// barriers: about a microsecond measured on an H200), plus its bytes at
+/// one SM's share of the memory bandwidth (about 30 bytes per ns). Reads of
+/// a whole KV cache (attention's footprint: the slots are per-step values)
+/// count as what a unit reads at the plan's full context, one head's K and V.
+fn task_cost_ns(op: &PlanOp, tile: Tile, reads: &[BufRef], writes: &[BufRef]) -> u64 {
+    const FIXED_NS: u64 = 1000;
+    const BYTES_PER_NS: u64 = 30;
+    let cached = |b: &BufRef| matches!(b.region, Region::KCache(_) | Region::VCache(_));
+    let mut bytes: u64 = reads
+        .iter()
+        .chain(writes)
+        .filter(|b| !cached(b))
+        .map(|b| b.bytes)
+        .fold(0, u64::saturating_add);
+    // An embedding's footprint is its whole table (the ids are per-step
+    // values); it reads one row per token, as many bytes as it writes.
+    if matches!(op.op, kiln_ir::Op::Embedding) {
+        bytes = 2 * writes.iter().map(|b| b.bytes).fold(0, u64::saturating_add);
+    }
+    if let kiln_ir::Op::PagedAttention {
+        head_dim,
+        block_size,
+        ..
+    } = op.op
+    {
+        let columns = op
+            .args
+            .get(3)
+            .and_then(|t| t.ty.shape.dims().get(1).copied())
+            .unwrap_or(1) as u64;
+        let per_unit = columns * block_size as u64 * head_dim as u64 * 4;
+        bytes = bytes.saturating_add(per_unit.saturating_mul((tile.end - tile.begin) as u64));
+    }
+    FIXED_NS + bytes / BYTES_PER_NS
 }
 
 /// Gives every key of `plan` a megakernel schedule and grows the Counters

@@ -58,6 +58,12 @@ pub enum Pass {
     /// RMSNorm prologues and SiLU/GELU*up / residual-add epilogues folded
     /// into matmuls -> `fused_matmul`, where the target's kernels run it.
     FuseMatMul,
+    /// `fuse-matmul` with the megakernel interpreter's rule (what
+    /// `--schedule megakernel` runs instead of it on GPU targets): keys of
+    /// up to eight tokens fuse (the interpreter's GEMV tiles take eight),
+    /// and the lm_head keeps its argmax separate, because a fused argmax
+    /// is a whole-op task that one block would run alone.
+    FuseMatMulTape,
 }
 
 impl Pass {
@@ -68,6 +74,7 @@ impl Pass {
             Pass::FuseQkvRopeKvWrite => "fuse-qkv-rope-kv-write",
             Pass::FuseGateUp => "fuse-gate-up",
             Pass::FuseMatMul => "fuse-matmul",
+            Pass::FuseMatMulTape => "fuse-matmul-tape",
         }
     }
 }
@@ -160,7 +167,13 @@ pub fn run_pass_for(
         }
         Pass::FuseGateUp => stats.gate_up += fuse::gate_up(&mut ed, manifest).map_err(failed)?.0,
         Pass::FuseMatMul => {
-            let c = fuse::fuse_matmul(&mut ed, target).map_err(failed)?;
+            let c = fuse::fuse_matmul(&mut ed, target, fuse::FuseRule::for_target(target))
+                .map_err(failed)?;
+            stats.matmul_epilogues += c.epilogues;
+            stats.matmul_prologues += c.prologues;
+        }
+        Pass::FuseMatMulTape => {
+            let c = fuse::fuse_matmul(&mut ed, target, fuse::FuseRule::TAPE).map_err(failed)?;
             stats.matmul_epilogues += c.epilogues;
             stats.matmul_prologues += c.prologues;
         }
