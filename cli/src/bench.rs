@@ -28,6 +28,15 @@
 //! step). The same rows are the `profile` array of each key in the JSON
 //! (present only with `--profile`; the other fields are unchanged).
 //!
+//! On a megakernel key `--profile` reads the persistent kernel's per-task
+//! trace of one replayed step instead ([`tape_rows`]: busy time per task
+//! class, waiting on counters, idle) and walks its critical path
+//! ([`critical_path`]: the chain of tasks that decided the step's length,
+//! split into busy time per class, counter signalling and the
+//! interpreter's time between tasks), the `critical_path` object in the
+//! JSON. Marks are not needed there: the trace costs three timer stamps
+//! per task, so the profiled step is the replayed one.
+//!
 //! A tensor-parallel plan runs on its ranks (CPU ranks, or GPUs from the
 //! ordinal on) and its rows add the time per replayed step spent inside
 //! collectives, the busiest rank's (`allred ms`, `collective_ms`).
