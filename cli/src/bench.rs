@@ -919,11 +919,9 @@ mod tests {
         }
     }
 
-    /// A megakernel step's trace becomes one row per task class plus the
-    /// blocks' waiting and idle time, whose shares sum to one and whose
-    /// task counts are the tape's.
-    #[test]
-    fn a_tape_trace_gives_time_per_task_class_waiting_and_idle_shares() {
+    /// The tiny Llama compiled with the megakernel schedule (key b1, a tape
+    /// of four queues), for the trace tests.
+    fn tiny_megakernel_plan() -> kiln_ir::plan::Plan {
         let dir = tempfile::tempdir().unwrap();
         let model = dir.path().join("model");
         std::fs::create_dir_all(&model).unwrap();
@@ -942,7 +940,15 @@ mod tests {
             },
             ..Default::default()
         };
-        let plan = compile_dir(&model, &opts, &mut |_, _| {}).unwrap().plan;
+        compile_dir(&model, &opts, &mut |_, _| {}).unwrap().plan
+    }
+
+    /// A megakernel step's trace becomes one row per task class plus the
+    /// blocks' waiting and idle time, whose shares sum to one and whose
+    /// task counts are the tape's.
+    #[test]
+    fn a_tape_trace_gives_time_per_task_class_waiting_and_idle_shares() {
+        let plan = tiny_megakernel_plan();
         let kp = &plan.keys[0];
         let tape = kp.schedule.tape().unwrap();
         // Task i: reached at 100 i, waits met 10 later, done 50 after that.
@@ -977,25 +983,7 @@ mod tests {
     /// and its busy, signal and between-task times add up to its span.
     #[test]
     fn a_tape_traces_critical_path_accounts_for_its_whole_span() {
-        let dir = tempfile::tempdir().unwrap();
-        let model = dir.path().join("model");
-        std::fs::create_dir_all(&model).unwrap();
-        write_tiny_model(&model, Family::Llama, &TinySpec::for_family(Family::Llama)).unwrap();
-        let opts = CompileOptions {
-            keys: vec![Key::new(1, 1, 0)],
-            schedule: kiln_compiler::passes::megakernel::ScheduleKind::Megakernel,
-            megakernel: kiln_compiler::passes::megakernel::MegakernelOptions {
-                sm_count: 4,
-                blocks_per_sm: 1,
-                min_tile: 8,
-            },
-            kv: KvOptions {
-                max_context: Some(64),
-                ..KvOptions::default()
-            },
-            ..Default::default()
-        };
-        let plan = compile_dir(&model, &opts, &mut |_, _| {}).unwrap().plan;
+        let plan = tiny_megakernel_plan();
         let kp = &plan.keys[0];
         let tape = kp.schedule.tape().unwrap();
         // Task i: reached at 1000 i, waits met 100 later, done 500 after that.

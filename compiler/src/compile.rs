@@ -559,18 +559,10 @@ pub fn compile_traced<E: Display>(
         .passes
         .iter()
         .copied()
-        .filter(|p| {
-            *p != Pass::FuseMatMul
-                || opts.fused_gemv
-                || tape_rule
-                || matches!(opts.target, Target::Cpu)
-        })
-        .map(|p| {
-            if p == Pass::FuseMatMul && tape_rule {
-                Pass::FuseMatMulTape
-            } else {
-                p
-            }
+        .filter_map(|p| match p {
+            Pass::FuseMatMul if tape_rule => Some(Pass::FuseMatMulTape),
+            Pass::FuseMatMul if !opts.fused_gemv && !matches!(opts.target, Target::Cpu) => None,
+            p => Some(p),
         })
         .collect();
     for &key in &keys {

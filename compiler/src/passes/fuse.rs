@@ -482,7 +482,7 @@ impl Fusable {
     /// (its reference is the unfused sequence); on a GPU what the kernel
     /// catalog's [`kiln_kernels::gpu::fused_matmul_runs`] accepts (the
     /// check the lowering makes): the dense fused GEMV for keys of up to
-    /// [`GPU_FUSE_MAX_TOKENS`] tokens, and for a weight kept quantized the
+    /// `rule.max_tokens` tokens, and for a weight kept quantized the
     /// qgemv / qskinny fused entries at any token count (the unfused
     /// quantized matmul runs the same kernels, never cuBLASLt).
     fn runs_on(&self, ed: &Editor, target: &Target, rule: FuseRule) -> bool {
@@ -530,12 +530,10 @@ pub(crate) struct FuseRule {
 
 impl FuseRule {
     /// The graph schedule's rule (`fuse-matmul`).
-    pub fn for_target(_target: &Target) -> FuseRule {
-        FuseRule {
-            max_tokens: GPU_FUSE_MAX_TOKENS,
-            argmax: true,
-        }
-    }
+    pub const GRAPH: FuseRule = FuseRule {
+        max_tokens: GPU_FUSE_MAX_TOKENS,
+        argmax: true,
+    };
 
     /// The megakernel schedule's rule (`fuse-matmul-tape`): the
     /// interpreter's GEMV tiles take up to eight tokens with every prologue

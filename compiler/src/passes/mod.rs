@@ -167,8 +167,7 @@ pub fn run_pass_for(
         }
         Pass::FuseGateUp => stats.gate_up += fuse::gate_up(&mut ed, manifest).map_err(failed)?.0,
         Pass::FuseMatMul => {
-            let c = fuse::fuse_matmul(&mut ed, target, fuse::FuseRule::for_target(target))
-                .map_err(failed)?;
+            let c = fuse::fuse_matmul(&mut ed, target, fuse::FuseRule::GRAPH).map_err(failed)?;
             stats.matmul_epilogues += c.epilogues;
             stats.matmul_prologues += c.prologues;
         }
