@@ -149,6 +149,176 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
   }
 }
 
+// ---- The staged GEMV (CUDA sm_80+): weights through shared memory ----
+//
+// Why: in gemv_rows a lane keeps UNROLL vectors per row in registers and
+// issues the next ones only after multiplying these, so a warp has one
+// batch of loads in flight and waits a DRAM round trip per batch. A large
+// GEMV hides that behind many resident blocks; a small one (a few MB over
+// fewer than two blocks per SM, the o_proj / down / qkv of 135M-1B models)
+// does not. Here a block streams its rows into a ring of KILN_GEMV_STAGES
+// shared-memory stages with cp.async (16-byte copies that hold no
+// registers), so while the warps multiply one stage the next STAGES-1 are
+// in flight; with a weight (w_const) the first ones are requested before
+// the dependency wait, so under programmatic dependent launch they stream
+// while the previous kernel finishes. Measured in a graph on the H200
+// (bench/gemv/gemv_bench.cu, bench/results/gpu-2026-12-02-s15/): 15-25%
+// faster on such GEMVs with split-K 2 or 4 (Llama-3.2-1B o_proj 3.98 ->
+// 3.16 us, down 10.85 -> 9.95 us), 5-30% slower on GEMVs with enough blocks
+// of their own, so kiln_kernels::gpu::gemv_call picks it only for the
+// former (gemv_staged_applies).
+//
+// Same arithmetic as gemv_rows, bit for bit: the warp (pair, slice) owns
+// the same two rows, lane l of slice s multiplies the same vectors c = 32 s
+// + l + i * 32 KS in the same (ascending) order, the KS partial sums meet in
+// the same order. Only where the weight bytes come from differs.
+// Stage geometry: a stage holds the block's RB = 16 / KS rows times
+// KILN_GEMV_STAGE_VECS / RB vectors of each (16 KiB), a multiple of 32 KS,
+// so each lane's vectors of a stage are at a fixed stride. 48 KiB of static
+// shared memory per block (the split-K partials reuse stage 0).
+#ifndef KILN_GEMV_STAGES
+#define KILN_GEMV_STAGES 3
+#endif
+#define KILN_GEMV_STAGE_VECS 1024
+
+// CUDA targets are sm_80 and sm_90 (kernels/src/nvrtc.rs), all with cp.async.
+#if defined(KILN_CUDA)
+#define KILN_GEMV_STAGED 1
+KILN_DEV void gemv_cp16(void* smem, const void* gmem) {
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+KILN_DEV void gemv_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> KILN_DEV void gemv_cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+template <typename T, typename O, int TT, int KS>
+KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
+                               const T* __restrict__ bias, O* __restrict__ out, int tokens, int n,
+                               int k, int w_const) {
+  constexpr int RB = 16 / KS;                       // rows per block
+  constexpr int CV = KILN_GEMV_STAGE_VECS / RB;     // vectors per row per stage
+  constexpr int STRIDE = KILN_WARP * KS;            // as gemv_rows
+  constexpr int PER = CV / STRIDE;                  // a lane's vectors per row per stage
+  constexpr int THREADS = KILN_GEMV_WARPS * KILN_WARP;
+  constexpr int COPIES = KILN_GEMV_STAGE_VECS / THREADS;
+  static_assert(CV % STRIDE == 0, "stage rows must be a multiple of the lane stride");
+  __shared__ uint4 stage[KILN_GEMV_STAGES][KILN_GEMV_STAGE_VECS];
+  const int lane = threadIdx.x % KILN_WARP;
+  const int warp = threadIdx.x / KILN_WARP;
+  const int pair = warp / KS, slice = warp % KS;
+  const i64 tile0 = (i64)blockIdx.x * RB;
+  const i64 row0 = tile0 + pair * KILN_GEMV_ROWS;
+  const int kv = k / 8;
+  const int chunks = (kv + CV - 1) / CV;
+  // This thread's copies: stage vector i = threadIdx.x + j * THREADS is row
+  // i / CV of the tile (clamped to a valid row; its results are dropped),
+  // vector ch * CV + i % CV of it.
+  const uint4* src[COPIES];
+  int col[COPIES];
+#pragma unroll
+  for (int j = 0; j < COPIES; ++j) {
+    const int i = threadIdx.x + j * THREADS;
+    const i64 r = tile0 + i / CV;
+    src[j] = reinterpret_cast<const uint4*>(w + (r < n ? r : n - 1) * (i64)k);
+    col[j] = i % CV;
+  }
+  auto issue = [&](int ch) {
+    if (ch < chunks) {
+      uint4* dst = stage[ch % KILN_GEMV_STAGES];
+#pragma unroll
+      for (int j = 0; j < COPIES; ++j) {
+        const int c = ch * CV + col[j];
+        if (c < kv) gemv_cp16(dst + threadIdx.x + j * THREADS, src[j] + c);
+      }
+    }
+    gemv_cp_commit();  // empty groups keep the count uniform
+  };
+  if (w_const) {
+#pragma unroll
+    for (int s = 0; s < KILN_GEMV_STAGES - 1; ++s) issue(s);
+  }
+  KILN_PROLOGUE();
+  if (!w_const) {
+#pragma unroll
+    for (int s = 0; s < KILN_GEMV_STAGES - 1; ++s) issue(s);
+  }
+  float acc[KILN_GEMV_ROWS][TT];
+#pragma unroll
+  for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[r][t] = 0.0f;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const int lrow = pair * KILN_GEMV_ROWS;  // the warp's first row in the tile
+  for (int ch = 0; ch < chunks; ++ch) {
+    gemv_cp_wait<KILN_GEMV_STAGES - 2>();
+    __syncthreads();  // every thread's copies of ch landed; ch - 1's stage is free
+    issue(ch + KILN_GEMV_STAGES - 1);
+    const uint4* sv = stage[ch % KILN_GEMV_STAGES];
+#pragma unroll
+    for (int p = 0; p < PER; ++p) {
+      const int j = slice * KILN_WARP + lane + p * STRIDE;  // vector of the stage row
+      const int c = ch * CV + j;
+      if (c < kv) {
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+          if (t < tokens) {
+            float xf[8];
+            unpack8(xv[(i64)t * kv + c], x, xf);
+#pragma unroll
+            for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
+              float wf[8];
+              unpack8(sv[(lrow + r) * CV + j], w, wf);
+#pragma unroll
+              for (int e = 0; e < 8; ++e) acc[r][t] += xf[e] * wf[e];
+            }
+          }
+        }
+      }
+    }
+  }
+  gemv_cp_wait<0>();
+#pragma unroll
+  for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+    for (int t = 0; t < TT; ++t) acc[r][t] = warp_sum(acc[r][t]);
+  if (KS > 1) {
+    // The partial sums meet in stage 0 (free: every copy landed and was read).
+    __syncthreads();
+    float* part = reinterpret_cast<float*>(stage[0]);  // [warps][ROWS][TT]
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < TT; ++t) part[(warp * KILN_GEMV_ROWS + r) * TT + t] = acc[r][t];
+    }
+    __syncthreads();
+    if (slice != 0 || row0 >= n) return;
+#pragma unroll
+    for (int r = 0; r < KILN_GEMV_ROWS; ++r)
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        float s2 = 0.0f;
+#pragma unroll
+        for (int q = 0; q < KS; ++q) s2 += part[((warp + q) * KILN_GEMV_ROWS + r) * TT + t];
+        acc[r][t] = s2;
+      }
+  }
+  if (lane == 0 && row0 < n) {
+#pragma unroll
+    for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
+      const i64 row = row0 + r;
+      if (row >= n) continue;
+      const float b = bias ? ld(bias[row]) : 0.0f;
+#pragma unroll
+      for (int t = 0; t < TT; ++t)
+        if (t < tokens) out[(i64)t * n + row] = st<O>(acc[r][t] + b);
+    }
+  }
+}
+#endif
+
 #define KILN_GEMV_KS(T, S, O, OS, TT, KS, PFX)                                                  \
   KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
       gemv_##PFX##t##TT##_##S##_##OS(const T* x, const T* w, const T* bias, O* out, int tokens,   \
@@ -165,6 +335,28 @@ KILN_GEMV_TOKENS(kbf16, bf16, kbf16, bf16)
 KILN_GEMV_TOKENS(kbf16, bf16, float, f32)
 KILN_GEMV_TOKENS(kf16, f16, kf16, f16)
 KILN_GEMV_TOKENS(kf16, f16, float, f32)
+// The staged GEMV's entries (one token): gemv_staged_[k2_|k4_]t1_S_OS. Where
+// cp.async is missing (HIP) they run gemv_rows, so every target defines the
+// same entry points and a plan's choice of them is valid everywhere.
+#if defined(KILN_GEMV_STAGED)
+#define KILN_GEMV_STAGED_BODY(T, O, KS) \
+  gemv_staged_rows<T, O, 1, KS>(x, w, bias, out, tokens, n, k, w_const);
+#else
+#define KILN_GEMV_STAGED_BODY(T, O, KS) gemv_rows<T, O, 1, KS>(x, w, bias, out, tokens, n, k, w_const);
+#endif
+#define KILN_GEMV_STAGED_KS(T, S, O, OS, KS, PFX)                                               \
+  KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
+      gemv_staged_##PFX##t1_##S##_##OS(const T* x, const T* w, const T* bias, O* out,            \
+                                       int tokens, int n, int k, int w_const) {                 \
+    KILN_GEMV_STAGED_BODY(T, O, KS)                                                             \
+  }
+#define KILN_GEMV_STAGED_ALL(T, S, O, OS)                                                       \
+  KILN_GEMV_STAGED_KS(T, S, O, OS, 1, ) KILN_GEMV_STAGED_KS(T, S, O, OS, 2, k2_)                \
+      KILN_GEMV_STAGED_KS(T, S, O, OS, 4, k4_)
+KILN_GEMV_STAGED_ALL(kbf16, bf16, kbf16, bf16)
+KILN_GEMV_STAGED_ALL(kbf16, bf16, float, f32)
+KILN_GEMV_STAGED_ALL(kf16, f16, kf16, f16)
+KILN_GEMV_STAGED_ALL(kf16, f16, float, f32)
 
 // ---- fused_matmul: the GEMV above with an RMSNorm prologue and an epilogue ----
 //

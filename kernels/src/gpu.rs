@@ -217,6 +217,43 @@ pub fn gemv_ksplit(n: u32, k: u32, min_blocks: u32) -> u32 {
     pick
 }
 
+/// One-token GEMVs with fewer 16-row blocks than this run the staged GEMV
+/// (`gemv.cu`'s gemv_staged_rows: weights through a shared-memory ring
+/// filled by cp.async), when K is at most [`GEMV_STAGED_MAX_K`]. Measured
+/// on the H200 in a graph (`bench/gemv/gemv_bench.cu`): the staged kernel
+/// wins 15-25% on the small GEMVs of 135M-1B models and loses 5-30% where
+/// the register kernel already has two or more blocks per SM, or K is
+/// 9728 and more. `KILN_GEMV_STAGED=0` at compile time turns it off (for
+/// measuring).
+pub const GEMV_STAGED_MAX_BLOCKS: u32 = 256;
+/// The largest K the staged GEMV is chosen for (see [`GEMV_STAGED_MAX_BLOCKS`]).
+pub const GEMV_STAGED_MAX_K: u32 = 8192;
+
+fn gemv_staged_enabled() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("KILN_GEMV_STAGED").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether a `t`-token GEMV of `n` rows and `k` inputs runs the staged
+/// kernel, and its split factor: 4 for at most 2048 rows (128 blocks) when
+/// every lane of the split has a vector, else 2 when it has, else 1. On
+/// targets without cp.async (HIP) the staged entry points run the register
+/// kernel with the same split, so the choice is valid everywhere.
+pub fn gemv_staged_applies(t: u32, n: u32, k: u32) -> Option<u32> {
+    if t != 1 || k > GEMV_STAGED_MAX_K || n.div_ceil(GEMV_ROWS_PER_BLOCK) >= GEMV_STAGED_MAX_BLOCKS
+    {
+        return None;
+    }
+    let kv = k / 8;
+    Some(if n <= 2048 && kv >= 4 * KILN_WARP {
+        4
+    } else if kv >= 2 * KILN_WARP {
+        2
+    } else {
+        1
+    })
+}
+
 /// kiln's GEMV kernel (`gemv.cu`) for `g` when it applies (T <= 8, bf16/f16
 /// inputs, K a multiple of 8): a decode-shaped GEMM that is one pass over
 /// the weights; used where [`choose_gemm`] records `gemv`. `w_const`: the weight operand is a weight whose
@@ -237,10 +274,14 @@ pub fn gemv_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
     if g.k == 0 || !g.k.is_multiple_of(8) || g.n == 0 || i32::try_from(g.n).is_err() {
         return None;
     }
-    let ks = gemv_ksplit(g.n, g.k, gemv_min_blocks());
+    let staged = gemv_staged_enabled()
+        .then(|| gemv_staged_applies(g.t, g.n, g.k))
+        .flatten();
+    let ks = staged.unwrap_or_else(|| gemv_ksplit(g.n, g.k, gemv_min_blocks()));
+    let kind = if staged.is_some() { "staged_" } else { "" };
     Some(KernelCall {
         module: "gemv",
-        entry: format!("gemv_{}t{tt}_{i}_{o}", ksplit_prefix(ks)),
+        entry: format!("gemv_{kind}{}t{tt}_{i}_{o}", ksplit_prefix(ks)),
         grid: [g.n.div_ceil(GEMV_ROWS_PER_BLOCK / ks), 1, 1],
         block: [256, 1, 1],
         shared_bytes: 0,
@@ -656,7 +697,7 @@ pub fn gemm_fingerprint() -> u64 {
 /// Bump when [`gemv_call`]'s or [`skinny_call`]'s geometry (grid, block,
 /// shared memory, instantiation choice) changes: tuning tables measured
 /// under the old geometry become stale.
-pub const GEMM_GEOMETRY_REVISION: u32 = 1;
+pub const GEMM_GEOMETRY_REVISION: u32 = 2;
 
 /// Every entry point a module defines (after macro expansion), so a backend
 /// can resolve them all when it loads the module and fail early.
@@ -702,6 +743,11 @@ pub fn entry_points(module: &str) -> Vec<String> {
                     for ks in GEMV_KSPLITS {
                         v.push(format!("gemv_{}t{tt}_{i}_{o}", ksplit_prefix(ks)));
                     }
+                }
+            }
+            for (i, o) in GEMV_TYPES {
+                for ks in GEMV_KSPLITS {
+                    v.push(format!("gemv_staged_{}t1_{i}_{o}", ksplit_prefix(ks)));
                 }
             }
             for (i, o) in GEMV_TYPES {
@@ -2331,11 +2377,53 @@ mod tests {
             out: DType::BF16,
             bias: false,
         };
-        let c = gemv_call(&g, true).unwrap();
+        // Two tokens: the register kernel with its split.
+        let c = gemv_call(&GemmCall { t: 2, ..g }, true).unwrap();
         if gemv_min_blocks() == GEMV_MIN_BLOCKS {
-            assert_eq!((c.entry.as_str(), c.grid[0]), ("gemv_k4_t1_bf16_bf16", 256));
+            assert_eq!((c.entry.as_str(), c.grid[0]), ("gemv_k4_t2_bf16_bf16", 256));
         }
         assert!(entry_points("gemv").contains(&c.entry));
+    }
+
+    #[test]
+    fn small_one_token_gemvs_take_the_staged_kernel_and_large_ones_the_register_kernel() {
+        // Llama-3.2-1B: o_proj and down (2048 rows) split in 4, qkv (3072
+        // rows) in 2; gate_up (16384 rows) keeps the register kernel.
+        assert_eq!(gemv_staged_applies(1, 2048, 2048), Some(4));
+        assert_eq!(gemv_staged_applies(1, 2048, 8192), Some(4));
+        assert_eq!(gemv_staged_applies(1, 3072, 2048), Some(2));
+        assert_eq!(gemv_staged_applies(1, 16384, 2048), None);
+        // SmolLM2's 576-wide rows have 72 vectors: split in 2 at most.
+        assert_eq!(gemv_staged_applies(1, 576, 576), Some(2));
+        // K past 8192 (Qwen3-4B's down), more than one token, or 256+
+        // blocks: never.
+        assert_eq!(gemv_staged_applies(1, 2560, 9728), None);
+        assert_eq!(gemv_staged_applies(2, 2048, 2048), None);
+        assert_eq!(gemv_staged_applies(1, 4096, 1024), None);
+        // Rows too short for two slices of 32 lanes: no split.
+        assert_eq!(gemv_staged_applies(1, 64, 256), Some(1));
+        let g = GemmCall {
+            t: 1,
+            n: 2048,
+            k: 2048,
+            dtype: DType::BF16,
+            out: DType::F32,
+            bias: false,
+        };
+        let c = gemv_call(&g, true).unwrap();
+        if gemv_staged_enabled() {
+            assert_eq!(
+                (c.entry.as_str(), c.grid[0]),
+                ("gemv_staged_k4_t1_bf16_f32", 512)
+            );
+        }
+        assert!(entry_points("gemv").contains(&c.entry));
+        for (n, k) in [(64u32, 256u32), (576, 576), (3072, 2048)] {
+            let c = gemv_call(&GemmCall { n, k, ..g }, true).unwrap();
+            let ks = gemv_staged_applies(1, n, k).unwrap();
+            assert_eq!(c.grid[0], n.div_ceil(GEMV_ROWS_PER_BLOCK / ks));
+            assert!(entry_points("gemv").contains(&c.entry), "{}", c.entry);
+        }
     }
 
     #[test]

@@ -484,6 +484,14 @@ fn matmul_matches_through_cublaslt_the_gemv_and_the_skinny_gemm() {
     let mut r = Rng::new(11);
     for (d, out, t, n, k, bias) in [
         (DType::BF16, DType::BF16, 1, 1000, 1024, false),
+        // One token: the staged GEMV (gemv_staged_applies) at every split
+        // (37 x 520: K in 2, a partial last stage; 129 x 64: no split, odd
+        // rows; 2048 x 4104: K in 4, partial stage; 3001 x 8192: K in 2,
+        // many stages, f32 out) with and without bias.
+        (DType::BF16, DType::BF16, 1, 37, 520, true),
+        (DType::F16, DType::F16, 1, 129, 64, true),
+        (DType::BF16, DType::BF16, 1, 2048, 4104, true),
+        (DType::BF16, DType::F32, 1, 3001, 8192, false),
         (DType::BF16, DType::BF16, 7, 1000, 520, true),
         (DType::BF16, DType::F32, 5, 3001, 256, false),
         (DType::BF16, DType::BF16, 33, 768, 2048, false),
