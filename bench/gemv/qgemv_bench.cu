@@ -139,15 +139,7 @@ static void launch(const Kern& kk, int q, cudaStream_t s, const kbf16* x, const 
     while (warps > 1 && 2 * warps > units) warps /= 2;
     cfg.gridDim = dim3((n + 16 * kk.mt - 1) / (16 * kk.mt));
     cfg.blockDim = dim3(32 * warps);
-    size_t sh = warps * kk.mt * (kk.tp / 8) * 4 * 32 * 4;
-    if (q == KQ_Q4K) {
-      const int rows = 16 * kk.mt;
-      // qsk_stage_geo's formula
-      const int rs0 = 32 * warps + 16, rs1 = warps / 4 + 2, rs2 = warps + 1;
-      const int stage = (rows * rs0 + 4 * rows * rs1 + 4 * rows * rs2 + 15) / 16 * 16;
-      sh = std::max(sh, (size_t)KILN_QSK_STAGES * stage);
-    }
-    cfg.dynamicSmemBytes = sh;
+    cfg.dynamicSmemBytes = warps * kk.mt * (kk.tp / 8) * 4 * 32 * 4;
   }
   CK(cudaLaunchKernelEx(&cfg, pick(kk, q, T), x, w, q == KQ_FP8 ? scale : nullptr,
                         (const kbf16*)nullptr, (const kbf16*)nullptr, out, T, n, k, 1,
