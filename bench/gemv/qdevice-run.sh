@@ -7,7 +7,8 @@ mkdir -p "$OUT" /tmp/qb
 for f in .device-carry/gemv/qgemv_*.xz; do xz -dc "$f" > /tmp/qb/$(basename "$f" .xz); chmod +x /tmp/qb/$(basename "$f" .xz); done
 for b in /tmp/qb/${Q_BINS:-qgemv_*}; do
   n=$(basename "$b")
-  Q_TYPE=${Q_TYPE:-q4k} timeout "${Q_TIMEOUT:-100}" "$b" > "$OUT/$n.txt" 2>&1; echo "rc=$?" >> "$OUT/$n.txt"
+  if [[ "${Q_TYPE:-q4k}" == all ]]; then unset Q_TYPE; else export Q_TYPE=${Q_TYPE:-q4k}; fi
+  timeout "${Q_TIMEOUT:-100}" "$b" > "$OUT/$n.txt" 2>&1; echo "rc=$?" >> "$OUT/$n.txt"
 done
 for kn in ${Q_NCU:-qgemv:q4k:14336:4096:1 qskinny_r1:q4k:14336:4096:1}; do
   IFS=: read -r k t n kk T <<< "$kn"

@@ -14,7 +14,9 @@
 // sum in another order. Times: a CUDA graph of 20 launches (PDL on) cycling
 // through enough weight copies to exceed L2, median of 15 replays.
 #include "qgemv.cu"
+#ifndef QB_NO_SKINNY
 #include "qskinny.cu"
+#endif
 
 #include <cuda_runtime.h>
 
@@ -100,21 +102,32 @@ KILN_GLOBAL void xfill(kbf16* d, size_t n, unsigned int seed) {
 
 struct Kern {
   const char* name;
-  int kind;  // 0 qgemv, 1 qskinny
+  int kind;  // 0 qgemv, 1 qskinny, 2 qgemv_i8 (T = 1 only)
   int tp, mt;
 };
 
 static QFn pick(const Kern& kk, int q, int T) {
 #define QG(S, TT) (QFn) qgemv_##S##_t##TT##_bf16_bf16
+#define QD(S) (T == 1 ? (QFn) qgemv_i8_##S##_t1_bf16_bf16 : nullptr)
 #define QS(S, TP, MT) (QFn) qskinny_##S##_t##TP##_r##MT##_bf16_bf16
+#ifdef QB_NO_SKINNY
+#define QSK(S) return nullptr;
+#else
+#define QSK(S) return kk.mt == 1 ? QS(S, 8, 1) : QS(S, 8, 2);
+#endif
 #define PICK(S)                                                                 \
   if (kk.kind == 0) return T == 1 ? QG(S, 1) : QG(S, 8);                          \
-  return kk.mt == 1 ? QS(S, 8, 1) : QS(S, 8, 2);
+  if (kk.kind == 2) return QD(S);                                                \
+  QSK(S)
   switch (q) {
     case KQ_Q4K: { PICK(q4k) }
     case KQ_Q6K: { PICK(q6k) }
     case KQ_Q8_0: { PICK(q8_0) }
-    default: { PICK(fp8) }
+    default: {
+      if (kk.kind == 2) return nullptr;
+      if (kk.kind == 0) return T == 1 ? QG(fp8, 1) : QG(fp8, 8);
+      QSK(fp8)
+    }
   }
 }
 
@@ -129,7 +142,10 @@ static void launch(const Kern& kk, int q, cudaStream_t s, const kbf16* x, const 
   cfg.attrs = at;
   cfg.numAttrs = 1;
   cfg.stream = s;
-  if (kk.kind == 0) {
+  if (kk.kind == 2) {
+    cfg.gridDim = dim3((n + KILN_QWARPS * KILN_QD_ROWS - 1) / (KILN_QWARPS * KILN_QD_ROWS));
+    cfg.blockDim = dim3(KILN_QWARPS * KILN_WARP);
+  } else if (kk.kind == 0) {
     cfg.gridDim = dim3((n + 15) / 16);
     cfg.blockDim = dim3(KILN_QWARPS * KILN_WARP);
   } else {
@@ -148,8 +164,11 @@ static void launch(const Kern& kk, int q, cudaStream_t s, const kbf16* x, const 
 
 static const Kern KERNS[] = {
     {"qgemv", 0, 0, 0},
+#ifndef QB_NO_SKINNY
     {"qskinny_r1", 1, 8, 1},
     {"qskinny_r2", 1, 8, 2},
+#endif
+    {"qgemv_i8", 2, 0, 0},
 };
 
 struct Shape {
@@ -223,6 +242,7 @@ int main(int argc, char** argv) {
         CK(cudaStreamSynchronize(s));
         for (const Kern& kk : KERNS) {
           if (once && std::string(argv[2]) != kk.name) continue;
+          if (!pick(kk, qt.q, T)) continue;
           if (once) {
             for (int i = 0; i < 3; ++i) launch(kk, qt.q, s, x, ws[0], scale, got, T, n, k, off);
             CK(cudaStreamSynchronize(s));

@@ -476,6 +476,298 @@ KILN_DEV void qgemv_rows(const kbf16* __restrict__ x, const unsigned char* __res
   }
 }
 
+// ---- One token through 8-bit integer dot products (Q4_K, Q6_K, Q8_0) ----
+//
+// qgemv_rows turns every weight code into an f32 (two instructions) and
+// multiplies it (one more): at one token that instruction stream, not the
+// bytes, bounds a Q4_K GEMV (H200: 1.8-2.0 TB/s at Llama-3-8B shapes,
+// DRAM 26% busy). qdot_rows instead quantizes the token row once per block
+// into shared memory as the CPU backend's quantized matmul does (int8
+// codes, one f32 scale dx per 32 elements) and multiplies four weight codes
+// by four x codes in one dp4a, in exact integer arithmetic; the scales are
+// applied per 16-element half vector, y += dx * (d*sc * dot(q, xq) -
+// dmin*m * sum(xq)). The product is exact for the quantized x (up to f32
+// reordering), and each x element is off by at most dx/2, so |y - y_exact|
+// <= sum over the 32-groups g of (max_g|x| / 254) * sum_{i in g} |w_i|
+// plus the f32 reordering (the bound the tests check). Q6_K's codes carry
+// an offset of 32: dot(q - 32, xq) = dot(q, xq) - 32 * sum(xq). Under the
+// RMSNorm prologue the normalized values (round(x * inv * w), as
+// qgemv_rows forms them) are what gets quantized.
+// Entries: qgemv_i8_S_t1_bf16_{bf16,f32}, qgemv_i8_fused_S_t1_bf16_bf16,
+// qgemv_i8_fused_norm_S_t1_bf16_{bf16,f32} for S in q4k, q6k, q8_0
+// (qgemv_i8_q4k_, qgemv_i8_q6k_, qgemv_i8_q8_0_, qgemv_i8_fused_q4k_,
+// qgemv_i8_fused_q6k_, qgemv_i8_fused_q8_0_, qgemv_i8_fused_norm_q4k_,
+// qgemv_i8_fused_norm_q6k_, qgemv_i8_fused_norm_q8_0_), with qgemv's
+// parameters; a warp owns KILN_QD_ROWS rows (KILN_QD_ROWS / 2 gate and as
+// many up rows under an activation), K <= KILN_QD_MAXK.
+#define KILN_QD_MAXK 16384
+#ifndef KILN_QD_ROWS
+#define KILN_QD_ROWS 4
+#endif
+#ifndef KILN_QD_UNROLL
+#define KILN_QD_UNROLL 2
+#endif
+
+// Four signed 8-bit products summed onto c.
+KILN_DEV int kiln_dp4a(unsigned int a, unsigned int b, int c) {
+#if defined(KILN_CUDA)
+  return __dp4a((int)a, (int)b, c);
+#else
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    c += (int)(signed char)((a >> (8 * e)) & 0xffu) * (int)(signed char)((b >> (8 * e)) & 0xffu);
+  return c;
+#endif
+}
+
+// The block's token row, quantized as the CPU backend quantizes it
+// (kiln_kernels::cpu::qmatmul): per 32-group d = max|x| / 127, code =
+// rint(x * (1 / d)) (0 for a zero group), into xq int8 [k], xd f32 [k/32]
+// (the d) and xi int [k/16] (the sums of the codes of each 16). Thread i
+// takes 8 consecutive elements, four threads a 32-group; every thread runs
+// every round (the shuffles need the whole warp).
+template <int PRE>
+KILN_DEV void qd_prep_x(const kbf16* __restrict__ x, const kbf16* __restrict__ norm_w, int k,
+                        float inv, int unit_offset, signed char* xq, float* xd, int* xi) {
+  for (int base = 0; base < k; base += blockDim.x * 8) {
+    const int i = base + threadIdx.x * 8;
+    const bool valid = i < k;
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = 0.0f;
+    if (valid) {
+      unpack8(*reinterpret_cast<const uint4*>(x + i), x, f);
+      if (PRE) {
+        float g[8];
+        unpack8(*reinterpret_cast<const uint4*>(norm_w + i), norm_w, g);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          f[e] = round_to<kbf16>(f[e] * inv * (unit_offset ? 1.0f + g[e] : g[e]));
+      }
+    }
+    float am = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) am = fmaxf(am, fabsf(f[e]));
+    am = fmaxf(am, shfl_xor(am, 1));
+    am = fmaxf(am, shfl_xor(am, 2));
+    const float d = __fdiv_rn(am, 127.0f);
+    const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
+    unsigned int p0 = 0u, p1 = 0u;
+    int qs = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int q = max(-127, min(127, __float2int_rn(__fmul_rn(f[e], id))));
+      qs += q;
+      if (e < 4) {
+        p0 |= ((unsigned int)q & 0xffu) << (8 * e);
+      } else {
+        p1 |= ((unsigned int)q & 0xffu) << (8 * (e - 4));
+      }
+    }
+    qs += shfl_xor_int(qs, 1);
+    if (valid) {
+      *reinterpret_cast<uint2*>(xq + i) = make_uint2(p0, p1);
+      if ((threadIdx.x & 3) == 0) xd[i / 32] = d;
+      if ((threadIdx.x & 1) == 0) xi[i / 16] = qs;
+    }
+  }
+}
+
+template <int Q, typename O, int PRE, int FUSED>
+KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __restrict__ w,
+                        const kbf16* __restrict__ bias, const kbf16* __restrict__ norm_w,
+                        const kbf16* __restrict__ res, O* __restrict__ out, int n, int k,
+                        int w_const, i64 off1, i64 off2, i64 off3, float eps, int unit_offset,
+                        int mode) {
+  constexpr int R = KILN_QD_ROWS;
+  constexpr int U = KILN_QD_UNROLL;
+  constexpr int EPV = QElems<Q>::n;
+  __shared__ __align__(16) signed char xq[KILN_QD_MAXK];
+  __shared__ float xd[KILN_QD_MAXK / 32];
+  __shared__ int xi[KILN_QD_MAXK / 16];
+  __shared__ float inv_rms[1];
+  const int lane = threadIdx.x % KILN_WARP;
+  const int warp = threadIdx.x / KILN_WARP;
+  const bool act = FUSED && (mode == KQ_FUSED_SILU || mode == KQ_FUSED_GELU);
+  // Outputs a warp owns: R rows, or R/2 gate rows and their R/2 up rows.
+  const int P = act ? R / 2 : R;
+  const int outs = act ? n / 2 : n;
+  const i64 out0 = ((i64)blockIdx.x * KILN_QWARPS + warp) * P;
+  const bool live = out0 < outs;
+  const int nv = k / EPV;
+  i64 rows[R];
+  const uint4* wv[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const i64 o = r < P ? out0 + r : out0 + (r - P);
+    const i64 base = r < P ? 0 : outs;
+    // Rows past the end re-read the warp's first row (results dropped).
+    rows[r] = live ? base + (o < outs ? o : out0) : 0;
+    wv[r] = reinterpret_cast<const uint4*>(w) + rows[r] * nv;
+  }
+  uint4 qr[R][U];
+  if (w_const) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int cc = lane + u * KILN_WARP;
+        if (cc < nv) qr[r][u] = wv[r][cc];
+      }
+  }
+  KILN_PROLOGUE();
+  if (PRE) {
+    kiln_inv_rms_rows(x, 1, k, eps, inv_rms);
+    __syncthreads();
+  }
+  qd_prep_x<PRE>(x, norm_w, k, PRE ? inv_rms[0] : 1.0f, unit_offset, xq, xd, xi);
+  __syncthreads();
+  if (!live) return;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  bool first = true;
+  for (int c = lane; c < nv; c += U * KILN_WARP) {
+    if (!first || !w_const) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int cc = c + u * KILN_WARP;
+          if (cc < nv) qr[r][u] = wv[r][cc];
+        }
+    }
+    first = false;
+    QMeta mr[R][U];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int cc = c + u * KILN_WARP;
+        if (cc < nv) mr[r][u] = q_meta<Q>(w, rows[r], cc, k, off1, off2, off3);
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int cc = c + u * KILN_WARP;
+      if (cc >= nv) break;
+      const int xa = q_xa<Q>(cc);
+      const int xb = xa + q_xb_gap<Q>();
+      const uint4 va = *reinterpret_cast<const uint4*>(xq + xa);
+      const float dxa = xd[xa / 32];
+      uint4 vb = make_uint4(0u, 0u, 0u, 0u);
+      float dxb = 0.0f;
+      // Sums of the x codes of the two 16-element halves: the min's
+      // (Q4_K) and the code offset's (Q6_K) share of the dot product.
+      int sa16 = 0, sb16 = 0;
+      if (EPV == 32) {
+        vb = *reinterpret_cast<const uint4*>(xq + xb);
+        dxb = xd[xb / 32];
+        sa16 = xi[xa / 16];
+        sb16 = xi[xb / 16];
+      }
+      const int ia0 = Q == KQ_Q6K ? -32 * sa16 : 0, ib0 = Q == KQ_Q6K ? -32 * sb16 : 0;
+      const unsigned int xav[4] = {va.x, va.y, va.z, va.w};
+      const unsigned int xbv[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint4 q = qr[r][u];
+        const QMeta m = mr[r][u];
+        const unsigned int wd[4] = {q.x, q.y, q.z, q.w};
+        int ia = ia0, ib = ib0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (Q == KQ_Q8_0) {
+            ia = kiln_dp4a(wd[j], xav[j], ia);
+          } else {
+            unsigned int lo = wd[j] & 0x0f0f0f0fu;
+            unsigned int hi = (wd[j] >> 4) & 0x0f0f0f0fu;
+            if (Q == KQ_Q6K) {
+              const unsigned int a6 = (m.m2 >> (8 * j)) & 0xffu, b6 = (m.m3 >> (8 * j)) & 0xffu;
+              lo |= ((a6 & 0x03u) | ((a6 & 0x0cu) << 6) | ((a6 & 0x30u) << 12) |
+                     ((a6 & 0xc0u) << 18))
+                    << 4;
+              hi |= ((b6 & 0x03u) | ((b6 & 0x0cu) << 6) | ((b6 & 0x30u) << 12) |
+                     ((b6 & 0xc0u) << 18))
+                    << 4;
+            }
+            ia = kiln_dp4a(lo, xav[j], ia);
+            ib = kiln_dp4a(hi, xbv[j], ib);
+          }
+        }
+        if (Q == KQ_Q8_0) {
+          acc[r] += q_f16(m.m0) * (dxa * (float)ia);
+        } else if (Q == KQ_Q4K) {
+          const float d = q_f16(m.m0), dmin = q_f16(m.m0 >> 16);
+          const float sa = q_byte_code(m.m1, 0, 0.0f), ma = q_byte_code(m.m1, 1, 0.0f);
+          const float sb = q_byte_code(m.m1, 2, 0.0f), mb = q_byte_code(m.m1, 3, 0.0f);
+          acc[r] += dxa * (d * sa * (float)ia - dmin * ma * (float)sa16) +
+                    dxb * (d * sb * (float)ib - dmin * mb * (float)sb16);
+        } else {  // Q6_K
+          const float d = q_f16(m.m0);
+          const float sa = (float)(signed char)(m.m1 & 0xffu);
+          const float sb = (float)(signed char)((m.m1 >> 8) & 0xffu);
+          acc[r] += d * (sa * (dxa * (float)ia) + sb * (dxb * (float)ib));
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+  if (lane != 0) return;
+  if (act) {
+#pragma unroll
+    for (int o = 0; o < R / 2; ++o) {
+      const i64 j = out0 + o;
+      if (j >= outs) continue;
+      const float bg = bias ? ld(bias[j]) : 0.0f;
+      const float bu = bias ? ld(bias[j + outs]) : 0.0f;
+      const float g = round_to<kbf16>(acc[o] + bg);
+      const float u = round_to<kbf16>(acc[o + R / 2] + bu);
+      const float a = mode == KQ_FUSED_SILU ? kiln_silu(g) : kiln_gelu_tanh(g);
+      out[j] = st<O>(a * u);
+    }
+    return;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const i64 row = out0 + r;
+    if (row >= n) continue;
+    float y = acc[r] + (bias ? ld(bias[row]) : 0.0f);
+    if (res) y = round_to<kbf16>(y) + ld(res[row]);
+    out[row] = st<O>(y);
+  }
+}
+
+#define KILN_QDOT(S, Q)                                                                        \
+  KILN_GLOBAL void __launch_bounds__(KILN_QWARPS * KILN_WARP)                                  \
+      qgemv_i8_##S##_t1_bf16_bf16(const kbf16* x, const unsigned char* w, const float* scale,  \
+                                  const kbf16* bias, const kbf16* res, kbf16* out, int tokens, \
+                                  int n, int k, int w_const, i64 off1, i64 off2, i64 off3) {   \
+    qdot_rows<Q, kbf16, 0, 0>(x, w, bias, nullptr, res, out, n, k, w_const, off1, off2, off3,  \
+                              0.0f, 0, KQ_FUSED_NONE);                                         \
+  }                                                                                            \
+  KILN_GLOBAL void __launch_bounds__(KILN_QWARPS * KILN_WARP)                                  \
+      qgemv_i8_##S##_t1_bf16_f32(const kbf16* x, const unsigned char* w, const float* scale,   \
+                                 const kbf16* bias, const kbf16* res, float* out, int tokens,  \
+                                 int n, int k, int w_const, i64 off1, i64 off2, i64 off3) {    \
+    qdot_rows<Q, float, 0, 0>(x, w, bias, nullptr, res, out, n, k, w_const, off1, off2, off3,  \
+                              0.0f, 0, KQ_FUSED_NONE);                                         \
+  }                                                                                            \
+  KILN_QDOT_FUSED(S, Q, kbf16, 0, qgemv_i8_fused_##S##_t1_bf16_bf16)                           \
+  KILN_QDOT_FUSED(S, Q, kbf16, 1, qgemv_i8_fused_norm_##S##_t1_bf16_bf16)                      \
+  KILN_QDOT_FUSED(S, Q, float, 1, qgemv_i8_fused_norm_##S##_t1_bf16_f32)
+#define KILN_QDOT_FUSED(S, Q, O, PRE, NAME)                                                    \
+  KILN_GLOBAL void __launch_bounds__(KILN_QWARPS * KILN_WARP)                                  \
+      NAME(const kbf16* x, const unsigned char* w, const float* scale, const kbf16* bias,      \
+           const kbf16* norm_w, const kbf16* res, O* out, int tokens, int n, int k, int w_const, \
+           i64 off1, i64 off2, i64 off3, float eps, int unit_offset, int mode) {               \
+    qdot_rows<Q, O, PRE, 1>(x, w, bias, norm_w, res, out, n, k, w_const, off1, off2, off3, eps, \
+                            unit_offset, mode);                                                \
+  }
+KILN_QDOT(q4k, KQ_Q4K)
+KILN_QDOT(q6k, KQ_Q6K)
+KILN_QDOT(q8_0, KQ_Q8_0)
+
 // One thread per 16-byte vector of token t's row ids[t]; an id outside
 // [0, n) gives a zero row (as the bf16 embedding kernel does). Each weight is
 // formed exactly as the reference dequantizer forms it (no contraction),

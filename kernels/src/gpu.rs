@@ -1839,6 +1839,10 @@ pub fn quantized_skinny_applies(target: &Target, t: u64) -> bool {
     t >= 2 && matches!(target, Target::Cuda { sm } if *sm >= 80)
 }
 
+fn is_cuda(target: &Target) -> bool {
+    matches!(target, Target::Cuda { .. })
+}
+
 /// A `matmul` or `embedding` whose weight (argument 1) is stored quantized
 /// becomes the `qgemv` module's launches ([`crate::quant_gpu`]), or for a
 /// matmul of 2 or more tokens where [`quantized_skinny_applies`] the
@@ -1899,7 +1903,8 @@ fn lower_quantized(
             if quantized_skinny_applies(&opts.target, t) {
                 qg::lower_qskinny(q, n, k, t, *od, &bufs, w_const, opts.pdl)
             } else {
-                qg::lower_qgemv(q, n, k, t, *od, &bufs, w_const, opts.pdl)
+                let kern = qg::QGemvKernel::choose(q, t, k, is_cuda(&opts.target));
+                qg::lower_qgemv_with(kern, q, n, k, t, *od, &bufs, w_const, opts.pdl)
             }
             .map_err(|e| refuse(e.to_string()))?
         }
@@ -2057,7 +2062,8 @@ fn lower_quantized_fused(
     if quantized_skinny_applies(target, t) {
         qg::lower_qskinny_fused(q, n, k, t, *od, &bufs, &f, w_const, pdl)
     } else {
-        qg::lower_qgemv_fused(q, n, k, t, *od, &bufs, &f, w_const, pdl)
+        let kern = qg::QGemvKernel::choose(q, t, k, is_cuda(target));
+        qg::lower_qgemv_fused_with(kern, q, n, k, t, *od, &bufs, &f, w_const, pdl)
     }
     .map_err(|e| refuse(e.to_string()))
 }
@@ -2592,10 +2598,16 @@ mod tests {
         for q in QUANT_TYPES {
             let s = stem(q);
             let one = |m: &str, e: String| vec![(m.to_string(), e)];
-            assert_eq!(
-                quantized_matmul_entries(q, 1, &sm90),
-                one("qgemv", format!("qgemv_{s}_t1_bf16_bf16"))
-            );
+            // One token: the integer-dot GEMV where it exists, else the float one.
+            let i8 = crate::quant_gpu::QGemvKernel::choose(q, 1, 4096, true)
+                == crate::quant_gpu::QGemvKernel::Int8Dot;
+            let gemv = if i8 {
+                format!("qgemv_i8_{s}_t1_bf16_bf16")
+            } else {
+                format!("qgemv_{s}_t1_bf16_bf16")
+            };
+            assert!(entry_points("qgemv").contains(&gemv), "{gemv}");
+            assert_eq!(quantized_matmul_entries(q, 1, &sm90), one("qgemv", gemv));
             for (t, tp) in [(2u32, 8u32), (8, 8), (9, 16), (32, 32)] {
                 let want = one("qskinny", format!("qskinny_{s}_t{tp}_r1_bf16_bf16"));
                 assert_eq!(quantized_matmul_entries(q, t, &sm90), want, "{q:?} t={t}");
@@ -2723,8 +2735,19 @@ mod tests {
             let op = fused(false, DType::BF16, norm, Epilogue::SiluMul);
             let ls = one(1, &op, &sm90);
             assert_eq!(ls.len(), 1);
+            if crate::quant_gpu::QGemvKernel::choose(q, 1, k as u64, true)
+                == crate::quant_gpu::QGemvKernel::Int8Dot
+            {
+                // The integer-dot GEMV: 16 gate/up row pairs a block.
+                assert_eq!(ls[0].entry, format!("qgemv_i8_fused_norm_{s}_t1_bf16_bf16"));
+                assert_eq!(ls[0].grid, [(n / 2).div_ceil(16), 1, 1]);
+            } else {
+                assert_eq!(ls[0].entry, format!("qgemv_fused_norm_{s}_t1_bf16_bf16"));
+                assert_eq!(ls[0].grid, [(n / 2).div_ceil(8), 1, 1]);
+            }
+            // On HIP the float kernel at one token, whatever the type.
+            let ls = one(1, &op, &hip);
             assert_eq!(ls[0].entry, format!("qgemv_fused_norm_{s}_t1_bf16_bf16"));
-            assert_eq!(ls[0].grid, [(n / 2).div_ceil(8), 1, 1]);
             assert_eq!(ls[0].params.len(), 17);
             assert_eq!(ls[0].params[14], LaunchParam::F32(1e-6));
             assert_eq!(ls[0].params[15], LaunchParam::I32(1));

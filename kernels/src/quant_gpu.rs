@@ -458,6 +458,73 @@ pub const QGEMV_ROWS_PER_BLOCK: u32 = 16;
 pub const QGEMV_THREADS: u32 = 256;
 /// The kernel catalog's module name.
 pub const MODULE: &str = "qgemv";
+/// The longest row the integer-dot GEMV quantizes x for (its shared-memory
+/// copy of the token row, `KILN_QD_MAXK` in `qgemv.cu`).
+pub const QDOT_MAX_K: u64 = 16384;
+/// Weight rows per block of the integer-dot GEMV (8 warps x 4 rows).
+pub const QDOT_ROWS_PER_BLOCK: u32 = 32;
+/// The types the integer-dot GEMV is instantiated for.
+pub const QDOT_TYPES: [QuantType; 3] = [QuantType::Q4K, QuantType::Q6K, QuantType::Q8_0];
+
+/// Which of the `qgemv` module's GEMV kernels a lowering emits.
+///
+/// `Float` decodes every weight code to f32 and multiplies it by x as
+/// stored (`qgemv_<type>_..`); `Int8Dot` quantizes the one token row to int8
+/// per 32 elements, as the CPU backend's quantized matmul does, and
+/// multiplies codes by codes with dp4a (`qgemv_i8_<type>_..`): at one token
+/// the float kernel is bound by its instruction stream rather than by the
+/// weight bytes. The int8 kernel's error bound is x's rounding (at most
+/// max|x_g| / 254 per element of each 32-group g) times |w|, which is what
+/// the CPU backend's quantized plans already accept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QGemvKernel {
+    Float,
+    Int8Dot,
+}
+
+impl QGemvKernel {
+    /// Whether the integer-dot kernel exists for a `t`-token GEMV of a `q`
+    /// weight with rows of `k`: one token, Q4_K, Q6_K or Q8_0, `k <=`
+    /// [`QDOT_MAX_K`].
+    pub fn int8_dot_exists(q: QuantType, t: u64, k: u64) -> bool {
+        t == 1 && k <= QDOT_MAX_K && QDOT_TYPES.contains(&q)
+    }
+
+    /// The kernel a plan records: [`QGemvKernel::choose_with`], enabled
+    /// when `KILN_QGEMV_I8=1` is set as the plan is compiled. Opt-in until
+    /// its device tests and timings are in `bench/results/`.
+    pub fn choose(q: QuantType, t: u64, k: u64, cuda: bool) -> QGemvKernel {
+        let on = std::env::var("KILN_QGEMV_I8").is_ok_and(|v| v == "1");
+        Self::choose_with(q, t, k, cuda, on)
+    }
+
+    /// [`QGemvKernel::Int8Dot`] when `enabled`, where it exists and the
+    /// target has a 4-way byte dot product in hardware (`dp4a`, CUDA sm_61
+    /// and later: every CUDA target kiln compiles for); `Float` on HIP (the
+    /// kernel's portable path there is correct, not fast) and for every
+    /// other shape.
+    pub fn choose_with(q: QuantType, t: u64, k: u64, cuda: bool, enabled: bool) -> QGemvKernel {
+        if cuda && enabled && Self::int8_dot_exists(q, t, k) {
+            QGemvKernel::Int8Dot
+        } else {
+            QGemvKernel::Float
+        }
+    }
+
+    fn prefix(self) -> &'static str {
+        match self {
+            QGemvKernel::Float => "qgemv",
+            QGemvKernel::Int8Dot => "qgemv_i8",
+        }
+    }
+
+    fn rows_per_block(self) -> u64 {
+        match self {
+            QGemvKernel::Float => QGEMV_ROWS_PER_BLOCK as u64,
+            QGemvKernel::Int8Dot => QDOT_ROWS_PER_BLOCK as u64,
+        }
+    }
+}
 
 /// Every entry point of the `qgemv` module.
 pub fn entry_points() -> Vec<String> {
@@ -475,6 +542,13 @@ pub fn entry_points() -> Vec<String> {
             }
         }
         v.push(format!("qgather_{}_bf16", stem(q)));
+    }
+    for q in QDOT_TYPES {
+        for o in ["bf16", "f32"] {
+            v.push(format!("qgemv_i8_{}_t1_bf16_{o}", stem(q)));
+            v.push(format!("qgemv_i8_fused_norm_{}_t1_bf16_{o}", stem(q)));
+        }
+        v.push(format!("qgemv_i8_fused_{}_t1_bf16_bf16", stem(q)));
     }
     v
 }
@@ -554,6 +628,29 @@ impl GemmChecked {
             o3,
         ]
     }
+}
+
+/// Refuses the integer-dot kernel where it does not exist.
+fn check_kernel(
+    kern: QGemvKernel,
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    op: &'static str,
+) -> Result<(), QLowerError> {
+    if kern == QGemvKernel::Int8Dot && !QGemvKernel::int8_dot_exists(q, t, k) {
+        return Err(QLowerError::Unsupported {
+            op,
+            q,
+            n,
+            k,
+            why: format!(
+                "the integer-dot GEMV takes one token of a Q4_K, Q6_K or Q8_0 weight with K <= {QDOT_MAX_K} (got {t} tokens); lower it with the float kernel"
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn check_gemm(
@@ -675,6 +772,24 @@ pub fn lower_qgemv(
     w_const: bool,
     pdl: bool,
 ) -> Result<Vec<KernelLaunch>, QLowerError> {
+    lower_qgemv_with(QGemvKernel::Float, q, n, k, t, out, bufs, w_const, pdl)
+}
+
+/// [`lower_qgemv`] on the chosen kernel ([`QGemvKernel::choose`]); the
+/// integer-dot kernel is refused (naming the limit) where it does not
+/// exist.
+#[allow(clippy::too_many_arguments)]
+pub fn lower_qgemv_with(
+    kern: QGemvKernel,
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    out: DType,
+    bufs: &QGemvBufs,
+    w_const: bool,
+    pdl: bool,
+) -> Result<Vec<KernelLaunch>, QLowerError> {
     let refuse = |why: String| QLowerError::Unsupported {
         op: "matmul",
         q,
@@ -683,8 +798,9 @@ pub fn lower_qgemv(
         why,
     };
     let c = check_gemm(q, n, k, t, out, bufs)?;
+    check_kernel(kern, q, n, k, t, "matmul")?;
     let os = c.os;
-    let grid = n.div_ceil(QGEMV_ROWS_PER_BLOCK as u64);
+    let grid = n.div_ceil(kern.rows_per_block());
     let grid = u32::try_from(grid).map_err(|_| refuse("too many rows for one grid".into()))?;
     let mut launches = Vec::new();
     let mut t0 = 0u64;
@@ -696,7 +812,7 @@ pub fn lower_qgemv(
             .expect("tokens <= 8");
         launches.push(KernelLaunch {
             module: MODULE.into(),
-            entry: format!("qgemv_{}_t{tt}_bf16_{os}", stem(q)),
+            entry: format!("{}_{}_t{tt}_bf16_{os}", kern.prefix(), stem(q)),
             grid: [grid, 1, 1],
             block: [QGEMV_THREADS, 1, 1],
             shared_bytes: 0,
@@ -1052,19 +1168,37 @@ pub fn lower_qgemv_fused(
     w_const: bool,
     pdl: bool,
 ) -> Result<Vec<KernelLaunch>, QLowerError> {
+    lower_qgemv_fused_with(QGemvKernel::Float, q, n, k, t, out, bufs, f, w_const, pdl)
+}
+
+/// [`lower_qgemv_fused`] on the chosen kernel ([`QGemvKernel::choose`]).
+#[allow(clippy::too_many_arguments)]
+pub fn lower_qgemv_fused_with(
+    kern: QGemvKernel,
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    out: DType,
+    bufs: &QGemvBufs,
+    f: &QFusion,
+    w_const: bool,
+    pdl: bool,
+) -> Result<Vec<KernelLaunch>, QLowerError> {
     let (c, out_n) = check_fused(q, n, k, t, out, bufs, f)?;
     if f.norm.is_none() && f.act.is_none() {
-        return lower_qgemv(q, n, k, t, out, bufs, w_const, pdl);
+        return lower_qgemv_with(kern, q, n, k, t, out, bufs, w_const, pdl);
     }
+    check_kernel(kern, q, n, k, t, "fused_matmul")?;
     let name = if f.norm.is_some() {
         "fused_norm"
     } else {
         "fused"
     };
     let rows_per_block = if f.act.is_some() {
-        QGEMV_ROWS_PER_BLOCK as u64 / 2
+        kern.rows_per_block() / 2
     } else {
-        QGEMV_ROWS_PER_BLOCK as u64
+        kern.rows_per_block()
     };
     let grid =
         u32::try_from(out_n.div_ceil(rows_per_block)).map_err(|_| QLowerError::Unsupported {
@@ -1084,7 +1218,7 @@ pub fn lower_qgemv_fused(
             .expect("tokens <= 8");
         launches.push(KernelLaunch {
             module: MODULE.into(),
-            entry: format!("qgemv_{name}_{}_t{tt}_bf16_{}", stem(q), c.os),
+            entry: format!("{}_{name}_{}_t{tt}_bf16_{}", kern.prefix(), stem(q), c.os),
             grid: [grid, 1, 1],
             block: [QGEMV_THREADS, 1, 1],
             shared_bytes: 0,
@@ -1275,6 +1409,58 @@ mod tests {
             }
         }
         assert_eq!(e4m3_to_f32(0x7e), Some(448.0));
+    }
+
+    #[test]
+    fn the_integer_dot_gemv_is_chosen_for_one_cuda_token_of_its_types_and_refused_elsewhere() {
+        for q in QUANT_TYPES {
+            let has = QDOT_TYPES.contains(&q);
+            assert_eq!(
+                QGemvKernel::choose_with(q, 1, 4096, true, true) == QGemvKernel::Int8Dot,
+                has,
+                "{q:?}"
+            );
+            // HIP, more than one token and rows longer than the shared copy
+            // of x keep the float kernel.
+            assert_eq!(
+                QGemvKernel::choose_with(q, 1, 4096, false, true),
+                QGemvKernel::Float
+            );
+            assert_eq!(
+                QGemvKernel::choose_with(q, 1, 4096, true, false),
+                QGemvKernel::Float
+            );
+            assert_eq!(
+                QGemvKernel::choose_with(q, 2, 4096, true, true),
+                QGemvKernel::Float
+            );
+            assert_eq!(
+                QGemvKernel::choose_with(q, 1, QDOT_MAX_K + 256, true, true),
+                QGemvKernel::Float
+            );
+        }
+        // Asked for where it does not exist, the lowering refuses and says
+        // which kernel to use instead.
+        let e = check_kernel(QGemvKernel::Int8Dot, QuantType::Q4_0, 64, 256, 1, "matmul")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("float kernel"), "{e}");
+        let e = check_kernel(QGemvKernel::Int8Dot, QuantType::Q4K, 64, 256, 3, "matmul")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("got 3 tokens"), "{e}");
+        // Every entry a lowering can name is in the module.
+        let entries = entry_points();
+        for q in QDOT_TYPES {
+            for o in ["bf16", "f32"] {
+                let e = format!("qgemv_i8_{}_t1_bf16_{o}", stem(q));
+                assert!(entries.contains(&e), "{e}");
+                let e = format!("qgemv_i8_fused_norm_{}_t1_bf16_{o}", stem(q));
+                assert!(entries.contains(&e), "{e}");
+            }
+            let e = format!("qgemv_i8_fused_{}_t1_bf16_bf16", stem(q));
+            assert!(entries.contains(&e), "{e}");
+        }
     }
 
     #[test]
@@ -1808,7 +1994,7 @@ mod tests {
             assert_eq!(set.len(), list.len());
         }
         // Plain, fused and gather entries of qgemv; plain and fused of qskinny.
-        assert_eq!(entry_points().len(), 8 * (8 + 12 + 1));
+        assert_eq!(entry_points().len(), 8 * (8 + 12 + 1) + 3 * 5);
         assert_eq!(qskinny_entry_points().len(), 8 * (16 + 20));
     }
 

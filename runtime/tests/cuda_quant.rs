@@ -8,8 +8,10 @@
 //! poisoned outputs; the same kernels captured once and replayed with new
 //! activations every step; the fused entries (`fused_matmul`: the RMSNorm
 //! prologue, SiLU/GELU*up and residual epilogues) against the unfused
-//! sequence on the host (the tests named `quantized_fused_*`); and an
-//! ignored benchmark at Llama-3-8B shapes.
+//! sequence on the host (the tests named `quantized_fused_*`); the
+//! integer-dot GEMV (one token through int8 x and dp4a, `qgemv_i8_*`) in the
+//! same cases with x's rounding added to the bound; and an ignored
+//! benchmark at Llama-3-8B shapes.
 //!
 //! Every test skips without a CUDA device unless `KILN_REQUIRE_CUDA=1`.
 #![cfg(feature = "cuda")]
@@ -23,8 +25,9 @@ use kiln_compiler::gguf::types::GgmlType;
 use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Region};
 use kiln_ir::{DType, Key, Op, TensorType};
 use kiln_kernels::quant_gpu::{
-    dequantize_repacked, lower_qgather, lower_qgemv, lower_qgemv_fused, lower_qskinny,
-    lower_qskinny_fused, repack, QAct, QFusion, QGemvBufs, QNorm, QuantType, QUANT_TYPES,
+    dequantize_repacked, lower_qgather, lower_qgemv_fused_with, lower_qgemv_with, lower_qskinny,
+    lower_qskinny_fused, repack, QAct, QFusion, QGemvBufs, QGemvKernel, QNorm, QuantType,
+    QUANT_TYPES,
 };
 use kiln_runtime::backend::{
     Backend, DevOperand, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
@@ -191,26 +194,46 @@ struct Case {
     res: Option<(DevOperand, HT)>,
     out: DevOperand,
     launch: Launch,
+    /// The launch quantizes x to int8 (`qgemv_i8`).
+    int8_x: bool,
 }
 
-/// Which kernel a case runs: the GEMV (`qgemv`) or the tensor-core skinny
+/// Which kernel a case runs: the GEMV (`qgemv`), its integer-dot form
+/// (`qgemv_i8`, one token of Q4_K, Q6_K, Q8_0) or the tensor-core skinny
 /// GEMM (`qskinny`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kern {
     Gemv,
+    GemvI8,
     Skinny,
 }
 
-fn gemv_case(
-    b: &mut CudaBackend,
-    r: &mut Rng,
-    w: &DevWeight,
-    t: u64,
-    out_dtype: DType,
-    bias: bool,
-    residual: bool,
-) -> Case {
-    kernel_case(b, r, w, t, out_dtype, bias, residual, Kern::Gemv)
+impl Kern {
+    /// The GEMV kernels a `t`-token case of `q` at `k` runs on.
+    fn gemvs(q: QuantType, t: u64, k: u64) -> Vec<Kern> {
+        let mut v = vec![Kern::Gemv];
+        if QGemvKernel::int8_dot_exists(q, t, k) {
+            v.push(Kern::GemvI8);
+        }
+        v
+    }
+}
+
+/// x's rounding under the integer-dot GEMV, as a bound on a product with
+/// weight row `w`: each 32-group g of x is off by at most max_g|x| / 254
+/// per element (the code's half step; 1% over for the f32 scale's own
+/// rounding), times sum_{i in g} |w_i|. `slack` widens each |x| by the
+/// normalized values' rounding ambiguity (0 for a plain GEMV).
+fn int8_x_bound(x: &[f64], slack: &[f64], w: &[f32]) -> f64 {
+    x.chunks(32)
+        .zip(slack.chunks(32))
+        .zip(w.chunks(32))
+        .map(|((xg, sg), wg)| {
+            let amax = xg.iter().zip(sg).fold(0f64, |a, (v, s)| a.max(v.abs() + s));
+            let wsum: f64 = wg.iter().map(|v| f64::from(v.abs())).sum();
+            amax / 254.0 * 1.01 * wsum
+        })
+        .sum()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -243,20 +266,24 @@ fn kernel_case(
         residual: res.as_ref().map(|(d, _)| abs(d)),
         out: abs(&out),
     };
+    let g = |k| lower_qgemv_with(k, w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl());
     let ks = match kern {
-        Kern::Gemv => lower_qgemv(w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl()),
+        Kern::Gemv => g(QGemvKernel::Float),
+        Kern::GemvI8 => g(QGemvKernel::Int8Dot),
         Kern::Skinny => lower_qskinny(w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl()),
     }
     .unwrap();
+    let int8_x = ks[0].entry.starts_with("qgemv_i8_");
+    assert_eq!(int8_x, kern == Kern::GemvI8, "{}", ks[0].entry);
     let mut args = vec![x.clone(), w.w.clone()];
     args.extend(w.scale.clone());
     args.extend(bias.as_ref().map(|(d, _)| d.clone()));
     args.extend(res.as_ref().map(|(d, _)| d.clone()));
     let launch = launch_of(
-        if kern == Kern::Gemv {
-            "qgemv"
-        } else {
+        if kern == Kern::Skinny {
             "qskinny"
+        } else {
+            "qgemv"
         },
         &ks,
         args,
@@ -270,6 +297,7 @@ fn kernel_case(
         res,
         out,
         launch,
+        int8_x,
     }
 }
 
@@ -277,11 +305,16 @@ fn kernel_case(
 /// Bound per element: 2^-8 |want| (bf16 output rounding) + 2^-7 |r1|
 /// with a residual (the product's own rounding, which may land on the
 /// other neighbour) + 2^-14 sum_k |x w| (f32 accumulation in another
-/// order) + 1e-6.
+/// order) + 1e-6, plus [`int8_x_bound`] under the integer-dot GEMV.
 fn check_gemv(what: &str, w: &DevWeight, c: &Case, x: &HT, got: &HT) {
     let (n, k) = (w.n as usize, w.k as usize);
     let mut worst = 0f64;
+    let zeros = vec![0f64; k];
     for t in 0..c.t as usize {
+        let xt: Vec<f64> = x.f[t * k..(t + 1) * k]
+            .iter()
+            .map(|&v| f64::from(v))
+            .collect();
         for row in 0..n {
             let (mut acc, mut mag) = (0f64, 0f64);
             for e in 0..k {
@@ -293,6 +326,9 @@ fn check_gemv(what: &str, w: &DevWeight, c: &Case, x: &HT, got: &HT) {
                 acc += f64::from(bh.f[row]);
             }
             let mut bound = 2f64.powi(-14) * mag + 1e-6;
+            if c.int8_x {
+                bound += int8_x_bound(&xt, &zeros, &w.deq[row * k..(row + 1) * k]);
+            }
             let want = match &c.res {
                 Some((_, rh)) => {
                     // The kernel's f32 sum may round to the bf16
@@ -351,28 +387,33 @@ fn quantized_gemv_matches_the_decoded_weight_for_every_type_at_awkward_sizes() {
                         DType::F32
                     };
                     let bias = (n + t) % 2 == 1;
-                    let residual = out == DType::BF16 && ti == 1;
-                    let c = gemv_case(&mut b, &mut r, &w, t, out, bias, residual);
-                    b.prepare(&c.launch).unwrap();
-                    b.launch(&c.launch).unwrap();
-                    b.synchronize().unwrap();
-                    let x = download(&mut b, &c.x);
-                    let got = download(&mut b, &c.out);
-                    check_gemv(
-                        &format!(
-                            "{q:?} [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"
-                        ),
-                        &w,
-                        &c,
-                        &x,
-                        &got,
-                    );
-                    cases += 1;
+                    // The residual at T = 3, and at T = 1 on the
+                    // integer-dot kernel's long rows.
+                    let residual = out == DType::BF16 && (ti == 1 || (t == 1 && ki == 2));
+                    for kern in Kern::gemvs(q, t, k) {
+                        let c = kernel_case(&mut b, &mut r, &w, t, out, bias, residual, kern);
+                        b.prepare(&c.launch).unwrap();
+                        b.launch(&c.launch).unwrap();
+                        b.synchronize().unwrap();
+                        let x = download(&mut b, &c.x);
+                        let got = download(&mut b, &c.out);
+                        check_gemv(
+                            &format!(
+                                "{kern:?} {q:?} [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"
+                            ),
+                            &w,
+                            &c,
+                            &x,
+                            &got,
+                        );
+                        cases += 1;
+                    }
                 }
             }
         }
     }
-    assert_eq!(cases, 8 * 3 * 3 * 4);
+    // The integer-dot kernel adds a T = 1 case for Q4_K, Q6_K and Q8_0.
+    assert_eq!(cases, 8 * 3 * 3 * 4 + 3 * 3 * 3);
 }
 
 /// Each type's GEMV captured once and replayed with new activations every
@@ -384,8 +425,15 @@ fn quantized_gemv_under_capture_and_replay_follows_changing_inputs() {
     let mut r = Rng::new(22);
     for (qi, q) in QUANT_TYPES.into_iter().enumerate() {
         let (n, k, t) = (1000u64, ks(q)[2], [1u64, 3, 8][qi % 3]);
+        // The integer-dot GEMV's types at one token (Q4_K otherwise runs
+        // at three).
+        let (t, kern) = if QGemvKernel::int8_dot_exists(q, 1, k) {
+            (1, Kern::GemvI8)
+        } else {
+            (t, Kern::Gemv)
+        };
         let w = weight(&mut b, q, n, k, 2000 + qi as u64);
-        let c = gemv_case(&mut b, &mut r, &w, t, DType::BF16, true, false);
+        let c = kernel_case(&mut b, &mut r, &w, t, DType::BF16, true, false, kern);
         b.prepare(&c.launch).unwrap();
         b.begin_capture(Key::new(t as u32, 1, 0)).unwrap();
         b.launch(&c.launch).unwrap();
@@ -404,7 +452,13 @@ fn quantized_gemv_under_capture_and_replay_follows_changing_inputs() {
             b.replay(graph).unwrap();
             b.synchronize().unwrap();
             let got = download(&mut b, &c.out);
-            check_gemv(&format!("{q:?} replay step {step} t={t}"), &w, &c, &x, &got);
+            check_gemv(
+                &format!("{kern:?} {q:?} replay step {step} t={t}"),
+                &w,
+                &c,
+                &x,
+                &got,
+            );
         }
         assert_eq!(b.counters().graphs.replays() - before, 4);
         b.destroy_graph(graph).unwrap();
@@ -642,8 +696,10 @@ fn fused_launch(b: &CudaBackend, w: &DevWeight, c: &FusedCase, kern: Kern) -> La
         act: c.kind.act(),
     };
     let (q, n, k, t, od) = (w.q, w.n, w.k, c.t, c.kind.out());
+    let g = |kk| lower_qgemv_fused_with(kk, q, n, k, t, od, &bufs, &f, true, b.pdl());
     let ks = match kern {
-        Kern::Gemv => lower_qgemv_fused(q, n, k, t, od, &bufs, &f, true, b.pdl()),
+        Kern::Gemv => g(QGemvKernel::Float),
+        Kern::GemvI8 => g(QGemvKernel::Int8Dot),
         Kern::Skinny => lower_qskinny_fused(q, n, k, t, od, &bufs, &f, true, b.pdl()),
     }
     .unwrap();
@@ -656,10 +712,10 @@ fn fused_launch(b: &CudaBackend, w: &DevWeight, c: &FusedCase, kern: Kern) -> La
     args.push(c.norm_w.0.clone());
     args.extend(c.res.as_ref().map(|(d, _)| d.clone()));
     launch_of(
-        if kern == Kern::Gemv {
-            "qgemv_fused"
-        } else {
+        if kern == Kern::Skinny {
             "qskinny_fused"
+        } else {
+            "qgemv_fused"
         },
         &ks,
         args,
@@ -714,8 +770,10 @@ fn host_normed(c: &FusedCase, x: &HT, k: usize) -> (Vec<f64>, Vec<f64>) {
 /// sequence rounds to bf16 (y before the residual, g and u before the
 /// activation) may land a full ulp (2^-7) away; the activation moves that
 /// by at most 1.13 |u| |dg| + |act(g)| |du| + |dg du| (|silu'|, |gelu'| <=
-/// 1.13); the result's own bf16 rounding adds 2^-8 |want|.
-fn check_fused(what: &str, w: &DevWeight, c: &FusedCase, x: &HT, got: &HT) {
+/// 1.13); the result's own bf16 rounding adds 2^-8 |want|. Under the
+/// integer-dot GEMV (`kern`) each product also carries [`int8_x_bound`] of
+/// the normalized row.
+fn check_fused(what: &str, kern: Kern, w: &DevWeight, c: &FusedCase, x: &HT, got: &HT) {
     let (n, k) = (w.n as usize, w.k as usize);
     let (xn, amb) = host_normed(c, x, k);
     let act = c.kind.act();
@@ -733,6 +791,13 @@ fn check_fused(what: &str, w: &DevWeight, c: &FusedCase, x: &HT, got: &HT) {
         }
         if let Some((_, bh)) = &c.bias {
             acc += f64::from(bh.f[row]);
+        }
+        if kern == Kern::GemvI8 {
+            bound += int8_x_bound(
+                &xn[t * k..(t + 1) * k],
+                &amb[t * k..(t + 1) * k],
+                &w.deq[row * k..(row + 1) * k],
+            );
         }
         (acc, bound + 2f64.powi(-14) * mag)
     };
@@ -813,7 +878,7 @@ fn quantized_fused_gemms_match_the_unfused_sequence_for_every_type_prologue_and_
                     let c = fused_case(&mut b, &mut r, &w, t, kind, bias);
                     let mut kerns = Vec::new();
                     if t <= 17 {
-                        kerns.push(Kern::Gemv);
+                        kerns.extend(Kern::gemvs(q, t, k));
                     }
                     if t >= 3 && tensor_cores {
                         kerns.push(Kern::Skinny);
@@ -831,6 +896,7 @@ fn quantized_fused_gemms_match_the_unfused_sequence_for_every_type_prologue_and_
                             &format!(
                                 "fused {kern:?} {q:?} {kind:?} [{t},{k}]x[{n},{k}]^T bias={bias}"
                             ),
+                            kern,
                             &w,
                             &c,
                             &x,
@@ -851,7 +917,8 @@ fn quantized_fused_gemms_match_the_unfused_sequence_for_every_type_prologue_and_
         }
     }
     let per_shape = if tensor_cores { 4 + 4 } else { 4 };
-    assert_eq!(cases, 8 * 2 * 5 * per_shape);
+    // The integer-dot kernel adds the T = 1 case of Q4_K, Q6_K and Q8_0.
+    assert_eq!(cases, 8 * 2 * 5 * per_shape + 3 * 2 * 5);
 }
 
 /// Each type's fused GEMM (norm + SiLU*up; the GEMV at one token, the
@@ -867,6 +934,8 @@ fn quantized_fused_gemms_under_capture_and_replay_follow_changing_inputs() {
         let (n, k, t) = (1000u64, ks(q)[2], [1u64, 9, 32][qi % 3]);
         let kern = if t >= 2 && tensor_cores {
             Kern::Skinny
+        } else if QGemvKernel::int8_dot_exists(q, t, k) {
+            Kern::GemvI8
         } else {
             Kern::Gemv
         };
@@ -896,6 +965,7 @@ fn quantized_fused_gemms_under_capture_and_replay_follow_changing_inputs() {
             let got = download(&mut b, &c.out);
             check_fused(
                 &format!("fused {kern:?} {q:?} replay step {step} t={t}"),
+                kern,
                 &w,
                 &c,
                 &x,
