@@ -135,11 +135,12 @@ pub struct CompileOptions {
     /// GPU targets: let the `fuse-matmul` pass fold RMSNorm prologues and
     /// SiLU/GELU/residual epilogues into kiln's GEMV (`kiln compile
     /// --fused-gemv`). The megakernel schedule fuses regardless (with its
-    /// own rule, `Pass::FuseMatMulTape`). Off by default on GPUs: measured on the H200
-    /// (bench/results/gpu-2026-12-01-s6/), the fused GEMV is slower than the
-    /// unfused ops at b1 on four of six shapes and 1.6-4.9x slower at b8, so
-    /// it stays opt-in until its kernels beat what they replace. The CPU
-    /// target always runs the pass (its reference is the unfused sequence).
+    /// own rule, `Pass::FuseMatMulTape`). Without it GPU targets run
+    /// `fuse-matmul-quant` instead: one-token matmuls over weights kept
+    /// quantized fuse, dense ones do not (measured on the H200, the dense
+    /// fused GEMV is still slower than the unfused staged GEMV; see
+    /// `FuseRule::GRAPH_QUANT`). The CPU target always runs the full pass
+    /// (its reference is the unfused sequence).
     pub fused_gemv: bool,
     /// Tensor-parallel ranks (`kiln compile --tp N`; 1: none). The shard
     /// pass (`passes::shard`) rewrites every traced key for one rank before
@@ -548,8 +549,9 @@ pub fn compile_traced<E: Display>(
 
     let mut graphs = Vec::with_capacity(keys.len());
     let mut stats = Vec::with_capacity(keys.len());
-    // On GPU targets `fuse-matmul` is opt-in for the graph schedule
-    // (`fused_gemv`); a megakernel schedule always runs it, with the
+    // On GPU targets the graph schedule runs `fuse-matmul` with
+    // `fused_gemv` and `fuse-matmul-quant` (quantized one-token matmuls
+    // only) without; a megakernel schedule always runs it, with the
     // interpreter's rule (`fuse-matmul-tape`): its fused tiles are never
     // slower than the unfused ops and take a hop off the tape per fusion
     // (bench/results/gpu-2026-12-02-s14/).
@@ -561,7 +563,9 @@ pub fn compile_traced<E: Display>(
         .copied()
         .filter_map(|p| match p {
             Pass::FuseMatMul if tape_rule => Some(Pass::FuseMatMulTape),
-            Pass::FuseMatMul if !opts.fused_gemv && !matches!(opts.target, Target::Cpu) => None,
+            Pass::FuseMatMul if !opts.fused_gemv && !matches!(opts.target, Target::Cpu) => {
+                Some(Pass::FuseMatMulQuant)
+            }
             p => Some(p),
         })
         .collect();
@@ -849,11 +853,13 @@ pub struct CompileArgs {
     /// decides.
     #[arg(long)]
     pub tuning: Option<PathBuf>,
-    /// GPU targets: fold RMSNorm prologues and SiLU/GELU/residual epilogues
-    /// into kiln's GEMV (`fused_matmul`) for one-token keys. Opt-in: on the
-    /// H200 it is faster only for the smallest models (SmolLM2-135M b1 12%
-    /// faster, Qwen3-0.6B 3% and Llama-3.2-1B 10% slower; see
-    /// `CompileOptions::fused_gemv`).
+    /// GPU targets: also fold RMSNorm prologues and SiLU/GELU/residual
+    /// epilogues into the dense one-token GEMVs and into the quantized
+    /// matmuls of multi-token keys (`fused_matmul`). Without it only
+    /// one-token matmuls over quantized weights fuse: on the H200 the dense
+    /// fused GEMV is 7-15% slower than the unfused staged GEMV and the fused
+    /// eight-token qskinny slower than the unfused one
+    /// (bench/results/gpu-2026-12-04-s18/).
     #[arg(long)]
     pub fused_gemv: bool,
     /// Tensor parallelism: shard the plan over N ranks (one GPU each, or N

@@ -263,3 +263,46 @@ KILN_DEV void kiln_inv_rms_rows(const kbf16* __restrict__ x, int tokens, int k, 
     if (lane == 0) inv[t] = 1.0f / sqrtf(ss / (float)k + eps);
   }
 }
+
+// kiln_inv_rms_rows for one row, shared by the whole block (the one-token
+// integer-dot GEMV, qgemv.cu): thread i sums 8-element chunks i, i +
+// blockDim, ..., the loads of up to KILN_RMS_BATCH chunks issued before any
+// is used, one partial per warp through shared memory, added by thread 0
+// in warp order (deterministic). One warp alone waited for each of its
+// loads in turn: 16 L2 round trips at K = 4096 (Llama-3-8B b1 Q4_K 2.750
+// -> 2.662 ms with this form, bench/results/gpu-2026-12-04-s18/). Every
+// thread of the block must call it; the caller synchronizes the block
+// before reading inv[0].
+#define KILN_RMS_BATCH 8
+KILN_DEV void kiln_inv_rms_row_block(const kbf16* __restrict__ x, int k, float eps, float* inv) {
+  __shared__ float part[32];
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const int kv = k / 8;
+  const int stride = blockDim.x;
+  float ss = 0.0f;
+  for (int c0 = threadIdx.x; c0 < kv; c0 += KILN_RMS_BATCH * stride) {
+    uint4 v[KILN_RMS_BATCH];
+#pragma unroll
+    for (int b = 0; b < KILN_RMS_BATCH; ++b) {
+      const int c = c0 + b * stride;
+      if (c < kv) v[b] = xv[c];
+    }
+#pragma unroll
+    for (int b = 0; b < KILN_RMS_BATCH; ++b) {
+      if (c0 + b * stride < kv) {
+        float f[8];
+        unpack8(v[b], x, f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+      }
+    }
+  }
+  ss = warp_sum(ss);
+  if (threadIdx.x % KILN_WARP == 0) part[threadIdx.x / KILN_WARP] = ss;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x / KILN_WARP); ++w) t += part[w];
+    inv[0] = 1.0f / sqrtf(t / (float)k + eps);
+  }
+}

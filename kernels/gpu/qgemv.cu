@@ -529,46 +529,63 @@ KILN_DEV int kiln_dp4a(unsigned int a, unsigned int b, int c) {
 template <int PRE>
 KILN_DEV void qd_prep_x(const kbf16* __restrict__ x, const kbf16* __restrict__ norm_w, int k,
                         float inv, int unit_offset, signed char* xq, float* xd, int* xi) {
-  for (int base = 0; base < k; base += blockDim.x * 8) {
-    const int i = base + threadIdx.x * 8;
-    const bool valid = i < k;
-    float f[8];
+  // Up to QB rounds' loads are issued before any is used (one L2 round trip
+  // per QB rounds, not per round: 7 rounds at K = 14336).
+  constexpr int QB = 4;
+  const int step = blockDim.x * 8;
+  for (int base0 = 0; base0 < k; base0 += QB * step) {
+    uint4 xr[QB], nr[QB];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = 0.0f;
-    if (valid) {
-      unpack8(*reinterpret_cast<const uint4*>(x + i), x, f);
-      if (PRE) {
-        float g[8];
-        unpack8(*reinterpret_cast<const uint4*>(norm_w + i), norm_w, g);
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          f[e] = round_to<kbf16>(f[e] * inv * (unit_offset ? 1.0f + g[e] : g[e]));
+    for (int b = 0; b < QB; ++b) {
+      const int i = base0 + b * step + threadIdx.x * 8;
+      if (i < k) {
+        xr[b] = *reinterpret_cast<const uint4*>(x + i);
+        if (PRE) nr[b] = *reinterpret_cast<const uint4*>(norm_w + i);
       }
     }
-    float am = 0.0f;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) am = fmaxf(am, fabsf(f[e]));
-    am = fmaxf(am, shfl_xor(am, 1));
-    am = fmaxf(am, shfl_xor(am, 2));
-    const float d = __fdiv_rn(am, 127.0f);
-    const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
-    unsigned int p0 = 0u, p1 = 0u;
-    int qs = 0;
+    for (int b = 0; b < QB; ++b) {
+      if (base0 + b * step >= k) break;  // uniform over the block
+      const int i = base0 + b * step + threadIdx.x * 8;
+      const bool valid = i < k;
+      float f[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int q = max(-127, min(127, __float2int_rn(__fmul_rn(f[e], id))));
-      qs += q;
-      if (e < 4) {
-        p0 |= ((unsigned int)q & 0xffu) << (8 * e);
-      } else {
-        p1 |= ((unsigned int)q & 0xffu) << (8 * (e - 4));
+      for (int e = 0; e < 8; ++e) f[e] = 0.0f;
+      if (valid) {
+        unpack8(xr[b], x, f);
+        if (PRE) {
+          float g[8];
+          unpack8(nr[b], norm_w, g);
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            f[e] = round_to<kbf16>(f[e] * inv * (unit_offset ? 1.0f + g[e] : g[e]));
+        }
       }
-    }
-    qs += shfl_xor_int(qs, 1);
-    if (valid) {
-      *reinterpret_cast<uint2*>(xq + i) = make_uint2(p0, p1);
-      if ((threadIdx.x & 3) == 0) xd[i / 32] = d;
-      if ((threadIdx.x & 1) == 0) xi[i / 16] = qs;
+      float am = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) am = fmaxf(am, fabsf(f[e]));
+      am = fmaxf(am, shfl_xor(am, 1));
+      am = fmaxf(am, shfl_xor(am, 2));
+      const float d = __fdiv_rn(am, 127.0f);
+      const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
+      unsigned int p0 = 0u, p1 = 0u;
+      int qs = 0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int q = max(-127, min(127, __float2int_rn(__fmul_rn(f[e], id))));
+        qs += q;
+        if (e < 4) {
+          p0 |= ((unsigned int)q & 0xffu) << (8 * e);
+        } else {
+          p1 |= ((unsigned int)q & 0xffu) << (8 * (e - 4));
+        }
+      }
+      qs += shfl_xor_int(qs, 1);
+      if (valid) {
+        *reinterpret_cast<uint2*>(xq + i) = make_uint2(p0, p1);
+        if ((threadIdx.x & 3) == 0) xd[i / 32] = d;
+        if ((threadIdx.x & 1) == 0) xi[i / 16] = qs;
+      }
     }
   }
 }
@@ -617,7 +634,7 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
   }
   KILN_PROLOGUE();
   if (PRE) {
-    kiln_inv_rms_rows(x, 1, k, eps, inv_rms);
+    kiln_inv_rms_row_block(x, k, eps, inv_rms);
     __syncthreads();
   }
   qd_prep_x<PRE>(x, norm_w, k, PRE ? inv_rms[0] : 1.0f, unit_offset, xq, xd, xi);

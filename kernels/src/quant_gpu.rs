@@ -491,10 +491,13 @@ impl QGemvKernel {
     }
 
     /// The kernel a plan records: [`QGemvKernel::choose_with`], enabled
-    /// when `KILN_QGEMV_I8=1` is set as the plan is compiled. Opt-in until
-    /// its device tests and timings are in `bench/results/`.
+    /// unless `KILN_QGEMV_I8=0` is set as the plan is compiled (the float
+    /// kernel for an A/B comparison). On by default since its device tests
+    /// passed and it measured faster on the H200: Llama-3-8B Q4_K b1 3.251
+    /// -> 2.717 ms, Qwen3-0.6B Q4_K b1 1.013 -> 1.000 ms
+    /// (bench/results/gpu-2026-12-04-s16/).
     pub fn choose(q: QuantType, t: u64, k: u64, cuda: bool) -> QGemvKernel {
-        let on = std::env::var("KILN_QGEMV_I8").is_ok_and(|v| v == "1");
+        let on = std::env::var("KILN_QGEMV_I8").map_or(true, |v| v != "0");
         Self::choose_with(q, t, k, cuda, on)
     }
 

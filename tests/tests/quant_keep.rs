@@ -379,10 +379,11 @@ fn a_kept_plan_for_a_gpu_lowers_its_quantized_weights_to_qgemv_and_qskinny_launc
             }
         }
     }
-    // The b1 GEMV and the 8-token tensor-core GEMM over Q4_K matrices, and
-    // the Q6_K embedding/lm_head; no 8-token key loops the GEMV any more.
+    // The b1 integer-dot GEMV (the CUDA default) and the 8-token
+    // tensor-core GEMM over Q4_K matrices, and the Q6_K embedding/lm_head;
+    // no 8-token key loops the GEMV any more.
     for e in [
-        "qgemv_q4k_t1_bf16_bf16",
+        "qgemv_i8_q4k_t1_bf16_bf16",
         "qskinny_q4k_t8_r1_bf16_bf16",
         "qgather_q6k_bf16",
     ] {
@@ -426,13 +427,14 @@ fn launches_per_key(plan: &kiln_ir::plan::Plan) -> Vec<(Key, Vec<String>)> {
         .collect()
 }
 
-/// `--fused-gemv` on a kept Q4_K plan for CUDA sm_90: every key folds the
-/// norms into the GEMMs that read them and SiLU*up into the gate/up GEMM
-/// (the quantized fused entries, qgemv at one token and qskinny at eight,
-/// gate and up tiles paired), so each key launches fewer kernels; without
-/// the option nothing is fused (the opt-in is the dense fused GEMV's).
+/// A Q4_K plan compiled for a GPU folds the RMSNorms into the GEMMs that
+/// read them and SiLU*up into the gate/up GEMM (the quantized fused
+/// entries, gate and up rows or tiles paired), so each key launches fewer
+/// kernels: by default the one-token key (the integer-dot qgemv), with
+/// `--fused-gemv` the eight-token key too (qskinny); the default leaves the
+/// eight-token key unfused.
 #[test]
-fn a_kept_q4_k_plan_for_a_gpu_fuses_its_norms_and_silu_into_the_quantized_gemms_only_when_asked() {
+fn a_kept_q4_k_plan_for_a_gpu_fuses_one_token_gemms_by_default_and_every_key_when_asked() {
     let model = TinyLlama {
         hidden: 256,
         ffn: 256,
@@ -452,31 +454,36 @@ fn a_kept_q4_k_plan_for_a_gpu_fuses_its_norms_and_silu_into_the_quantized_gemms_
         plan
     };
     let (plain, fused) = (compile(false), compile(true));
-    let fused_ops = |p: &kiln_ir::plan::Plan| {
+    let fused_ops = |p: &kiln_ir::plan::Plan, query: u32| {
         p.keys
             .iter()
+            .filter(|k| k.key.query == query)
             .flat_map(|k| &k.ops)
             .filter(|o| matches!(o.op, kiln_ir::Op::FusedMatMul { .. }))
             .count()
     };
-    assert_eq!(fused_ops(&plain), 0);
-    assert!(fused_ops(&fused) > 0);
+    assert!(fused_ops(&plain, 1) > 0);
+    assert_eq!(fused_ops(&plain, 8), 0);
+    assert!(fused_ops(&fused, 1) > 0);
+    assert!(fused_ops(&fused, 8) > 0);
     let (lp, lf) = (launches_per_key(&plain), launches_per_key(&fused));
     for ((key, p), (_, f)) in lp.iter().zip(&lf) {
-        assert!(
-            !p.iter().any(|e| e.contains("fused")),
-            "{key}: the plain plan launches {p:?}"
-        );
-        // At least the two norms and the SiLU of each layer are gone.
-        assert!(
-            f.len() + 3 * model.layers <= p.len(),
-            "{key}: {} launches fused, {} plain\n{f:?}",
-            f.len(),
-            p.len()
-        );
         let want = if key.query == 1 {
-            "qgemv_fused_norm_q4k_t1_bf16_bf16"
+            // Both plans fuse the one-token key alike.
+            assert_eq!(p, f, "{key}");
+            "qgemv_i8_fused_norm_q4k_t1_bf16_bf16"
         } else {
+            assert!(
+                !p.iter().any(|e| e.contains("fused")),
+                "{key}: the default plan launches {p:?}"
+            );
+            // At least the two norms and the SiLU of each layer are gone.
+            assert!(
+                f.len() + 3 * model.layers <= p.len(),
+                "{key}: {} launches fused, {} plain\n{f:?}",
+                f.len(),
+                p.len()
+            );
             "qskinny_fused_norm_q4k_t8_r2_bf16_bf16"
         };
         assert!(

@@ -495,8 +495,12 @@ impl Fusable {
             Target::Cuda { .. } | Target::Hip { .. } => {
                 let quantized = tys.get(1).is_some_and(|w| w.storage.is_some());
                 let tokens = tys.first().and_then(|x| x.shape.dims().first().copied());
-                (quantized || tokens.is_some_and(|t| t <= rule.max_tokens))
-                    && kiln_kernels::gpu::fused_matmul_runs(&self.op(), &tys, target).is_ok()
+                let within = |most: u32| tokens.is_some_and(|t| t <= most);
+                (if quantized {
+                    within(rule.quant_max_tokens)
+                } else {
+                    rule.dense && within(rule.max_tokens)
+                }) && kiln_kernels::gpu::fused_matmul_runs(&self.op(), &tys, target).is_ok()
             }
         }
     }
@@ -521,17 +525,38 @@ pub(crate) const GPU_FUSE_MAX_TOKENS: u32 = 1;
 /// fuses whatever its reference kernels run, at any token count).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct FuseRule {
-    /// The most tokens a key may have for its dense GEMVs to fuse
-    /// (quantized weights fuse at any count: their GEMV is the only one).
+    /// Whether matmuls over dense (bf16/f16/f32) weights fuse at all.
+    pub dense: bool,
+    /// The most tokens a key may have for its dense GEMVs to fuse.
     pub max_tokens: u32,
+    /// The most tokens a key may have for matmuls over weights kept
+    /// quantized to fuse (their unfused form runs the same qgemv / qskinny
+    /// kernels, never cuBLASLt, so nothing is given up by fusing).
+    pub quant_max_tokens: u32,
     /// Whether `argmax(matmul)` becomes `fused_matmul{argmax}`.
     pub argmax: bool,
 }
 
 impl FuseRule {
-    /// The graph schedule's rule (`fuse-matmul`).
+    /// The graph schedule's rule with `--fused-gemv` (`fuse-matmul`).
     pub const GRAPH: FuseRule = FuseRule {
+        dense: true,
         max_tokens: GPU_FUSE_MAX_TOKENS,
+        quant_max_tokens: u32::MAX,
+        argmax: true,
+    };
+
+    /// The graph schedule's default rule on GPU targets
+    /// (`fuse-matmul-quant`): only matmuls over quantized weights, in
+    /// one-token keys. Measured on the H200 (bench/results/gpu-2026-12-04-s18/),
+    /// the one-token integer-dot GEMV with its RMSNorm prologue and
+    /// SiLU/residual epilogues is faster than the unfused ops it replaces,
+    /// while the dense fused GEMV is still slower than the unfused staged
+    /// GEMV, and the fused eight-token qskinny slower than the unfused one.
+    pub const GRAPH_QUANT: FuseRule = FuseRule {
+        dense: false,
+        max_tokens: GPU_FUSE_MAX_TOKENS,
+        quant_max_tokens: 1,
         argmax: true,
     };
 
@@ -541,7 +566,9 @@ impl FuseRule {
     /// lm_head's tiles (spread over every queue) wrote, where a fused
     /// argmax would be one task on one block reading the whole lm_head.
     pub const TAPE: FuseRule = FuseRule {
+        dense: true,
         max_tokens: 8,
+        quant_max_tokens: u32::MAX,
         argmax: false,
     };
 }

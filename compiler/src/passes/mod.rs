@@ -64,6 +64,10 @@ pub enum Pass {
     /// and the lm_head keeps its argmax separate, because a fused argmax
     /// is a whole-op task that one block would run alone.
     FuseMatMulTape,
+    /// `fuse-matmul` for matmuls over weights kept quantized only, in
+    /// one-token keys: what the graph schedule runs on GPU targets without
+    /// `--fused-gemv` (see `FuseRule::GRAPH_QUANT` for the measurements).
+    FuseMatMulQuant,
 }
 
 impl Pass {
@@ -75,6 +79,7 @@ impl Pass {
             Pass::FuseGateUp => "fuse-gate-up",
             Pass::FuseMatMul => "fuse-matmul",
             Pass::FuseMatMulTape => "fuse-matmul-tape",
+            Pass::FuseMatMulQuant => "fuse-matmul-quant",
         }
     }
 }
@@ -173,6 +178,12 @@ pub fn run_pass_for(
         }
         Pass::FuseMatMulTape => {
             let c = fuse::fuse_matmul(&mut ed, target, fuse::FuseRule::TAPE).map_err(failed)?;
+            stats.matmul_epilogues += c.epilogues;
+            stats.matmul_prologues += c.prologues;
+        }
+        Pass::FuseMatMulQuant => {
+            let c =
+                fuse::fuse_matmul(&mut ed, target, fuse::FuseRule::GRAPH_QUANT).map_err(failed)?;
             stats.matmul_epilogues += c.epilogues;
             stats.matmul_prologues += c.prologues;
         }
