@@ -561,12 +561,12 @@ pub fn compile_traced<E: Display>(
         .passes
         .iter()
         .copied()
-        .filter_map(|p| match p {
-            Pass::FuseMatMul if tape_rule => Some(Pass::FuseMatMulTape),
+        .map(|p| match p {
+            Pass::FuseMatMul if tape_rule => Pass::FuseMatMulTape,
             Pass::FuseMatMul if !opts.fused_gemv && !matches!(opts.target, Target::Cpu) => {
-                Some(Pass::FuseMatMulQuant)
+                Pass::FuseMatMulQuant
             }
-            p => Some(p),
+            p => p,
         })
         .collect();
     for &key in &keys {
