@@ -557,10 +557,13 @@ pub fn compile_traced<E: Display>(
     // (bench/results/gpu-2026-12-02-s14/).
     let tape_rule = opts.schedule == passes::megakernel::ScheduleKind::Megakernel
         && !matches!(opts.target, Target::Cpu);
+    // `fuse-rope-attention` is a graph-schedule fusion: the interpreter
+    // runs the two ops as tasks.
     let pipeline: Vec<Pass> = opts
         .passes
         .iter()
         .copied()
+        .filter(|p| *p != Pass::FuseRopeAttention || !tape_rule)
         .map(|p| match p {
             Pass::FuseMatMul if tape_rule => Pass::FuseMatMulTape,
             Pass::FuseMatMul if !opts.fused_gemv && !matches!(opts.target, Target::Cpu) => {
@@ -862,6 +865,12 @@ pub struct CompileArgs {
     /// (bench/results/gpu-2026-12-04-s18/).
     #[arg(long)]
     pub fused_gemv: bool,
+    /// GPU targets: keep the q/k norm + RoPE + KV write
+    /// (`qkv_rope_kv_write`) and the attention as two launches instead of
+    /// the fused `rope_attention` (the `fuse-rope-attention` pass). For A/B
+    /// measurements.
+    #[arg(long)]
+    pub no_rope_attention: bool,
     /// Tensor parallelism: shard the plan over N ranks (one GPU each, or N
     /// CPU threads), Megatron-style; N must divide the attention heads and
     /// the KV heads. One plan file holds every rank.
@@ -934,7 +943,10 @@ impl CompileArgs {
             sampling: self.sampling || self.serve,
             penalty_slots: self.penalty_slots,
             verify: !self.no_verify,
-            passes: DEFAULT_PIPELINE.to_vec(),
+            passes: DEFAULT_PIPELINE
+                .into_iter()
+                .filter(|p| !self.no_rope_attention || *p != Pass::FuseRopeAttention)
+                .collect(),
             attn_target_blocks: self.attn_target_blocks,
             no_attn_clusters: self.no_attn_clusters,
             tuning: None,

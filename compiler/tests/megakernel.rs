@@ -111,13 +111,15 @@ fn a_gpu_plan_gets_a_tape_per_key_cut_into_gemv_tiles_and_attention_heads() {
         assert!(graph.keys.iter().all(|k| k.schedule == Schedule::Graph));
         assert!(graph.counter_bytes < plan.counter_bytes);
         // Without its tapes the plan is the graph schedule's plan of the
-        // same fusions (the megakernel schedule runs `fuse-matmul-tape`).
+        // same fusions (the megakernel schedule runs `fuse-matmul-tape` and
+        // no `fuse-rope-attention`).
         let graph = compile_synth(
             &spec,
             &CompileOptions {
                 schedule: ScheduleKind::Graph,
                 passes: kiln_compiler::passes::DEFAULT_PIPELINE
                     .iter()
+                    .filter(|&&p| p != Pass::FuseRopeAttention)
                     .map(|&p| match p {
                         Pass::FuseMatMul => Pass::FuseMatMulTape,
                         p => p,

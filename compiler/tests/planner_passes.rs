@@ -350,3 +350,89 @@ fn a_malformed_traced_graph_is_rejected_before_any_pass() {
     let e = run_pipeline(g, &mut m, &DEFAULT_PIPELINE, true).unwrap_err();
     assert!(e.to_string().contains("model.norm.weight"), "{e}");
 }
+
+/// The fusions up to `fuse-rope-attention` (no `fuse-matmul`), for `target`.
+fn fused_for(
+    spec: &SynthSpec,
+    g: Graph,
+    target: &kiln_ir::plan::Target,
+) -> (Graph, WeightManifest, PassStats) {
+    let passes: Vec<Pass> = DEFAULT_PIPELINE
+        .iter()
+        .copied()
+        .filter(|p| *p != Pass::FuseMatMul)
+        .collect();
+    let mut m = spec.manifest();
+    let (g, _, s) = kiln_compiler::passes::run_pipeline_for(g, &mut m, &passes, true, target)
+        .unwrap_or_else(|e| panic!("{e}"));
+    kiln_compiler::passes::weights::prune(&mut m, &[&g]);
+    (g, m, s)
+}
+
+#[test]
+fn rope_attention_fuses_every_layer_on_gpu_targets_and_computes_the_same_function() {
+    let gpu = kiln_ir::plan::Target::Cuda { sm: 90 };
+    let mut rng = Rng::new(41);
+    for fam in FAMILIES {
+        let spec = SynthSpec::tiny(fam);
+        for key in keys("b1q1s0,b3q1s0,b2q3s2,b2q4s0") {
+            let kv = kv_for(&spec, key);
+            let plain = spec.graph(key, &kv, true);
+            let (g, m, s) = fused_for(&spec, plain.clone(), &gpu);
+            let l = spec.layers as usize;
+            assert_eq!(s.rope_attention as usize, l, "{fam:?} {key}");
+            assert_eq!(count(&g, |o| matches!(o, Op::RopeAttention { .. })), l);
+            assert_eq!(
+                count(&g, |o| matches!(
+                    o,
+                    Op::QkvRopeKvWrite { .. } | Op::PagedAttention { .. }
+                )),
+                0,
+                "{fam:?} {key}"
+            );
+            // One fewer op per layer than the unfused pipeline's.
+            let (cpu_g, _, _) = fused_for(&spec, plain.clone(), &kiln_ir::plan::Target::Cpu);
+            assert_eq!(cpu_g.nodes.len(), g.nodes.len() + l, "{fam:?} {key}");
+            let ck = random_checkpoint(&spec.manifest(), &mut rng);
+            let inp = random_inputs(key, &kv, spec.vocab, 64, &mut rng);
+            let want = eval_graph(&plain, &spec.manifest(), &ck, &inp);
+            let got = eval_graph(&g, &m, &ck, &inp);
+            for ((n, a), (_, b)) in got.outputs.iter().zip(&want.outputs) {
+                assert!(a == b, "{fam:?} {key}: output `{n}` differs after fusion");
+            }
+            assert!(got.caches == want.caches, "{fam:?} {key}: caches differ");
+            assert!(got.caches != inp.caches, "{fam:?} {key}: nothing written");
+        }
+    }
+}
+
+#[test]
+fn rope_attention_is_not_formed_for_the_cpu_nor_when_the_roped_q_has_another_reader() {
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    let key: Key = "b2q1s0".parse().unwrap();
+    let kv = kv_for(&spec, key);
+    let plain = spec.graph(key, &kv, false);
+    let (g, _, s) = fused_for(&spec, plain.clone(), &kiln_ir::plan::Target::Cpu);
+    assert_eq!(s.rope_attention, 0);
+    assert_eq!(count(&g, |o| matches!(o, Op::RopeAttention { .. })), 0);
+    // Layer 0's roped q becomes an output: that layer keeps the pair.
+    let mut m = spec.manifest();
+    let passes = [Pass::Dce, Pass::FuseAddRmsNorm, Pass::FuseQkvRopeKvWrite];
+    let (mut g, _, _) =
+        run_pipeline(plain, &mut m, &passes, true).unwrap_or_else(|e| panic!("{e}"));
+    let q0 = g
+        .nodes
+        .iter()
+        .find(|n| matches!(n.op, Op::QkvRopeKvWrite { .. }))
+        .unwrap()
+        .results[0];
+    g.add_output("probe_q", q0);
+    let gpu = kiln_ir::plan::Target::Cuda { sm: 90 };
+    let mut s = PassStats::default();
+    let g = kiln_compiler::passes::run_pass_for(Pass::FuseRopeAttention, g, &mut m, &mut s, &gpu)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(s.rope_attention, spec.layers - 1);
+    assert_eq!(count(&g, |o| matches!(o, Op::QkvRopeKvWrite { .. })), 1);
+    assert_eq!(count(&g, |o| matches!(o, Op::PagedAttention { .. })), 1);
+    kiln_ir::verify(&g, Some(&m)).unwrap_or_else(|e| panic!("{e:?}"));
+}

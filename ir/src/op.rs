@@ -10,7 +10,7 @@
 //! frequencies). Nothing that changes from step to step is an attribute: such
 //! values are graph inputs read from device memory.
 //!
-//! Fused variants (`QkvRopeKvWrite`, `AddRmsNorm`, `FusedMatMul`, the
+//! Fused variants (`QkvRopeKvWrite`, `RopeAttention`, `AddRmsNorm`, `FusedMatMul`, the
 //! one-argument forms of `SiluMul`/`GeluTanhMul`) are produced by compiler passes; frontends emit the
 //! plain ones. They are in the same enum so the verifier, the printer and the
 //! backends see one closed set.
@@ -210,6 +210,30 @@ pub enum Op {
         qk_norm: Option<f32>,
         unit_offset: bool,
     },
+    /// `qkv_rope_kv_write` feeding `paged_attention`, as one op:
+    /// `rope_attention(qkv: D[T, (heads + 2*kvh)*hd], pos: i32[T], slots: i32[T],
+    ///   kc: D[S, kvh*hd], vc: D[S, kvh*hd], block_tables: i32[B, M],
+    ///   context_lens: i32[B] [, q_norm: D[hd], k_norm: D[hd]])
+    ///   -> (out: D[T, heads*hd], kc', vc')`, `T = B * query`. Defined as
+    /// exactly `(q, kc', vc') = qkv_rope_kv_write(qkv, pos, slots, kc, vc
+    /// [, q_norm, k_norm])` then `out = paged_attention(q, kc', vc',
+    /// block_tables, context_lens)` with the attributes of both (q is rounded
+    /// to `D` between them, as the unfused op stores it); arity 9 exactly when
+    /// `qk_norm` is set. The roped q never reaches memory: the attention
+    /// kernel ropes its own query rows and the step's new K/V rows.
+    RopeAttention {
+        heads: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        query: u32,
+        block_size: u32,
+        scale: f32,
+        window: Option<u32>,
+        softcap: Option<f32>,
+        rope: Rope,
+        qk_norm: Option<f32>,
+        unit_offset: bool,
+    },
     /// `silu_mul(gate: D[T,I], up: D[T,I]) -> D[T,I]`, or the fused form
     /// `silu_mul(gate_up: D[T,2I]) -> D[T,I]` (gate is the first half).
     SiluMul,
@@ -304,6 +328,7 @@ impl Op {
             Op::KvWrite => "kv_write",
             Op::PagedAttention { .. } => "paged_attention",
             Op::QkvRopeKvWrite { .. } => "qkv_rope_kv_write",
+            Op::RopeAttention { .. } => "rope_attention",
             Op::SiluMul => "silu_mul",
             Op::GeluTanhMul => "gelu_tanh_mul",
             Op::Add => "add",
@@ -319,7 +344,7 @@ impl Op {
     }
 
     /// All mnemonics, for error messages ("expected one of ...").
-    pub const MNEMONICS: [&'static str; 20] = [
+    pub const MNEMONICS: [&'static str; 21] = [
         "embedding",
         "rms_norm",
         "add_rms_norm",
@@ -329,6 +354,7 @@ impl Op {
         "kv_write",
         "paged_attention",
         "qkv_rope_kv_write",
+        "rope_attention",
         "silu_mul",
         "gelu_tanh_mul",
         "add",
@@ -358,6 +384,10 @@ impl Op {
             Op::QkvRopeKvWrite {
                 qk_norm: Some(_), ..
             } => &[7],
+            Op::RopeAttention { qk_norm: None, .. } => &[7],
+            Op::RopeAttention {
+                qk_norm: Some(_), ..
+            } => &[9],
             Op::SiluMul | Op::GeluTanhMul => &[1, 2],
             Op::Add => &[2],
             Op::GatherLast { .. } => &[1],
@@ -388,12 +418,53 @@ impl Op {
         }
     }
 
+    /// A `rope_attention`'s two parts: the `qkv_rope_kv_write` and the
+    /// `paged_attention` it is defined as (None for any other op).
+    pub fn split_rope_attention(&self) -> Option<(Op, Op)> {
+        let Op::RopeAttention {
+            heads,
+            kv_heads,
+            head_dim,
+            query,
+            block_size,
+            scale,
+            window,
+            softcap,
+            rope,
+            qk_norm,
+            unit_offset,
+        } = self
+        else {
+            return None;
+        };
+        Some((
+            Op::QkvRopeKvWrite {
+                heads: *heads,
+                kv_heads: *kv_heads,
+                head_dim: *head_dim,
+                rope: rope.clone(),
+                qk_norm: *qk_norm,
+                unit_offset: *unit_offset,
+            },
+            Op::PagedAttention {
+                heads: *heads,
+                kv_heads: *kv_heads,
+                head_dim: *head_dim,
+                query: *query,
+                block_size: *block_size,
+                scale: *scale,
+                window: *window,
+                softcap: *softcap,
+            },
+        ))
+    }
+
     /// Indices of results that alias an argument (in-place ops): `(result, arg)`.
     /// The planner gives such a result the argument's memory.
     pub fn aliases(&self) -> &'static [(usize, usize)] {
         match self {
             Op::KvWrite => &[(0, 3), (1, 4)],
-            Op::QkvRopeKvWrite { .. } => &[(1, 3), (2, 4)],
+            Op::QkvRopeKvWrite { .. } | Op::RopeAttention { .. } => &[(1, 3), (2, 4)],
             _ => &[],
         }
     }
@@ -734,6 +805,21 @@ impl Op {
                     args[3].clone(),
                     args[4].clone(),
                 ])
+            }
+            Op::RopeAttention { .. } => {
+                // Exactly the two ops it stands for: each typing rule in one place.
+                let (rope_op, attn_op) = self.split_rope_attention().expect("rope_attention");
+                let mut ra: Vec<TensorType> = args[..5].to_vec();
+                ra.extend_from_slice(&args[7..]);
+                let r = rope_op.infer(&ra)?;
+                attn_op.infer(&[
+                    r[0].clone(),
+                    r[1].clone(),
+                    r[2].clone(),
+                    args[5].clone(),
+                    args[6].clone(),
+                ])?;
+                Ok(r)
             }
             Op::SiluMul | Op::GeluTanhMul => {
                 float(0, "gate")?;

@@ -338,6 +338,37 @@ pub(crate) fn attrs(op: &Op) -> String {
             ("qk_norm", fmt_opt_f32(*qk_norm)),
             ("unit_offset", unit_offset.to_string()),
         ],
+        Op::RopeAttention {
+            heads,
+            kv_heads,
+            head_dim,
+            query,
+            block_size,
+            scale,
+            window,
+            softcap,
+            rope,
+            qk_norm,
+            unit_offset,
+        } => vec![
+            ("heads", heads.to_string()),
+            ("kv_heads", kv_heads.to_string()),
+            ("head_dim", head_dim.to_string()),
+            ("query", query.to_string()),
+            ("block_size", block_size.to_string()),
+            ("scale", fmt_f32(*scale)),
+            (
+                "window",
+                window
+                    .map(|w| w.to_string())
+                    .unwrap_or_else(|| "none".into()),
+            ),
+            ("softcap", fmt_opt_f32(*softcap)),
+            ("theta", fmt_f32(rope.theta)),
+            ("scaling", fmt_scaling(&rope.scaling)),
+            ("qk_norm", fmt_opt_f32(*qk_norm)),
+            ("unit_offset", unit_offset.to_string()),
+        ],
         Op::GatherLast { group } => vec![("group", group.to_string())],
         Op::AcceptGreedy { spec } => vec![("spec", spec.to_string())],
         Op::FusedMatMul {

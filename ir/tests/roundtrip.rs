@@ -108,7 +108,7 @@ proptest! {
         toks in prop::collection::vec(prop::sample::select(vec![
             "graph", "\"g\"", "{", "}", "%0", "%1", "%2", "%4294967295", "%99999999999", "=", ",", ":",
             "input", "weight", "output", "token_ids", "k_cache.4294967295", "embedding", "rope",
-            "matmul", "paged_attention", "qkv_rope_kv_write", "accept_greedy", "gather_last",
+            "matmul", "paged_attention", "qkv_rope_kv_write", "rope_attention", "accept_greedy", "gather_last",
             "bf16", "i32", "[", "]", "(", ")", "2", "0", "4294967295", "-inf", "1e-5", "nan",
             "heads", "head_dim", "group", "spec", "scaling", "llama3", "linear", "none", "true",
             "\n", "//c\n", "\"unterminated", "\\", "-", "1.", "1e",
@@ -199,7 +199,9 @@ fn the_generator_covers_every_op_scaling_and_option() {
         for n in &g.nodes {
             seen.insert(n.op.mnemonic().to_string());
             let tag = match &n.op {
-                Op::Rope { rope, .. } | Op::QkvRopeKvWrite { rope, .. } => match rope.scaling {
+                Op::Rope { rope, .. }
+                | Op::QkvRopeKvWrite { rope, .. }
+                | Op::RopeAttention { rope, .. } => match rope.scaling {
                     RopeScaling::None => "scaling none",
                     RopeScaling::Linear { .. } => "scaling linear",
                     RopeScaling::Llama3 { .. } => "scaling llama3",
@@ -216,6 +218,12 @@ fn the_generator_covers_every_op_scaling_and_option() {
                 }
                 Op::QkvRopeKvWrite { qk_norm, .. } => {
                     seen.insert(format!("qk_norm {}", qk_norm.is_some()));
+                }
+                Op::RopeAttention {
+                    qk_norm, window, ..
+                } => {
+                    seen.insert(format!("rope_attention qk_norm {}", qk_norm.is_some()));
+                    seen.insert(format!("rope_attention window {}", window.is_some()));
                 }
                 Op::MatMul { bias, .. } => {
                     seen.insert(format!("bias {bias}"));
@@ -235,6 +243,10 @@ fn the_generator_covers_every_op_scaling_and_option() {
         assert!(seen.contains(m), "generator never emits `{m}`");
     }
     for tag in [
+        "rope_attention qk_norm true",
+        "rope_attention qk_norm false",
+        "rope_attention window true",
+        "rope_attention window false",
         "scaling none",
         "scaling linear",
         "scaling llama3",

@@ -93,6 +93,31 @@ struct AttnShape {
   int cluster;    // partitions per thread-block cluster (sm_90, streaming form); <= 1: none
 };
 
+// rope_attention: the query rows and the step's new K/V rows come from the
+// packed qkv projection (per-head RMSNorm and RoPE applied here, exactly as
+// qkv_rope_kv_write does, see kiln_rope_head), and the new K/V rows are
+// written to their cache slots by this kernel.
+// The by-value constants of a rope_attention launch (kiln_kernels::gpu
+// writes this layout: num_slots, eps, has_norm, unit_offset, then the
+// frequency table).
+struct AttnRopeCfg {
+  i64 num_slots;
+  float eps;
+  int has_norm, unit_offset;
+  RopeFreqs fr;
+};
+template <typename T>
+struct AttnRope {
+  const T* qkv;     // [T][(heads + 2 kvh) hd]
+  const int* pos;   // [T]
+  const int* slots; // [T]
+  const T* qn;      // [hd], or null without the q/k norm
+  const T* kn;
+  T* kc;            // the caches, written (the memory the kernel's kc/vc read)
+  T* vc;
+  const AttnRopeCfg* cfg;
+};
+
 template <typename T, int RT, int VEC>
 KILN_DEV void attn_partition(const T* __restrict__ q, const T* __restrict__ kc,
                              const T* __restrict__ vc, const int* __restrict__ block_tables,
@@ -106,14 +131,14 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
                           float* __restrict__ part_acc, float* __restrict__ part_ml,
                           const AttnShape& a, int b, int g, int part, int p0, int p1,
                           const int* rid, const int* qpos, i64 slot_stride, int new_from,
-                          T* direct_out, float* cres);
+                          T* direct_out, float* cres, const AttnRope<T>* ar);
 
 template <typename T, int RT, int VEC, bool STREAM, int KU = (RT <= 2 ? 8 : 4)>
 KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
                         const int* __restrict__ block_tables, const int* __restrict__ context_lens,
                         float* __restrict__ part_acc, float* __restrict__ part_ml,
                         unsigned int* __restrict__ counters, T* __restrict__ out,
-                        const AttnShape& a) {
+                        const AttnShape& a, const AttnRope<T>* ar = nullptr) {
   // The streaming kernel waits for the kernel before it later, inside
   // attn_stream, after issuing the loads that kernel cannot affect.
   if (!STREAM) KILN_PROLOGUE();
@@ -217,7 +242,7 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
     if (STREAM) {
       attn_stream<T, RT, KU>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0, p1, rid,
                          qpos, slot_stride, ctx - a.query,
-                         nact == 1 && cres == nullptr ? out : nullptr, cres);
+                         nact == 1 && cres == nullptr ? out : nullptr, cres, ar);
     } else {
       attn_partition<T, RT, VEC>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0,
                                  p1, rid, qpos, slot_stride, nact == 1 ? out : nullptr);
@@ -550,6 +575,67 @@ KILN_DEV void load_kv(const T* kbase, const T* vbase, i64 off, Raw8<T>& k, Raw8<
   v = load_raw8(vbase + off);
 }
 
+// rope_attention's prologue (after the dependency wait): the block's RT
+// query rows, normed and roped, into qs as f32 (each rounded to T, as the
+// unfused op stores q; rows past the group are zeros, as load_q_rows
+// leaves them), and its partition's nnew new positions (nfirst.., the
+// sequence's tokens from old_end) of kv head g: K normed and roped, V as
+// projected, into nks/nvs ([nnew][hd] of T) and to the cache slot
+// slots[t] of their token (skipped outside [0, num_slots), as
+// qkv_rope_kv_write does). A warp per row; each item is one head.
+template <typename T, int RT>
+KILN_DEV void attn_rope_rows(const AttnRope<T>& r, const AttnShape& a, int b, int g,
+                             const int* rid, float* qs, int nfirst, int nnew, int old_end,
+                             T* nks, T* nvs) {
+  const int hd = a.head_dim;
+  const int units = a.heads + 2 * a.kv_heads;
+  const KilnDiv heads = kiln_div(a.heads);
+  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
+  nnew = max(nnew, 0);
+  const int items = RT + 2 * nnew;
+  const i64 kvrow = (i64)a.kv_heads * hd;
+  for (int it = warp; it < items; it += KILN_ATTN_WARPS) {
+    if (it < RT) {
+      float* dst = qs + it * hd;
+      const int id = rid[it];
+      if (id < 0) {
+        for (int i = lane; i < hd; i += KILN_WARP) dst[i] = 0.0f;
+        continue;
+      }
+      const int t = id / heads, h = id % heads;
+      const T* src = r.qkv + ((i64)t * units + h) * hd;
+      kiln_rope_head<T>(src, hd, r.qn, r.cfg->has_norm, r.cfg->eps, r.cfg->unit_offset, (float)r.pos[t], r.cfg->fr,
+                        [&](int i, T v) { dst[i] = ld(v); });
+      continue;
+    }
+    const int k = it - RT;
+    const bool is_v = k >= nnew;
+    const int n = is_v ? k - nnew : k;
+    const int t = b * a.query + (nfirst + n - old_end);
+    const i64 slot = r.slots[t];
+    const bool keep = slot >= 0 && slot < r.cfg->num_slots;
+    if (is_v) {
+      const T* src = r.qkv + ((i64)t * units + a.heads + a.kv_heads + g) * hd;
+      T* sv = nvs + n * hd;
+      T* cv = r.vc + slot * kvrow + (i64)g * hd;
+      for (int i = lane; i < hd; i += KILN_WARP) {
+        const T v = src[i];
+        sv[i] = v;
+        if (keep) cv[i] = v;
+      }
+    } else {
+      const T* src = r.qkv + ((i64)t * units + a.heads + g) * hd;
+      T* sk = nks + n * hd;
+      T* ck = r.kc + slot * kvrow + (i64)g * hd;
+      kiln_rope_head<T>(src, hd, r.kn, r.cfg->has_norm, r.cfg->eps, r.cfg->unit_offset, (float)r.pos[t], r.cfg->fr,
+                        [&](int i, T v) {
+                          sk[i] = v;
+                          if (keep) ck[i] = v;
+                        });
+    }
+  }
+}
+
 // The streaming form of one partition, for head_dim a multiple of 8 and at
 // most 256 (one 8-element chunk per lane; the catalog picks it then).
 // Groups of tg lanes own one key each; every lane issues the K and the V
@@ -565,7 +651,7 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
                           float* __restrict__ part_acc, float* __restrict__ part_ml,
                           const AttnShape& a, int b, int g, int part, int p0, int p1,
                           const int* rid, const int* qpos, i64 slot_stride, int new_from,
-                          T* direct_out, float* cres) {
+                          T* direct_out, float* cres, const AttnRope<T>* ar) {
   extern __shared__ float smem[];
   const int tid = threadIdx.x;
   const int hd = a.head_dim;
@@ -617,12 +703,32 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
     }
   }
   KILN_PROLOGUE();
-  load_q_rows<T, RT>(q, rid, kiln_div(hd), qs);
+  // rope_attention: this partition's new positions [nfirst, p1) as computed
+  // here, in shared memory after the cluster state region ([query][hd] K,
+  // then V, in T), so the block never reads back what it wrote to the cache.
+  const bool roped = ar != nullptr;
+  const int nfirst = max(p0, old_end);
+  // (kiln_kernels::gpu::rope_attention_shared_bytes sizes it the same way.)
+  int roff = RT * hd + a.part_len + KILN_ATTN_WARPS * RT * (hd + 2) +
+             (a.cluster > 1 ? RT * (hd + 2) : 0);
+  roff = (roff + 7) & ~7;  // 32-byte aligned rows
+  T* nks = reinterpret_cast<T*>(smem + roff);
+  T* nvs = nks + a.query * hd;
+  if (roped) {
+    attn_rope_rows<T, RT>(*ar, a, b, g, rid, qs, nfirst, p1 - nfirst, old_end, nks, nvs);
+    __syncthreads();
+  } else {
+    load_q_rows<T, RT>(q, rid, kiln_div(hd), qs);
+  }
 #pragma unroll
   for (int u = 0; u < KU; ++u) {
     const int p = p0 + u * per_pass + me;
     if (active && p < p1 && p >= old_end) {
-      load_kv(kbase, vbase, (i64)slot_of[p - p0] * slot_stride, kr[u], vr[u]);
+      if (roped) {
+        load_kv(nks + c * 8, nvs + c * 8, (i64)(p - nfirst) * hd, kr[u], vr[u]);
+      } else {
+        load_kv(kbase, vbase, (i64)slot_of[p - p0] * slot_stride, kr[u], vr[u]);
+      }
     }
   }
   __syncthreads();
@@ -632,7 +738,9 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
 #pragma unroll
       for (int u = 0; u < KU; ++u) {
         const int p = pb + u * per_pass + me;
-        if (active && p < p1) {
+        if (active && p < p1 && roped && p >= old_end) {
+          load_kv(nks + c * 8, nvs + c * 8, (i64)(p - nfirst) * hd, kr[u], vr[u]);
+        } else if (active && p < p1) {
           load_kv(kbase, vbase, (i64)slot_of[p - p0] * slot_stride, kr[u], vr[u]);
         } else {
           kr[u] = zero_raw8<T>();
@@ -814,6 +922,15 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
     attn_part<T, RT, 8, true>(q, kc, vc, block_tables, context_lens, part_acc, part_ml,        \
                               counters, out, a);                                               \
   }
+#define KILN_ATTN_ROPE_STREAM(T, S, RT)                                                        \
+  KILN_GLOBAL void __launch_bounds__(KILN_ATTN_THREADS) paged_attn_rope_stream_r##RT##_##S(      \
+      const T* qkv, const int* pos, const int* slots, T* kc, T* vc, const int* block_tables,    \
+      const int* context_lens, const T* qn, const T* kn, float* part_acc, float* part_ml,       \
+      unsigned int* counters, T* out, AttnShape a, AttnRopeCfg cfg) {                           \
+    const AttnRope<T> ar = {qkv, pos, slots, qn, kn, kc, vc, &cfg};                             \
+    attn_part<T, RT, 8, true>(nullptr, kc, vc, block_tables, context_lens, part_acc, part_ml,   \
+                              counters, out, a, &ar);                                           \
+  }
 #define KILN_ATTN_ENTRIES(T, S)                                                                \
   KILN_ATTN_PART(T, S, 1, 8)                                                                   \
   KILN_ATTN_PART(T, S, 2, 8)                                                                   \
@@ -826,5 +943,9 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
   KILN_ATTN_STREAM(T, S, 1)                                                                    \
   KILN_ATTN_STREAM(T, S, 2)                                                                    \
   KILN_ATTN_STREAM(T, S, 4)                                                                    \
-  KILN_ATTN_STREAM(T, S, 8)
+  KILN_ATTN_STREAM(T, S, 8)                                                                    \
+  KILN_ATTN_ROPE_STREAM(T, S, 1)                                                               \
+  KILN_ATTN_ROPE_STREAM(T, S, 2)                                                               \
+  KILN_ATTN_ROPE_STREAM(T, S, 4)                                                               \
+  KILN_ATTN_ROPE_STREAM(T, S, 8)
 KILN_FOR_FLOATS(KILN_ATTN_ENTRIES)

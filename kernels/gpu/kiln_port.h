@@ -306,3 +306,67 @@ KILN_DEV void kiln_inv_rms_row_block(const kbf16* __restrict__ x, int k, float e
     inv[0] = 1.0f / sqrtf(t / (float)k + eps);
   }
 }
+
+// ---- The per-head q/k RMSNorm + RoPE (qkv_rope_kv_write, rope_attention) ----
+//
+// One source for the arithmetic both rope.cu's qkv_rope_kv_write and
+// attention.cu's rope_attention prologue run, so the fused attention ropes
+// its query rows and the step's new keys bit for bit as the unfused op
+// stores them. Rotate-half over the full head: for i < hd/2,
+//   out[i] = x[i] cos(a) - x[i + hd/2] sin(a), out[i + hd/2] = x[i + hd/2] cos(a) + x[i] sin(a)
+// with a = pos * inv_freq[i] (inv_freq rounded to f32 from the plan's f64
+// table, passed by value); accurate sinf/cosf, not intrinsics.
+#define KILN_ROPE_MAX_HALF 128  // head_dim <= 256
+struct RopeFreqs {
+  float f[KILN_ROPE_MAX_HALF];
+};
+
+// One warp ropes the head at `src` (hd elements, hd even, <= 256): lane l
+// holds the pairs (i, i + hd/2) for i = l, l + 32, ..., so the optional
+// RMSNorm (weights nw, +1 with unit_offset; its result rounded to T, as the
+// unfused head_rms_norm stores it) needs one warp sum. Every element's
+// final value, rounded to T once, goes to store(i, value). Every lane of
+// the warp must call it (the norm's warp sum).
+template <typename T, typename Store>
+KILN_DEV void kiln_rope_head(const T* src, int hd, const T* nw, int has_norm, float eps,
+                             int unit_offset, float p, const RopeFreqs& fr, Store store) {
+  const int lane = threadIdx.x % KILN_WARP;
+  const int half = hd / 2;
+  constexpr int PER = KILN_ROPE_MAX_HALF / KILN_WARP;
+  float a[PER], b[PER];
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = lane + j * KILN_WARP;
+    a[j] = i < half ? ld(src[i]) : 0.0f;
+    b[j] = i < half ? ld(src[i + half]) : 0.0f;
+    ss += a[j] * a[j] + b[j] * b[j];
+  }
+  if (has_norm) {
+    ss = warp_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)hd + eps);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = lane + j * KILN_WARP;
+      if (i < half) {
+        float w1 = ld(nw[i]), w2 = ld(nw[i + half]);
+        if (unit_offset) {
+          w1 += 1.0f;
+          w2 += 1.0f;
+        }
+        a[j] = round_to<T>(a[j] * inv * w1);
+        b[j] = round_to<T>(b[j] * inv * w2);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = lane + j * KILN_WARP;
+    if (i < half) {
+      const float ang = p * fr.f[i];
+      const float c = cosf(ang), s = sinf(ang);
+      store(i, st<T>(a[j] * c - b[j] * s));
+      store(i + half, st<T>(b[j] * c + a[j] * s));
+    }
+  }
+}

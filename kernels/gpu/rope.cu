@@ -9,10 +9,8 @@
 // Positions, slots and caches are read from device memory.
 #include "kiln_port.h"
 
-#define KILN_ROPE_MAX_HALF 128  // head_dim <= 256
-struct RopeFreqs {
-  float f[KILN_ROPE_MAX_HALF];
-};
+// RopeFreqs and the per-head norm + RoPE (kiln_rope_head) are in
+// kiln_port.h: attention.cu's rope_attention runs the same arithmetic.
 
 // One thread per (token, head, pair). In place is safe: a thread reads both
 // elements of its pair before writing them.
@@ -69,7 +67,6 @@ KILN_DEV void qkv_rope_kv_write_units(const T* __restrict__ qkv, const int* __re
   if (w >= (i64)tokens * units) return;
   const int t = (int)(w / units);
   const int u = (int)(w % units);
-  const int half = hd / 2;
   const T* src = qkv + (i64)t * units * hd + (i64)u * hd;
   const i64 kvrow = (i64)kvh * hd;
   if (u >= heads + kvh) {  // v head: plain copy into the cache
@@ -79,37 +76,7 @@ KILN_DEV void qkv_rope_kv_write_units(const T* __restrict__ qkv, const int* __re
     for (int i = lane; i < hd; i += KILN_WARP) dst[i] = src[i];
     return;
   }
-  constexpr int PER = KILN_ROPE_MAX_HALF / KILN_WARP;
-  float a[PER], b[PER];
-  float ss = 0.0f;
-#pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int i = lane + j * KILN_WARP;
-    a[j] = i < half ? ld(src[i]) : 0.0f;
-    b[j] = i < half ? ld(src[i + half]) : 0.0f;
-    ss += a[j] * a[j] + b[j] * b[j];
-  }
   const bool is_q = u < heads;
-  if (has_norm) {
-    ss = warp_sum(ss);
-    const float inv = 1.0f / sqrtf(ss / (float)hd + eps);
-    const T* nw = is_q ? qn : kn;
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int i = lane + j * KILN_WARP;
-      if (i < half) {
-        float w1 = ld(nw[i]), w2 = ld(nw[i + half]);
-        if (unit_offset) {
-          w1 += 1.0f;
-          w2 += 1.0f;
-        }
-        // Rounded to T as the unfused head_rms_norm's result is, so the fused
-        // op equals head_rms_norm -> rope -> kv_write (the CPU kernels' rule).
-        a[j] = round_to<T>(a[j] * inv * w1);
-        b[j] = round_to<T>(b[j] * inv * w2);
-      }
-    }
-  }
   T* dst;
   if (is_q) {
     dst = q_out + (i64)t * heads * hd + (i64)u * hd;
@@ -118,17 +85,8 @@ KILN_DEV void qkv_rope_kv_write_units(const T* __restrict__ qkv, const int* __re
     if (slot < 0 || slot >= num_slots) return;
     dst = kc + slot * kvrow + (i64)(u - heads) * hd;
   }
-  const float p = (float)pos[t];
-#pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int i = lane + j * KILN_WARP;
-    if (i < half) {
-      const float ang = p * fr.f[i];
-      const float c = cosf(ang), s = sinf(ang);
-      dst[i] = st<T>(a[j] * c - b[j] * s);
-      dst[i + half] = st<T>(b[j] * c + a[j] * s);
-    }
-  }
+  kiln_rope_head<T>(src, hd, is_q ? qn : kn, has_norm, eps, unit_offset, (float)pos[t], fr,
+                    [&](int i, T v) { dst[i] = v; });
 }
 
 #define KILN_ROPE_ENTRIES(T, S)                                                                \

@@ -720,6 +720,7 @@ pub fn entry_points(module: &str) -> Vec<String> {
                         v.push(format!("paged_attn_part_r{rt}_v{vec}_{s}"));
                     }
                     v.push(format!("paged_attn_stream_r{rt}_{s}"));
+                    v.push(format!("paged_attn_rope_stream_r{rt}_{s}"));
                 }
             }
         }
@@ -996,6 +997,43 @@ pub fn rope_freqs_blob(rope: &Rope, head_dim: u32) -> Vec<u8> {
         out[i * 4..i * 4 + 4].copy_from_slice(&(*f as f32).to_ne_bytes());
     }
     out
+}
+
+/// Dynamic shared memory of `paged_attn_rope_stream_*` for a lowered
+/// streaming attention launch `part`: its own, or the new K/V rows
+/// (`query` of each, `elem`-byte elements) after the cluster state region,
+/// as `attn_stream` lays them out. `None` when that passes the
+/// 48 KiB a launch may take without opting in (the unfused pair runs then).
+pub fn rope_attention_shared_bytes(
+    part: &KernelCall,
+    query: u32,
+    head_dim: u32,
+    elem: u64,
+) -> Option<u32> {
+    let shape = match part.params.get(9) {
+        Some(Param::Blob(b)) if b.len() >= 64 => b,
+        _ => return None,
+    };
+    let word = |i: usize| i32::from_ne_bytes(shape[i * 4..i * 4 + 4].try_into().unwrap_or([0; 4]));
+    // AttnShape: batch, query, heads, kv_heads, head_dim, block_size,
+    // max_blocks, window, scale, softcap, part_len, num_parts, tiles, tg,
+    // want_parts, cluster.
+    let (part_len, cluster) = (word(10) as u64, word(15));
+    let rt = part
+        .entry
+        .strip_prefix("paged_attn_stream_r")?
+        .split('_')
+        .next()?
+        .parse::<u64>()
+        .ok()?;
+    let (hd, warps) = (head_dim as u64, (ATTN_THREADS / KILN_WARP) as u64);
+    let mut floats = rt * hd + part_len + warps * rt * (hd + 2);
+    if cluster > 1 {
+        floats += rt * (hd + 2);
+    }
+    let floats = floats.div_ceil(8) * 8;
+    let bytes = (floats * 4 + 2 * query as u64 * hd * elem).max(part.shared_bytes as u64);
+    (bytes <= MAX_STATIC_SHARED as u64).then_some(bytes as u32)
 }
 
 /// Geometry of one paged-attention op (see `attention.cu`).
@@ -1505,6 +1543,138 @@ pub fn lower_symbolic(
                 calls: vec![part],
                 scratch_bytes: g.scratch_bytes,
                 counters: grid_y as u32,
+            }
+        }
+        Op::RopeAttention {
+            head_dim,
+            query,
+            qk_norm,
+            unit_offset,
+            rope,
+            ..
+        } => {
+            let (rope_op, attn_op) = op.split_rope_attention().expect("rope_attention");
+            let q_ty = results[0].clone();
+            let attn_args = [
+                q_ty.clone(),
+                args[3].clone(),
+                args[4].clone(),
+                args[5].clone(),
+                args[6].clone(),
+            ];
+            let Lowered::Kernels {
+                calls: attn_calls,
+                scratch_bytes,
+                counters,
+            } = lower_symbolic(
+                &attn_op,
+                &attn_args,
+                &results[..1],
+                placement,
+                attn_target_blocks,
+                attn_clusters,
+            )?
+            else {
+                return Err(unsupported("attention did not lower to kernels".into()));
+            };
+            let [part] = attn_calls.as_slice() else {
+                return Err(unsupported(
+                    "attention lowered to more than one kernel".into(),
+                ));
+            };
+            let elem = args[0].dtype.size() as u64;
+            let extra = rope_attention_shared_bytes(part, *query, *head_dim, elem);
+            let stream_entry = part.entry.strip_prefix("paged_attn_stream_");
+            match (stream_entry, extra) {
+                (Some(rest), Some(shared)) => {
+                    // One kernel: the attention ropes its own rows.
+                    let (slots, _) = two(&dims(&args[3]))?;
+                    let norm = qk_norm.is_some();
+                    let mut cfg = Vec::with_capacity(24 + 512);
+                    cfg.extend_from_slice(&(slots as i64).to_ne_bytes());
+                    cfg.extend_from_slice(&qk_norm.unwrap_or(0.0).to_ne_bytes());
+                    cfg.extend_from_slice(&(norm as i32).to_ne_bytes());
+                    cfg.extend_from_slice(&(*unit_offset as i32).to_ne_bytes());
+                    cfg.extend_from_slice(&rope_freqs_blob(rope, *head_dim));
+                    let shape = match part.params.get(9) {
+                        Some(Param::Blob(b)) => b.clone(),
+                        _ => return Err(unsupported("attention launch without its shape".into())),
+                    };
+                    let mut fused = part.clone();
+                    fused.entry = format!("paged_attn_rope_stream_{rest}");
+                    fused.shared_bytes = shared;
+                    fused.params = vec![
+                        Param::Arg(0),
+                        Param::Arg(1),
+                        Param::Arg(2),
+                        Param::Arg(3),
+                        Param::Arg(4),
+                        Param::Arg(5),
+                        Param::Arg(6),
+                        if norm { Param::Arg(7) } else { Param::Null },
+                        if norm { Param::Arg(8) } else { Param::Null },
+                        part.params[5].clone(),
+                        part.params[6].clone(),
+                        Param::Counters(0),
+                        Param::Result(0),
+                        Param::Blob(shape),
+                        Param::Blob(cfg),
+                    ];
+                    Lowered::Kernels {
+                        calls: vec![fused],
+                        scratch_bytes,
+                        counters,
+                    }
+                }
+                _ => {
+                    // The two kernels it is defined as, q in planned scratch
+                    // after the attention's own (the phased attention form,
+                    // or shared memory too small for the new rows).
+                    let q_off = scratch_bytes.div_ceil(256) * 256;
+                    let q_bytes = q_ty.size_bytes();
+                    let mut rope_args: Vec<TensorType> = args[..5].to_vec();
+                    rope_args.extend_from_slice(&args[7..]);
+                    let rope_results = [q_ty.clone(), args[3].clone(), args[4].clone()];
+                    let Lowered::Kernels {
+                        calls: rope_calls, ..
+                    } = lower_symbolic(
+                        &rope_op,
+                        &rope_args,
+                        &rope_results,
+                        placement,
+                        attn_target_blocks,
+                        attn_clusters,
+                    )?
+                    else {
+                        return Err(unsupported(
+                            "qkv_rope_kv_write did not lower to kernels".into(),
+                        ));
+                    };
+                    let remap_rope = |p: &Param| match p {
+                        Param::Arg(i) if *i >= 5 => Param::Arg(i + 2),
+                        Param::Result(0) => Param::Scratch(q_off),
+                        other => other.clone(),
+                    };
+                    let remap_attn = |p: &Param| match p {
+                        Param::Arg(0) => Param::Scratch(q_off),
+                        Param::Arg(i) => Param::Arg(i + 2),
+                        other => other.clone(),
+                    };
+                    let mut calls = Vec::with_capacity(rope_calls.len() + 1);
+                    for c in &rope_calls {
+                        let mut c = c.clone();
+                        c.params = c.params.iter().map(remap_rope).collect();
+                        calls.push(c);
+                    }
+                    let mut a = part.clone();
+                    a.params = a.params.iter().map(remap_attn).collect();
+                    calls.push(a);
+                    Lowered::Kernels {
+                        calls,
+                        scratch_bytes: q_off + q_bytes,
+                        counters,
+                    }
+                }
             }
         }
         Op::SiluMul | Op::GeluTanhMul => {

@@ -479,6 +479,10 @@ pub fn supported(op: &PlanOp) -> Result<(), String> {
             "is unfused (the interpreter runs the fused qkv_rope_kv_write the default passes form)"
                 .into(),
         ),
+        Op::RopeAttention { .. } => Err(
+            "is the graph schedule's fused rope + attention (the interpreter runs qkv_rope_kv_write and paged_attention as separate tasks; --schedule megakernel does not form it)"
+                .into(),
+        ),
         Op::Sample => Err("is the in-graph sampler, which the interpreter does not run".into()),
         Op::AcceptGreedy { .. } => {
             Err("is speculative acceptance, which the interpreter does not run".into())

@@ -291,3 +291,173 @@ fn fused_qkv_rope_kv_write_refuses_bad_slots_before_writing() {
     assert_eq!(bufs[3].bytes(), kc.1);
     assert_eq!(bufs[4].bytes(), vc.1);
 }
+
+/// One paged decode step of `rope_attention`: `b` sequences of `q` new
+/// tokens each, contexts `lens`, blocks of `bs` slots dealt out shuffled.
+struct PagedCase {
+    qkv: Arg,
+    pos: Arg,
+    slots: Arg,
+    kc: Arg,
+    vc: Arg,
+    tables: Arg,
+    lens: Arg,
+    qn: Arg,
+    kn: Arg,
+}
+
+fn paged_case(dtype: DType, f: &Fused, q: u32, bs: u32, lens: &[i32], seed: u64) -> PagedCase {
+    let mut rng = Rng::new(seed);
+    let b = lens.len() as u32;
+    let m = lens
+        .iter()
+        .map(|&l| (l as u32).div_ceil(bs))
+        .max()
+        .unwrap_or(1)
+        + 1;
+    let nslots = b * m * bs;
+    let kw = f.kv_heads * f.hd;
+    let width = (f.heads + 2 * f.kv_heads) * f.hd;
+    let t = b * q;
+    let mut blocks: Vec<i32> = (0..(b * m) as i32).collect();
+    rng.shuffle(&mut blocks);
+    let (mut positions, mut slots) = (vec![], vec![]);
+    for (s, &len) in lens.iter().enumerate() {
+        for qi in 0..q as i32 {
+            let p = len - q as i32 + qi;
+            positions.push(p);
+            let blk = blocks[s * m as usize + (p as u32 / bs) as usize];
+            slots.push(blk * bs as i32 + p % bs as i32);
+        }
+    }
+    PagedCase {
+        qkv: float(
+            dtype,
+            &[t, width],
+            &rng.vec((t * width) as usize, -3.0, 3.0),
+        ),
+        pos: ints(&[t], &positions),
+        slots: ints(&[t], &slots),
+        kc: float(
+            dtype,
+            &[nslots, kw],
+            &rng.vec((nslots * kw) as usize, -1.0, 1.0),
+        ),
+        vc: float(
+            dtype,
+            &[nslots, kw],
+            &rng.vec((nslots * kw) as usize, -1.0, 1.0),
+        ),
+        tables: ints(&[b, m], &blocks),
+        lens: ints(&[b], lens),
+        qn: float(dtype, &[f.hd], &rng.vec(f.hd as usize, -1.0, 1.0)),
+        kn: float(dtype, &[f.hd], &rng.vec(f.hd as usize, -1.0, 1.0)),
+    }
+}
+
+fn rope_attention_op(f: &Fused, q: u32, bs: u32, window: Option<u32>, softcap: Option<f32>) -> Op {
+    Op::RopeAttention {
+        heads: f.heads,
+        kv_heads: f.kv_heads,
+        head_dim: f.hd,
+        query: q,
+        block_size: bs,
+        scale: 1.0 / (f.hd as f32).sqrt(),
+        window,
+        softcap,
+        rope: rope(),
+        qk_norm: f.qk_norm,
+        unit_offset: f.unit_offset,
+    }
+}
+
+#[test]
+fn rope_attention_equals_qkv_rope_kv_write_then_paged_attention_bit_for_bit() {
+    let mut seed = 900;
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        for qk_norm in [None, Some(1e-6)] {
+            for &(heads, kv_heads, hd, q, window, softcap) in &[
+                (4u32, 2u32, 16u32, 1u32, None, None),
+                (6, 2, 8, 3, Some(4u32), Some(30.0f32)),
+                (3, 3, 32, 2, None, None),
+            ] {
+                seed += 1;
+                let f = Fused {
+                    heads,
+                    kv_heads,
+                    hd,
+                    qk_norm,
+                    unit_offset: seed % 2 == 0,
+                };
+                let bs = 4;
+                let c = paged_case(dtype, &f, q, bs, &[q as i32 + 2, 11], seed);
+                let op = rope_attention_op(&f, q, bs, window, softcap);
+                let mut args = vec![
+                    c.qkv.clone(),
+                    c.pos.clone(),
+                    c.slots.clone(),
+                    c.kc.clone(),
+                    c.vc.clone(),
+                    c.tables.clone(),
+                    c.lens.clone(),
+                ];
+                if qk_norm.is_some() {
+                    args.push(c.qn.clone());
+                    args.push(c.kn.clone());
+                }
+                let fused = run(&op, &args);
+                let (rope_op, attn_op) = op.split_rope_attention().unwrap();
+                let mut rargs = vec![c.qkv.clone(), c.pos.clone(), c.slots.clone(), c.kc.clone()];
+                rargs.push(c.vc.clone());
+                if qk_norm.is_some() {
+                    rargs.push(c.qn.clone());
+                    rargs.push(c.kn.clone());
+                }
+                let r = run(&rope_op, &rargs);
+                let t = c.qkv.0.shape.dims()[0];
+                let q_arg = (TensorType::new(dtype, vec![t, heads * hd]), r[0].clone());
+                let kc2 = (c.kc.0.clone(), r[1].clone());
+                let vc2 = (c.vc.0.clone(), r[2].clone());
+                let a = run(
+                    &attn_op,
+                    &[q_arg, kc2, vc2, c.tables.clone(), c.lens.clone()],
+                );
+                let what = format!("{dtype} {heads}/{kv_heads}x{hd} q {q} norm {qk_norm:?}");
+                assert_eq!(fused[0], a[0], "output: {what}");
+                assert_eq!(fused[1], r[1], "k cache: {what}");
+                assert_eq!(fused[2], r[2], "v cache: {what}");
+                assert_ne!(fused[1], c.kc.1, "the new keys were not written: {what}");
+                assert!(fused[0].iter().any(|&x| x != 0), "zero output: {what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_attention_refuses_a_bad_slot_before_writing_a_cache() {
+    let f = Fused {
+        heads: 2,
+        kv_heads: 1,
+        hd: 8,
+        qk_norm: None,
+        unit_offset: false,
+    };
+    let c = paged_case(DType::BF16, &f, 1, 4, &[3, 6], 950);
+    let nslots = c.kc.0.shape.dims()[0] as i32;
+    let op = rope_attention_op(&f, 1, 4, None, None);
+    let bad = ints(&[2], &[0, nslots]);
+    let err = run_err(
+        &op,
+        &[
+            c.qkv,
+            c.pos,
+            bad,
+            c.kc.clone(),
+            c.vc.clone(),
+            c.tables,
+            c.lens,
+        ],
+    );
+    assert!(matches!(err, KernelError::Index { .. }), "{err}");
+    assert!(err.to_string().contains("of token 1"), "{err}");
+}

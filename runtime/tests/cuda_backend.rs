@@ -1788,3 +1788,317 @@ fn the_argmax_gemv_replays_with_fresh_inputs_and_resets_its_counter() {
         }
     }
 }
+
+/// `rope_attention` inputs: `ctx` per sequence, `query` new tokens each at
+/// positions `ctx - query ..`, their slots through shuffled block tables
+/// (block 0 reserved), random caches and packed qkv rows, and norm weights
+/// when `norm`.
+#[allow(clippy::too_many_arguments)]
+fn rope_attention_case(
+    r: &mut Rng,
+    d: DType,
+    ctx: &[i32],
+    query: u32,
+    heads: u32,
+    kvh: u32,
+    hd: u32,
+    bs: u32,
+    max_blocks: u32,
+    norm: bool,
+) -> Vec<HT> {
+    let a = attention_case(r, d, ctx, query, heads, kvh, hd, bs, max_blocks);
+    let (kc, vc, bt, cl) = (a[1].clone(), a[2].clone(), a[3].clone(), a[4].clone());
+    let (mut pos, mut slots) = (vec![], vec![]);
+    for (s, &len) in ctx.iter().enumerate() {
+        for qi in 0..query as i32 {
+            let p = len - query as i32 + qi;
+            pos.push(p);
+            let blk = bt.i[s * max_blocks as usize + (p as u32 / bs) as usize];
+            slots.push(blk * bs as i32 + p % bs as i32);
+        }
+    }
+    let t = ctx.len() as u32 * query;
+    let mut args = vec![
+        HT::random(r, d, &[t, (heads + 2 * kvh) * hd], 2.0),
+        HT::ints(&[t], pos),
+        HT::ints(&[t], slots),
+        kc,
+        vc,
+        bt,
+        cl,
+    ];
+    if norm {
+        args.push(HT::random(r, d, &[hd], 1.0));
+        args.push(HT::random(r, d, &[hd], 1.0));
+    }
+    args
+}
+
+/// The unfused pair on the device: `qkv_rope_kv_write`, then
+/// `paged_attention` over the q and caches it wrote.
+fn unfused_rope_attention(b: &mut CudaBackend, op: &Op, args: &[HT]) -> Vec<HT> {
+    let (rope_op, attn_op) = op.split_rope_attention().unwrap();
+    let mut rargs = args[..5].to_vec();
+    rargs.extend_from_slice(&args[7..]);
+    let r = run_op(b, &rope_op, &rargs);
+    let a = run_op(
+        b,
+        &attn_op,
+        &[
+            r[0].clone(),
+            r[1].clone(),
+            r[2].clone(),
+            args[5].clone(),
+            args[6].clone(),
+        ],
+    );
+    vec![a[0].clone(), r[1].clone(), r[2].clone()]
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rope_attention_op(
+    heads: u32,
+    kvh: u32,
+    hd: u32,
+    q: u32,
+    bs: u32,
+    window: Option<u32>,
+    softcap: Option<f32>,
+    norm: bool,
+) -> Op {
+    Op::RopeAttention {
+        heads,
+        kv_heads: kvh,
+        head_dim: hd,
+        query: q,
+        block_size: bs,
+        scale: 1.0 / (hd as f32).sqrt(),
+        window,
+        softcap,
+        rope: rope(1e6),
+        qk_norm: norm.then_some(1e-6),
+        unit_offset: false,
+    }
+}
+
+#[test]
+fn rope_attention_matches_the_unfused_pair_bit_for_bit_and_the_references() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(31);
+    // (dtype, ctx lens, query, heads, kvh, hd, block size, max blocks, window, softcap, norm)
+    #[allow(clippy::type_complexity)]
+    let cases: Vec<(
+        DType,
+        Vec<i32>,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        Option<u32>,
+        Option<f32>,
+        bool,
+    )> = vec![
+        // Qwen3-0.6B's attention at b1 and b3 (q/k norm), contexts in one
+        // and in several clusters.
+        (
+            DType::BF16,
+            vec![512],
+            1,
+            16,
+            8,
+            128,
+            16,
+            40,
+            None,
+            None,
+            true,
+        ),
+        (
+            DType::BF16,
+            vec![1, 17, 300],
+            1,
+            16,
+            8,
+            128,
+            16,
+            20,
+            None,
+            None,
+            true,
+        ),
+        (
+            DType::BF16,
+            vec![4800, 1000],
+            1,
+            16,
+            8,
+            128,
+            16,
+            300,
+            None,
+            None,
+            false,
+        ),
+        // Query windows (speculative keys): new positions in one partition
+        // and spread over two, row tiles per kv head > 1.
+        (
+            DType::BF16,
+            vec![5, 130],
+            3,
+            8,
+            2,
+            64,
+            16,
+            10,
+            Some(37),
+            None,
+            false,
+        ),
+        (DType::BF16, vec![40], 8, 8, 1, 128, 16, 3, None, None, true),
+        (
+            DType::F16,
+            vec![150, 3],
+            2,
+            8,
+            4,
+            64,
+            16,
+            12,
+            Some(50),
+            Some(20.0),
+            true,
+        ),
+        (DType::F32, vec![70], 1, 2, 1, 64, 16, 5, None, None, false),
+        // Gemma-3's head_dim 256 with a window and a softcap.
+        (
+            DType::BF16,
+            vec![90],
+            1,
+            4,
+            1,
+            256,
+            32,
+            4,
+            Some(64),
+            Some(50.0),
+            true,
+        ),
+        // head_dim 36 takes the phased attention: the unfused pair runs.
+        (
+            DType::F16,
+            vec![45, 5],
+            2,
+            4,
+            1,
+            36,
+            16,
+            4,
+            None,
+            Some(30.0),
+            false,
+        ),
+    ];
+    for (d, ctx, q, heads, kvh, hd, bs, mb, window, softcap, norm) in cases {
+        let args = rope_attention_case(&mut r, d, &ctx, q, heads, kvh, hd, bs, mb, norm);
+        let op = rope_attention_op(heads, kvh, hd, q, bs, window, softcap, norm);
+        let what = format!(
+            "rope_attention {d} ctx={ctx:?} q={q} {heads}/{kvh}x{hd} window={window:?} norm={norm}"
+        );
+        for clusters in [true, false] {
+            let run = |b: &mut CudaBackend| {
+                check_op(b, &what, &op, &args);
+                (run_op(b, &op, &args), unfused_rope_attention(b, &op, &args))
+            };
+            let (fused, pair) = if clusters {
+                run(&mut b)
+            } else {
+                gpu_bodies::without_clusters(|| run(&mut b))
+            };
+            for (i, name) in ["output", "k cache", "v cache"].iter().enumerate() {
+                assert_eq!(
+                    fused[i].bytes(),
+                    pair[i].bytes(),
+                    "{what} clusters={clusters}: {name} differs from the unfused pair's"
+                );
+            }
+            assert_ne!(fused[1].bytes(), args[3].bytes(), "{what}: no key written");
+        }
+    }
+}
+
+#[test]
+fn rope_attention_replays_what_the_unfused_pair_computes_with_fresh_inputs() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(32);
+    let d = DType::BF16;
+    let (heads, kvh, hd, bs, mb) = (16u32, 8u32, 128u32, 16u32, 40u32);
+    let ctx0 = [300i32, 31];
+    let op = rope_attention_op(heads, kvh, hd, 1, bs, None, None, true);
+    let args = rope_attention_case(&mut r, d, &ctx0, 1, heads, kvh, hd, bs, mb, true);
+    let dev: Vec<DevOperand> = args.iter().map(|a| put(&mut b, a)).collect();
+    let out = poisoned(&mut b, &TensorType::new(d, vec![2, heads * hd]));
+    let mut launch = Launch {
+        const_args: 0,
+        body: kiln_runtime::backend::LaunchBody::Reference,
+        kernel: "test:rope_attention".into(),
+        op: op.clone(),
+        args: dev.clone(),
+        results: vec![out.clone(), dev[3].clone(), dev[4].clone()],
+        workspace: None,
+    };
+    let pdl = b.pdl();
+    let owned = gpu_bodies::lower(&mut b, &mut launch, pdl);
+    b.prepare(&launch).unwrap();
+    b.begin_capture(Key::new(2, 1, 0)).unwrap();
+    b.launch(&launch).unwrap();
+    let g = b.end_capture().unwrap();
+    // The host's copy of the inputs, stepped as a decode loop steps them.
+    let mut host = args.clone();
+    let mut seen = Vec::new();
+    let before = b.counters().graphs.replays();
+    for step in 0..6 {
+        let ctx: Vec<i32> = ctx0.iter().map(|c| c + step).collect();
+        let fresh = rope_attention_case(&mut r, d, &ctx, 1, heads, kvh, hd, bs, mb, true);
+        // New qkv rows, positions and slots; the tables, lengths and norm
+        // weights stay as captured except the lengths, which grow.
+        let slots: Vec<i32> = (0..2)
+            .map(|s| {
+                let p = ctx[s] - 1;
+                let blk = host[5].i[s * mb as usize + (p as u32 / bs) as usize];
+                blk * bs as i32 + p % bs as i32
+            })
+            .collect();
+        host[0] = fresh[0].clone();
+        host[1] = HT::ints(&[2], ctx.iter().map(|c| c - 1).collect());
+        host[2] = HT::ints(&[2], slots);
+        host[6] = HT::ints(&[2], ctx.clone());
+        for i in [0, 1, 2, 6] {
+            b.upload(dev[i].ptr, &host[i].bytes()).unwrap();
+        }
+        b.upload(out.ptr, &vec![0xFF; out.ty.size_bytes() as usize])
+            .unwrap();
+        let want = unfused_rope_attention(&mut b, &op, &host);
+        b.replay(g).unwrap();
+        b.synchronize().unwrap();
+        let got = get(&mut b, &out);
+        assert_eq!(got.bytes(), want[0].bytes(), "step {step}: output");
+        let (kc, vc) = (get(&mut b, &dev[3]), get(&mut b, &dev[4]));
+        assert_eq!(kc.bytes(), want[1].bytes(), "step {step}: k cache");
+        assert_eq!(vc.bytes(), want[2].bytes(), "step {step}: v cache");
+        host[3] = kc;
+        host[4] = vc;
+        seen.push(got.bytes());
+    }
+    assert_eq!(b.counters().graphs.replays() - before, 6);
+    seen.dedup();
+    assert_eq!(seen.len(), 6, "replay ignored the refreshed inputs");
+    b.destroy_graph(g).unwrap();
+    for o in dev.iter().chain([&out]) {
+        let _ = b.free(o.ptr);
+    }
+    for p in owned {
+        let _ = b.free(p);
+    }
+}

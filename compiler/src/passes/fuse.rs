@@ -346,6 +346,103 @@ pub(crate) fn qkv_rope_kv_write(
     Ok(FuseCount(count))
 }
 
+/// `qkv_rope_kv_write` whose q and caches only `paged_attention` reads
+/// becomes `rope_attention` (GPU graph schedule: one launch fewer per layer,
+/// and the roped q never goes to memory). The fused node runs where the
+/// attention ran; it is legal when the attention is the only reader of the
+/// q and of the updated caches (which may still be graph outputs: those are
+/// read after the step), the attributes agree, and the tables and lengths
+/// are defined before the rope node ran.
+pub(crate) fn rope_attention(ed: &mut Editor) -> Result<FuseCount, String> {
+    let mut count = 0;
+    for i in 0..ed.node_count() {
+        let an = NodeId(i as u32);
+        if ed.is_removed(an) {
+            continue;
+        }
+        let attn = ed.g.node(an).clone();
+        let Op::PagedAttention {
+            heads,
+            kv_heads,
+            head_dim,
+            query,
+            block_size,
+            scale,
+            window,
+            softcap,
+        } = attn.op
+        else {
+            continue;
+        };
+        let Some((rn, 0)) = ed.producer(attn.args[0]) else {
+            continue;
+        };
+        let rope_node = ed.g.node(rn).clone();
+        let Op::QkvRopeKvWrite {
+            heads: rh,
+            kv_heads: rkvh,
+            head_dim: rhd,
+            rope,
+            qk_norm,
+            unit_offset,
+        } = rope_node.op.clone()
+        else {
+            continue;
+        };
+        if (rh, rkvh, rhd) != (heads, kv_heads, head_dim)
+            || attn.args[1] != rope_node.results[1]
+            || attn.args[2] != rope_node.results[2]
+        {
+            continue;
+        }
+        let users = ed.users();
+        let only_attn = |v: ValueId| users[v.index()].iter().all(|(n, _)| *n == an);
+        if sole_reader(ed, &users, attn.args[0]) != Some(an)
+            || !only_attn(rope_node.results[1])
+            || !only_attn(rope_node.results[2])
+        {
+            continue;
+        }
+        // Tables and lengths must exist where the rope node ran (they are
+        // step inputs in every traced graph).
+        let defined_before = |v: ValueId| match ed.producer(v) {
+            None => true,
+            Some((p, _)) => p.index() < rn.index(),
+        };
+        if !defined_before(attn.args[3]) || !defined_before(attn.args[4]) {
+            continue;
+        }
+        let mut args = rope_node.args[..5].to_vec();
+        args.push(attn.args[3]);
+        args.push(attn.args[4]);
+        args.extend_from_slice(&rope_node.args[5..]);
+        let r = ed.add_node(
+            Op::RopeAttention {
+                heads,
+                kv_heads,
+                head_dim,
+                query,
+                block_size,
+                scale,
+                window,
+                softcap,
+                rope,
+                qk_norm,
+                unit_offset,
+            },
+            &args,
+            an,
+        )?;
+        ed.replace_uses(attn.results[0], r[0]);
+        ed.replace_uses(rope_node.results[1], r[1]);
+        ed.replace_uses(rope_node.results[2], r[2]);
+        ed.remove(rn);
+        ed.remove(an);
+        count += 1;
+    }
+    Ok(FuseCount(count))
+}
+
 /// `silu_mul(gate(x), up(x))` (or `gelu_tanh_mul`) becomes one matmul over
 /// the stacked gate/up weight (gate rows first) and the one-argument form.
 pub(crate) fn gate_up(ed: &mut Editor, manifest: &mut WeightManifest) -> Result<FuseCount, String> {

@@ -53,6 +53,10 @@ pub enum Pass {
     /// q/k/v matmuls + `[head_rms_norm]` + `rope` + `kv_write` -> stacked
     /// matmul + `qkv_rope_kv_write`.
     FuseQkvRopeKvWrite,
+    /// `qkv_rope_kv_write` + the `paged_attention` reading its q and caches
+    /// -> `rope_attention` (GPU targets only; `kiln compile` also drops it
+    /// for the megakernel schedule, whose interpreter runs the two as tasks).
+    FuseRopeAttention,
     /// gate/up matmuls + `silu_mul` -> stacked matmul + one-argument `silu_mul`.
     FuseGateUp,
     /// RMSNorm prologues and SiLU/GELU*up / residual-add epilogues folded
@@ -76,6 +80,7 @@ impl Pass {
             Pass::Dce => "dce",
             Pass::FuseAddRmsNorm => "fuse-add-rms-norm",
             Pass::FuseQkvRopeKvWrite => "fuse-qkv-rope-kv-write",
+            Pass::FuseRopeAttention => "fuse-rope-attention",
             Pass::FuseGateUp => "fuse-gate-up",
             Pass::FuseMatMul => "fuse-matmul",
             Pass::FuseMatMulTape => "fuse-matmul-tape",
@@ -91,10 +96,11 @@ impl fmt::Display for Pass {
 }
 
 /// The passes `kiln compile` runs, in order.
-pub const DEFAULT_PIPELINE: [Pass; 5] = [
+pub const DEFAULT_PIPELINE: [Pass; 6] = [
     Pass::Dce,
     Pass::FuseAddRmsNorm,
     Pass::FuseQkvRopeKvWrite,
+    Pass::FuseRopeAttention,
     Pass::FuseGateUp,
     Pass::FuseMatMul,
 ];
@@ -127,6 +133,7 @@ pub struct PassStats {
     pub nodes_after: usize,
     pub add_rms_norm: u32,
     pub qkv_rope_kv_write: u32,
+    pub rope_attention: u32,
     pub gate_up: u32,
     /// Epilogues `fuse-matmul` joined to a matmul (residual add, SiLU/GELU*up,
     /// argmax).
@@ -169,6 +176,12 @@ pub fn run_pass_for(
             stats.qkv_rope_kv_write += fuse::qkv_rope_kv_write(&mut ed, manifest)
                 .map_err(failed)?
                 .0
+        }
+        // The CPU gains nothing from it (its caches and q live in host memory
+        // either way), so CPU pipelines leave the pair as traced.
+        Pass::FuseRopeAttention if matches!(target, Target::Cpu) => {}
+        Pass::FuseRopeAttention => {
+            stats.rope_attention += fuse::rope_attention(&mut ed).map_err(failed)?.0
         }
         Pass::FuseGateUp => stats.gate_up += fuse::gate_up(&mut ed, manifest).map_err(failed)?.0,
         Pass::FuseMatMul => {

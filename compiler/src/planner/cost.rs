@@ -10,7 +10,8 @@
 //!   longest context any sequence may reach, since the plan cannot know the
 //!   live lengths; elementwise ops a small per-element count (add 1, RMSNorm
 //!   4, add+RMSNorm 5, RoPE 3, SiLU*mul 5, GELU*mul 10, argmax 1, sample 10: its exp over a few
-//!   passes); a `fused_matmul` its GEMM plus the counts of its prologue and epilogue.
+//!   passes); a `fused_matmul` its GEMM plus the counts of its prologue and epilogue;
+//!   a `rope_attention` its RoPE and its attention.
 //! * bytes moved: every weight once at full size (a weight read only by an
 //!   `embedding` gather counts only the gathered rows); each attention reads
 //!   every sequence's K and V at `max_context`; each KV write writes its
@@ -56,6 +57,18 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
             let tokens = op.args[0].ty.shape.dims()[0] as u64;
             let roped = tokens * (*heads + *kv_heads) as u64 * *head_dim as u64;
             roped * (3 + if qk_norm.is_some() { 4 } else { 0 })
+        }
+        Op::RopeAttention {
+            heads,
+            kv_heads,
+            head_dim,
+            qk_norm,
+            ..
+        } => {
+            let tokens = op.args[0].ty.shape.dims()[0] as u64;
+            let roped = tokens * (*heads + *kv_heads) as u64 * *head_dim as u64;
+            roped * (3 + if qk_norm.is_some() { 4 } else { 0 })
+                + tokens * *heads as u64 * 4 * *head_dim as u64 * max_context
         }
         Op::SiluMul => 5 * out(0),
         Op::GeluTanhMul => 10 * out(0),
@@ -131,6 +144,19 @@ pub fn step_bytes(graph: &Graph, ops: &[PlanOp], kv_row_bytes: u64, max_context:
             Op::KvWrite | Op::QkvRopeKvWrite { .. } => {
                 let tokens = op.args[0].ty.shape.dims()[0] as u64;
                 total += 2 * tokens * kv_row_bytes;
+            }
+            Op::RopeAttention { .. } => {
+                // The KV write and the attention's reads; qkv, positions,
+                // slots, tables and lengths in, the output out (the roped q
+                // stays on chip).
+                let tokens = op.args[0].ty.shape.dims()[0] as u64;
+                let batch = op.args[5].ty.shape.dims()[0] as u64;
+                total += 2 * tokens * kv_row_bytes + 2 * batch * max_context * kv_row_bytes;
+                for i in [0, 1, 2, 5, 6] {
+                    total += op.args[i].ty.size_bytes();
+                }
+                total += op.results[0].ty.size_bytes();
+                continue;
             }
             _ => {}
         }

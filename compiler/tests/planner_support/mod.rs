@@ -334,6 +334,33 @@ pub fn apply(
             write_rows(&mut vc, &args[1], w, &args[2]);
             vec![kc, vc]
         }
+        Op::RopeAttention { .. } => {
+            // Its definition: the rope + KV write, then the attention.
+            let (r, a) = op.split_rope_attention().expect("rope_attention");
+            let mut rargs = args[..5].to_vec();
+            rargs.extend_from_slice(&args[7..]);
+            let mut rtys = tys[..5].to_vec();
+            rtys.extend_from_slice(&tys[7..]);
+            let q_ty = res_tys[0].clone();
+            let rres = [q_ty.clone(), res_tys[1].clone(), res_tys[2].clone()];
+            let ro = apply(&r, &rargs, &rtys, &rres);
+            let aargs = [
+                ro[0].clone(),
+                ro[1].clone(),
+                ro[2].clone(),
+                args[5].clone(),
+                args[6].clone(),
+            ];
+            let atys = [
+                q_ty,
+                tys[3].clone(),
+                tys[4].clone(),
+                tys[5].clone(),
+                tys[6].clone(),
+            ];
+            let ao = apply(&a, &aargs, &atys, &res_tys[..1]);
+            vec![ao[0].clone(), ro[1].clone(), ro[2].clone()]
+        }
         Op::QkvRopeKvWrite {
             heads,
             kv_heads,

@@ -444,13 +444,37 @@ impl<'a> Gen<'a> {
                     args.push(self.weight(&[hd]));
                     args.push(self.weight(&[hd]));
                 }
-                let op = Op::QkvRopeKvWrite {
-                    heads,
-                    kv_heads: kvh,
-                    head_dim: hd,
-                    rope: self.rope(),
-                    qk_norm,
-                    unit_offset: self.rng.coin(),
+                let rope = self.rope();
+                let unit_offset = self.rng.coin();
+                let op = if self.rng.coin() {
+                    Op::QkvRopeKvWrite {
+                        heads,
+                        kv_heads: kvh,
+                        head_dim: hd,
+                        rope,
+                        qk_norm,
+                        unit_offset,
+                    }
+                } else {
+                    // The fused rope + attention: tables and lengths go
+                    // after the caches, before the norm weights.
+                    let bt = self.input(InputRole::BlockTables);
+                    let cl = self.input(InputRole::ContextLens);
+                    args.insert(5, bt);
+                    args.insert(6, cl);
+                    Op::RopeAttention {
+                        heads,
+                        kv_heads: kvh,
+                        head_dim: hd,
+                        query: self.q,
+                        block_size: self.rng.pick(&[1, 2, 4, 16]),
+                        scale: self.float(),
+                        window: self.rng.coin().then(|| self.rng.next_u64() as u32),
+                        softcap: self.opt_float(),
+                        rope,
+                        qk_norm,
+                        unit_offset,
+                    }
                 };
                 let out = self.g.push(op, &args);
                 self.acts.push(out[0]);

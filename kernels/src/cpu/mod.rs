@@ -239,6 +239,28 @@ pub unsafe fn execute_prechecked(
             let norms = (a.len() == 7).then(|| (a[5], a[6]));
             kv::qkv_rope_kv_write(op, a[0], a[1], a[2], norms, r[0], r[1], r[2], d2(3).0)
         }
+        Op::RopeAttention {
+            heads, head_dim, ..
+        } => {
+            // The definition, step by step: the roped q goes to a host
+            // buffer of this call (the GPU kernel keeps it on chip).
+            let (rope_op, attn_op) = op.split_rope_attention().expect("rope_attention");
+            let norms = (a.len() == 9).then(|| (a[7], a[8]));
+            let rows = d2(0).0;
+            let len = rows * (*heads as usize) * (*head_dim as usize);
+            let dtype = args[0].ty.dtype;
+            // u64 words: aligned for every float dtype.
+            let mut qmem = vec![0u64; (len * dtype.size()).div_ceil(8)];
+            let q = Buf {
+                ptr: qmem.as_mut_ptr() as *mut u8,
+                dtype,
+                len,
+            };
+            let slots = d2(3).0;
+            kv::qkv_rope_kv_write(&rope_op, a[0], a[1], a[2], norms, q, r[1], r[2], slots)?;
+            let (b, m) = d2(5);
+            attention::paged_attention(&attn_op, q, r[0], r[1], r[2], a[5], a[6], b, m, slots)
+        }
         Op::SiluMul | Op::GeluTanhMul => {
             let kind = if matches!(op, Op::SiluMul) {
                 elementwise::Gate::Silu

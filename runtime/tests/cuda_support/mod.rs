@@ -300,6 +300,22 @@ pub fn reference(op: &Op, args: &[HT], result_tys: &[TensorType]) -> Vec<HT> {
             }
             vec![kc, vc]
         }
+        Op::RopeAttention { .. } => {
+            // Its definition: the rope + KV write, then the attention.
+            let (r, a) = op.split_rope_attention().expect("rope_attention");
+            let mut rargs = args[..5].to_vec();
+            rargs.extend_from_slice(&args[7..]);
+            let ro = reference(&r, &rargs, &[]);
+            let aargs = [
+                ro[0].clone(),
+                ro[1].clone(),
+                ro[2].clone(),
+                args[5].clone(),
+                args[6].clone(),
+            ];
+            let ao = reference(&a, &aargs, &[]);
+            vec![ao[0].clone(), ro[1].clone(), ro[2].clone()]
+        }
         Op::QkvRopeKvWrite {
             heads,
             kv_heads,
