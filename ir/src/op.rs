@@ -210,30 +210,6 @@ pub enum Op {
         qk_norm: Option<f32>,
         unit_offset: bool,
     },
-    /// `qkv_rope_kv_write` feeding `paged_attention`, as one op:
-    /// `rope_attention(qkv: D[T, (heads + 2*kvh)*hd], pos: i32[T], slots: i32[T],
-    ///   kc: D[S, kvh*hd], vc: D[S, kvh*hd], block_tables: i32[B, M],
-    ///   context_lens: i32[B] [, q_norm: D[hd], k_norm: D[hd]])
-    ///   -> (out: D[T, heads*hd], kc', vc')`, `T = B * query`. Defined as
-    /// exactly `(q, kc', vc') = qkv_rope_kv_write(qkv, pos, slots, kc, vc
-    /// [, q_norm, k_norm])` then `out = paged_attention(q, kc', vc',
-    /// block_tables, context_lens)` with the attributes of both (q is rounded
-    /// to `D` between them, as the unfused op stores it); arity 9 exactly when
-    /// `qk_norm` is set. The roped q never reaches memory: the attention
-    /// kernel ropes its own query rows and the step's new K/V rows.
-    RopeAttention {
-        heads: u32,
-        kv_heads: u32,
-        head_dim: u32,
-        query: u32,
-        block_size: u32,
-        scale: f32,
-        window: Option<u32>,
-        softcap: Option<f32>,
-        rope: Rope,
-        qk_norm: Option<f32>,
-        unit_offset: bool,
-    },
     /// `silu_mul(gate: D[T,I], up: D[T,I]) -> D[T,I]`, or the fused form
     /// `silu_mul(gate_up: D[T,2I]) -> D[T,I]` (gate is the first half).
     SiluMul,
@@ -310,6 +286,32 @@ pub enum Op {
     /// rank order, a later rank winning only with a strictly larger value.
     /// With `ranks` 1 it is `argmax`.
     ShardedArgmax { ranks: u32 },
+    // Appended last: a variant's position is its tag in encoded plans, so
+    // plans written before it existed still decode.
+    /// `qkv_rope_kv_write` feeding `paged_attention`, as one op:
+    /// `rope_attention(qkv: D[T, (heads + 2*kvh)*hd], pos: i32[T], slots: i32[T],
+    ///   kc: D[S, kvh*hd], vc: D[S, kvh*hd], block_tables: i32[B, M],
+    ///   context_lens: i32[B] [, q_norm: D[hd], k_norm: D[hd]])
+    ///   -> (out: D[T, heads*hd], kc', vc')`, `T = B * query`. Defined as
+    /// exactly `(q, kc', vc') = qkv_rope_kv_write(qkv, pos, slots, kc, vc
+    /// [, q_norm, k_norm])` then `out = paged_attention(q, kc', vc',
+    /// block_tables, context_lens)` with the attributes of both (q is rounded
+    /// to `D` between them, as the unfused op stores it); arity 9 exactly when
+    /// `qk_norm` is set. The roped q never reaches memory: the attention
+    /// kernel ropes its own query rows and the step's new K/V rows.
+    RopeAttention {
+        heads: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        query: u32,
+        block_size: u32,
+        scale: f32,
+        window: Option<u32>,
+        softcap: Option<f32>,
+        rope: Rope,
+        qk_norm: Option<f32>,
+        unit_offset: bool,
+    },
 }
 
 /// Why an op's operands do not type-check. The verifier adds the location.
