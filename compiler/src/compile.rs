@@ -865,12 +865,12 @@ pub struct CompileArgs {
     /// (bench/results/gpu-2026-12-04-s18/).
     #[arg(long)]
     pub fused_gemv: bool,
-    /// GPU targets: keep the q/k norm + RoPE + KV write
-    /// (`qkv_rope_kv_write`) and the attention as two launches instead of
-    /// the fused `rope_attention` (the `fuse-rope-attention` pass). For A/B
-    /// measurements.
+    /// GPU targets, graph schedule: run the q/k norm + RoPE + KV write
+    /// inside the attention kernel (`rope_attention`, the
+    /// `fuse-rope-attention` pass): one launch per layer fewer. Opt-in until
+    /// its kernels are measured on a GPU against the pair.
     #[arg(long)]
-    pub no_rope_attention: bool,
+    pub rope_attention: bool,
     /// Tensor parallelism: shard the plan over N ranks (one GPU each, or N
     /// CPU threads), Megatron-style; N must divide the attention heads and
     /// the KV heads. One plan file holds every rank.
@@ -945,7 +945,12 @@ impl CompileArgs {
             verify: !self.no_verify,
             passes: DEFAULT_PIPELINE
                 .into_iter()
-                .filter(|p| !self.no_rope_attention || *p != Pass::FuseRopeAttention)
+                .flat_map(|p| match p {
+                    Pass::FuseQkvRopeKvWrite if self.rope_attention => {
+                        vec![p, Pass::FuseRopeAttention]
+                    }
+                    p => vec![p],
+                })
                 .collect(),
             attn_target_blocks: self.attn_target_blocks,
             no_attn_clusters: self.no_attn_clusters,

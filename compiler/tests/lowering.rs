@@ -9,6 +9,7 @@ mod planner_support;
 use kiln_compiler::compile::{compile_traced, CompileError, CompileOptions};
 use kiln_compiler::inspect::{render, Format};
 use kiln_compiler::passes::synth::{SynthFamily, SynthSpec};
+use kiln_compiler::passes::Pass;
 use kiln_compiler::planner::check::{check_key, check_plan};
 use kiln_compiler::planner::{plan_key, PlanContext, PlanError};
 use kiln_ir::plan::{KeyPlan, LaunchParam, Lowering, Region, Target};
@@ -101,11 +102,16 @@ fn a_gpu_plan_lowers_every_op_over_planned_scratch_and_counters() {
     let plan = &c.plan;
     check_plan(plan).unwrap_or_else(|e| panic!("{e:#?}"));
     let info = validate(plan).unwrap();
-    for m in ["attention", "norm", "elementwise", "sampling", "gemv"] {
+    for m in [
+        "attention",
+        "norm",
+        "rope",
+        "elementwise",
+        "sampling",
+        "gemv",
+    ] {
         assert!(info.modules.contains(m), "{m} not in {:?}", info.modules);
     }
-    // The RoPE + KV write runs inside the attention (rope_attention).
-    assert!(!info.modules.contains("rope"), "{:?}", info.modules);
     assert!(plan.counter_bytes > 0);
     for kp in &plan.keys {
         let sum: u32 = kp.ops.iter().map(|o| o.lowering.launches()).sum();
@@ -275,4 +281,51 @@ fn inspect_shows_the_launch_list_with_grids_blocks_and_params() {
     assert!(ops
         .iter()
         .any(|o| o["lowering"] == "gemm" && o["gemm"]["k"].is_u64()));
+}
+
+#[test]
+fn a_rope_attention_plan_lowers_one_attention_launch_per_layer_and_validates() {
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    for target in ["cuda:sm_90", "cuda:sm_80", "hip:gfx1100"] {
+        let opts = CompileOptions {
+            keys: keys("b1q1s0,b3q1s0,b2q3s2"),
+            target: target.parse().unwrap(),
+            passes: vec![
+                Pass::Dce,
+                Pass::FuseAddRmsNorm,
+                Pass::FuseQkvRopeKvWrite,
+                Pass::FuseRopeAttention,
+                Pass::FuseGateUp,
+                Pass::FuseMatMul,
+            ],
+            ..CompileOptions::default()
+        };
+        let c = compile_traced(
+            synth_meta(&spec),
+            spec.manifest(),
+            &opts,
+            |k, kv| Ok::<_, String>(spec.graph(k, kv, false)),
+            &mut |_, _| {},
+        )
+        .unwrap_or_else(|e| panic!("{target}: {e}"));
+        check_plan(&c.plan).unwrap_or_else(|e| panic!("{target}: {e:#?}"));
+        let info = validate(&c.plan).unwrap();
+        // The RoPE + KV write runs inside the attention kernel.
+        assert!(!info.modules.contains("rope"), "{target}: {:?}", info.modules);
+        for kp in &c.plan.keys {
+            let att: Vec<_> = kp
+                .ops
+                .iter()
+                .filter(|o| matches!(o.op, Op::RopeAttention { .. }))
+                .collect();
+            assert_eq!(att.len() as u32, spec.layers, "{target} {}", kp.key);
+            for o in att {
+                let Lowering::Kernels(ls) = &o.lowering else {
+                    panic!("rope_attention lowers to kernels")
+                };
+                assert_eq!(ls.len(), 1, "{target} {}", kp.key);
+                assert!(ls[0].entry.starts_with("paged_attn_rope_stream_r"));
+            }
+        }
+    }
 }

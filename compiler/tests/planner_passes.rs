@@ -357,11 +357,13 @@ fn fused_for(
     g: Graph,
     target: &kiln_ir::plan::Target,
 ) -> (Graph, WeightManifest, PassStats) {
-    let passes: Vec<Pass> = DEFAULT_PIPELINE
-        .iter()
-        .copied()
-        .filter(|p| *p != Pass::FuseMatMul)
-        .collect();
+    let passes = [
+        Pass::Dce,
+        Pass::FuseAddRmsNorm,
+        Pass::FuseQkvRopeKvWrite,
+        Pass::FuseRopeAttention,
+        Pass::FuseGateUp,
+    ];
     let mut m = spec.manifest();
     let (g, _, s) = kiln_compiler::passes::run_pipeline_for(g, &mut m, &passes, true, target)
         .unwrap_or_else(|e| panic!("{e}"));
