@@ -311,7 +311,11 @@ fn a_rope_attention_plan_lowers_one_attention_launch_per_layer_and_validates() {
         check_plan(&c.plan).unwrap_or_else(|e| panic!("{target}: {e:#?}"));
         let info = validate(&c.plan).unwrap();
         // The RoPE + KV write runs inside the attention kernel.
-        assert!(!info.modules.contains("rope"), "{target}: {:?}", info.modules);
+        assert!(
+            !info.modules.contains("rope"),
+            "{target}: {:?}",
+            info.modules
+        );
         for kp in &c.plan.keys {
             let att: Vec<_> = kp
                 .ops
