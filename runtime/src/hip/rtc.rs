@@ -6,12 +6,24 @@
 //! points live in `libamdhip64.so` itself. Both are tried, newest first, so
 //! kiln builds without hiprtc and finds whichever the machine has.
 //!
+//! Compiles are serialized process-wide ([`COMPILE_LOCK`]): the LLVM inside
+//! some hiprtc builds registers its targets lazily on the first compile and
+//! that registration is not thread-safe, so two first compiles racing on
+//! different threads can register AMDGPU twice and fail every later compile
+//! with "Cannot choose between targets amdgcn and amdgcn" (seen in CI with
+//! Debian's ROCm when two tests compiled at once). Load-time compiles are
+//! rare and cached, so the lock costs nothing that matters.
+//!
 //! Not here: caching the result ([`crate::hip::cache`]) and loading the code
 //! object (the backend).
 
 use crate::backend::BackendError;
 use libloading::Library;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::Mutex;
+
+/// Held for the whole of every [`Hiprtc::compile`]; see the module doc.
+static COMPILE_LOCK: Mutex<()> = Mutex::new(());
 
 type Program = *mut c_void;
 type RtcResult = c_int;
@@ -135,6 +147,11 @@ impl Hiprtc {
             .collect::<Result<_, _>>()
             .map_err(|_| format!("{name}: a compile option contains a NUL byte"))?;
         let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
+        // A poisoned lock only means another compile panicked; hiprtc's state
+        // is not guarded by it, so carrying on is sound.
+        let _serial = COMPILE_LOCK
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut prog: Program = std::ptr::null_mut();
         // SAFETY: valid C strings; no headers.
         let r = unsafe {
