@@ -98,9 +98,10 @@ impl fmt::Display for Pass {
 
 /// The passes `kiln compile` runs, in order.
 ///
-/// `fuse-rope-attention` is not among them yet: `kiln compile
-/// --rope-attention` adds it (after `fuse-qkv-rope-kv-write`) until its
-/// kernels have run on a GPU and been measured against the pair.
+/// `fuse-rope-attention` is not among them: `kiln compile --rope-attention`
+/// adds it (after `fuse-qkv-rope-kv-write`). Its kernels are correct on an
+/// H100 but the fused step measured 5-19% slower than the pair there
+/// (bench/results/gpu-2026-12-05-s20/).
 pub const DEFAULT_PIPELINE: [Pass; 5] = [
     Pass::Dce,
     Pass::FuseAddRmsNorm,
