@@ -39,7 +39,10 @@
 //!
 //! A tensor-parallel plan runs on its ranks (CPU ranks, or GPUs from the
 //! ordinal on) and its rows add the time per replayed step spent inside
-//! collectives, the busiest rank's (`allred ms`, `collective_ms`).
+//! collectives, the busiest rank's (`allred ms`, `collective_ms`, a mean
+//! over the timed steps), and that time's share of the mean step
+//! (`collective_share`; the median `replay_ms` is not comparable with a
+//! mean over a few steps).
 //!
 //! Weights come from `--weights` (the safetensors the plan was compiled
 //! against) or, when absent, are random ([`Weights::Random`]). Timing does not
@@ -142,6 +145,10 @@ pub struct KeyResult {
     /// other ranks included), the busiest rank's; `None` for one rank or
     /// where the backend cannot tell.
     pub collective_ms: Option<f64>,
+    /// `collective_ms` over the mean timed step (both means over the same
+    /// steps): the share of a step spent inside collectives, at most 1 by
+    /// construction. `None` where `collective_ms` is.
+    pub collective_share: Option<f64>,
     pub arena_bytes: u64,
     pub workspace_bytes: u64,
     /// How many of the key's GEMMs run as each implementation the plan
@@ -725,6 +732,10 @@ fn bench_plan(
             replay_over_floor: floor.map(|f| r / f),
             capture_ms: replay.capture_ms.unwrap_or(0.0),
             collective_ms: replay.collective_ms.filter(|_| tp > 1),
+            collective_share: replay
+                .collective_ms
+                .filter(|_| tp > 1 && replay.mean_ms > 0.0)
+                .map(|c| c / replay.mean_ms),
             arena_bytes: facts.arena_bytes,
             workspace_bytes: facts.workspace_bytes,
             gemms,
@@ -774,6 +785,7 @@ mod tests {
             replay_over_floor: Some(1.85),
             capture_ms: 2.0,
             collective_ms: None,
+            collective_share: None,
             arena_bytes: 1 << 20,
             workspace_bytes: 0,
             gemms: GemmCounts {

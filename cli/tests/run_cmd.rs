@@ -340,12 +340,14 @@ fn kiln_bench_on_a_tp3_plan_reports_the_collective_time_per_step() {
         let coll = k["collective_ms"]
             .as_f64()
             .expect("collective time on a tp plan");
-        let step = k["replay_ms"].as_f64().unwrap();
-        // Inside collectives is part of the step (a mean over the timed
-        // steps against their median, so with slack for a busy machine),
-        // and not nothing: 2 per layer plus the argmax, each a barrier
-        // round across threads.
-        assert!(coll > 0.0 && coll < step * 2.0, "{k}");
+        // Not nothing: 2 collectives per layer plus the argmax, each a
+        // barrier round across threads. And part of the step: the share is
+        // the busiest rank's time inside collectives over the wall time of
+        // the same steps (a mean against a mean; the median `replay_ms` is
+        // no bound on a busy machine), so above 1 means the accounting
+        // counts time outside the timed steps.
+        let share = k["collective_share"].as_f64().expect("a share with it");
+        assert!(coll > 0.0 && share > 0.0 && share <= 1.001, "{k}");
     }
     // `--tp` must agree with the plan.
     let out = kiln(

@@ -47,6 +47,10 @@ pub struct StepTimes {
     /// Timed steps (after the warm-up ones).
     pub reps: u32,
     pub median_ms: f64,
+    /// The timed steps' mean: the statistic to set `collective_ms` (also a
+    /// mean) against, since a median and a mean of a few steps on a busy
+    /// machine need not be ordered.
+    pub mean_ms: f64,
     pub min_ms: f64,
     pub max_ms: f64,
     /// `reps` steps issued back to back between two marks, divided by `reps`
@@ -390,6 +394,7 @@ impl Engine {
         Ok(StepTimes {
             mode,
             reps,
+            mean_ms: times.iter().sum::<f64>() / times.len().max(1) as f64,
             median_ms: median(&mut times),
             min_ms: times.iter().copied().fold(f64::INFINITY, f64::min),
             max_ms: times.iter().copied().fold(0.0, f64::max),
