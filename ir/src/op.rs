@@ -420,6 +420,50 @@ impl Op {
         }
     }
 
+    /// The inverse of [`Op::split_rope_attention`]: the `rope_attention` of
+    /// a `qkv_rope_kv_write` and a `paged_attention`, None unless they are
+    /// those ops and agree on heads, kv heads and head_dim. The fusion pass,
+    /// the parser and the printer all go through this pair, so the fused
+    /// op's attributes are the parts' and nothing else.
+    pub fn join_rope_attention(rope: &Op, attn: &Op) -> Option<Op> {
+        let (
+            Op::QkvRopeKvWrite {
+                heads: rh,
+                kv_heads: rkvh,
+                head_dim: rhd,
+                rope,
+                qk_norm,
+                unit_offset,
+            },
+            &Op::PagedAttention {
+                heads,
+                kv_heads,
+                head_dim,
+                query,
+                block_size,
+                scale,
+                window,
+                softcap,
+            },
+        ) = (rope, attn)
+        else {
+            return None;
+        };
+        ((*rh, *rkvh, *rhd) == (heads, kv_heads, head_dim)).then(|| Op::RopeAttention {
+            heads,
+            kv_heads,
+            head_dim,
+            query,
+            block_size,
+            scale,
+            window,
+            softcap,
+            rope: rope.clone(),
+            qk_norm: *qk_norm,
+            unit_offset: *unit_offset,
+        })
+    }
+
     /// A `rope_attention`'s two parts: the `qkv_rope_kv_write` and the
     /// `paged_attention` it is defined as (None for any other op).
     pub fn split_rope_attention(&self) -> Option<(Op, Op)> {

@@ -1027,43 +1027,20 @@ impl<'a> Parser<'a> {
                 },
             },
             "kv_write" => Op::KvWrite,
-            "paged_attention" => Op::PagedAttention {
-                heads: a.u32("heads")?,
-                kv_heads: a.u32("kv_heads")?,
-                head_dim: a.u32("head_dim")?,
-                query: a.u32("query")?,
-                block_size: a.u32("block_size")?,
-                scale: a.f32("scale")?,
-                window: a.opt_u32("window")?,
-                softcap: a.opt_f32("softcap")?,
-            },
-            "qkv_rope_kv_write" => Op::QkvRopeKvWrite {
-                heads: a.u32("heads")?,
-                kv_heads: a.u32("kv_heads")?,
-                head_dim: a.u32("head_dim")?,
-                rope: Rope {
-                    theta: a.f32("theta")?,
-                    scaling: a.scaling("scaling")?,
-                },
-                qk_norm: a.opt_f32("qk_norm")?,
-                unit_offset: a.bool("unit_offset")?,
-            },
-            "rope_attention" => Op::RopeAttention {
-                heads: a.u32("heads")?,
-                kv_heads: a.u32("kv_heads")?,
-                head_dim: a.u32("head_dim")?,
-                query: a.u32("query")?,
-                block_size: a.u32("block_size")?,
-                scale: a.f32("scale")?,
-                window: a.opt_u32("window")?,
-                softcap: a.opt_f32("softcap")?,
-                rope: Rope {
-                    theta: a.f32("theta")?,
-                    scaling: a.scaling("scaling")?,
-                },
-                qk_norm: a.opt_f32("qk_norm")?,
-                unit_offset: a.bool("unit_offset")?,
-            },
+            "paged_attention" => {
+                let heads = head_attrs(&mut a)?;
+                paged_attention(&mut a, heads)?
+            }
+            "qkv_rope_kv_write" => {
+                let heads = head_attrs(&mut a)?;
+                qkv_rope_kv_write(&mut a, heads)?
+            }
+            "rope_attention" => {
+                let heads = head_attrs(&mut a)?;
+                let attn = paged_attention(&mut a, heads)?;
+                let rope = qkv_rope_kv_write(&mut a, heads)?;
+                Op::join_rope_attention(&rope, &attn).expect("both parts have the same heads")
+            }
             "silu_mul" => Op::SiluMul,
             "gelu_tanh_mul" => Op::GeluTanhMul,
             "add" => Op::Add,
@@ -1168,6 +1145,41 @@ fn attrs_names_checked(
 }
 
 /// Typed access to a checked attribute list.
+/// `heads`, `kv_heads` and `head_dim`, shared by the attention and rope
+/// ops (`rope_attention` reads them once for its two parts).
+fn head_attrs(a: &mut Attrs) -> PResult<(u32, u32, u32)> {
+    Ok((a.u32("heads")?, a.u32("kv_heads")?, a.u32("head_dim")?))
+}
+
+/// The rest of a `paged_attention` (or of `rope_attention`'s attention).
+fn paged_attention(a: &mut Attrs, (heads, kv_heads, head_dim): (u32, u32, u32)) -> PResult<Op> {
+    Ok(Op::PagedAttention {
+        heads,
+        kv_heads,
+        head_dim,
+        query: a.u32("query")?,
+        block_size: a.u32("block_size")?,
+        scale: a.f32("scale")?,
+        window: a.opt_u32("window")?,
+        softcap: a.opt_f32("softcap")?,
+    })
+}
+
+/// The rest of a `qkv_rope_kv_write` (or of `rope_attention`'s rope).
+fn qkv_rope_kv_write(a: &mut Attrs, (heads, kv_heads, head_dim): (u32, u32, u32)) -> PResult<Op> {
+    Ok(Op::QkvRopeKvWrite {
+        heads,
+        kv_heads,
+        head_dim,
+        rope: Rope {
+            theta: a.f32("theta")?,
+            scaling: a.scaling("scaling")?,
+        },
+        qk_norm: a.opt_f32("qk_norm")?,
+        unit_offset: a.bool("unit_offset")?,
+    })
+}
+
 struct Attrs {
     op: String,
     attrs: Vec<Attr>,

@@ -262,7 +262,16 @@ fn fmt_scaling(s: &RopeScaling) -> String {
 /// [`crate::text::attr_names`], joined by `, `; empty for ops without
 /// attributes.
 pub(crate) fn attrs(op: &Op) -> String {
-    let pairs: Vec<(&str, String)> = match op {
+    attr_pairs(op)
+        .into_iter()
+        .map(|(k, v)| format!("{k} = {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// [`attrs`]' pairs, in order.
+fn attr_pairs(op: &Op) -> Vec<(&'static str, String)> {
+    let pairs: Vec<(&'static str, String)> = match op {
         Op::Embedding
         | Op::KvWrite
         | Op::SiluMul
@@ -338,37 +347,19 @@ pub(crate) fn attrs(op: &Op) -> String {
             ("qk_norm", fmt_opt_f32(*qk_norm)),
             ("unit_offset", unit_offset.to_string()),
         ],
-        Op::RopeAttention {
-            heads,
-            kv_heads,
-            head_dim,
-            query,
-            block_size,
-            scale,
-            window,
-            softcap,
-            rope,
-            qk_norm,
-            unit_offset,
-        } => vec![
-            ("heads", heads.to_string()),
-            ("kv_heads", kv_heads.to_string()),
-            ("head_dim", head_dim.to_string()),
-            ("query", query.to_string()),
-            ("block_size", block_size.to_string()),
-            ("scale", fmt_f32(*scale)),
-            (
-                "window",
-                window
-                    .map(|w| w.to_string())
-                    .unwrap_or_else(|| "none".into()),
-            ),
-            ("softcap", fmt_opt_f32(*softcap)),
-            ("theta", fmt_f32(rope.theta)),
-            ("scaling", fmt_scaling(&rope.scaling)),
-            ("qk_norm", fmt_opt_f32(*qk_norm)),
-            ("unit_offset", unit_offset.to_string()),
-        ],
+        // The attention's attributes, then the rope's it does not repeat.
+        Op::RopeAttention { .. } => {
+            let (rope, attn) = op
+                .split_rope_attention()
+                .expect("a rope_attention has two parts");
+            let mut v = attr_pairs(&attn);
+            let rest: Vec<_> = attr_pairs(&rope)
+                .into_iter()
+                .filter(|(k, _)| v.iter().all(|(n, _)| n != k))
+                .collect();
+            v.extend(rest);
+            v
+        }
         Op::GatherLast { group } => vec![("group", group.to_string())],
         Op::AcceptGreedy { spec } => vec![("spec", spec.to_string())],
         Op::FusedMatMul {
@@ -401,11 +392,7 @@ pub(crate) fn attrs(op: &Op) -> String {
         "printer and parser disagree on the attributes of `{}`",
         op.mnemonic()
     );
-    let parts: Vec<String> = pairs
-        .into_iter()
-        .map(|(k, v)| format!("{k} = {v}"))
-        .collect();
-    parts.join(", ")
+    pairs
 }
 
 #[cfg(test)]

@@ -301,3 +301,34 @@ fn printing_is_deterministic_across_clones_and_calls() {
         assert_eq!(to_dot(&g), to_dot(&g.clone()));
     }
 }
+
+#[test]
+fn rope_attention_joins_back_from_its_split_and_refuses_parts_that_disagree() {
+    let fl = [1e-5, 0.5, 10000.0, -2.0];
+    let nm = ["a".to_string(), "b".to_string()];
+    let mut joined = 0;
+    for seed in 0..300 {
+        for n in &random_graph(seed, &fl, &nm).nodes {
+            let Some((rope, attn)) = n.op.split_rope_attention() else {
+                continue;
+            };
+            // Compared as text: NaN attributes print (and so compare) alike.
+            let back = Op::join_rope_attention(&rope, &attn).expect("its own parts join");
+            assert_eq!(format!("{back:?}"), format!("{:?}", n.op));
+            joined += 1;
+            // Parts in the wrong order, or of another op, do not join.
+            assert!(Op::join_rope_attention(&attn, &rope).is_none());
+            assert!(Op::join_rope_attention(&rope, &Op::SiluMul).is_none());
+            // Neither do parts whose heads disagree.
+            let Op::PagedAttention { heads, .. } = &attn else {
+                panic!("the second part is the attention: {attn:?}");
+            };
+            let mut other = attn.clone();
+            if let Op::PagedAttention { heads: h, .. } = &mut other {
+                *h = heads + 1;
+            }
+            assert!(Op::join_rope_attention(&rope, &other).is_none());
+        }
+    }
+    assert!(joined > 0, "the generator made no rope_attention");
+}

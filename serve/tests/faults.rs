@@ -420,8 +420,12 @@ fn connections_over_the_limit_get_a_503_and_are_served_again_once_others_close()
                 msg.contains("maximum of 4 connections") && msg.contains("--max-connections"),
                 "{msg}"
             );
+            // Prompt: a server that queued the request for a permit instead
+            // would answer only when the idle clients leave (after this
+            // assertion) or their header timeout (30 s) fires; the bound
+            // leaves a busy 2-core CI machine room.
             assert!(
-                start.elapsed() < Duration::from_secs(2),
+                start.elapsed() < Duration::from_secs(10),
                 "the refusal was not prompt"
             );
             drop(idle);

@@ -361,38 +361,18 @@ pub(crate) fn rope_attention(ed: &mut Editor) -> Result<FuseCount, String> {
             continue;
         }
         let attn = ed.g.node(an).clone();
-        let Op::PagedAttention {
-            heads,
-            kv_heads,
-            head_dim,
-            query,
-            block_size,
-            scale,
-            window,
-            softcap,
-        } = attn.op
-        else {
+        if !matches!(attn.op, Op::PagedAttention { .. }) {
             continue;
-        };
+        }
         let Some((rn, 0)) = ed.producer(attn.args[0]) else {
             continue;
         };
         let rope_node = ed.g.node(rn).clone();
-        let Op::QkvRopeKvWrite {
-            heads: rh,
-            kv_heads: rkvh,
-            head_dim: rhd,
-            rope,
-            qk_norm,
-            unit_offset,
-        } = rope_node.op.clone()
-        else {
+        // None unless the producer is the rope op and the heads agree.
+        let Some(fused) = Op::join_rope_attention(&rope_node.op, &attn.op) else {
             continue;
         };
-        if (rh, rkvh, rhd) != (heads, kv_heads, head_dim)
-            || attn.args[1] != rope_node.results[1]
-            || attn.args[2] != rope_node.results[2]
-        {
+        if attn.args[1] != rope_node.results[1] || attn.args[2] != rope_node.results[2] {
             continue;
         }
         let users = ed.users();
@@ -416,23 +396,7 @@ pub(crate) fn rope_attention(ed: &mut Editor) -> Result<FuseCount, String> {
         args.push(attn.args[3]);
         args.push(attn.args[4]);
         args.extend_from_slice(&rope_node.args[5..]);
-        let r = ed.add_node(
-            Op::RopeAttention {
-                heads,
-                kv_heads,
-                head_dim,
-                query,
-                block_size,
-                scale,
-                window,
-                softcap,
-                rope,
-                qk_norm,
-                unit_offset,
-            },
-            &args,
-            an,
-        )?;
+        let r = ed.add_node(fused, &args, an)?;
         ed.replace_uses(attn.results[0], r[0]);
         ed.replace_uses(rope_node.results[1], r[1]);
         ed.replace_uses(rope_node.results[2], r[2]);
