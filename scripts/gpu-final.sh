@@ -9,6 +9,8 @@
 #                                   optionally followed by libtest arguments
 #                                   (filters, --skip NAME)
 #   .device-carry/cubins/           prebuilt kernel images (sm_80 and sm_90)
+#   .device-carry/kernel-cache.tar.xz  kiln's kernel image cache, for kiln compile
+#                                   on the device (pack-device-carry.sh --kernel-cache)
 #   .device-carry/bench/<variant>/  kiln.xz + plans.txz (or .tgz) per variant to compare
 #                                   (e.g. old = a baseline commit, new = HEAD)
 # Stages (KILN_FINAL_STAGES, default "tests bench"):
@@ -51,6 +53,11 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
 done
 export LD_LIBRARY_PATH="${libdirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export KILN_CACHE=/tmp/kiln-cache
+# Kernel images compiled here (pack-device-carry.sh --kernel-cache): a kiln
+# compile on this machine finds them instead of running NVRTC.
+if [[ -f "$C/kernel-cache.tar.xz" ]]; then
+  mkdir -p "$KILN_CACHE" && tar xJf "$C/kernel-cache.tar.xz" -C "$KILN_CACHE"
+fi
 stages="${KILN_FINAL_STAGES:-tests bench}"
 # Every name is a scripts/make-shaped-model.py shape; its plan is
 # .device-carry/bench/<variant>/<name>.kiln (a model without one is reported

@@ -9,6 +9,14 @@
 #       adds test executables (stripped, xz'd) to bin/ and tests.txt
 #   scripts/pack-device-carry.sh --bin BINARY...
 #       adds tools (kiln, oracle_run) to bin/
+#   scripts/pack-device-carry.sh --kernel-cache KILN_BINARY [MODEL...]
+#       compiles the shaped models (default qwen3-0.6b and gemma3-270m: every
+#       module the oracle's families use) for cuda:sm_90 with KILN_BINARY into
+#       an empty kernel cache and packs it as kernel-cache.tar.xz, which
+#       gpu-final.sh unpacks into $KILN_CACHE: a `kiln compile` on the device
+#       (the oracle stage) then finds its images instead of running NVRTC
+#       (entries are keyed by source, options, NVRTC version and arch, so a
+#       stale or foreign entry is never used, only missed)
 # Keys come from KILN_PACK_KEYS (default b1q1s0,b8q1s0,b32q1s0). Plans are
 # compiled from /tmp/shapes/MODEL$KILN_PACK_SHAPE_SUFFIX (e.g. "-q4k" for
 # shapes made with make-shaped-model.py --quant q4_k) but named MODEL.kiln,
@@ -35,6 +43,22 @@ case "${1:-}" in
   --bin)
     shift
     for t in "$@"; do pack_bin "$t" "$(basename "$t")"; done ;;
+  --kernel-cache)
+    kiln=$2
+    shift 2
+    models=("$@")
+    [[ ${#models[@]} -gt 0 ]] || models=(qwen3-0.6b gemma3-270m)
+    kc=/tmp/pack-kernel-cache
+    rm -rf "$kc" && mkdir -p "$kc"
+    for m in "${models[@]}"; do
+      src="/tmp/shapes/$m"
+      [[ -f "$src/config.json" ]] || python3 "$root/scripts/make-shaped-model.py" "$m" "$src"
+      KILN_CACHE="$kc" "$kiln" compile "$src" --target cuda:sm_90 --keys b1q1s0 -o "$kc/plan.kiln" > /dev/null
+      rm -f "$kc/plan.kiln"
+    done
+    tar cf - -C "$kc" kernels | xz -T2 -6 > "$C/kernel-cache.tar.xz"
+    rm -rf "$kc"
+    ;;
   *)
     v=$1 kiln=$2 flags=$3
     shift 3
