@@ -7,7 +7,9 @@ use frontend_common::{patch_config, read_tensors, tiny, variants};
 use kiln_compiler::frontend::{open, Family, Model, TraceOptions};
 use kiln_compiler::testing::TinySpec;
 use kiln_ir::plan::KvLayout;
-use kiln_ir::{DType, Graph, InputRole, Key, Op, RopeScaling, TensorType, ValueDef, WeightSource};
+use kiln_ir::{
+    AttnAttrs, DType, Graph, InputRole, Key, Op, RopeScaling, TensorType, ValueDef, WeightSource,
+};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 
@@ -140,7 +142,7 @@ fn every_family_traces_every_key_with_the_expected_ops_inputs_and_outputs() {
             // Attention and rope attributes come from the config and the layout.
             for n in &g.nodes {
                 match &n.op {
-                    Op::PagedAttention {
+                    Op::PagedAttention(AttnAttrs {
                         heads,
                         kv_heads,
                         head_dim,
@@ -149,7 +151,7 @@ fn every_family_traces_every_key_with_the_expected_ops_inputs_and_outputs() {
                         scale,
                         window,
                         softcap,
-                    } => {
+                    }) => {
                         assert_eq!(
                             (*heads, *kv_heads, *head_dim),
                             (spec.heads, spec.kv_heads, hd),
@@ -503,7 +505,7 @@ fn qwen_sliding_windows_apply_from_max_window_layers_on() {
             .nodes
             .iter()
             .filter_map(|n| match n.op {
-                Op::PagedAttention { window, .. } => Some(window),
+                Op::PagedAttention(AttnAttrs { window, .. }) => Some(window),
                 _ => None,
             })
             .collect();

@@ -6,7 +6,7 @@ mod frontend_common;
 use frontend_common::tiny;
 use kiln_compiler::frontend::{open, FrontendError, TraceOptions};
 use kiln_compiler::testing::{Family, TinySpec};
-use kiln_ir::{DType, Key, Op};
+use kiln_ir::{AttnAttrs, DType, Key, Op};
 use proptest::prelude::*;
 
 fn family() -> impl Strategy<Value = Family> {
@@ -105,7 +105,7 @@ proptest! {
         prop_assert_eq!(g.weights.len(), m.manifest().entries.len());
         prop_assert_eq!(g.outputs.len(), 1 + usize::from(s > 0) + usize::from(logits));
         for (i, n) in g.nodes.iter().enumerate() {
-            if let Op::PagedAttention { window, .. } = n.op {
+            if let Op::PagedAttention(AttnAttrs { window, .. }) = n.op {
                 let layer = g.nodes[..i].iter().filter(|n| n.op.mnemonic() == "paged_attention").count() as u32;
                 let want = match family {
                     Family::Llama => None,

@@ -66,7 +66,7 @@ fn attention_ops(kp: &KeyPlan) -> Vec<usize> {
         .filter(|&i| {
             matches!(
                 kp.ops[i].op,
-                Op::PagedAttention { .. } | Op::RopeAttention { .. }
+                Op::PagedAttention(..) | Op::RopeAttention { .. }
             )
         })
         .collect()

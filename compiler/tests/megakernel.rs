@@ -12,6 +12,7 @@ use kiln_compiler::passes::Pass;
 use kiln_ir::plan::{Plan, Region};
 use kiln_ir::schedule::{describe, Hazards, Schedule, Tape};
 use kiln_ir::validate::validate;
+use kiln_ir::AttnAttrs;
 use kiln_ir::Op;
 use planner_support::*;
 use std::collections::BTreeSet;
@@ -53,7 +54,7 @@ fn a_gpu_plan_gets_a_tape_per_key_cut_into_gemv_tiles_and_attention_heads() {
             for (i, op) in kp.ops.iter().enumerate() {
                 let n = t.tasks.iter().filter(|x| x.op as usize == i).count();
                 match op.op {
-                    Op::PagedAttention { heads, .. } => {
+                    Op::PagedAttention(AttnAttrs { heads, .. }) => {
                         // One unit per (sequence, query head), about one
                         // tile per queue.
                         let units = kp.key.batch * heads;

@@ -95,7 +95,7 @@ fn a_plan_with_two_live_buffers_sharing_bytes_is_caught_by_the_checker_and_compu
     let attn = kp
         .ops
         .iter()
-        .position(|o| matches!(o.op, Op::PagedAttention { .. }))
+        .position(|o| matches!(o.op, Op::PagedAttention(..)))
         .unwrap();
     let a = kp.graph.nodes[kp.ops[attn].node.index()].results[0];
     // The residual stream entering the layer: the embedding's output.

@@ -387,7 +387,7 @@ fn rope_attention_fuses_every_layer_on_gpu_targets_and_computes_the_same_functio
             assert_eq!(
                 count(&g, |o| matches!(
                     o,
-                    Op::QkvRopeKvWrite { .. } | Op::PagedAttention { .. }
+                    Op::QkvRopeKvWrite { .. } | Op::PagedAttention(..)
                 )),
                 0,
                 "{fam:?} {key}"
@@ -435,6 +435,6 @@ fn rope_attention_is_not_formed_for_the_cpu_nor_when_the_roped_q_has_another_rea
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(s.rope_attention, spec.layers - 1);
     assert_eq!(count(&g, |o| matches!(o, Op::QkvRopeKvWrite { .. })), 1);
-    assert_eq!(count(&g, |o| matches!(o, Op::PagedAttention { .. })), 1);
+    assert_eq!(count(&g, |o| matches!(o, Op::PagedAttention(..))), 1);
     kiln_ir::verify(&g, Some(&m)).unwrap_or_else(|e| panic!("{e:?}"));
 }

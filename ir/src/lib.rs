@@ -43,7 +43,7 @@ pub use golden::check_golden;
 pub use graph::{Graph, InputRole, Node, NodeId, ValueData, ValueDef, ValueId};
 pub use key::{Key, KeyError};
 pub use manifest::{ShardAxis, TensorRef, WeightEntry, WeightManifest, WeightSource};
-pub use op::{Epilogue, Op, PreNorm, Rope, RopeScaling};
+pub use op::{AttnAttrs, Epilogue, Op, PreNorm, Rope, RopeScaling};
 pub use parse::{
     parse, parse_and_verify, parse_with_map, LocatedError, NodeSpans, ParseError, ParseErrorKind,
     Pos, SourceMap, Span, TextError,

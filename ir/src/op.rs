@@ -34,6 +34,22 @@ pub enum RopeScaling {
     },
 }
 
+/// The attributes of paged decode attention (`paged_attention`, and the
+/// attention half of `rope_attention`): one struct, so the fused op carries
+/// exactly the attention it is defined as. Encoded (bincode) as its fields
+/// in order, the same bytes as the flat attribute lists it replaced.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AttnAttrs {
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub query: u32,
+    pub block_size: u32,
+    pub scale: f32,
+    pub window: Option<u32>,
+    pub softcap: Option<f32>,
+}
+
 /// Rotary embedding parameters (rotate-half convention, full head dim rotated).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Rope {
@@ -187,16 +203,7 @@ pub enum Op {
     /// block_size + p % block_size`. Scores are `q.k * scale`, then
     /// `softcap * tanh(s / softcap)` when `softcap` is set. GQA: head `h` reads
     /// kv head `h / (heads / kv_heads)`.
-    PagedAttention {
-        heads: u32,
-        kv_heads: u32,
-        head_dim: u32,
-        query: u32,
-        block_size: u32,
-        scale: f32,
-        window: Option<u32>,
-        softcap: Option<f32>,
-    },
+    PagedAttention(AttnAttrs),
     /// Fused q/k norm + RoPE + KV write over a packed qkv projection:
     /// `qkv_rope_kv_write(qkv: D[T, (heads + 2*kvh)*hd], pos: i32[T], slots: i32[T],
     ///   kc: D[S, kvh*hd], vc: D[S, kvh*hd] [, q_norm: D[hd], k_norm: D[hd]])
@@ -300,14 +307,8 @@ pub enum Op {
     /// `qk_norm` is set. The roped q never reaches memory: the attention
     /// kernel ropes its own query rows and the step's new K/V rows.
     RopeAttention {
-        heads: u32,
-        kv_heads: u32,
-        head_dim: u32,
-        query: u32,
-        block_size: u32,
-        scale: f32,
-        window: Option<u32>,
-        softcap: Option<f32>,
+        /// The attention's attributes (its heads are the rope's too).
+        attn: AttnAttrs,
         rope: Rope,
         qk_norm: Option<f32>,
         unit_offset: bool,
@@ -328,7 +329,7 @@ impl Op {
             Op::HeadRmsNorm { .. } => "head_rms_norm",
             Op::Rope { .. } => "rope",
             Op::KvWrite => "kv_write",
-            Op::PagedAttention { .. } => "paged_attention",
+            Op::PagedAttention(..) => "paged_attention",
             Op::QkvRopeKvWrite { .. } => "qkv_rope_kv_write",
             Op::RopeAttention { .. } => "rope_attention",
             Op::SiluMul => "silu_mul",
@@ -381,7 +382,7 @@ impl Op {
             Op::HeadRmsNorm { .. } => &[2],
             Op::Rope { .. } => &[2],
             Op::KvWrite => &[5],
-            Op::PagedAttention { .. } => &[5],
+            Op::PagedAttention(..) => &[5],
             Op::QkvRopeKvWrite { qk_norm: None, .. } => &[5],
             Op::QkvRopeKvWrite {
                 qk_norm: Some(_), ..
@@ -428,39 +429,25 @@ impl Op {
     pub fn join_rope_attention(rope: &Op, attn: &Op) -> Option<Op> {
         let (
             Op::QkvRopeKvWrite {
-                heads: rh,
-                kv_heads: rkvh,
-                head_dim: rhd,
+                heads,
+                kv_heads,
+                head_dim,
                 rope,
                 qk_norm,
                 unit_offset,
             },
-            &Op::PagedAttention {
-                heads,
-                kv_heads,
-                head_dim,
-                query,
-                block_size,
-                scale,
-                window,
-                softcap,
-            },
+            Op::PagedAttention(a),
         ) = (rope, attn)
         else {
             return None;
         };
-        ((*rh, *rkvh, *rhd) == (heads, kv_heads, head_dim)).then(|| Op::RopeAttention {
-            heads,
-            kv_heads,
-            head_dim,
-            query,
-            block_size,
-            scale,
-            window,
-            softcap,
-            rope: rope.clone(),
-            qk_norm: *qk_norm,
-            unit_offset: *unit_offset,
+        ((*heads, *kv_heads, *head_dim) == (a.heads, a.kv_heads, a.head_dim)).then(|| {
+            Op::RopeAttention {
+                attn: *a,
+                rope: rope.clone(),
+                qk_norm: *qk_norm,
+                unit_offset: *unit_offset,
+            }
         })
     }
 
@@ -468,14 +455,7 @@ impl Op {
     /// `paged_attention` it is defined as (None for any other op).
     pub fn split_rope_attention(&self) -> Option<(Op, Op)> {
         let Op::RopeAttention {
-            heads,
-            kv_heads,
-            head_dim,
-            query,
-            block_size,
-            scale,
-            window,
-            softcap,
+            attn,
             rope,
             qk_norm,
             unit_offset,
@@ -485,23 +465,14 @@ impl Op {
         };
         Some((
             Op::QkvRopeKvWrite {
-                heads: *heads,
-                kv_heads: *kv_heads,
-                head_dim: *head_dim,
+                heads: attn.heads,
+                kv_heads: attn.kv_heads,
+                head_dim: attn.head_dim,
                 rope: rope.clone(),
                 qk_norm: *qk_norm,
                 unit_offset: *unit_offset,
             },
-            Op::PagedAttention {
-                heads: *heads,
-                kv_heads: *kv_heads,
-                head_dim: *head_dim,
-                query: *query,
-                block_size: *block_size,
-                scale: *scale,
-                window: *window,
-                softcap: *softcap,
-            },
+            Op::PagedAttention(*attn),
         ))
     }
 
@@ -731,14 +702,14 @@ impl Op {
                 )?;
                 Ok(vec![args[3].clone(), args[4].clone()])
             }
-            Op::PagedAttention {
+            Op::PagedAttention(AttnAttrs {
                 heads,
                 kv_heads,
                 head_dim,
                 query,
                 block_size,
                 ..
-            } => {
+            }) => {
                 float(0, "q")?;
                 let q = rank(0, 2, "q")?;
                 want(

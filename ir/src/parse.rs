@@ -40,7 +40,7 @@
 
 use crate::graph::{Graph, InputRole, Node, NodeId, ValueData, ValueDef, ValueId};
 use crate::manifest::WeightManifest;
-use crate::op::{Epilogue, Op, PreNorm, Rope, RopeScaling};
+use crate::op::{AttnAttrs, Epilogue, Op, PreNorm, Rope, RopeScaling};
 use crate::text::attr_names;
 pub use crate::text::{NodeSpans, Pos, SourceMap, Span};
 use crate::types::{DType, QuantType, Shape, TensorType};
@@ -1153,7 +1153,7 @@ fn head_attrs(a: &mut Attrs) -> PResult<(u32, u32, u32)> {
 
 /// The rest of a `paged_attention` (or of `rope_attention`'s attention).
 fn paged_attention(a: &mut Attrs, (heads, kv_heads, head_dim): (u32, u32, u32)) -> PResult<Op> {
-    Ok(Op::PagedAttention {
+    Ok(Op::PagedAttention(AttnAttrs {
         heads,
         kv_heads,
         head_dim,
@@ -1162,7 +1162,7 @@ fn paged_attention(a: &mut Attrs, (heads, kv_heads, head_dim): (u32, u32, u32)) 
         scale: a.f32("scale")?,
         window: a.opt_u32("window")?,
         softcap: a.opt_f32("softcap")?,
-    })
+    }))
 }
 
 /// The rest of a `qkv_rope_kv_write` (or of `rope_attention`'s rope).

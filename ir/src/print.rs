@@ -40,7 +40,7 @@
 //! parse back. Not here: parsing ([`crate::parse()`]), DOT ([`crate::to_dot`]).
 
 use crate::graph::{Graph, ValueDef, ValueId};
-use crate::op::{Op, RopeScaling};
+use crate::op::{AttnAttrs, Op, RopeScaling};
 use crate::text::{quote, NodeSpans, Pos, SourceMap, Span};
 
 /// Prints `g` in the text form.
@@ -307,7 +307,7 @@ fn attr_pairs(op: &Op) -> Vec<(&'static str, String)> {
             ("theta", fmt_f32(rope.theta)),
             ("scaling", fmt_scaling(&rope.scaling)),
         ],
-        Op::PagedAttention {
+        Op::PagedAttention(AttnAttrs {
             heads,
             kv_heads,
             head_dim,
@@ -316,7 +316,7 @@ fn attr_pairs(op: &Op) -> Vec<(&'static str, String)> {
             scale,
             window,
             softcap,
-        } => vec![
+        }) => vec![
             ("heads", heads.to_string()),
             ("kv_heads", kv_heads.to_string()),
             ("head_dim", head_dim.to_string()),

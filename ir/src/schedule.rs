@@ -81,7 +81,7 @@
 //! executing a tape (the runtime's tape executor, the interpreter kernel),
 //! and the reset itself (the runtime captures it).
 
-use crate::op::{Epilogue, Op};
+use crate::op::{AttnAttrs, Epilogue, Op};
 use crate::plan::{BufRef, KeyPlan, Operand, Plan, PlanOp, Region};
 use crate::validate::PlanError;
 use serde::{Deserialize, Serialize};
@@ -217,7 +217,9 @@ pub fn tile_units(op: &PlanOp) -> u32 {
         Op::MatMul { .. } | Op::FusedMatMul { .. } if op.results[0].ty.shape.rank() == 2 => {
             last(&op.results[0]).max(1)
         }
-        Op::PagedAttention { heads, .. } => attention_batch(op).saturating_mul((*heads).max(1)),
+        Op::PagedAttention(AttnAttrs { heads, .. }) => {
+            attention_batch(op).saturating_mul((*heads).max(1))
+        }
         _ => 1,
     }
 }
@@ -358,12 +360,12 @@ pub fn footprint(op: &PlanOp, tile: Tile) -> Result<(Vec<BufRef>, Vec<BufRef>), 
             }
             Ok((reads, columns(&op.results[0], b, e)))
         }
-        Op::PagedAttention {
+        Op::PagedAttention(AttnAttrs {
             heads,
             head_dim,
             query,
             ..
-        } => {
+        }) => {
             let mut reads = attention_units(&op.args[0], b, e, *heads, *query, *head_dim);
             reads.extend(op.args[1..].iter().map(extent));
             let writes = attention_units(&op.results[0], b, e, *heads, *query, *head_dim);

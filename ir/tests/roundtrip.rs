@@ -6,8 +6,8 @@ mod common;
 
 use common::{random_graph, Rng};
 use kiln_ir::{
-    parse, parse_and_verify, parse_with_map, print, print_with_map, to_dot, verify, Graph, NodeId,
-    Op, RopeScaling, ValueId,
+    parse, parse_and_verify, parse_with_map, print, print_with_map, to_dot, verify, AttnAttrs,
+    Graph, NodeId, Op, RopeScaling, ValueId,
 };
 use proptest::prelude::*;
 use std::collections::BTreeSet;
@@ -210,20 +210,18 @@ fn the_generator_covers_every_op_scaling_and_option() {
             };
             seen.insert(tag.to_string());
             match &n.op {
-                Op::PagedAttention {
+                Op::PagedAttention(AttnAttrs {
                     window, softcap, ..
-                } => {
+                }) => {
                     seen.insert(format!("window {}", window.is_some()));
                     seen.insert(format!("softcap {}", softcap.is_some()));
                 }
                 Op::QkvRopeKvWrite { qk_norm, .. } => {
                     seen.insert(format!("qk_norm {}", qk_norm.is_some()));
                 }
-                Op::RopeAttention {
-                    qk_norm, window, ..
-                } => {
+                Op::RopeAttention { attn, qk_norm, .. } => {
                     seen.insert(format!("rope_attention qk_norm {}", qk_norm.is_some()));
-                    seen.insert(format!("rope_attention window {}", window.is_some()));
+                    seen.insert(format!("rope_attention window {}", attn.window.is_some()));
                 }
                 Op::MatMul { bias, .. } => {
                     seen.insert(format!("bias {bias}"));
@@ -320,11 +318,11 @@ fn rope_attention_joins_back_from_its_split_and_refuses_parts_that_disagree() {
             assert!(Op::join_rope_attention(&attn, &rope).is_none());
             assert!(Op::join_rope_attention(&rope, &Op::SiluMul).is_none());
             // Neither do parts whose heads disagree.
-            let Op::PagedAttention { heads, .. } = &attn else {
+            let Op::PagedAttention(AttnAttrs { heads, .. }) = &attn else {
                 panic!("the second part is the attention: {attn:?}");
             };
             let mut other = attn.clone();
-            if let Op::PagedAttention { heads: h, .. } = &mut other {
+            if let Op::PagedAttention(AttnAttrs { heads: h, .. }) = &mut other {
                 *h = heads + 1;
             }
             assert!(Op::join_rope_attention(&rope, &other).is_none());

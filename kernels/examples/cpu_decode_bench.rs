@@ -14,7 +14,7 @@
 //!
 //! Random weights say nothing about token quality; this measures speed only.
 
-use kiln_ir::{DType, Op, Rope, RopeScaling, TensorType};
+use kiln_ir::{AttnAttrs, DType, Op, Rope, RopeScaling, TensorType};
 use kiln_kernels::cpu::{execute, RawTensor};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -216,7 +216,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         qk_norm: None,
         unit_offset: false,
     };
-    let attn_op = Op::PagedAttention {
+    let attn_op = Op::PagedAttention(AttnAttrs {
         heads: HEADS,
         kv_heads: KV_HEADS,
         head_dim: HEAD_DIM,
@@ -225,7 +225,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         scale: 1.0 / (HEAD_DIM as f32).sqrt(),
         window: None,
         softcap: None,
-    };
+    });
 
     let mut timings: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
     let run = |name: &'static str,

@@ -30,7 +30,7 @@
 use kiln_ir::plan::{
     BufRef, GemmKind, GemmShape, KernelLaunch, LaunchParam, Lowering, Operand, Region, Target,
 };
-use kiln_ir::{DType, Epilogue, Op, Rope, TensorType};
+use kiln_ir::{AttnAttrs, DType, Epilogue, Op, Rope, TensorType};
 use std::collections::HashMap;
 
 /// The portability header every module starts with.
@@ -1459,7 +1459,7 @@ pub fn lower_symbolic(
                 ],
             )])
         }
-        Op::PagedAttention {
+        Op::PagedAttention(AttnAttrs {
             heads,
             kv_heads,
             head_dim,
@@ -1468,7 +1468,7 @@ pub fn lower_symbolic(
             scale,
             window,
             softcap,
-        } => {
+        }) => {
             let s = float_suffix(m, args[0].dtype)?;
             let (batch, max_blocks) = two(&dims(&args[3]))?;
             let g = attention_geometry_for(
@@ -1546,12 +1546,12 @@ pub fn lower_symbolic(
             }
         }
         Op::RopeAttention {
-            head_dim,
-            query,
+            attn: AttnAttrs {
+                head_dim, query, ..
+            },
             qk_norm,
             unit_offset,
             rope,
-            ..
         } => {
             let (rope_op, attn_op) = op.split_rope_attention().expect("rope_attention");
             let q_ty = results[0].clone();
@@ -2440,7 +2440,7 @@ mod tests {
                 vec![tt(d, &[3, 64])],
             ),
             (
-                Op::PagedAttention {
+                Op::PagedAttention(AttnAttrs {
                     heads: 6,
                     kv_heads: 2,
                     head_dim: 72,
@@ -2449,7 +2449,7 @@ mod tests {
                     scale: 0.1,
                     window: Some(40),
                     softcap: None,
-                },
+                }),
                 vec![
                     tt(d, &[6, 432]),
                     tt(d, &[256, 144]),
@@ -2677,7 +2677,7 @@ mod tests {
 
     #[test]
     fn attention_shape_blob_matches_the_kernel_struct_layout() {
-        let op = Op::PagedAttention {
+        let op = Op::PagedAttention(AttnAttrs {
             heads: 4,
             kv_heads: 2,
             head_dim: 64,
@@ -2686,7 +2686,7 @@ mod tests {
             scale: 0.125,
             window: None,
             softcap: Some(30.0),
-        };
+        });
         let a = vec![
             tt(DType::BF16, &[2, 256]),
             tt(DType::BF16, &[64, 128]),
@@ -2955,7 +2955,7 @@ mod tests {
 
     #[test]
     fn lower_op_points_kernels_at_the_planned_scratch_and_counters_and_refuses_too_few() {
-        let op = Op::PagedAttention {
+        let op = Op::PagedAttention(AttnAttrs {
             heads: 4,
             kv_heads: 2,
             head_dim: 64,
@@ -2964,7 +2964,7 @@ mod tests {
             scale: 0.125,
             window: None,
             softcap: None,
-        };
+        });
         let a = vec![
             tt(DType::BF16, &[2, 256]),
             tt(DType::BF16, &[64, 128]),

@@ -44,7 +44,7 @@
 
 use crate::gpu::GpuModule;
 use kiln_ir::plan::{BufRef, KeyPlan, Operand, Plan, PlanOp};
-use kiln_ir::{DType, Epilogue, Key, Op};
+use kiln_ir::{AttnAttrs, DType, Epilogue, Key, Op};
 
 /// The interpreter's module (not in [`crate::gpu::MODULES`]; see the docs).
 pub const MEGAKERNEL_MODULE: GpuModule = GpuModule {
@@ -429,7 +429,7 @@ pub fn supported(op: &PlanOp) -> Result<(), String> {
             }
             Ok(())
         }
-        Op::PagedAttention { head_dim, .. } => {
+        Op::PagedAttention(AttnAttrs { head_dim, .. }) => {
             arity(5, 1)?;
             need_bf16(&a[0], "q")?;
             need_bf16(&a[1], "K cache")?;
@@ -644,7 +644,7 @@ fn op_record(
             p[8] = pool_base + pool.add(&crate::gpu::rope_freqs_blob(rope, *head_dim));
             TaskKind::QkvRopeKvWrite
         }
-        Op::PagedAttention {
+        Op::PagedAttention(AttnAttrs {
             heads,
             kv_heads,
             head_dim,
@@ -653,7 +653,7 @@ fn op_record(
             scale,
             window,
             softcap,
-        } => {
+        }) => {
             let (batch, m) = two(&a[3])?;
             if *kv_heads == 0 || heads % kv_heads != 0 || *query == 0 || *block_size == 0 {
                 return Err(format!(
@@ -1188,7 +1188,7 @@ mod tests {
         assert_eq!(pool.bytes.len(), 512);
         // paged_attention with a window and a softcap
         let pa = plan_op(
-            Op::PagedAttention {
+            Op::PagedAttention(AttnAttrs {
                 heads: 8,
                 kv_heads: 2,
                 head_dim: 128,
@@ -1197,7 +1197,7 @@ mod tests {
                 scale: 0.125,
                 window: Some(512),
                 softcap: Some(50.0),
-            },
+            }),
             vec![
                 arena(0, bf, &[6, 1024]),
                 opd(Region::KCache(0), 0, bf, &[160, 256]),

@@ -9,7 +9,7 @@ mod common;
 
 use common::reference::{self, Attn};
 use common::*;
-use kiln_ir::{DType, Op};
+use kiln_ir::{AttnAttrs, DType, Op};
 use kiln_kernels::cpu::KernelError;
 
 struct Case {
@@ -24,7 +24,7 @@ struct Case {
 
 impl Case {
     fn op(&self) -> Op {
-        Op::PagedAttention {
+        Op::PagedAttention(AttnAttrs {
             heads: self.a.heads as u32,
             kv_heads: self.a.kv_heads as u32,
             head_dim: self.a.hd as u32,
@@ -33,7 +33,7 @@ impl Case {
             scale: self.a.scale as f32,
             window: self.a.window.map(|w| w as u32),
             softcap: self.a.softcap.map(|c| c as f32),
-        }
+        })
     }
 
     /// Random q and caches; each sequence gets distinct blocks scattered

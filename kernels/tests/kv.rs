@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use kiln_ir::{DType, Op, Rope, RopeScaling, TensorType};
+use kiln_ir::{AttnAttrs, DType, Op, Rope, RopeScaling, TensorType};
 use kiln_kernels::cpu::KernelError;
 
 /// Random k, v, distinct scattered slots and random caches.
@@ -357,14 +357,16 @@ fn paged_case(dtype: DType, f: &Fused, q: u32, bs: u32, lens: &[i32], seed: u64)
 
 fn rope_attention_op(f: &Fused, q: u32, bs: u32, window: Option<u32>, softcap: Option<f32>) -> Op {
     Op::RopeAttention {
-        heads: f.heads,
-        kv_heads: f.kv_heads,
-        head_dim: f.hd,
-        query: q,
-        block_size: bs,
-        scale: 1.0 / (f.hd as f32).sqrt(),
-        window,
-        softcap,
+        attn: AttnAttrs {
+            heads: f.heads,
+            kv_heads: f.kv_heads,
+            head_dim: f.hd,
+            query: q,
+            block_size: bs,
+            scale: 1.0 / (f.hd as f32).sqrt(),
+            window,
+            softcap,
+        },
         rope: rope(),
         qk_norm: f.qk_norm,
         unit_offset: f.unit_offset,

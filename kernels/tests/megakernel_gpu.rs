@@ -10,7 +10,7 @@
 
 use cudarc::driver::sys as cu;
 use half::bf16;
-use kiln_ir::{DType, Epilogue, Op, PreNorm, Rope, RopeScaling, Shape, TensorType};
+use kiln_ir::{AttnAttrs, DType, Epilogue, Op, PreNorm, Rope, RopeScaling, Shape, TensorType};
 use kiln_kernels::megakernel::{DeviceTask, TaskKind, BLOCK_THREADS, ENTRY, MEGAKERNEL_MODULE};
 use std::ffi::{c_void, CString};
 
@@ -676,7 +676,7 @@ fn every_task_kind_matches_the_cpu_reference() {
             &slice(&out, va, cache),
             &w[2],
         );
-        let op = Op::PagedAttention {
+        let op = Op::PagedAttention(AttnAttrs {
             heads,
             kv_heads: kvh,
             head_dim: hd,
@@ -685,7 +685,7 @@ fn every_task_kind_matches_the_cpu_reference() {
             scale: 0.125,
             window,
             softcap,
-        };
+        });
         let a = kiln_kernels::cpu::execute_on_vecs(
             &op,
             &[

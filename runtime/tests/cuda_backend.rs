@@ -11,7 +11,7 @@ mod cuda_support;
 
 use cuda_support::*;
 use kiln_ir::plan::GemmKind;
-use kiln_ir::{DType, Key, Op, Rope, RopeScaling, TensorType};
+use kiln_ir::{AttnAttrs, DType, Key, Op, Rope, RopeScaling, TensorType};
 use kiln_runtime::backend::{Backend, BackendError, DevOperand, Launch};
 use kiln_runtime::cuda::{CudaBackend, GemmChoice};
 
@@ -331,16 +331,7 @@ fn paged_attention_matches_for_gqa_causal_windows_softcap_and_long_contexts() {
     ];
     for (d, ctx, q, heads, kvh, hd, bs, mb, window, softcap) in cases {
         let args = attention_case(&mut r, d, &ctx, q, heads, kvh, hd, bs, mb);
-        let op = Op::PagedAttention {
-            heads,
-            kv_heads: kvh,
-            head_dim: hd,
-            query: q,
-            block_size: bs,
-            scale: 1.0 / (hd as f32).sqrt(),
-            window,
-            softcap,
-        };
+        let op = Op::PagedAttention(attn_attrs(heads, kvh, hd, q, bs, window, softcap));
         let what = format!(
             "paged_attention {d} ctx={ctx:?} q={q} {heads}/{kvh}x{hd} bs={bs} window={window:?} softcap={softcap:?}"
         );
@@ -1345,7 +1336,7 @@ fn the_host_reference_agrees_with_the_cpu_reference_kernels() {
     ] {
         let args = attention_case(&mut r, d, &ctx, q, 4, 2, 64, 16, 20);
         cases.push((
-            Op::PagedAttention {
+            Op::PagedAttention(AttnAttrs {
                 heads: 4,
                 kv_heads: 2,
                 head_dim: 64,
@@ -1354,7 +1345,7 @@ fn the_host_reference_agrees_with_the_cpu_reference_kernels() {
                 scale: 0.125,
                 window,
                 softcap,
-            },
+            }),
             args,
         ));
     }
@@ -1855,6 +1846,28 @@ fn unfused_rope_attention(b: &mut CudaBackend, op: &Op, args: &[HT]) -> Vec<HT> 
     vec![a[0].clone(), r[1].clone(), r[2].clone()]
 }
 
+/// Attention attributes at the usual scale `1 / sqrt(hd)`.
+fn attn_attrs(
+    heads: u32,
+    kvh: u32,
+    hd: u32,
+    q: u32,
+    bs: u32,
+    window: Option<u32>,
+    softcap: Option<f32>,
+) -> AttnAttrs {
+    AttnAttrs {
+        heads,
+        kv_heads: kvh,
+        head_dim: hd,
+        query: q,
+        block_size: bs,
+        scale: 1.0 / (hd as f32).sqrt(),
+        window,
+        softcap,
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn rope_attention_op(
     heads: u32,
@@ -1867,14 +1880,7 @@ fn rope_attention_op(
     norm: bool,
 ) -> Op {
     Op::RopeAttention {
-        heads,
-        kv_heads: kvh,
-        head_dim: hd,
-        query: q,
-        block_size: bs,
-        scale: 1.0 / (hd as f32).sqrt(),
-        window,
-        softcap,
+        attn: attn_attrs(heads, kvh, hd, q, bs, window, softcap),
         rope: rope(1e6),
         qk_norm: norm.then_some(1e-6),
         unit_offset: false,

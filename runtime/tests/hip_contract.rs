@@ -14,7 +14,7 @@
 mod contract;
 mod gpu_bodies;
 
-use kiln_ir::{DType, Key, Op, TensorType};
+use kiln_ir::{AttnAttrs, DType, Key, Op, TensorType};
 use kiln_runtime::backend::{Backend, BackendError, DevOperand, DevPtr, Launch};
 
 struct Rng(u64);
@@ -1344,7 +1344,7 @@ mod on_sim {
             const_args: 0,
             body: kiln_runtime::backend::LaunchBody::Reference,
             kernel: "paged_attention_bf16".into(),
-            op: Op::PagedAttention {
+            op: Op::PagedAttention(AttnAttrs {
                 heads: 4,
                 kv_heads: 2,
                 head_dim: 64,
@@ -1353,7 +1353,7 @@ mod on_sim {
                 scale: 0.125,
                 window: None,
                 softcap: None,
-            },
+            }),
             args: vec![
                 DevOperand {
                     ptr: q,

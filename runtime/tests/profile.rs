@@ -227,7 +227,7 @@ fn op_bytes_count_operands_once_gathered_rows_only_and_the_kv_read_at_the_contex
                 assert!(numel(op.args[1].ty.shape.dims()) >= 32 * 32);
                 seen.1 += 1;
             }
-            Op::PagedAttention { .. } => {
+            Op::PagedAttention(..) => {
                 // 2 sequences x (K + V) x 2 KV heads x 8 dims per position
                 // of context.
                 let per_position = 2 * 2 * 2 * 8 * plan.kv.dtype.size() as u64;

@@ -12,7 +12,7 @@
 use super::{FrontendError, TraceOptions};
 use crate::config::{DecoderConfig, MlpAct};
 use kiln_ir::plan::KvLayout;
-use kiln_ir::{DType, Graph, InputRole, Key, Op, TensorType, ValueId, WeightManifest};
+use kiln_ir::{AttnAttrs, DType, Graph, InputRole, Key, Op, TensorType, ValueId, WeightManifest};
 use std::collections::HashMap;
 
 /// Activation and weight dtype of traced graphs.
@@ -272,7 +272,7 @@ pub fn trace(
         let (kc, vc) = caches[l as usize];
         let written = g.push(Op::KvWrite, &[kv_, vv, slots, kc, vc]);
         let attn = g.push1(
-            Op::PagedAttention {
+            Op::PagedAttention(AttnAttrs {
                 heads: c.num_heads,
                 kv_heads: c.num_kv_heads,
                 head_dim: c.head_dim,
@@ -281,7 +281,7 @@ pub fn trace(
                 scale: attn_scale,
                 window,
                 softcap: c.attn_softcap,
-            },
+            }),
             &[qv, written[0], written[1], block_tables, context_lens],
         );
         let mut o = proj(&mut g, &mut w, "self_attn.o_proj", c.o_bias, attn);

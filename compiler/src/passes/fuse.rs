@@ -361,7 +361,7 @@ pub(crate) fn rope_attention(ed: &mut Editor) -> Result<FuseCount, String> {
             continue;
         }
         let attn = ed.g.node(an).clone();
-        if !matches!(attn.op, Op::PagedAttention { .. }) {
+        if !matches!(attn.op, Op::PagedAttention(..)) {
             continue;
         }
         let Some((rn, 0)) = ed.producer(attn.args[0]) else {

@@ -51,6 +51,7 @@
 
 use kiln_ir::plan::{BufRef, GemmKind, KeyPlan, Lowering, Plan, PlanOp, Region};
 use kiln_ir::schedule::{footprint, tile_units, Clocks, Hazards, Schedule, Tape, Task, Tile, Wait};
+use kiln_ir::AttnAttrs;
 use kiln_ir::Key;
 
 /// Which schedule `kiln compile` writes for every key.
@@ -115,7 +116,7 @@ pub fn unsupported(op: &PlanOp) -> Option<String> {
 fn tiles(op: &PlanOp, queues: u32, min_tile: u32) -> Vec<Tile> {
     let units = tile_units(op);
     let min = match op.op {
-        kiln_ir::Op::PagedAttention { .. } => 1,
+        kiln_ir::Op::PagedAttention(..) => 1,
         _ => min_tile.max(1),
     };
     let width = units.div_ceil(queues.max(1)).max(min).div_ceil(min) * min;
@@ -249,11 +250,11 @@ fn task_cost_ns(op: &PlanOp, tile: Tile, reads: &[BufRef], writes: &[BufRef]) ->
     if matches!(op.op, kiln_ir::Op::Embedding) {
         bytes = 2 * writes.iter().map(|b| b.bytes).fold(0, u64::saturating_add);
     }
-    if let kiln_ir::Op::PagedAttention {
+    if let kiln_ir::Op::PagedAttention(AttnAttrs {
         head_dim,
         block_size,
         ..
-    } = op.op
+    }) = op.op
     {
         let columns = op
             .args

@@ -28,7 +28,8 @@
 //! matmul (refused: it would be added N times).
 
 use kiln_ir::{
-    Graph, Op, ShardAxis, TensorType, ValueDef, ValueId, WeightEntry, WeightManifest, WeightSource,
+    AttnAttrs, Graph, Op, ShardAxis, TensorType, ValueDef, ValueId, WeightEntry, WeightManifest,
+    WeightSource,
 };
 use std::collections::HashMap;
 
@@ -233,9 +234,9 @@ pub fn shard(g: &Graph, manifest: &mut WeightManifest, o: &ShardOptions) -> Resu
             Op::Rope { heads, .. } | Op::HeadRmsNorm { heads, .. } => {
                 *heads = div(*heads, "heads of a rope / head norm")?
             }
-            Op::PagedAttention {
+            Op::PagedAttention(AttnAttrs {
                 heads, kv_heads, ..
-            }
+            })
             | Op::QkvRopeKvWrite {
                 heads, kv_heads, ..
             } => {

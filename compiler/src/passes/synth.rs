@@ -14,8 +14,8 @@
 
 use kiln_ir::plan::KvLayout;
 use kiln_ir::{
-    DType, Graph, InputRole, Key, Op, Rope, RopeScaling, Shape, TensorRef, TensorType, WeightEntry,
-    WeightManifest, WeightSource,
+    AttnAttrs, DType, Graph, InputRole, Key, Op, Rope, RopeScaling, Shape, TensorRef, TensorType,
+    WeightEntry, WeightManifest, WeightSource,
 };
 
 /// Which decoder family to imitate.
@@ -244,7 +244,7 @@ impl SynthSpec {
             let (kc, vc) = caches[l as usize];
             let kvw_ = g.push(Op::KvWrite, &[k, v, slots, kc, vc]);
             let attn = g.push1(
-                Op::PagedAttention {
+                Op::PagedAttention(AttnAttrs {
                     heads: self.heads,
                     kv_heads: self.kv_heads,
                     head_dim: self.head_dim,
@@ -253,7 +253,7 @@ impl SynthSpec {
                     scale: 1.0 / (self.head_dim as f32).sqrt(),
                     window: None,
                     softcap: None,
-                },
+                }),
                 &[q, kvw_[0], kvw_[1], tables, lens],
             );
             let o = w(&mut g, &format!("{p}.self_attn.o_proj.weight"));

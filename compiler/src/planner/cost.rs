@@ -21,7 +21,7 @@
 //! Not here: measured numbers (the runtime's bench), per-kernel efficiency.
 
 use kiln_ir::plan::PlanOp;
-use kiln_ir::{Graph, Op, ValueDef};
+use kiln_ir::{AttnAttrs, Graph, Op, ValueDef};
 use std::collections::HashSet;
 
 /// Flops of one op (see the module docs for the model).
@@ -37,9 +37,9 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
             let n = op.args[1].ty.shape.dims()[0] as u64;
             2 * m * n * k + if *bias { m * n } else { 0 }
         }
-        Op::PagedAttention {
+        Op::PagedAttention(AttnAttrs {
             heads, head_dim, ..
-        } => {
+        }) => {
             let tokens = op.args[0].ty.shape.dims()[0] as u64;
             tokens * *heads as u64 * 4 * *head_dim as u64 * max_context
         }
@@ -59,16 +59,12 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
             roped * (3 + if qk_norm.is_some() { 4 } else { 0 })
         }
         Op::RopeAttention {
-            heads,
-            kv_heads,
-            head_dim,
-            qk_norm,
-            ..
+            attn: a, qk_norm, ..
         } => {
             let tokens = op.args[0].ty.shape.dims()[0] as u64;
-            let roped = tokens * (*heads + *kv_heads) as u64 * *head_dim as u64;
+            let roped = tokens * (a.heads + a.kv_heads) as u64 * a.head_dim as u64;
             roped * (3 + if qk_norm.is_some() { 4 } else { 0 })
-                + tokens * *heads as u64 * 4 * *head_dim as u64 * max_context
+                + tokens * a.heads as u64 * 4 * a.head_dim as u64 * max_context
         }
         Op::SiluMul => 5 * out(0),
         Op::GeluTanhMul => 10 * out(0),
@@ -134,7 +130,7 @@ pub fn step_bytes(graph: &Graph, ops: &[PlanOp], kv_row_bytes: u64, max_context:
         let aliased_args: Vec<usize> = op.op.aliases().iter().map(|&(_, a)| a).collect();
         let aliased_results: Vec<usize> = op.op.aliases().iter().map(|&(r, _)| r).collect();
         match &op.op {
-            Op::PagedAttention { .. } => {
+            Op::PagedAttention(..) => {
                 let batch = op.args[3].ty.shape.dims()[0] as u64;
                 total += 2 * batch * max_context * kv_row_bytes;
                 total += op.args[0].ty.size_bytes() + op.results[0].ty.size_bytes();

@@ -17,7 +17,7 @@
 use half::{bf16, f16};
 use kiln_ir::plan::{BufRef, KeyPlan, KvLayout, Region};
 use kiln_ir::{
-    DType, Graph, InputRole, Key, Op, TensorType, ValueDef, WeightManifest, WeightSource,
+    AttnAttrs, DType, Graph, InputRole, Key, Op, TensorType, ValueDef, WeightManifest, WeightSource,
 };
 use std::collections::HashMap;
 
@@ -391,7 +391,7 @@ pub fn apply(
             write_rows(&mut vc, &v, kvh * hd, &args[2]);
             vec![q, kc, vc]
         }
-        Op::PagedAttention {
+        Op::PagedAttention(AttnAttrs {
             heads,
             kv_heads,
             head_dim,
@@ -400,7 +400,7 @@ pub fn apply(
             scale,
             window,
             softcap,
-        } => {
+        }) => {
             let (h, kvh, hd, q, bs) = (
                 *heads as usize,
                 *kv_heads as usize,

@@ -3,7 +3,8 @@
 #![allow(dead_code)]
 
 use kiln_ir::{
-    DType, Epilogue, Graph, InputRole, Op, PreNorm, Rope, RopeScaling, TensorType, ValueId,
+    AttnAttrs, DType, Epilogue, Graph, InputRole, Op, PreNorm, Rope, RopeScaling, TensorType,
+    ValueId,
 };
 
 /// splitmix64: a tiny deterministic generator, so a failing seed replays.
@@ -103,7 +104,7 @@ pub fn decode_step() -> Graph {
     );
     let kv = g.push(Op::KvWrite, &[k, vv, slot, kc, vc]);
     let attn = g.push1(
-        Op::PagedAttention {
+        Op::PagedAttention(AttnAttrs {
             heads,
             kv_heads: kvh,
             head_dim: hd,
@@ -112,7 +113,7 @@ pub fn decode_step() -> Graph {
             scale: 0.25,
             window: None,
             softcap: None,
-        },
+        }),
         &[q, kv[0], kv[1], bt, cl],
     );
     let wo = g.add_weight(
@@ -271,6 +272,21 @@ impl<'a> Gen<'a> {
         }
         i
     }
+    /// Random attention attributes for these heads (`paged_attention`
+    /// and the attention half of `rope_attention`).
+    fn attn_attrs(&mut self, heads: u32, kvh: u32, hd: u32) -> AttnAttrs {
+        AttnAttrs {
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            query: self.q,
+            block_size: self.rng.pick(&[1, 2, 4, 16]),
+            scale: self.float(),
+            window: self.rng.coin().then(|| self.rng.next_u64() as u32),
+            softcap: self.opt_float(),
+        }
+    }
+
     fn opt_float(&mut self) -> Option<f32> {
         if self.rng.coin() {
             Some(self.float())
@@ -415,20 +431,7 @@ impl<'a> Gen<'a> {
                 let (kc, vc) = self.caches[l].1.expect("declared");
                 let bt = self.input(InputRole::BlockTables);
                 let cl = self.input(InputRole::ContextLens);
-                let op = Op::PagedAttention {
-                    heads,
-                    kv_heads: kvh,
-                    head_dim: hd,
-                    query: self.q,
-                    block_size: self.rng.pick(&[1, 2, 4, 16]),
-                    scale: self.float(),
-                    window: if self.rng.coin() {
-                        Some(self.rng.next_u64() as u32)
-                    } else {
-                        None
-                    },
-                    softcap: self.opt_float(),
-                };
+                let op = Op::PagedAttention(self.attn_attrs(heads, kvh, hd));
                 let y = self.g.push1(op, &[qv, kc, vc, bt, cl]);
                 self.acts.push(y);
             }
@@ -463,14 +466,7 @@ impl<'a> Gen<'a> {
                     args.insert(5, bt);
                     args.insert(6, cl);
                     Op::RopeAttention {
-                        heads,
-                        kv_heads: kvh,
-                        head_dim: hd,
-                        query: self.q,
-                        block_size: self.rng.pick(&[1, 2, 4, 16]),
-                        scale: self.float(),
-                        window: self.rng.coin().then(|| self.rng.next_u64() as u32),
-                        softcap: self.opt_float(),
+                        attn: self.attn_attrs(heads, kvh, hd),
                         rope,
                         qk_norm,
                         unit_offset,

@@ -35,7 +35,7 @@ use super::dot::{dot_each, Kernel, Row};
 use super::simd::{self, multiversion};
 use super::{index_error, operands, Result};
 use super::{math, par};
-use kiln_ir::{DType, Op};
+use kiln_ir::{AttnAttrs, DType, Op};
 
 /// Below this many score multiply-adds the op runs on the calling thread.
 const PARALLEL_MIN_MACS: usize = 1 << 15;
@@ -326,7 +326,7 @@ pub(crate) unsafe fn paged_attention(
     m: usize,
     cache_slots: usize,
 ) -> Result<()> {
-    let Op::PagedAttention {
+    let Op::PagedAttention(AttnAttrs {
         heads,
         kv_heads,
         head_dim,
@@ -335,7 +335,7 @@ pub(crate) unsafe fn paged_attention(
         scale,
         window,
         softcap,
-    } = op
+    }) = op
     else {
         unreachable!("dispatched by execute")
     };

@@ -231,7 +231,7 @@ pub unsafe fn execute_prechecked(
             Ok(())
         }
         Op::KvWrite => kv::kv_write(op, a[0], a[1], a[2], d2(0), r[0], r[1], d2(3).0),
-        Op::PagedAttention { .. } => {
+        Op::PagedAttention(..) => {
             let (b, m) = d2(3);
             attention::paged_attention(op, a[0], r[0], a[1], a[2], a[3], a[4], b, m, d2(1).0)
         }
@@ -239,15 +239,13 @@ pub unsafe fn execute_prechecked(
             let norms = (a.len() == 7).then(|| (a[5], a[6]));
             kv::qkv_rope_kv_write(op, a[0], a[1], a[2], norms, r[0], r[1], r[2], d2(3).0)
         }
-        Op::RopeAttention {
-            heads, head_dim, ..
-        } => {
+        Op::RopeAttention { attn, .. } => {
             // The definition, step by step: the roped q goes to a host
             // buffer of this call (the GPU kernel keeps it on chip).
             let (rope_op, attn_op) = op.split_rope_attention().expect("rope_attention");
             let norms = (a.len() == 9).then(|| (a[7], a[8]));
             let rows = d2(0).0;
-            let len = rows * (*heads as usize) * (*head_dim as usize);
+            let len = rows * (attn.heads as usize) * (attn.head_dim as usize);
             let dtype = args[0].ty.dtype;
             // u64 words: aligned for every float dtype.
             let mut qmem = vec![0u64; (len * dtype.size()).div_ceil(8)];

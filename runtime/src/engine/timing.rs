@@ -29,7 +29,7 @@
 use super::{Engine, EngineError, KeyRt};
 use crate::backend::Backend;
 use kiln_ir::plan::{KvLayout, Lowering, PlanOp, Region};
-use kiln_ir::{Key, Op};
+use kiln_ir::{AttnAttrs, Key, Op};
 
 /// How a timed step runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -188,7 +188,7 @@ pub fn op_bytes(op: &PlanOp, kv: &KvLayout, context: u32) -> u64 {
         .map(|r| r.ty.size_bytes())
         .sum::<u64>();
     match &op.op {
-        Op::PagedAttention { window, .. } => {
+        Op::PagedAttention(AttnAttrs { window, .. }) => {
             // args: q, kc, vc, block tables [batch, blocks], context lengths.
             let read = window.map_or(context, |w| context.min(w)) as u64;
             total += 2 * rows(op.args.get(3)) * read * kv_row;

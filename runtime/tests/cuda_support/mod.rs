@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use half::{bf16, f16};
-use kiln_ir::{DType, Epilogue, Op, TensorType};
+use kiln_ir::{AttnAttrs, DType, Epilogue, Op, TensorType};
 use kiln_runtime::backend::{Backend, DevOperand, Launch};
 use kiln_runtime::cuda::CudaBackend;
 
@@ -366,7 +366,7 @@ pub fn reference(op: &Op, args: &[HT], result_tys: &[TensorType]) -> Vec<HT> {
             }
             vec![HT::floats(d, &[t_n as u32, (h * hd) as u32], q), kc, vc]
         }
-        Op::PagedAttention {
+        Op::PagedAttention(AttnAttrs {
             heads,
             kv_heads,
             head_dim,
@@ -375,7 +375,7 @@ pub fn reference(op: &Op, args: &[HT], result_tys: &[TensorType]) -> Vec<HT> {
             scale,
             window,
             softcap,
-        } => {
+        }) => {
             let (h, kvh, hd, qn, bs) = (
                 *heads as usize,
                 *kv_heads as usize,

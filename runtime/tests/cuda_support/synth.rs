@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use super::*;
-use kiln_ir::{Rope, RopeScaling};
+use kiln_ir::{AttnAttrs, Rope, RopeScaling};
 use kiln_runtime::backend::DevPtr;
 
 #[derive(Clone, Copy, Debug)]
@@ -240,7 +240,7 @@ pub fn build(cfg: Cfg, ctx: &[i32], seed: u64) -> Step {
         });
         let attn = add(&mut bufs, tt(d, &[batch, cfg.heads * cfg.hd]), None);
         ops.push(SOp {
-            op: Op::PagedAttention {
+            op: Op::PagedAttention(AttnAttrs {
                 heads: cfg.heads,
                 kv_heads: cfg.kvh,
                 head_dim: cfg.hd,
@@ -249,7 +249,7 @@ pub fn build(cfg: Cfg, ctx: &[i32], seed: u64) -> Step {
                 scale: 1.0 / (cfg.hd as f32).sqrt(),
                 window: None,
                 softcap: None,
-            },
+            }),
             args: vec![q, kc, vc, bt, cl],
             results: vec![attn],
         });
