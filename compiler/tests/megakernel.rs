@@ -64,6 +64,11 @@ fn a_gpu_plan_gets_a_tape_per_key_cut_into_gemv_tiles_and_attention_heads() {
                         let cols = *op.results[0].ty.shape.dims().last().unwrap();
                         assert!(n > 1 && n <= 6, "op {i}: {n} tiles of {cols} columns");
                     }
+                    // One task per query head, one for the K cache, one
+                    // for the V cache.
+                    Op::QkvRopeKvWrite { heads, .. } => {
+                        assert_eq!(n as u32, heads + 2, "op {i}")
+                    }
                     _ => assert_eq!(n, 1, "op {i} `{}`", op.op.mnemonic()),
                 }
             }
@@ -211,6 +216,131 @@ fn a_tile_depends_only_on_the_producer_tiles_of_the_bytes_it_touches() {
             assert!(t.tasks[w.counter as usize].op < x.op);
         }
     }
+}
+
+#[test]
+fn a_query_head_ropes_after_its_own_qkv_columns_and_attention_waits_for_its_head_and_both_caches() {
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    let plan = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0,b2q1s0", 8)).plan;
+    validate(&plan).unwrap_or_else(|e| panic!("{e}"));
+    for (k, kp) in plan.keys.iter().enumerate() {
+        let t = tape(&plan, k);
+        let mut hz = Hazards::new();
+        let deps: Vec<BTreeSet<u32>> = t
+            .tasks
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                hz.access(i as u32, &x.reads, &x.writes)
+                    .into_iter()
+                    .map(|c| c.task)
+                    .collect()
+            })
+            .collect();
+        let tasks_of = |op: usize| -> Vec<u32> {
+            (0..t.tasks.len() as u32)
+                .filter(|&i| t.tasks[i as usize].op as usize == op)
+                .collect()
+        };
+        let mut seen = 0;
+        for (i, op) in kp.ops.iter().enumerate() {
+            let Op::QkvRopeKvWrite { heads, .. } = op.op else {
+                continue;
+            };
+            seen += 1;
+            let rope = tasks_of(i);
+            assert_eq!(rope.len() as u32, heads + 2);
+            // The qkv producer is the op writing the rope's first argument.
+            let qkv = kp.ops[..i]
+                .iter()
+                .rposition(|o| o.results.iter().any(|r| r.buf == op.args[0].buf))
+                .expect("a qkv producer");
+            let qkv_tiles: BTreeSet<u32> = tasks_of(qkv).into_iter().collect();
+            assert!(qkv_tiles.len() > 1, "the qkv GEMV is tiled");
+            for (u, &r) in rope.iter().enumerate() {
+                let from_qkv: BTreeSet<u32> =
+                    deps[r as usize].intersection(&qkv_tiles).copied().collect();
+                assert!(!from_qkv.is_empty(), "unit {u} waits for no qkv tile");
+                if (u as u32) < heads {
+                    // A query head needs only the tiles of its columns.
+                    assert!(
+                        from_qkv.len() < qkv_tiles.len(),
+                        "query head {u} waits for every qkv tile"
+                    );
+                }
+                let task = &t.tasks[r as usize];
+                let caches = task
+                    .writes
+                    .iter()
+                    .filter(|b| matches!(b.region, Region::KCache(_) | Region::VCache(_)))
+                    .count();
+                assert_eq!(caches, usize::from(u as u32 >= heads), "unit {u}");
+            }
+            // The attention that reads this layer's q depends on every q
+            // head it reads and on both cache units.
+            let attn = kp.ops[i..]
+                .iter()
+                .position(|o| matches!(o.op, Op::PagedAttention(..)))
+                .map(|p| p + i)
+                .expect("attention after the rope");
+            for a in tasks_of(attn) {
+                let d = &deps[a as usize];
+                assert!(d.contains(&rope[heads as usize]) && d.contains(&rope[heads as usize + 1]));
+                assert!(rope[..heads as usize].iter().any(|q| d.contains(q)));
+            }
+        }
+        assert!(seen > 0, "no qkv_rope_kv_write in key {}", kp.key);
+    }
+}
+
+#[test]
+fn two_tiles_of_one_rope_op_writing_one_cache_are_refused() {
+    let spec = SynthSpec::tiny(SynthFamily::Llama);
+    // A CPU plan: no launch parameters to keep in step with the mutations.
+    let plan = compile_synth(&spec, &options("cpu", "b1q1s0", 3)).plan;
+    let t = tape(&plan, 0);
+    let (i, heads) = plan.keys[0]
+        .ops
+        .iter()
+        .enumerate()
+        .find_map(|(i, o)| match o.op {
+            Op::QkvRopeKvWrite { heads, .. } => Some((i, heads)),
+            _ => None,
+        })
+        .unwrap();
+    let k_unit = t
+        .tasks
+        .iter()
+        .position(|x| x.op as usize == i && x.tile.begin == heads)
+        .unwrap();
+    // The V unit claims the K cache too: the footprint check names it first;
+    // with footprints that agree but overlap, the tile check does.
+    let mut bad = plan.clone();
+    let kc = tape(&bad, 0).tasks[k_unit].writes[0];
+    let v_unit = k_unit + 1;
+    tape_mut(&mut bad, 0).tasks[v_unit].writes.push(kc);
+    let e = validate(&bad).expect_err("a V unit writing the K cache");
+    assert!(
+        e.field.ends_with(&format!("tasks[{v_unit}]")) && e.problem.contains("footprint"),
+        "{e}"
+    );
+    // A plan whose V cache is the K cache: the footprints agree with the
+    // op, and the K and V units now write the same bytes.
+    let mut bad = plan.clone();
+    let op = &mut bad.keys[0].ops[i];
+    op.args[4].buf = op.args[3].buf;
+    op.results[2].buf = op.results[1].buf;
+    let op = bad.keys[0].ops[i].clone();
+    for x in &mut tape_mut(&mut bad, 0).tasks {
+        if x.op as usize == i {
+            (x.reads, x.writes) = kiln_ir::schedule::footprint(&op, x.tile).unwrap();
+        }
+    }
+    let e = validate(&bad).expect_err("two units writing one cache");
+    assert!(
+        e.field.ends_with(&format!("tasks[{v_unit}]")) && e.problem.contains("independent"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -16,7 +16,9 @@
 //!   never overwrite what another tile of the op reads.
 //! * A task's tile is a range of its op's **units** ([`tile_units`]): output
 //!   columns of a matmul / fused matmul (a GEMV's output rows), (sequence,
-//!   query head) pairs of paged attention, or the single unit of any other op
+//!   query head) pairs of paged attention, the query heads of
+//!   `qkv_rope_kv_write` one by one followed by its K-cache unit and its
+//!   V-cache unit, or the single unit of any other op
 //!   (a whole-op task). What a tile reads and writes is [`footprint`]: the
 //!   one definition the scheduler, the verifier, the CPU executor and the
 //!   GPU interpreter share. Reads of a paged KV cache are the whole cache
@@ -64,8 +66,10 @@
 //!    units; its reads and writes are exactly [`footprint`]; its counter is
 //!    in bounds;
 //! 3. the tiles of each op partition its units exactly, in increasing order,
-//!    the ops' tasks follow the op order, and an op split into several tiles
-//!    writes nothing it reads;
+//!    the ops' tasks follow the op order, and no tile writes bytes another
+//!    tile of its op reads or writes (an op that writes over its own
+//!    arguments is cut only where its footprints keep the tiles apart:
+//!    `qkv_rope_kv_write`, whose K and V units each own one cache);
 //! 4. every task id appears on exactly one queue, exactly once, and each
 //!    queue is in increasing global order;
 //! 5. every wait names a counter in bounds with a target between 1 and the
@@ -206,9 +210,25 @@ pub fn writes_what_it_reads(op: &PlanOp) -> bool {
 }
 
 /// How many units an op's output is cut into: output columns for a matmul
-/// or fused matmul, KV heads for paged attention, 1 for every other op and
-/// for any op writing over its own arguments.
+/// or fused matmul, (sequence, query head) pairs for paged attention,
+/// `heads + 2` for `qkv_rope_kv_write` (see [`rope_kv_parts`]), 1 for every
+/// other op and for any other op writing over its own arguments.
 pub fn tile_units(op: &PlanOp) -> u32 {
+    if let Op::QkvRopeKvWrite { heads, .. } = op.op {
+        // The caches are written in place by design; the q result must be
+        // bytes of its own for the query heads to be cut apart.
+        let q_apart = op.results.len() == 3
+            && op.args.len() >= 5
+            && !op
+                .args
+                .iter()
+                .any(|a| overlap(&extent(&op.results[0]), &extent(a)));
+        return if q_apart && heads > 0 {
+            heads.saturating_add(2)
+        } else {
+            1
+        };
+    }
     if writes_what_it_reads(op) || op.results.len() != 1 {
         return 1;
     }
@@ -222,6 +242,22 @@ pub fn tile_units(op: &PlanOp) -> u32 {
         }
         _ => 1,
     }
+}
+
+/// The parts of `qkv_rope_kv_write` units `[b, e)` cover: the query
+/// heads `[q0, q1)` (possibly empty), whether the K-cache unit (`heads`:
+/// every key head, normed, roped and written at the step's slots) and
+/// whether the V-cache unit (`heads + 1`: every value head copied to the
+/// slots) are in it. The key and value heads are one unit each because a
+/// cache row's slot is a per-step value: a unit writing at the slots owns
+/// the whole cache, and two tiles owning one cache would overlap.
+pub fn rope_kv_parts(heads: u32, b: u32, e: u32) -> (u32, u32, bool, bool) {
+    (
+        b.min(heads),
+        e.min(heads),
+        b <= heads && heads < e,
+        b <= heads + 1 && heads + 1 < e,
+    )
 }
 
 /// The sequences of a `paged_attention` (its block tables' rows).
@@ -369,6 +405,45 @@ pub fn footprint(op: &PlanOp, tile: Tile) -> Result<(Vec<BufRef>, Vec<BufRef>), 
             let mut reads = attention_units(&op.args[0], b, e, *heads, *query, *head_dim);
             reads.extend(op.args[1..].iter().map(extent));
             let writes = attention_units(&op.results[0], b, e, *heads, *query, *head_dim);
+            Ok((reads, writes))
+        }
+        Op::QkvRopeKvWrite {
+            heads,
+            kv_heads,
+            head_dim,
+            ..
+        } => {
+            // qkv rows are [q heads | k heads | v heads], head_dim each.
+            let (q0, q1, k, v) = rope_kv_parts(*heads, b, e);
+            let col = |h: u32| h.saturating_mul(*head_dim);
+            let (kb, vb, ve) = (
+                *heads,
+                heads.saturating_add(*kv_heads),
+                heads.saturating_add(kv_heads.saturating_mul(2)),
+            );
+            let (mut reads, mut writes) = (Vec::new(), Vec::new());
+            if q0 < q1 {
+                reads.extend(columns(&op.args[0], col(q0), col(q1)));
+                writes.extend(columns(&op.results[0], col(q0), col(q1)));
+            }
+            if k {
+                reads.extend(columns(&op.args[0], col(kb), col(vb)));
+            }
+            if v {
+                reads.extend(columns(&op.args[0], col(vb), col(ve)));
+            }
+            // Positions and slots (every unit checks the slots), the
+            // caches a unit writes in place, the norm weights.
+            reads.extend(op.args[1..3].iter().map(extent));
+            if k {
+                reads.push(extent(&op.args[3]));
+                writes.push(extent(&op.results[1]));
+            }
+            if v {
+                reads.push(extent(&op.args[4]));
+                writes.push(extent(&op.results[2]));
+            }
+            reads.extend(op.args[5..].iter().map(extent));
             Ok((reads, writes))
         }
         _ => Ok(whole()),
@@ -688,7 +763,31 @@ pub fn verify_tape(plan: &Plan, kp: &KeyPlan, tape: &Tape) -> Result<(), PlanErr
         }
         *next = task.tile.end;
         if units > 1 && writes_what_it_reads(op) {
-            return bad(tf, "an op writing over its own arguments runs as one task");
+            // Tiles of one op may run in any order or at once: none may
+            // write what another reads or writes. Tasks of an op are
+            // consecutive on the tape (checked above).
+            let mine = |o: &Task| o.op == task.op;
+            for (e, other) in tape.tasks[..t].iter().enumerate().rev() {
+                if !mine(other) {
+                    break;
+                }
+                let clash = |a: &[BufRef], b: &[BufRef]| {
+                    a.iter().find(|x| b.iter().any(|y| overlap(x, y))).copied()
+                };
+                let theirs: Vec<BufRef> =
+                    other.reads.iter().chain(&other.writes).copied().collect();
+                let clash =
+                    clash(&task.writes, &theirs).or_else(|| clash(&other.writes, &task.reads));
+                if let Some(bytes) = clash {
+                    return bad(
+                        tf,
+                        format!(
+                            "its tile and task {e}'s tile of the same `{}` both touch {bytes:?} and one writes it: tiles of one op must be independent",
+                            op.op.mnemonic()
+                        ),
+                    );
+                }
+            }
         }
         if task.counter as u64 >= n_counters {
             return bad(
@@ -703,7 +802,7 @@ pub fn verify_tape(plan: &Plan, kp: &KeyPlan, tape: &Tape) -> Result<(), PlanErr
             return bad(
                 format!("{f}.tasks"),
                 format!(
-                    "op {i} `{}` has {} units but its tiles cover {}",
+                    "op {i} `{}` has {} units but its tiles cover {} (a tape written by an older kiln cuts ops differently: recompile the plan with `kiln compile`)",
                     op.op.mnemonic(),
                     tile_units(op),
                     next_unit[i]

@@ -575,9 +575,13 @@ KILN_DEV void mk_rms_norm(const MkTask& t, float* smem) {
 }
 
 // qkv_rope_kv_write (KILN_MK_QKV_ROPE_KV_WRITE): rope.cu's
-// qkv_rope_kv_write_units with a warp per (token, unit) looping over the
-// op: units [0, heads) are q heads, then kv_heads k heads, then kv_heads v
-// heads. q/k: optional per-head RMSNorm (rounded to bf16), then RoPE at the
+// qkv_rope_kv_write_units with a warp per (token, head) looping over the
+// task's heads: heads [0, heads) are q heads, then kv_heads k heads, then
+// kv_heads v heads. The tile [tile_begin, tile_end) is a range of the op's
+// heads + 2 tape units (kiln_ir::schedule::rope_kv_parts): q heads one
+// unit each, then all k heads as unit `heads`, all v heads as unit
+// `heads + 1`; since that map is monotone the task's heads are one
+// contiguous range [h0, h1). q/k: optional per-head RMSNorm (rounded to bf16), then RoPE at the
 // token's position, rounded once; v copied; q to q_out, k/v to the token's
 // cache slot (a slot outside [0, slots) is skipped). i: 0 T, 1 heads,
 // 2 kv_heads, 3 head_dim, 4 q/k norm, 5 unit_offset, 6 slots. f: 0 eps.
@@ -599,11 +603,16 @@ KILN_DEV void mk_qkv_rope_kv_write(const MkTask& t) {
   kbf16* q_out = reinterpret_cast<kbf16*>(t.p[7]);
   const float* fr = reinterpret_cast<const float*>(t.p[8]);
   const int units = heads + 2 * kvh;
+  const int tb = (int)t.tile_begin, te = (int)t.tile_end;
+  // First and one-past-last head of the tile (see above).
+  const int h0 = tb <= heads ? tb : heads + kvh;
+  const int h1 = te <= heads ? te : (te == heads + 1 ? heads + kvh : units);
+  const int nh = h1 - h0;
   const int half = hd / 2;
   const i64 kvrow = (i64)kvh * hd;
   constexpr int PER = KILN_MK_MAX_HEAD_DIM / 2 / KILN_WARP;
-  for (int wu = warp; wu < T * units; wu += KILN_MK_WARPS) {
-    const int tok = wu / units, u = wu % units;
+  for (int wu = warp; wu < T * nh; wu += KILN_MK_WARPS) {
+    const int tok = wu / nh, u = h0 + wu % nh;
     const kbf16* src = qkv + (i64)tok * units * hd + (i64)u * hd;
     const i64 slot = mk_ld_cg_int(slots + tok);
     const bool slot_ok = slot >= 0 && slot < num_slots;

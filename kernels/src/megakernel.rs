@@ -12,7 +12,9 @@
 //!
 //! Status: the interpreter runs every op of a default llama / qwen3 /
 //! gemma-family bf16 decode plan (GEMV and fused-GEMV tiles, embedding,
-//! the RMSNorm family, fused q/k-norm + RoPE + KV write, paged attention
+//! the RMSNorm family, fused q/k-norm + RoPE + KV write (tiled by query
+//! head, plus a K-cache and a V-cache unit; the tiled form has not run on
+//! a GPU yet: `megakernel_gpu` case 4 covers it), paged attention
 //! per (sequence, query head), the gated activations, add, scale, argmax, gather
 //! last). It compiles under NVRTC (tested here). Every task kind has run
 //! once on an H200 against the CPU reference over hand-built tapes
@@ -119,7 +121,9 @@ pub enum TaskKind {
     /// `add_rms_norm`: i: 0 T, 1 H, 2 unit_offset. f: 0 eps. p: 0 x,
     /// 1 residual, 2 w, 3 normed, 4 sum.
     AddRmsNorm = 6,
-    /// `qkv_rope_kv_write`: i: 0 T, 1 heads, 2 kv_heads, 3 head_dim,
+    /// `qkv_rope_kv_write`, units `[tile_begin, tile_end)` of its
+    /// `heads + 2` (q heads one by one, then the k heads, then the v heads:
+    /// `kiln_ir::schedule::rope_kv_parts`): i: 0 T, 1 heads, 2 kv_heads, 3 head_dim,
     /// 4 q/k norm (0/1), 5 unit_offset, 6 cache slots. f: 0 eps. p: 0 qkv,
     /// 1 positions, 2 slots, 3 K cache, 4 V cache, 5 q_norm, 6 k_norm,
     /// 7 q out, 8 inverse frequencies (f32[head_dim / 2], constant pool).
@@ -837,13 +841,22 @@ pub fn encode_tape(
                 task.counter
             )));
         }
+        // The interpreter reads a qkv_rope_kv_write tile as a range of
+        // `heads + 2` units; an op left whole (its q result sharing bytes
+        // with an argument) is all of them.
+        let (tile_begin, tile_end) = match op.op {
+            Op::QkvRopeKvWrite { heads, .. } if kiln_ir::schedule::tile_units(op) == 1 => {
+                (0, heads.saturating_add(2))
+            }
+            _ => (task.tile.begin, task.tile.end),
+        };
         let rec = DeviceTask {
             kind,
             counter: task.counter,
             wait_begin: wait_next as u32,
             wait_count: task.waits.len() as u32,
-            tile_begin: task.tile.begin,
-            tile_end: task.tile.end,
+            tile_begin,
+            tile_end,
             i,
             f,
             p,

@@ -531,17 +531,41 @@ fn every_task_kind_matches_the_cpu_reference() {
         );
     }
 
-    // 4. qkv_rope_kv_write with q/k norm, then paged attention over the
-    //    caches it wrote (GQA, query 2 and decode, window, softcap), tiled
-    //    by (sequence, query head) in uneven tiles, one crossing from the
-    //    first sequence into the second.
-    for (hd, window, softcap, qk, q) in [
+    // 4. qkv_rope_kv_write with q/k norm, cut into tiles of its heads + 2
+    //    units (q heads, then the K unit, then the V unit) on two queues,
+    //    then paged attention over the caches it wrote (GQA, query 2 and
+    //    decode, window, softcap), tiled by (sequence, query head) in
+    //    uneven tiles, one crossing from the first sequence into the second.
+    //    The rope tilings: whole (all ten units), q heads apart from a
+    //    K+V tile, a tile mixing q heads with the K unit, one unit each.
+    let rope_tilings: [&[(u32, u32)]; 5] = [
+        &[(0, 10)],
+        &[(0, 3), (3, 8), (8, 10)],
+        &[(0, 5), (5, 9), (9, 10)],
+        &[
+            (0, 1),
+            (1, 2),
+            (2, 3),
+            (3, 4),
+            (4, 5),
+            (5, 6),
+            (6, 7),
+            (7, 8),
+            (8, 9),
+            (9, 10),
+        ],
+        &[(0, 8), (8, 9), (9, 10)],
+    ];
+    for ((hd, window, softcap, qk, q), rope_tiles) in [
         (64u32, Some(24u32), Some(30.0f32), true, 2u32),
         (128, None, None, false, 2),
         (256, Some(40), None, true, 2),
         (64, Some(24), Some(30.0), true, 1),
         (128, None, None, false, 1),
-    ] {
+    ]
+    .into_iter()
+    .zip(rope_tilings)
+    {
         let (batch, heads, kvh, bs, mb) = (2u32, 8u32, 2u32, 16u32, 4u32);
         let t = batch * q;
         let slots_n = 8 * bs;
@@ -583,40 +607,48 @@ fn every_task_kind_matches_the_cpu_reference() {
         let qo = m.zeros((t * heads * hd * 2) as usize);
         let (ba, la) = (m.put(&ints(&tables)), m.put(&ints(&lens)));
         let oa = m.zeros((t * heads * hd * 2) as usize);
-        let mut tasks = vec![(
-            task(
-                TaskKind::QkvRopeKvWrite,
-                0,
-                (0, 1),
-                &[
-                    t as i32,
-                    heads as i32,
-                    kvh as i32,
-                    hd as i32,
-                    qk as i32,
-                    1,
-                    slots_n as i32,
-                ],
-                &[1e-6],
-                &[
-                    at(qa),
-                    at(pa),
-                    at(sla),
-                    at(ka),
-                    at(va),
-                    if qk { at(qna) } else { 0 },
-                    if qk { at(kna) } else { 0 },
-                    at(qo),
-                    at(fa),
-                ],
-            ),
-            vec![],
-        )];
+        assert_eq!(heads + 2, 10);
+        let nr = rope_tiles.len() as u32;
+        let mut tasks: Vec<(DeviceTask, Vec<u32>)> = rope_tiles
+            .iter()
+            .enumerate()
+            .map(|(c, &tile)| {
+                (
+                    task(
+                        TaskKind::QkvRopeKvWrite,
+                        c as u32,
+                        tile,
+                        &[
+                            t as i32,
+                            heads as i32,
+                            kvh as i32,
+                            hd as i32,
+                            qk as i32,
+                            1,
+                            slots_n as i32,
+                        ],
+                        &[1e-6],
+                        &[
+                            at(qa),
+                            at(pa),
+                            at(sla),
+                            at(ka),
+                            at(va),
+                            if qk { at(qna) } else { 0 },
+                            if qk { at(kna) } else { 0 },
+                            at(qo),
+                            at(fa),
+                        ],
+                    ),
+                    vec![],
+                )
+            })
+            .collect();
         for (c, tile) in [(0u32, 5u32), (5, 11), (11, 16)].into_iter().enumerate() {
             tasks.push((
                 task(
                     TaskKind::PagedAttention,
-                    1 + c as u32,
+                    nr + c as u32,
                     tile,
                     &[
                         batch as i32,
@@ -631,11 +663,19 @@ fn every_task_kind_matches_the_cpu_reference() {
                     &[0.125, softcap.unwrap_or(0.0)],
                     &[at(qo), at(ka), at(va), at(ba), at(la), at(oa)],
                 ),
-                vec![0],
+                (0..nr).collect(),
             ));
         }
         assert_eq!(batch * heads, 16);
-        let out = run(&g, &m, &tasks, &[vec![1, 3], vec![0, 2]]);
+        // Rope tiles alternate between the queues (each queue in tape
+        // order), attention tasks after them.
+        let mut queues = vec![Vec::new(), Vec::new()];
+        for i in 0..nr {
+            queues[(i % 2) as usize].push(i);
+        }
+        queues[0].extend([nr + 1]);
+        queues[1].extend([nr, nr + 2]);
+        let out = run(&g, &m, &tasks, &queues);
         let op = Op::QkvRopeKvWrite {
             heads,
             kv_heads: kvh,

@@ -15,8 +15,14 @@
 //!   about one tile per queue; paged attention into tiles of (sequence,
 //!   query head) units, about one per queue (a head's KV is read by every
 //!   head of its group: at decode sizes the bytes are few and the
-//!   parallelism is what counts); every other op, and any op writing over its own
-//!   arguments, is one whole-op task. What each tile touches is
+//!   parallelism is what counts); `qkv_rope_kv_write` into one task per
+//!   query head plus one for the key heads and one for the value heads
+//!   (each owns a cache: the slots are per-step values), so a query head's
+//!   rope waits only for the QKV tiles of its columns and the key-cache
+//!   write no longer carries the whole op (the H200 tape traces of
+//!   session 14 had the whole-op task at 11.6 us per layer on the b1
+//!   critical path of Qwen3-0.6B, 52 us at b8); every other op, and any
+//!   other op writing over its own arguments, is one whole-op task. What each tile touches is
 //!   `kiln_ir::schedule::footprint`.
 //! * **Dependencies.** A byte-range hazard tracker returns the earlier tasks
 //!   each access conflicts with; a tile that reads a whole vector (a matmul's
@@ -112,11 +118,12 @@ pub fn unsupported(op: &PlanOp) -> Option<String> {
 }
 
 /// Tiles of one op: `units` cut into runs of at least `min_tile` (1 for
-/// attention heads), about one per queue.
+/// attention heads and for `qkv_rope_kv_write`'s units), about one per
+/// queue.
 fn tiles(op: &PlanOp, queues: u32, min_tile: u32) -> Vec<Tile> {
     let units = tile_units(op);
     let min = match op.op {
-        kiln_ir::Op::PagedAttention(..) => 1,
+        kiln_ir::Op::PagedAttention(..) | kiln_ir::Op::QkvRopeKvWrite { .. } => 1,
         _ => min_tile.max(1),
     };
     let width = units.div_ceil(queues.max(1)).max(min).div_ceil(min) * min;
