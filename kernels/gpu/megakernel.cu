@@ -25,17 +25,23 @@
 // read with L1-bypassing loads (ld.global.cg), because an SM's L1 is not
 // coherent and the arena reuses addresses within a step. Weights, norm
 // weights, biases, the RoPE tables and the block tables are read plainly.
-// Before it waits, the block asks L2 to prefetch the task's weight rows
-// (weights never depend on a wait); once the waits are met, it asks for the
-// next task's first KILN_MK_PREFETCH_NEXT bytes, which then stream in while
-// this task computes.
+// Before it waits, a GEMV tile whose weight rows fit the launch's dynamic
+// shared memory copies them there with cp.async (mk_stage_w: the whole
+// tile's bytes in flight at once, arriving while the block waits, so after
+// the waits only the activations are loaded); any other task asks L2 to
+// prefetch its weight rows (weights never depend on a wait). Once the waits
+// are met, the block asks L2 for the next task's first
+// KILN_MK_PREFETCH_NEXT bytes, which then stream in while this task
+// computes.
 //
 // Deadlock freedom is the tape's (verified at load): a task waits only on
 // tasks earlier on the tape, each queue is in tape order, and every block of
 // the grid (one per queue) is co-resident (occupancy is checked at load
-// against the plan's blocks_per_sm). Only static shared memory is used
-// (KILN_MK_SMEM_FLOATS floats of scratch, the GEMV's staged activations and
-// the current task's record), no dynamic shared memory.
+// against the plan's blocks_per_sm). Static shared memory holds
+// KILN_MK_SMEM_FLOATS floats of scratch, the GEMV's staged activations and
+// the current task's record; the dynamic shared memory the launch grants
+// (%dynamic_smem_size, 0 or kiln_kernels::megakernel::WEIGHT_STAGE_BYTES at
+// most, decided at load by the backend) is the GEMV weight stage.
 #include "kiln_port.h"
 
 #define KILN_MK_THREADS 256
@@ -240,6 +246,70 @@ KILN_DEV void mk_prefetch(const MkTask& t, unsigned long long cap = KILN_MK_PREF
   if (gated) mk_prefetch_l2(w + row * (t.tile_begin + (unsigned long long)t.i[6]), row * rows, cap);
 }
 
+// ---- GEMV weight staging ----
+//
+// The launch's dynamic shared memory: one GEMV tile's weight rows, [rows][k]
+// bf16 (gated epilogues: the gate rows, then the up rows).
+extern __shared__ uint4 mk_ws[];
+
+// Bytes of dynamic shared memory this launch has (0: no staging).
+KILN_DEV unsigned int mk_ws_bytes() {
+  unsigned int n = 0;
+#if defined(KILN_CUDA)
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+#endif
+  return n;
+}
+
+// The weight bytes GEMV tile t stages (0: it does not: not a GEMV tile, or
+// its weight is not constant within the step, i[7] = 0).
+KILN_DEV unsigned long long mk_stage_bytes(const MkTask& t) {
+  if (t.kind != KILN_MK_GEMV_BF16 && t.kind != KILN_MK_GEMV_BF16_F32) return 0;
+  if (t.i[7] == 0) return 0;
+  const bool gated = t.i[3] == 1 || t.i[3] == 2;
+  const unsigned long long rows = t.tile_end - t.tile_begin;
+  return rows * (unsigned long long)t.i[1] * 2ull * (gated ? 2ull : 1ull);
+}
+
+// Issues the cp.async copies of tile t's weight rows into mk_ws when they
+// fit in `cap` bytes; returns whether it did (then mk_gemv waits for them
+// before its first product). Called before the task's waits: weights never
+// change within a step.
+KILN_DEV bool mk_stage_w(const MkTask& t, unsigned int cap) {
+#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+  const unsigned long long bytes = mk_stage_bytes(t);
+  if (bytes == 0 || bytes > cap) return false;
+  const i64 rowv = t.i[1] / 8;  // 16-byte vectors per weight row
+  const i64 n = (i64)(t.tile_end - t.tile_begin) * rowv;
+  const bool gated = t.i[3] == 1 || t.i[3] == 2;
+  const uint4* w = reinterpret_cast<const uint4*>(t.p[1]);
+  const uint4* g0 = w + (i64)t.tile_begin * rowv;
+  const uint4* u0 = w + ((i64)t.tile_begin + t.i[6]) * rowv;
+  for (i64 c = threadIdx.x; c < n; c += KILN_MK_THREADS) {
+    const unsigned int s0 = (unsigned int)__cvta_generic_to_shared(&mk_ws[c]);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s0), "l"(g0 + c) : "memory");
+    if (gated) {
+      const unsigned int s1 = (unsigned int)__cvta_generic_to_shared(&mk_ws[n + c]);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s1), "l"(u0 + c) : "memory");
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  return true;
+#else
+  (void)t;
+  (void)cap;
+  return false;
+#endif
+}
+
+// This thread's staged copies have landed (a barrier then makes everyone's
+// visible to the block).
+KILN_DEV void mk_stage_wait() {
+#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // ---- GEMV tiles ----
 //
 // A GEMV task first stages its tokens' activations in shared memory
@@ -392,7 +462,8 @@ KILN_DEV void mk_argmax_block(float& best, int& bi, float* smem) {
 // The GEMV kinds. KILN_MK_GEMV_BF16 / _F32: output columns [tile_begin,
 // tile_end) of out[T, cols]. i: 0 T, 1 K, 2 cols, 3 epilogue (0 none,
 // 1 silu_mul, 2 gelu_tanh_mul, 3 residual), 4 prologue, 5 unit_offset,
-// 6 up-row offset (gated). f: 0 eps. p: 0 x, 1 w, 2 bias, 3 norm weight,
+// 6 up-row offset (gated), 7 the weight is constant within a step (may be
+// staged before the waits). f: 0 eps. p: 0 x, 1 w, 2 bias, 3 norm weight,
 // 4 residual, 5 out. Epilogues round where gemv_fused_rows does: gated g
 // and u to bf16 before act(g) * u; residual round(acc + bias) + residual.
 //
@@ -403,8 +474,11 @@ KILN_DEV void mk_argmax_block(float& best, int& bi, float* smem) {
 // 1 w, 2 bias, 3 norm weight, 5 out (i32).
 //
 // Lane q of a warp owns token q's outputs (stores, argmax candidates).
+// With `staged` the tile's weight rows are in mk_ws (mk_stage_w issued
+// their copies before the waits): the products read them from there, in
+// the same order, so the results are the unstaged ones bit for bit.
 template <int TT>
-KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs) {
+KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, bool staged) {
   constexpr int U = TT == 1 ? 8 : 4;
   const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
   const unsigned int kind = t.kind;
@@ -426,11 +500,13 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs) {
   float* wbest = smem + 8;                                           // [warps][8]
   int* widx = reinterpret_cast<int*>(smem + 8 + 8 * KILN_MK_WARPS);  // [warps][8]
   const int rstep = gated ? 1 : 2;
+  const int rows = j1 - j0;
+  const kbf16* wsb = reinterpret_cast<const kbf16*>(mk_ws);
 #if defined(KILN_CUDA)
   // Ask L1 for this warp's first two weight rows (already prefetched into
   // L2 while the block waited) so they stream in while the block stages x.
   // After the waits: the acquire polls invalidate L1. A hint only.
-  if (j0 + rstep * warp < j1) {
+  if (!staged && j0 + rstep * warp < j1) {
     const int ja = j0 + rstep * warp;
     const int jb = gated ? ja + up : (ja + 1 < j1 ? ja + 1 : ja);
     const char* wa = reinterpret_cast<const char*>(w + (i64)ja * k);
@@ -444,12 +520,19 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs) {
   for (int t0 = 0; t0 < T; t0 += tcap) {
     const int tc = T - t0 < tcap ? T - t0 : tcap;
     mk_stage_x(x, nw, pre, unit, eps, t0, tc, k, xs, smem);
+    if (staged && t0 == 0) {
+      mk_stage_wait();
+      __syncthreads();
+    }
     float best = 0.0f;
     int bi = KILN_MK_NO_INDEX;
     for (int j = j0 + rstep * warp; j < j1; j += rstep * KILN_MK_WARPS) {
       const int jb = gated ? j + up : (j + 1 < j1 ? j + 1 : j);
       float acc[2][TT];
-      mk_dot2<TT, U>(xs, w, j, jb, tc, k, acc);
+      if (staged)
+        mk_dot2<TT, U>(xs, wsb, j - j0, gated ? rows + (j - j0) : jb - j0, tc, k, acc);
+      else
+        mk_dot2<TT, U>(xs, w, j, jb, tc, k, acc);
       float a0 = 0.0f, a1 = 0.0f;
 #pragma unroll
       for (int q = 0; q < TT; ++q)
@@ -1050,6 +1133,7 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
   // shared memory, not re-fetched from global memory after every barrier
   // and acquire (which the compiler may not move loads across).
   __shared__ MkTask cur;
+  const unsigned int ws_bytes = mk_ws_bytes();
   const unsigned int q = blockIdx.x;
   const unsigned int end = queue_start[q + 1];
   for (unsigned int i = queue_start[q]; i < end; ++i) {
@@ -1061,7 +1145,8 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
     const MkTask& t = cur;
     const unsigned int counter = t.counter;
     if (trace != nullptr && threadIdx.x == 0) trace[3 * (unsigned long long)ti] = mk_now();
-    mk_prefetch(t);
+    const bool staged = ws_bytes != 0 && mk_stage_w(t, ws_bytes);
+    if (!staged) mk_prefetch(t);
     for (unsigned int n = threadIdx.x; n < t.wait_count; n += KILN_MK_THREADS) {
       const MkWait wt = waits[t.wait_begin + n];
       while (mk_load_acquire(&counters[wt.counter]) < wt.target) mk_pause();
@@ -1074,9 +1159,9 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
       case KILN_MK_GEMV_BF16_F32:
       case KILN_MK_GEMV_ARGMAX:
         if (t.i[0] == 1)
-          mk_gemv<1>(t, smem, xs);
+          mk_gemv<1>(t, smem, xs, staged);
         else
-          mk_gemv<8>(t, smem, xs);
+          mk_gemv<8>(t, smem, xs, staged);
         break;
       case KILN_MK_EMBEDDING:
         mk_embedding(t);

@@ -71,15 +71,27 @@ pub const TASK_BYTES: usize = 192;
 /// Bytes of one wait record (`struct MkWait`: counter, target).
 pub const WAIT_BYTES: usize = 8;
 
-/// Static shared memory the interpreter declares (bytes; no dynamic
-/// shared memory is used): the scratch floats, the GEMV's staged
-/// activations and the current task's record.
+/// Static shared memory the interpreter declares (bytes): the scratch
+/// floats, the GEMV's staged activations and the current task's record.
+/// The dynamic part is the weight stage ([`WEIGHT_STAGE_BYTES`]).
 pub const SHARED_BYTES: u32 = 4 * SMEM_FLOATS + 2 * X_STAGE + TASK_BYTES as u32;
 const SMEM_FLOATS: u32 = 1344;
 /// The bf16 activations a GEMV task stages in shared memory per pass
 /// (`KILN_MK_X_STAGE`): tokens of K elements go in chunks of
 /// `X_STAGE / K` (at most eight), so K may be at most this.
 pub const X_STAGE: u32 = 16384;
+
+/// The dynamic shared memory the engine asks for the interpreter's GEMV
+/// weight stage: a GEMV tile whose weight rows fit is copied there with
+/// `cp.async` before its waits (the whole tile in flight at once,
+/// landing while the block waits), instead of streaming from DRAM after
+/// them. 160 KiB takes every GEMV tile of Qwen3-0.6B and SmolLM2-135M at
+/// 132 queues (gate_up with its SiLU epilogue: 32 + 32 rows of 2 KiB) and
+/// leaves room for the static shared memory within an sm_90 block's
+/// 227 KiB. The backend grants less where the device has less (or none
+/// where the grant would cost the co-residency the tape needs);
+/// `KILN_MK_WSTAGE=<bytes>` overrides the request (0: no staging).
+pub const WEIGHT_STAGE_BYTES: u32 = 160 << 10;
 
 /// The widest head the attention and RoPE tasks take.
 pub const MAX_HEAD_DIM: u32 = 256;
@@ -103,7 +115,9 @@ pub enum TaskKind {
     /// 1 K, 2 output columns (the result's row stride), 3 epilogue (0 none,
     /// 1 silu_mul, 2 gelu_tanh_mul, 3 residual), 4 RMSNorm prologue (0/1),
     /// 5 unit_offset, 6 row offset of the `up` weight rows (gated
-    /// epilogues: the output columns; else 0). f: 0 eps. p: 0 x, 1 w,
+    /// epilogues: the output columns; else 0), 7 the weight is a plan
+    /// weight (0/1: its rows may be staged in shared memory before the
+    /// task's waits, see [`WEIGHT_STAGE_BYTES`]). f: 0 eps. p: 0 x, 1 w,
     /// 2 bias (0: none), 3 norm weight (0: none), 4 residual (0: none),
     /// 5 out.
     GemvBf16 = 1,
@@ -577,6 +591,9 @@ fn op_record(
                     Epilogue::Residual => 3,
                 };
                 i[6] = if gated { cols as i32 } else { 0 };
+                // A weight (nothing in a step writes it) may be staged in
+                // shared memory before the task's waits are met.
+                i[7] = matches!(a[1].buf.region, kiln_ir::plan::Region::Weight(_)) as i32;
                 if post == Epilogue::Residual {
                     p[4] = addr(&a[next]);
                 }
@@ -1076,7 +1093,7 @@ mod tests {
         );
         let (k, i, _, p) = record(&mm);
         assert_eq!(k, TaskKind::GemvBf16F32);
-        assert_eq!(&i[..7], &[3, 64, 40, 0, 0, 0, 0]);
+        assert_eq!(&i[..8], &[3, 64, 40, 0, 0, 0, 0, 1]);
         assert_eq!(
             &p[..6],
             &[0x10_0000, 0x200_0000, 0x300_0000, 0, 0, 0x10_0400]

@@ -2,6 +2,9 @@
 //! reference kernels (`kiln_kernels::cpu::execute_on_vecs`): each case
 //! builds the op's operands, runs its task(s) through `megakernel_run` (the
 //! GEMV cases cut into tiles on several queues, with waits) and compares.
+//! Every case runs twice, without and with the GEMV weight stage (dynamic
+//! shared memory; the K = 4096 tiles fill it exactly), and the two runs
+//! must agree bit for bit.
 //!
 //! Opt-in: runs only with `KILN_MK_GPU=1` (it needs a CUDA driver and
 //! device); `KILN_MK_CUBIN=path` loads a prebuilt cubin of
@@ -11,7 +14,9 @@
 use cudarc::driver::sys as cu;
 use half::bf16;
 use kiln_ir::{AttnAttrs, DType, Epilogue, Op, PreNorm, Rope, RopeScaling, Shape, TensorType};
-use kiln_kernels::megakernel::{DeviceTask, TaskKind, BLOCK_THREADS, ENTRY, MEGAKERNEL_MODULE};
+use kiln_kernels::megakernel::{
+    DeviceTask, TaskKind, BLOCK_THREADS, ENTRY, MEGAKERNEL_MODULE, WEIGHT_STAGE_BYTES,
+};
 use std::ffi::{c_void, CString};
 
 fn ok(r: cu::CUresult, what: &str) {
@@ -50,6 +55,14 @@ fn gpu() -> Option<Gpu> {
             cu::cuModuleGetFunction(&mut f, module, name.as_ptr()),
             ENTRY,
         );
+        ok(
+            cu::cuFuncSetAttribute(
+                f,
+                cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                WEIGHT_STAGE_BYTES as i32,
+            ),
+            "the weight stage's dynamic shared memory",
+        );
         Some(Gpu { f })
     }
 }
@@ -75,7 +88,26 @@ impl Mem {
 
 /// Runs `queues` (task lists; waits are (counter, target) per task) over
 /// `mem`, returning the memory after the launch.
+/// Runs the tasks twice, without dynamic shared memory and with the GEMV
+/// weight stage the engine asks for (GEMV tiles with `i[7] = 1` whose rows
+/// fit then read their weights from shared memory), checks the two runs
+/// agree bit for bit, and returns the staged run's memory.
 fn run(g: &Gpu, mem: &Mem, tasks: &[(DeviceTask, Vec<u32>)], queues: &[Vec<u32>]) -> Vec<u8> {
+    let plain = run_once(g, mem, tasks, queues, 0);
+    let staged = run_once(g, mem, tasks, queues, WEIGHT_STAGE_BYTES);
+    if let Some(i) = plain.iter().zip(&staged).position(|(a, b)| a != b) {
+        panic!("the weight-staged run differs from the unstaged run at byte {i}");
+    }
+    staged
+}
+
+fn run_once(
+    g: &Gpu,
+    mem: &Mem,
+    tasks: &[(DeviceTask, Vec<u32>)],
+    queues: &[Vec<u32>],
+    shared: u32,
+) -> Vec<u8> {
     let mut img = Mem::default();
     let mut data = mem.bytes.clone();
     data.resize(data.len().max(16), 0);
@@ -145,7 +177,7 @@ fn run(g: &Gpu, mem: &Mem, tasks: &[(DeviceTask, Vec<u32>)], queues: &[Vec<u32>]
                 BLOCK_THREADS,
                 1,
                 1,
-                0,
+                shared,
                 std::ptr::null_mut(),
                 ptrs.as_mut_ptr(),
                 std::ptr::null_mut(),
@@ -287,7 +319,8 @@ fn every_task_kind_matches_the_cpu_reference() {
         let (xa, wa, ba) = (m.put(&x), m.put(&w), m.put(&b));
         let ya = m.zeros((t * n * 4) as usize);
         let ia = m.zeros((t * 4) as usize);
-        let ints = [t as i32, k as i32, n as i32];
+        // i[7]: a constant weight, staged in the second run.
+        let ints = [t as i32, k as i32, n as i32, 0, 0, 0, 0, 1];
         let ptrs = [at(xa), at(wa), at(ba), 0, 0, at(ya)];
         let mut tasks = Vec::new();
         for (c, tile) in [(0, 32), (32, 64), (64, 80)].into_iter().enumerate() {
@@ -380,7 +413,7 @@ fn every_task_kind_matches_the_cpu_reference() {
                     };
                     (
                         TaskKind::GemvBf16,
-                        vec![t as i32, k as i32, cols as i32, mode, pre as i32, 1, up],
+                        vec![t as i32, k as i32, cols as i32, mode, pre as i32, 1, up, 1],
                         cols,
                     )
                 };

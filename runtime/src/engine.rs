@@ -416,7 +416,9 @@ fn megakernel_launch(
         entry: mk::ENTRY.into(),
         grid: [image.queues, 1, 1],
         block: [mk::BLOCK_THREADS, 1, 1],
-        shared_bytes: 0,
+        // The GEMV weight stage the interpreter would like; the backend
+        // grants what the device has (see `WEIGHT_STAGE_BYTES`).
+        shared_bytes: weight_stage_request(),
         params: vec![
             at(image.tasks_at),
             at(image.queue_start_at),
@@ -1617,6 +1619,16 @@ mod timing;
 pub use timing::{
     launch_classes, op_bytes, KeyFacts, OpTime, StepMode, StepProfile, StepTimes, PROFILE_WINDOW,
 };
+
+/// The dynamic shared memory a megakernel launch asks for:
+/// `KILN_MK_WSTAGE=<bytes>` (0: no weight staging, for A/B runs), else
+/// [`kiln_kernels::megakernel::WEIGHT_STAGE_BYTES`].
+fn weight_stage_request() -> u32 {
+    std::env::var("KILN_MK_WSTAGE")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .unwrap_or(kiln_kernels::megakernel::WEIGHT_STAGE_BYTES)
+}
 
 #[cfg(test)]
 mod tests {

@@ -27,6 +27,10 @@ const KEYS: &str = "b1q1s0,b2q1s0";
 /// for `sms` SMs, one block each; its kernel images replaced by simulated
 /// ones that define the interpreter's two entries.
 fn plan(sms: u32) -> (tempfile::TempDir, Plan) {
+    plan_with(sms, 1)
+}
+
+fn plan_with(sms: u32, blocks_per_sm: u32) -> (tempfile::TempDir, Plan) {
     let dir = tempfile::tempdir().unwrap();
     write_tiny_model(
         dir.path(),
@@ -44,7 +48,7 @@ fn plan(sms: u32) -> (tempfile::TempDir, Plan) {
         schedule: ScheduleKind::Megakernel,
         megakernel: MegakernelOptions {
             sm_count: sms,
-            blocks_per_sm: 1,
+            blocks_per_sm,
             min_tile: 8,
         },
         ..CompileOptions::default()
@@ -94,10 +98,13 @@ fn every_megakernel_key_steps_as_a_counter_reset_and_one_interpreter_block_per_q
             assert!(e.runs_megakernel(kp.key), "{}", kp.key);
         }
         let log = journal.read().log;
-        // Co-residency is asked at load, once per key.
+        // Co-residency is asked at load, once per key, with the GEMV
+        // weight stage the device granted.
+        let stage = kiln_kernels::megakernel::WEIGHT_STAGE_BYTES;
         assert_eq!(
             log.iter()
-                .filter(|c| c.starts_with("occupancy(megakernel_run, 256 threads, 0 shared)"))
+                .filter(|c| **c
+                    == format!("occupancy(megakernel_run, 256 threads, {stage} shared)"))
                 .count(),
             plan.keys.len(),
             "{log:#?}"
@@ -119,11 +126,11 @@ fn every_megakernel_key_steps_as_a_counter_reset_and_one_interpreter_block_per_q
             .collect();
         // Nothing but the interpreter ever launched (eagerly or recorded).
         assert!(!launches.is_empty());
+        let run = format!("launch_kernel(megakernel_run, shared {stage})");
         assert!(
             launches
                 .iter()
-                .all(|c| *c == "launch_kernel(megakernel_reset)"
-                    || *c == "launch_kernel(megakernel_run)"),
+                .all(|c| *c == "launch_kernel(megakernel_reset)" || **c == run),
             "{launches:#?}"
         );
         assert!(journal.read().violations.is_empty());
@@ -170,4 +177,49 @@ fn a_tape_needing_more_co_resident_blocks_than_the_device_holds_is_refused_at_lo
     .err()
     .expect("refused");
     assert!(err.to_string().contains("occupancy"), "{err}");
+}
+
+#[test]
+fn the_weight_stage_is_granted_where_the_device_has_room_and_dropped_where_it_costs_co_residency() {
+    let stage = kiln_kernels::megakernel::WEIGHT_STAGE_BYTES;
+    // (blocks per SM the tape needs, dynamic shared memory the device
+    // grants, shared memory per SM) -> what the interpreter launches with.
+    for (blocks, grantable, per_sm, want) in [
+        // One block per SM: the whole request.
+        (1, 189 << 10, 228 << 10, stage),
+        // A smaller part (an sm_80-sized opt-in): what it has.
+        (1, 120 << 10, 164 << 10, 120 << 10),
+        // Two blocks per SM would not fit beside a 160 KiB stage: none.
+        (2, 189 << 10, 228 << 10, 0),
+        // A driver that grants nothing: none.
+        (1, 0, 228 << 10, 0),
+    ] {
+        let (_dir, plan) = plan_with(4, blocks);
+        let mut cfg = SimConfig::cuda();
+        cfg.dynamic_shared = grantable;
+        cfg.shared_per_sm = per_sm;
+        let driver = SimDriver::new(cfg);
+        let journal = driver.journal();
+        let be = GpuBackend::with_driver(driver, 0).unwrap();
+        let mut e = Engine::with_weights(
+            plan,
+            Weights::Random { seed: 7 },
+            Box::new(be),
+            options(GraphMode::Off),
+        )
+        .unwrap_or_else(|e| panic!("{blocks} blocks, {grantable} grantable: {e}"));
+        e.add_sequence(&[1, 2, 3]).unwrap();
+        e.step().unwrap();
+        let log = journal.read().log;
+        let run = if want > 48 << 10 {
+            format!("launch_kernel(megakernel_run, shared {want})")
+        } else {
+            "launch_kernel(megakernel_run)".to_string()
+        };
+        assert!(
+            log.contains(&run),
+            "{blocks} blocks, {grantable} grantable: no `{run}` in {log:#?}"
+        );
+        assert!(journal.read().violations.is_empty());
+    }
 }

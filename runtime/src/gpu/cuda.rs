@@ -436,6 +436,45 @@ impl GpuDriver for CudaDriver {
         Ok(n.max(0) as u32)
     }
 
+    fn allow_dynamic_shared(&mut self, function: Handle, want: u32) -> DriverResult<u32> {
+        let f: cu::CUfunction = p(function);
+        let mut stat = 0i32;
+        // SAFETY: a live function handle and an out-pointer to an i32.
+        ok(unsafe {
+            cu::cuFuncGetAttribute(
+                &mut stat,
+                cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                f,
+            )
+        })?;
+        let mut dev: cu::CUdevice = 0;
+        // SAFETY: valid out-pointer; the context is current (bound).
+        ok(unsafe { cu::cuCtxGetDevice(&mut dev) })?;
+        let mut optin = 0i32;
+        // SAFETY: valid out-pointer and device.
+        ok(unsafe {
+            cu::cuDeviceGetAttribute(
+                &mut optin,
+                cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                dev,
+            )
+        })?;
+        let room = (optin.max(0) as u32).saturating_sub(stat.max(0) as u32);
+        let grant = want.min(room);
+        if grant > 0 {
+            // SAFETY: a live function handle; the value is within the
+            // device's opt-in limit (computed above).
+            ok(unsafe {
+                cu::cuFuncSetAttribute(
+                    f,
+                    cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    grant as i32,
+                )
+            })?;
+        }
+        Ok(grant)
+    }
+
     fn launch_kernel(
         &mut self,
         function: Handle,

@@ -205,6 +205,19 @@ pub trait GpuDriver {
         ))
     }
 
+    /// Lets `function` launch with up to `want` bytes of dynamic shared
+    /// memory, as far as the device allows beyond the function's static
+    /// shared memory (CUDA: `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`
+    /// against `CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`),
+    /// and returns what it granted. Launches with more than the grant fail.
+    /// The default grants nothing: a driver without the query launches
+    /// every kernel without dynamic shared memory beyond what its plan
+    /// launches already use.
+    fn allow_dynamic_shared(&mut self, function: Handle, want: u32) -> DriverResult<u32> {
+        let _ = (function, want);
+        Ok(0)
+    }
+
     /// Begins a global-mode stream capture.
     fn begin_capture(&mut self, stream: Handle) -> DriverResult<()>;
     /// Ends the capture and returns its graph. On error the stream is no

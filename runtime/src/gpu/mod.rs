@@ -131,7 +131,7 @@ pub struct GpuBackend<D: GpuDriver> {
     counters: GpuCounters,
     /// Persistent kernels (entry, blocks) whose co-residency `prepare`
     /// checked: only those may launch.
-    persistent_ok: std::collections::HashSet<(String, u32)>,
+    persistent_ok: std::collections::HashMap<(String, u32), u32>,
 }
 
 fn range_ok(allocs: &BTreeMap<u64, Allocation>, ptr: DevPtr, len: u64) -> bool {
@@ -411,10 +411,27 @@ impl<D: GpuDriver> GpuBackend<D> {
         let f = self.resolve(&run.module, &run.entry)?;
         self.check_params(run)?;
         let threads = run.block.iter().product::<u32>();
-        let per_sm = self
-            .driver
-            .occupancy(f, threads, run.shared_bytes)
-            .map_err(|e| e.during(&format!("occupancy of {}", run.entry)))?;
+        // `run.shared_bytes` is what the interpreter would like (its GEMV
+        // weight stage); it reads what it got from %dynamic_smem_size, so
+        // any grant down to 0 is correct. The device grants what it has;
+        // a grant that would cost the co-residency the tape needs is
+        // dropped, since staging is a speed-up and co-residency is not.
+        let occupancy = |d: &mut D, shared: u32| {
+            d.occupancy(f, threads, shared)
+                .map_err(|e| e.during(&format!("occupancy of {}", run.entry)))
+        };
+        let mut shared = if run.shared_bytes > 0 {
+            self.driver
+                .allow_dynamic_shared(f, run.shared_bytes)
+                .map_err(|e| e.during(&format!("dynamic shared memory of {}", run.entry)))?
+        } else {
+            0
+        };
+        let mut per_sm = occupancy(&mut self.driver, shared)?;
+        if shared > 0 && per_sm < blocks_per_sm {
+            shared = 0;
+            per_sm = occupancy(&mut self.driver, 0)?;
+        }
         let sms = self.props.multiprocessors;
         let queues = run.grid.iter().product::<u32>();
         if per_sm < blocks_per_sm || queues as u64 > sms as u64 * per_sm as u64 {
@@ -424,7 +441,8 @@ impl<D: GpuDriver> GpuBackend<D> {
                 per_sm.clamp(1, blocks_per_sm.max(1)),
             )));
         }
-        self.persistent_ok.insert((run.entry.clone(), run.grid[0]));
+        self.persistent_ok
+            .insert((run.entry.clone(), run.grid[0]), shared);
         Ok(())
     }
 
@@ -604,14 +622,20 @@ impl<D: GpuDriver> GpuBackend<D> {
             }
             LaunchBody::Kernels(ks) => ks.iter().try_for_each(|k| self.launch_kernel(k, capturing)),
             LaunchBody::Megakernel { reset, run, .. } => {
-                if !self
-                    .persistent_ok
-                    .contains(&(run.entry.clone(), run.grid[0]))
-                {
+                let Some(&shared) = self.persistent_ok.get(&(run.entry.clone(), run.grid[0]))
+                else {
                     return Err(Self::not_prepared(&run.entry));
-                }
+                };
                 self.launch_kernel(reset, capturing)?;
-                self.launch_kernel(run, capturing)?;
+                if shared == run.shared_bytes {
+                    self.launch_kernel(run, capturing)?;
+                } else {
+                    let granted = ResolvedKernel {
+                        shared_bytes: shared,
+                        ..run.clone()
+                    };
+                    self.launch_kernel(&granted, capturing)?;
+                }
                 self.counters.megakernel_launches += 1;
                 Ok(())
             }

@@ -97,6 +97,12 @@ pub struct SimConfig {
     /// Blocks of any kernel one simulated SM holds at once (what
     /// `occupancy` answers; 0: the driver cannot say).
     pub blocks_per_sm: u32,
+    /// Dynamic shared memory a kernel may be allowed beyond the default
+    /// (what `allow_dynamic_shared` grants at most).
+    pub dynamic_shared: u32,
+    /// Shared memory of one simulated SM: `occupancy` answers at most
+    /// this over the dynamic shared memory asked for (0: no limit).
+    pub shared_per_sm: u32,
 }
 
 impl SimConfig {
@@ -111,6 +117,8 @@ impl SimConfig {
             memory_limit: 1 << 30,
             algorithm_workspace: 0,
             blocks_per_sm: 2,
+            dynamic_shared: 189 << 10,
+            shared_per_sm: 228 << 10,
         }
     }
 
@@ -125,6 +133,8 @@ impl SimConfig {
             memory_limit: 1 << 30,
             algorithm_workspace: 0,
             blocks_per_sm: 0,
+            dynamic_shared: 0,
+            shared_per_sm: 0,
         }
     }
 }
@@ -193,6 +203,8 @@ pub struct SimDriver {
     execs: HashMap<Handle, Vec<Node>>,
     modules: HashMap<Handle, Vec<String>>,
     functions: HashMap<Handle, String>,
+    /// Dynamic shared memory granted per function (`allow_dynamic_shared`).
+    shared_grants: HashMap<Handle, u32>,
     events: HashMap<Handle, Option<f64>>,
     streams: Vec<Handle>,
     blas: Option<Handle>,
@@ -237,6 +249,7 @@ impl SimDriver {
             execs: HashMap::new(),
             modules: HashMap::new(),
             functions: HashMap::new(),
+            shared_grants: HashMap::new(),
             events: HashMap::new(),
             streams: Vec::new(),
             blas: None,
@@ -869,7 +882,29 @@ impl GpuDriver for SimDriver {
                 "simErrorNotSupported (801): occupancy queries",
             ));
         }
-        Ok(self.cfg.blocks_per_sm)
+        let by_shared = match (self.cfg.shared_per_sm, shared_bytes) {
+            (0, _) | (_, 0) => u32::MAX,
+            (per_sm, s) => per_sm / s,
+        };
+        Ok(self.cfg.blocks_per_sm.min(by_shared))
+    }
+
+    fn allow_dynamic_shared(&mut self, function: Handle, want: u32) -> DriverResult<u32> {
+        let entry = self
+            .functions
+            .get(&function)
+            .cloned()
+            .ok_or_else(|| DriverError::other(400, "simErrorInvalidHandle (400): function"))?;
+        let grant = want.min(self.cfg.dynamic_shared);
+        self.call(
+            "allow_dynamic_shared",
+            format!("{entry}, {want} -> {grant}"),
+            true,
+        )?;
+        if grant > 0 {
+            self.shared_grants.insert(function, grant);
+        }
+        Ok(grant)
     }
 
     fn launch_kernel(
@@ -894,7 +929,21 @@ impl GpuDriver for SimDriver {
         if dims.cluster > 1 {
             detail.push_str(&format!(", cluster {}", dims.cluster));
         }
+        // Above the default 48 KiB a launch needs the function's grant (as
+        // on CUDA, where it fails with an invalid value otherwise).
+        const DEFAULT_SHARED: u32 = 48 << 10;
+        if dims.shared_bytes > DEFAULT_SHARED {
+            detail.push_str(&format!(", shared {}", dims.shared_bytes));
+        }
         self.call("launch_kernel", detail, true)?;
+        if dims.shared_bytes > DEFAULT_SHARED
+            && self.shared_grants.get(&function).copied().unwrap_or(0) < dims.shared_bytes
+        {
+            return Err(DriverError::other(
+                1,
+                "simErrorInvalidValue (1): dynamic shared memory above the function's granted maximum",
+            ));
+        }
         if pdl && !self.cfg.pdl {
             return Err(DriverError::other(
                 1,
