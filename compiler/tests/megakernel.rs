@@ -69,6 +69,8 @@ fn a_gpu_plan_gets_a_tape_per_key_cut_into_gemv_tiles_and_attention_heads() {
                     Op::QkvRopeKvWrite { heads, .. } => {
                         assert_eq!(n as u32, heads + 2, "op {i}")
                     }
+                    // One task per row.
+                    Op::Argmax => assert_eq!(n as u32, kp.key.batch, "op {i}"),
                     _ => assert_eq!(n, 1, "op {i} `{}`", op.op.mnemonic()),
                 }
             }
@@ -219,7 +221,7 @@ fn a_tile_depends_only_on_the_producer_tiles_of_the_bytes_it_touches() {
 }
 
 #[test]
-fn a_query_head_ropes_after_its_own_qkv_columns_and_attention_waits_for_its_head_and_both_caches() {
+fn a_query_head_ropes_after_its_own_qkv_columns_and_the_argmax_reads_one_row_per_task() {
     let spec = SynthSpec::tiny(SynthFamily::Qwen3);
     let plan = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0,b2q1s0", 8)).plan;
     validate(&plan).unwrap_or_else(|e| panic!("{e}"));
@@ -290,6 +292,20 @@ fn a_query_head_ropes_after_its_own_qkv_columns_and_attention_waits_for_its_head
             }
         }
         assert!(seen > 0, "no qkv_rope_kv_write in key {}", kp.key);
+        // The argmax is one task per row, each reading its own row.
+        let argmax = kp
+            .ops
+            .iter()
+            .position(|o| matches!(o.op, Op::Argmax))
+            .expect("an argmax");
+        let rows = tasks_of(argmax);
+        assert_eq!(rows.len() as u32, kp.key.batch);
+        for (r, &a) in rows.iter().enumerate() {
+            let x = &t.tasks[a as usize];
+            assert_eq!((x.tile.begin, x.tile.end), (r as u32, r as u32 + 1));
+            let row = kp.ops[argmax].args[0].ty.size_bytes() / kp.key.batch as u64;
+            assert_eq!(x.reads.iter().map(|b| b.bytes).sum::<u64>(), row);
+        }
     }
 }
 

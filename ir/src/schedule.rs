@@ -16,7 +16,7 @@
 //!   never overwrite what another tile of the op reads.
 //! * A task's tile is a range of its op's **units** ([`tile_units`]): output
 //!   columns of a matmul / fused matmul (a GEMV's output rows), (sequence,
-//!   query head) pairs of paged attention, the query heads of
+//!   query head) pairs of paged attention, the rows of `argmax`, the query heads of
 //!   `qkv_rope_kv_write` one by one followed by its K-cache unit and its
 //!   V-cache unit, or the single unit of any other op
 //!   (a whole-op task). What a tile reads and writes is [`footprint`]: the
@@ -210,7 +210,8 @@ pub fn writes_what_it_reads(op: &PlanOp) -> bool {
 }
 
 /// How many units an op's output is cut into: output columns for a matmul
-/// or fused matmul, (sequence, query head) pairs for paged attention,
+/// or fused matmul, (sequence, query head) pairs for paged attention, rows
+/// for `argmax`,
 /// `heads + 2` for `qkv_rope_kv_write` (see [`rope_kv_parts`]), 1 for every
 /// other op and for any other op writing over its own arguments.
 pub fn tile_units(op: &PlanOp) -> u32 {
@@ -239,6 +240,10 @@ pub fn tile_units(op: &PlanOp) -> u32 {
         }
         Op::PagedAttention(AttnAttrs { heads, .. }) => {
             attention_batch(op).saturating_mul((*heads).max(1))
+        }
+        // One unit per row: a row's reduction reads only that row.
+        Op::Argmax if op.args.len() == 1 && op.args[0].ty.shape.rank() == 2 => {
+            op.args[0].ty.shape.dims()[0].max(1)
         }
         _ => 1,
     }
@@ -407,6 +412,10 @@ pub fn footprint(op: &PlanOp, tile: Tile) -> Result<(Vec<BufRef>, Vec<BufRef>), 
             let writes = attention_units(&op.results[0], b, e, *heads, *query, *head_dim);
             Ok((reads, writes))
         }
+        Op::Argmax => Ok((
+            vec![rows(&op.args[0], b, e)],
+            vec![rows(&op.results[0], b, e)],
+        )),
         Op::QkvRopeKvWrite {
             heads,
             kv_heads,

@@ -1061,30 +1061,49 @@ KILN_DEV void mk_scale_t(const MkTask& t) {
 // argmax: out[r] = the first maximum of row r (NaN skipped, -inf a value, a
 // row without a number gives 0). i: 0 rows, 1 vocab (a multiple of 4),
 // 2 dtype (0 bf16, 1 f32). p: 0 x, 1 out (i32).
+//
+// Rows [tile_begin, tile_end) (the tape cuts argmax by rows). Each thread
+// issues KILN_MK_ARGMAX_BATCH vector loads before it compares any (one
+// block alone reads a whole vocabulary row: a 600 KB f32 row took 37 round
+// trips of 16 KB in flight before), then compares them in index order, so
+// the first maximum is the one the unbatched loop found.
+#define KILN_MK_ARGMAX_BATCH 16
 KILN_DEV void mk_argmax(const MkTask& t, float* smem) {
-  const int rows = t.i[0], vocab = t.i[1], f32 = t.i[2];
+  const int vocab = t.i[1], f32 = t.i[2];
   const int n4 = vocab / 4;
   int* out = reinterpret_cast<int*>(t.p[1]);
-  for (int r = 0; r < rows; ++r) {
+  for (int r = (int)t.tile_begin; r < (int)t.tile_end; ++r) {
     float best = -KILN_INF;
     int bi = KILN_MK_NO_INDEX;
-#pragma unroll 4
-    for (int c = threadIdx.x; c < n4; c += KILN_MK_THREADS) {
-      float v[4];
-      if (f32) {
-        const float4 a =
-            mk_ld_cg4(reinterpret_cast<const float4*>(t.p[0]) + (i64)r * n4 + c);
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-      } else {
-        const uint2 a = mk_ld_cg2(reinterpret_cast<const uint2*>(t.p[0]) + (i64)r * n4 + c);
-        v[0] = kiln_u2f(a.x << 16); v[1] = kiln_u2f(a.x & 0xffff0000u);
-        v[2] = kiln_u2f(a.y << 16); v[3] = kiln_u2f(a.y & 0xffff0000u);
+    const float4* xf = reinterpret_cast<const float4*>(t.p[0]) + (i64)r * n4;
+    const uint2* xb = reinterpret_cast<const uint2*>(t.p[0]) + (i64)r * n4;
+    for (int c0 = threadIdx.x; c0 < n4; c0 += KILN_MK_ARGMAX_BATCH * KILN_MK_THREADS) {
+      float4 a[KILN_MK_ARGMAX_BATCH];
+#pragma unroll
+      for (int u = 0; u < KILN_MK_ARGMAX_BATCH; ++u) {
+        const int c = c0 + u * KILN_MK_THREADS;
+        if (c < n4) {
+          if (f32) {
+            a[u] = mk_ld_cg4(xf + c);
+          } else {
+            const uint2 h = mk_ld_cg2(xb + c);
+            a[u] = make_float4(kiln_u2f(h.x << 16), kiln_u2f(h.x & 0xffff0000u),
+                               kiln_u2f(h.y << 16), kiln_u2f(h.y & 0xffff0000u));
+          }
+        }
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (v[e] > best || (bi == KILN_MK_NO_INDEX && v[e] == best)) {
-          best = v[e];
-          bi = 4 * c + e;
+      for (int u = 0; u < KILN_MK_ARGMAX_BATCH; ++u) {
+        const int c = c0 + u * KILN_MK_THREADS;
+        if (c < n4) {
+          const float v[4] = {a[u].x, a[u].y, a[u].z, a[u].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (v[e] > best || (bi == KILN_MK_NO_INDEX && v[e] == best)) {
+              best = v[e];
+              bi = 4 * c + e;
+            }
+          }
         }
       }
     }

@@ -861,10 +861,10 @@ pub fn encode_tape(
         // The interpreter reads a qkv_rope_kv_write tile as a range of
         // `heads + 2` units; an op left whole (its q result sharing bytes
         // with an argument) is all of them.
+        let whole = kiln_ir::schedule::tile_units(op) == 1;
         let (tile_begin, tile_end) = match op.op {
-            Op::QkvRopeKvWrite { heads, .. } if kiln_ir::schedule::tile_units(op) == 1 => {
-                (0, heads.saturating_add(2))
-            }
+            Op::QkvRopeKvWrite { heads, .. } if whole => (0, heads.saturating_add(2)),
+            Op::Argmax if whole => (0, i.first().map_or(0, |&r| r.max(0) as u32)),
             _ => (task.tile.begin, task.tile.end),
         };
         let rec = DeviceTask {

@@ -309,7 +309,7 @@ fn every_task_kind_matches_the_cpu_reference() {
     let mut r = rng(7);
 
     // 1. matmul + bias, f32 logits, 10 tokens (two chunks of 8), 3 tiles on
-    //    3 queues, then an argmax task waiting on all three.
+    //    3 queues, then two argmax row tiles waiting on all three.
     {
         let (t, k, n) = (10u32, 264u32, 80u32);
         let x = bf16_bytes(&mut r, (t * k) as usize, 2.0);
@@ -329,18 +329,21 @@ fn every_task_kind_matches_the_cpu_reference() {
                 vec![],
             ));
         }
-        tasks.push((
-            task(
-                TaskKind::Argmax,
-                3,
-                (0, 1),
-                &[t as i32, n as i32, 1],
-                &[],
-                &[at(ya), at(ia)],
-            ),
-            vec![0, 1, 2],
-        ));
-        let out = run(&g, &m, &tasks, &[vec![0], vec![1, 3], vec![2]]);
+        // The argmax cut into row tiles of 4 and 6 rows.
+        for (c, rows) in [(3u32, (0u32, 4u32)), (4, (4, t))] {
+            tasks.push((
+                task(
+                    TaskKind::Argmax,
+                    c,
+                    rows,
+                    &[t as i32, n as i32, 1],
+                    &[],
+                    &[at(ya), at(ia)],
+                ),
+                vec![0, 1, 2],
+            ));
+        }
+        let out = run(&g, &m, &tasks, &[vec![0], vec![1, 3], vec![2, 4]]);
         let op = Op::MatMul {
             bias: true,
             out: DType::F32,

@@ -21,7 +21,8 @@
 //!   rope waits only for the QKV tiles of its columns and the key-cache
 //!   write no longer carries the whole op (the H200 tape traces of
 //!   session 14 had the whole-op task at 11.6 us per layer on the b1
-//!   critical path of Qwen3-0.6B, 52 us at b8); every other op, and any
+//!   critical path of Qwen3-0.6B, 52 us at b8); `argmax` into its rows
+//!   (a whole-op argmax was 594 us of the same model's b8 path); every other op, and any
 //!   other op writing over its own arguments, is one whole-op task. What each tile touches is
 //!   `kiln_ir::schedule::footprint`.
 //! * **Dependencies.** A byte-range hazard tracker returns the earlier tasks
@@ -123,7 +124,9 @@ pub fn unsupported(op: &PlanOp) -> Option<String> {
 fn tiles(op: &PlanOp, queues: u32, min_tile: u32) -> Vec<Tile> {
     let units = tile_units(op);
     let min = match op.op {
-        kiln_ir::Op::PagedAttention(..) | kiln_ir::Op::QkvRopeKvWrite { .. } => 1,
+        kiln_ir::Op::PagedAttention(..)
+        | kiln_ir::Op::QkvRopeKvWrite { .. }
+        | kiln_ir::Op::Argmax => 1,
         _ => min_tile.max(1),
     };
     let width = units.div_ceil(queues.max(1)).max(min).div_ceil(min) * min;
