@@ -598,6 +598,18 @@ pub fn compile_traced<E: Display>(
         };
         let (g, info, s) =
             passes::run_pipeline_for(g, &mut manifest, &pipeline, opts.verify, &opts.target)?;
+        // The megakernel schedule spreads each attention's context over
+        // tasks (see `passes::split_attention`).
+        let (g, info) = if opts.schedule == passes::megakernel::ScheduleKind::Megakernel {
+            let queues = opts
+                .megakernel
+                .sm_count
+                .saturating_mul(opts.megakernel.blocks_per_sm);
+            let (g, info, _) = passes::split_attention(g, &manifest, queues)?;
+            (g, info)
+        } else {
+            (g, info)
+        };
         graphs.push((g, info));
         stats.push(s);
         progress(Stage::Passes, key);

@@ -282,7 +282,7 @@ fn a_query_head_ropes_after_its_own_qkv_columns_and_the_argmax_reads_one_row_per
             // head it reads and on both cache units.
             let attn = kp.ops[i..]
                 .iter()
-                .position(|o| matches!(o.op, Op::PagedAttention(..)))
+                .position(|o| matches!(o.op, Op::PagedAttention(..) | Op::AttentionPartials { .. }))
                 .map(|p| p + i)
                 .expect("attention after the rope");
             for a in tasks_of(attn) {
@@ -305,6 +305,88 @@ fn a_query_head_ropes_after_its_own_qkv_columns_and_the_argmax_reads_one_row_per
             assert_eq!((x.tile.begin, x.tile.end), (r as u32, r as u32 + 1));
             let row = kp.ops[argmax].args[0].ty.size_bytes() / kp.key.batch as u64;
             assert_eq!(x.reads.iter().map(|b| b.bytes).sum::<u64>(), row);
+        }
+    }
+}
+
+#[test]
+fn attention_is_split_over_the_context_where_queues_outnumber_its_heads_and_each_combine_waits_for_its_own_runs(
+) {
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    // 8 SMs x 2 blocks = 16 queues: b1 (4 heads) splits into 4 runs, b2
+    // into 2, b4 (16 units) not at all.
+    let plan = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0,b2q1s0,b4q1s0", 8)).plan;
+    validate(&plan).unwrap_or_else(|e| panic!("{e}"));
+    for (k, kp) in plan.keys.iter().enumerate() {
+        let t = tape(&plan, k);
+        let want_runs = match kp.key.batch {
+            1 => Some(4),
+            2 => Some(2),
+            _ => None,
+        };
+        let runs: Vec<u32> = kp
+            .ops
+            .iter()
+            .filter_map(|o| match o.op {
+                Op::AttentionPartials { parts, .. } => Some(parts),
+                _ => None,
+            })
+            .collect();
+        let plain = kp
+            .ops
+            .iter()
+            .filter(|o| matches!(o.op, Op::PagedAttention(..)))
+            .count();
+        match want_runs {
+            Some(r) => {
+                assert_eq!(runs, vec![r; 2], "key {}", kp.key);
+                assert_eq!(plain, 0);
+            }
+            None => assert!(runs.is_empty() && plain == 2, "key {}", kp.key),
+        }
+        let Some(r) = want_runs else { continue };
+        let mut hz = Hazards::new();
+        let deps: Vec<BTreeSet<u32>> = t
+            .tasks
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                hz.access(i as u32, &x.reads, &x.writes)
+                    .into_iter()
+                    .map(|c| c.task)
+                    .collect()
+            })
+            .collect();
+        for (i, op) in kp.ops.iter().enumerate() {
+            let Op::AttentionCombine { heads, .. } = op.op else {
+                continue;
+            };
+            let producer = i - 1;
+            assert!(matches!(kp.ops[producer].op, Op::AttentionPartials { .. }));
+            let partial_tasks: Vec<u32> = (0..t.tasks.len() as u32)
+                .filter(|&x| t.tasks[x as usize].op as usize == producer)
+                .collect();
+            // One task per (sequence, head, run) on this many queues.
+            assert_eq!(partial_tasks.len() as u32, kp.key.batch * heads * r);
+            for x in (0..t.tasks.len()).filter(|&x| t.tasks[x].op as usize == i) {
+                let task = &t.tasks[x];
+                let from: Vec<u32> = deps[x]
+                    .iter()
+                    .copied()
+                    .filter(|d| partial_tasks.contains(d))
+                    .collect();
+                // A combine tile of (row, head) units waits for exactly the
+                // runs of those units.
+                let units = task.tile.end - task.tile.begin;
+                assert_eq!(from.len() as u32, units * r, "task {x}");
+                for d in from {
+                    let u = t.tasks[d as usize].tile.begin / r;
+                    assert!(
+                        (task.tile.begin..task.tile.end).contains(&u),
+                        "task {x} waits on {d}"
+                    );
+                }
+            }
         }
     }
 }

@@ -18,6 +18,9 @@
 use crate::types::{DType, Shape, TensorType};
 use serde::{Deserialize, Serialize};
 
+/// The most context runs `attention_partials` splits a sequence into.
+pub const MAX_ATTENTION_PARTS: u32 = 64;
+
 /// Rotary frequency scaling.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum RopeScaling {
@@ -313,6 +316,33 @@ pub enum Op {
         qk_norm: Option<f32>,
         unit_offset: bool,
     },
+    /// The first half of `paged_attention` split over the context (what the
+    /// megakernel schedule runs, so one (sequence, head)'s positions spread
+    /// over several blocks): `attention_partials(q, kc, vc, block_tables,
+    /// context_lens) -> f32[R, heads * parts * (head_dim + 2)]` with the
+    /// operands of `paged_attention` (same typing rule), `R = B * query`.
+    /// Sequence `b` of `ctx` tokens, whose first query token sees positions
+    /// from `lo` (0, or `ctx - query - window + 1` clamped at 0 with a
+    /// window), has its positions `[lo, ctx)` cut into `parts` runs of
+    /// `ceil((ctx - lo) / parts)`; entry `(row, head, part)` (in that order,
+    /// `head_dim + 2` floats each) holds, over the positions of that run the
+    /// row sees (the masking of `paged_attention`), `o = sum_p e_p * v_p`,
+    /// then `m = max_p s_p` and `l = sum_p e_p` with `e_p = exp(s_p - m)`
+    /// and `s_p` the row's score; a run the row sees nothing of is
+    /// `o = 0, m = -inf, l = 0`.
+    AttentionPartials { attn: AttnAttrs, parts: u32 },
+    /// The second half: `attention_combine(partials: f32[R, heads * parts *
+    /// (head_dim + 2)]) -> out[R, heads * head_dim]`: per (row, head),
+    /// `M = max m` over the runs with `l > 0`, `w = exp(m - M)`, `L = sum w *
+    /// l`, `out = (sum w * o) / L` in run order, rounded to `out` once (0
+    /// where no run saw a position). `attention_combine(attention_partials(
+    /// ...))` is `paged_attention(...)` up to the order of the sums.
+    AttentionCombine {
+        heads: u32,
+        head_dim: u32,
+        parts: u32,
+        out: DType,
+    },
 }
 
 /// Why an op's operands do not type-check. The verifier adds the location.
@@ -343,11 +373,13 @@ impl Op {
             Op::Scale { .. } => "scale",
             Op::AllReduce { .. } => "all_reduce",
             Op::ShardedArgmax { .. } => "sharded_argmax",
+            Op::AttentionPartials { .. } => "attention_partials",
+            Op::AttentionCombine { .. } => "attention_combine",
         }
     }
 
     /// All mnemonics, for error messages ("expected one of ...").
-    pub const MNEMONICS: [&'static str; 21] = [
+    pub const MNEMONICS: [&'static str; 23] = [
         "embedding",
         "rms_norm",
         "add_rms_norm",
@@ -369,6 +401,8 @@ impl Op {
         "scale",
         "all_reduce",
         "sharded_argmax",
+        "attention_partials",
+        "attention_combine",
     ];
 
     /// Accepted argument counts.
@@ -399,6 +433,8 @@ impl Op {
             Op::Sample => &[3, 4],
             Op::Scale { .. } => &[1],
             Op::AllReduce { .. } | Op::ShardedArgmax { .. } => &[1],
+            Op::AttentionPartials { .. } => &[5],
+            Op::AttentionCombine { .. } => &[1],
             Op::FusedMatMul { .. } => match self.fused_arg_count() {
                 2 => &[2],
                 3 => &[3],
@@ -1028,6 +1064,54 @@ impl Op {
                     format!("result dtype must be float, got {out}"),
                 )?;
                 Ok(vec![tt(*out, args[0].shape.dims().to_vec())])
+            }
+            Op::AttentionPartials { attn, parts } => {
+                // paged_attention's operands, in one place.
+                let r = Op::PagedAttention(*attn).infer(args)?;
+                let rows = r[0].shape.dims()[0];
+                want(
+                    (1..=MAX_ATTENTION_PARTS).contains(parts),
+                    format!("parts {parts} must be in 1..={MAX_ATTENTION_PARTS}"),
+                )?;
+                let width = wide(attn.heads) * wide(*parts) * (wide(attn.head_dim) + 2);
+                want(
+                    width <= u32::MAX as u64,
+                    format!("the partials row ({width} floats) must fit a u32"),
+                )?;
+                Ok(vec![tt(DType::F32, vec![rows, width as u32])])
+            }
+            Op::AttentionCombine {
+                heads,
+                head_dim,
+                parts,
+                out,
+            } => {
+                want(
+                    args[0].dtype == DType::F32,
+                    format!("partials must be f32, got {}", args[0].dtype),
+                )?;
+                let x = rank(0, 2, "partials")?;
+                want(
+                    (1..=MAX_ATTENTION_PARTS).contains(parts) && *heads > 0,
+                    format!("heads {heads} must be positive and parts {parts} in 1..={MAX_ATTENTION_PARTS}"),
+                )?;
+                want(
+                    out.is_float(),
+                    format!("out must be a float dtype, got {out}"),
+                )?;
+                want(
+                    wide(x[1]) == wide(*heads) * wide(*parts) * (wide(*head_dim) + 2),
+                    format!(
+                        "partials row {} must be heads*parts*(head_dim+2) = {heads}*{parts}*({head_dim}+2)",
+                        x[1]
+                    ),
+                )?;
+                let w = wide(*heads) * wide(*head_dim);
+                want(
+                    w <= u32::MAX as u64,
+                    format!("heads*head_dim {w} must fit a u32"),
+                )?;
+                Ok(vec![tt(*out, vec![x[0], w as u32])])
             }
             Op::ShardedArgmax { ranks } => {
                 float(0, "x")?;

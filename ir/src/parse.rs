@@ -1079,6 +1079,22 @@ impl<'a> Parser<'a> {
             "sharded_argmax" => Op::ShardedArgmax {
                 ranks: a.u32("ranks")?,
             },
+            "attention_partials" => {
+                let heads = head_attrs(&mut a)?;
+                let Op::PagedAttention(attn) = paged_attention(&mut a, heads)? else {
+                    unreachable!("paged_attention builds a paged_attention")
+                };
+                Op::AttentionPartials {
+                    attn,
+                    parts: a.u32("parts")?,
+                }
+            }
+            "attention_combine" => Op::AttentionCombine {
+                heads: a.u32("heads")?,
+                head_dim: a.u32("head_dim")?,
+                parts: a.u32("parts")?,
+                out: a.dtype("out")?,
+            },
             other => {
                 return Err(ParseError {
                     pos: m_span.start,

@@ -385,6 +385,23 @@ fn attr_pairs(op: &Op) -> Vec<(&'static str, String)> {
             vec![("ranks", ranks.to_string()), ("out", out.to_string())]
         }
         Op::ShardedArgmax { ranks } => vec![("ranks", ranks.to_string())],
+        // The attention's attributes, then the split.
+        Op::AttentionPartials { attn, parts } => {
+            let mut v = attr_pairs(&Op::PagedAttention(*attn));
+            v.push(("parts", parts.to_string()));
+            v
+        }
+        Op::AttentionCombine {
+            heads,
+            head_dim,
+            parts,
+            out,
+        } => vec![
+            ("heads", heads.to_string()),
+            ("head_dim", head_dim.to_string()),
+            ("parts", parts.to_string()),
+            ("out", out.to_string()),
+        ],
     };
     debug_assert_eq!(
         pairs.iter().map(|p| p.0).collect::<Vec<_>>(),

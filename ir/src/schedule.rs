@@ -16,7 +16,9 @@
 //!   never overwrite what another tile of the op reads.
 //! * A task's tile is a range of its op's **units** ([`tile_units`]): output
 //!   columns of a matmul / fused matmul (a GEMV's output rows), (sequence,
-//!   query head) pairs of paged attention, the rows of `argmax`, the query heads of
+//!   query head) pairs of paged attention, (sequence, query head, run)
+//!   triples of `attention_partials` and (row, head) pairs of
+//!   `attention_combine`, the rows of `argmax`, the query heads of
 //!   `qkv_rope_kv_write` one by one followed by its K-cache unit and its
 //!   V-cache unit, or the single unit of any other op
 //!   (a whole-op task). What a tile reads and writes is [`footprint`]: the
@@ -241,6 +243,14 @@ pub fn tile_units(op: &PlanOp) -> u32 {
         Op::PagedAttention(AttnAttrs { heads, .. }) => {
             attention_batch(op).saturating_mul((*heads).max(1))
         }
+        // (sequence, query head, run) triples.
+        Op::AttentionPartials { attn, parts } => attention_batch(op)
+            .saturating_mul(attn.heads.max(1))
+            .saturating_mul((*parts).max(1)),
+        // (row, head) pairs.
+        Op::AttentionCombine { heads, .. } if op.args[0].ty.shape.rank() == 2 => {
+            op.args[0].ty.shape.dims()[0].saturating_mul((*heads).max(1))
+        }
         // One unit per row: a row's reduction reads only that row.
         Op::Argmax if op.args.len() == 1 && op.args[0].ty.shape.rank() == 2 => {
             op.args[0].ty.shape.dims()[0].max(1)
@@ -411,6 +421,37 @@ pub fn footprint(op: &PlanOp, tile: Tile) -> Result<(Vec<BufRef>, Vec<BufRef>), 
             reads.extend(op.args[1..].iter().map(extent));
             let writes = attention_units(&op.results[0], b, e, *heads, *query, *head_dim);
             Ok((reads, writes))
+        }
+        Op::AttentionPartials { attn, parts } => {
+            // Unit u is run u % parts of (sequence, head) u / parts: it
+            // reads that head's q rows and writes its own entry.
+            let parts = (*parts).max(1);
+            let (h0, h1) = (b / parts, (e - 1) / parts + 1);
+            let mut reads =
+                attention_units(&op.args[0], h0, h1, attn.heads, attn.query, attn.head_dim);
+            reads.extend(op.args[1..].iter().map(extent));
+            let writes = attention_units(
+                &op.results[0],
+                b,
+                e,
+                attn.heads.saturating_mul(parts),
+                attn.query,
+                attn.head_dim.saturating_add(2),
+            );
+            Ok((reads, writes))
+        }
+        Op::AttentionCombine {
+            heads,
+            head_dim,
+            parts,
+            ..
+        } => {
+            // Unit u is head u % heads of row u / heads.
+            let entry = head_dim.saturating_add(2).saturating_mul(*parts);
+            Ok((
+                attention_units(&op.args[0], b, e, *heads, 1, entry),
+                attention_units(&op.results[0], b, e, *heads, 1, *head_dim),
+            ))
         }
         Op::Argmax => Ok((
             vec![rows(&op.args[0], b, e)],

@@ -161,6 +161,18 @@ pub(crate) fn attr_names(mnemonic: &str) -> &'static [&'static str] {
         "scale" => &["factor", "softcap"],
         "all_reduce" => &["ranks", "out"],
         "sharded_argmax" => &["ranks"],
+        "attention_partials" => &[
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "query",
+            "block_size",
+            "scale",
+            "window",
+            "softcap",
+            "parts",
+        ],
+        "attention_combine" => &["heads", "head_dim", "parts", "out"],
         _ => &[],
     }
 }

@@ -51,7 +51,9 @@
 //! 13. a kernel launch's thread-block cluster is 1, or (CUDA sm_90 and later
 //!     only) a power of two of at most [`crate::plan::MAX_CLUSTER`] that
 //!     divides `grid[0]`;
-//! 14. a megakernel schedule's tape passes [`crate::schedule::verify_tape`]
+//! 14. on GPU targets, the ops only a tape runs (`attention_partials`,
+//!     `attention_combine`: [`tape_only`]) appear only in megakernel keys;
+//! 15. a megakernel schedule's tape passes [`crate::schedule::verify_tape`]
 //!     (its own invariants are listed there), and its counters count in
 //!     `counter_bytes`; a tape is on a CPU or CUDA target, and a CUDA plan
 //!     with one carries the interpreter's image
@@ -591,6 +593,17 @@ fn validate_key(plan: &Plan, kp: &KeyPlan, out: &mut PlanInfo) -> Result<KeyInfo
         }
         launches = launches.saturating_add(op.lowering.launches());
     }
+    if kp.schedule.tape().is_none() && plan.meta.target != Target::Cpu {
+        if let Some((i, op)) = kp.ops.iter().enumerate().find(|(_, o)| tape_only(&o.op)) {
+            return err(
+                format!("{kf}.ops[{i}]"),
+                format!(
+                    "`{}` runs only as tasks of a megakernel tape (it has no launch list) but this key is scheduled as a graph; recompile the plan (`kiln compile`)",
+                    op.op.mnemonic()
+                ),
+            );
+        }
+    }
     if let Some(tape) = kp.schedule.tape() {
         check(&|| format!("{kf}.schedule.counters"), &tape.counters)?;
         crate::schedule::verify_tape(plan, kp, tape)?;
@@ -774,8 +787,17 @@ fn validate_lowering(
             if is_gemm {
                 return err(field, "a matmul lowers to a GEMM");
             }
-            if k.is_empty() {
-                return err(field, "the launch list is empty");
+            // Only the ops a tape runs have none (their keys' schedule is
+            // checked with the key).
+            if k.is_empty() != tape_only(&op.op) {
+                return err(
+                    field,
+                    if k.is_empty() {
+                        "the launch list is empty"
+                    } else {
+                        "an op only a megakernel tape runs has no launch list"
+                    },
+                );
             }
         }
     }
@@ -824,4 +846,14 @@ fn validate_lowering(
         }
     }
     Ok(())
+}
+
+/// Ops that exist only for the megakernel schedule: on GPU targets they have
+/// no launch list, and the interpreter runs them as tasks (the CPU runs them
+/// as reference kernels like any op).
+pub fn tape_only(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::AttentionPartials { .. } | Op::AttentionCombine { .. }
+    )
 }

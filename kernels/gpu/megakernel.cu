@@ -63,6 +63,7 @@
 #define KILN_MK_ADD_RMS_NORM 6
 #define KILN_MK_QKV_ROPE_KV_WRITE 7
 #define KILN_MK_PAGED_ATTENTION 8
+#define KILN_MK_ATTENTION_COMBINE 15
 #define KILN_MK_SILU_MUL 9
 #define KILN_MK_GELU_TANH_MUL 10
 #define KILN_MK_ADD 11
@@ -146,6 +147,13 @@ KILN_DEV float4 mk_ld_cg4(const float4* p) {
 #endif
 }
 KILN_DEV int mk_ld_cg_int(const int* p) {
+#if defined(KILN_CUDA)
+  return __ldcg(p);
+#else
+  return *p;
+#endif
+}
+KILN_DEV float mk_ld_cg_f32(const float* p) {
 #if defined(KILN_CUDA)
   return __ldcg(p);
 #else
@@ -773,6 +781,16 @@ KILN_DEV void mk_qkv_rope_kv_write(const MkTask& t) {
 // i: 0 batch, 1 query, 2 heads, 3 kv_heads, 4 head_dim, 5 block_size,
 // 6 block table columns, 7 window (0 none). f: 0 scale, 1 softcap (0 none).
 // p: 0 q, 1 K cache, 2 V cache, 3 block tables, 4 context lengths, 5 out.
+//
+// attention_partials is the same task with i: 8 its runs (0: plain
+// paged_attention): unit u is run u % runs of (sequence, head) u / runs,
+// whose positions are the run's share of [lo, ctx) (lo: the first position
+// the sequence's first query token sees; runs of ceil((ctx - lo) / runs)),
+// and instead of the normalized row it writes the run's entry of
+// p[5] (f32 [rows][heads][runs][head_dim + 2]): the unnormalized sum
+// sum e * v relative to the run's maximum score m, then m and l = sum e
+// (m = -inf, l = 0, zeros for a run the row sees nothing of), the
+// definition of kiln_ir::Op::AttentionPartials.
 #define KILN_MK_ATTN_RT 4
 #define KILN_MK_ATTN_KU 4
 
@@ -794,15 +812,20 @@ KILN_DEV void mk_prefetch_attention(const MkTask& t) {
   const int* lens = reinterpret_cast<const int*>(t.p[4]);
   if (heads <= 0 || kvh <= 0 || bs <= 0) return;
   const int group = heads / kvh;
+  const int runs = t.i[8] > 0 ? t.i[8] : 1;
   const i64 kvrow = (i64)kvh * hd * 2;
   for (int unit = (int)t.tile_begin; unit < (int)t.tile_end; ++unit) {
-    const int b = unit / heads, g = (unit % heads) / group;
+    const int hu = unit / runs, run = unit % runs;
+    const int b = hu / heads, g = (hu % heads) / group;
     int ctx = mk_ld_cg_int(lens + b);
     ctx = ctx < M * bs ? ctx : M * bs;
     int lo = window > 0 ? ctx - Q - window + 1 : 0;
     lo = lo > 0 ? lo : 0;
+    const int len = (ctx - lo + runs - 1) / runs;
+    const int r0 = lo + run * len;
+    const int r1 = r0 + len < ctx ? r0 + len : ctx;
     const int* table = bt + (i64)b * M;
-    for (int p = lo + (int)threadIdx.x; p < ctx; p += KILN_MK_THREADS) {
+    for (int p = r0 + (int)threadIdx.x; p < r1; p += KILN_MK_THREADS) {
       const i64 slot = (i64)table[p / bs] * bs + p % bs;
       const i64 at = slot * kvrow + (i64)g * hd * 2;
       for (int off = 0; off < hd * 2; off += 128) {
@@ -837,13 +860,28 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem) {
   float* red = smem;                                       // [RT][hd]
   float* ml = smem + RT * KILN_MK_MAX_HEAD_DIM;            // [warps][RT][2]
   float* fin = ml + KILN_MK_WARPS * RT * 2;                // [RT][2]: max, 1 / sum
+  float* fsum = fin + RT * 2;                              // [RT]: sum
   const int step = KILN_MK_WARPS * kpw * KU;
+  const bool partial = t.i[8] > 0;
+  const int runs = partial ? t.i[8] : 1;
+  float* part_out = reinterpret_cast<float*>(t.p[5]);
   (void)batch;
   for (int unit = (int)t.tile_begin; unit < (int)t.tile_end; ++unit) {
-    const int b = unit / heads, h = unit % heads, g = h / group;
+    const int hu = unit / runs, run = unit % runs;
+    const int b = hu / heads, h = hu % heads, g = h / group;
     int ctx = mk_ld_cg_int(lens + b);
     ctx = ctx < M * bs ? ctx : M * bs;
     const int* table = bt + (i64)b * M;
+    // The run's positions (all of them for plain attention).
+    int run_lo = 0, run_hi = ctx;
+    if (partial) {
+      int lo = window > 0 ? ctx - Q - window + 1 : 0;
+      lo = lo > 0 ? lo : 0;
+      int len = (ctx - lo + runs - 1) / runs;
+      len = len > 1 ? len : 1;
+      run_lo = lo + run * len;
+      run_hi = run_lo + len < ctx ? run_lo + len : ctx;
+    }
     {
       for (int r0 = 0; r0 < rows; r0 += RT) {
         int rid[RT], qpos[RT];
@@ -869,7 +907,8 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem) {
             for (int e = 0; e < 8; ++e) qv[j][e] = 0.0f;
           }
         }
-        lo_p = max(lo_p, 0);
+        lo_p = max(lo_p, run_lo);
+        hi_p = min(hi_p, run_hi);
         float m[RT], l[RT], acc[RT][8];
 #pragma unroll
         for (int j = 0; j < RT; ++j) {
@@ -960,6 +999,7 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem) {
           }
           fin[2 * j] = mx;
           fin[2 * j + 1] = ls > 0.0f ? 1.0f / ls : 0.0f;
+          fsum[j] = ls;
         }
         __syncthreads();
         // Warps add their rescaled accumulators in warp order.
@@ -982,10 +1022,65 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem) {
           const int r = r0 + j;
           if (r >= rows) continue;
           const int row = (b * Q + r) * heads + h;
-          out[(i64)row * hd + d] = st<kbf16>(red[x] * fin[2 * j + 1]);
+          if (partial) {
+            float* e = part_out + ((i64)row * runs + run) * (hd + 2);
+            e[d] = red[x];
+            if (d == 0) {
+              e[hd] = fin[2 * j];
+              e[hd + 1] = fsum[j];
+            }
+          } else {
+            out[(i64)row * hd + d] = st<kbf16>(red[x] * fin[2 * j + 1]);
+          }
         }
         __syncthreads();  // red and fin are reused by the next tile
       }
+    }
+  }
+}
+
+// attention_combine (KILN_MK_ATTENTION_COMBINE), units [tile_begin,
+// tile_end) of rows x heads (unit u: head u % heads of row u / heads): a
+// warp per unit, each lane 8 of the head's elements; M = the largest run
+// maximum among runs with l > 0, w = exp(m - M), out = (sum w * o) /
+// (sum w * l) over the runs in order, rounded once (0 where no run saw a
+// position). The partials were written by other blocks during this launch:
+// L1-bypassing loads. i: 0 rows, 1 heads, 2 head_dim, 3 runs. p: 0 partials
+// (f32), 1 out (bf16).
+KILN_DEV void mk_attention_combine(const MkTask& t) {
+  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
+  const int heads = t.i[1], hd = t.i[2], runs = t.i[3];
+  const float* part = reinterpret_cast<const float*>(t.p[0]);
+  kbf16* out = reinterpret_cast<kbf16*>(t.p[1]);
+  constexpr int PER = KILN_MK_MAX_HEAD_DIM / KILN_WARP;
+  for (int unit = (int)t.tile_begin + warp; unit < (int)t.tile_end; unit += KILN_MK_WARPS) {
+    const int row = unit / heads, h = unit % heads;
+    const float* e0 = part + ((i64)row * heads + h) * runs * (hd + 2);
+    float mx = -KILN_INF;
+    for (int r = 0; r < runs; ++r) {
+      const float* e = e0 + (i64)r * (hd + 2);
+      if (mk_ld_cg_f32(e + hd + 1) > 0.0f) mx = fmaxf(mx, mk_ld_cg_f32(e + hd));
+    }
+    float acc[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) acc[j] = 0.0f;
+    float l = 0.0f;
+    for (int r = 0; r < runs; ++r) {
+      const float* e = e0 + (i64)r * (hd + 2);
+      const float lr = mk_ld_cg_f32(e + hd + 1);
+      if (!(lr > 0.0f)) continue;
+      const float w = expf(mk_ld_cg_f32(e + hd) - mx);
+      l += w * lr;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int d = lane + j * KILN_WARP;
+        if (d < hd) acc[j] += w * mk_ld_cg_f32(e + d);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int d = lane + j * KILN_WARP;
+      if (d < hd) out[((i64)row * heads + h) * hd + d] = st<kbf16>(l > 0.0f ? acc[j] / l : 0.0f);
     }
   }
 }
@@ -1064,10 +1159,13 @@ KILN_DEV void mk_scale_t(const MkTask& t) {
 //
 // Rows [tile_begin, tile_end) (the tape cuts argmax by rows). Each thread
 // issues KILN_MK_ARGMAX_BATCH vector loads before it compares any (one
-// block alone reads a whole vocabulary row: a 600 KB f32 row took 37 round
-// trips of 16 KB in flight before), then compares them in index order, so
-// the first maximum is the one the unbatched loop found.
-#define KILN_MK_ARGMAX_BATCH 16
+// block alone reads a whole vocabulary row, 600 KB in f32: 32 KB in flight
+// per round trip instead of whatever the compiler kept in flight of an
+// unrolled loop), then compares them in index order, so the first maximum
+// is the one the unbatched loop found. 8, not 16: 16 raised the whole
+// interpreter to 254 registers with spills (ptxas, sm_90), 8 keeps it at
+// 234 without.
+#define KILN_MK_ARGMAX_BATCH 8
 KILN_DEV void mk_argmax(const MkTask& t, float* smem) {
   const int vocab = t.i[1], f32 = t.i[2];
   const int n4 = vocab / 4;
@@ -1221,6 +1319,9 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
         break;
       case KILN_MK_GATHER_LAST:
         mk_gather_last(t);
+        break;
+      case KILN_MK_ATTENTION_COMBINE:
+        mk_attention_combine(t);
         break;
       default:
         // A kind this build does not run: the encoder refuses such tapes

@@ -1278,6 +1278,11 @@ pub fn lower_symbolic(
             float_suffix(m, args[0].dtype)?;
             Lowered::Collective
         }
+        // The two halves of a context-split attention exist only in keys
+        // scheduled as a megakernel tape, whose interpreter runs them as
+        // tasks: no launch list (the plan validator refuses them in a
+        // graph-schedule key).
+        Op::AttentionPartials { .. } | Op::AttentionCombine { .. } => calls(vec![]),
         Op::Embedding => {
             let s = float_suffix(m, args[1].dtype)?;
             let (vocab, h) = two(&dims(&args[1]))?;

@@ -14,7 +14,9 @@
 //! gemma-family bf16 decode plan (GEMV and fused-GEMV tiles, embedding,
 //! the RMSNorm family, fused q/k-norm + RoPE + KV write (tiled by query
 //! head, plus a K-cache and a V-cache unit; the tiled form has not run on
-//! a GPU yet: `megakernel_gpu` case 4 covers it), paged attention
+//! a GPU yet: `megakernel_gpu` case 4 covers it), paged attention (and
+//! its context-split form, `attention_partials` as an attention task with
+//! runs plus `attention_combine`: not yet run on a GPU either)
 //! per (sequence, query head), the gated activations, add, scale, argmax, gather
 //! last). It compiles under NVRTC (tested here). Every task kind has run
 //! once on an H200 against the CPU reference over hand-built tapes
@@ -165,11 +167,17 @@ pub enum TaskKind {
     /// `gather_last`: i: 0 result rows, 1 group, 2 row width in 16-bit
     /// units. p: 0 x, 1 out.
     GatherLast = 14,
+    /// `attention_combine`, units `[tile_begin, tile_end)` of rows x heads
+    /// (unit u: head u % heads of row u / heads): i: 0 rows, 1 heads,
+    /// 2 head_dim, 3 runs. p: 0 partials (f32), 1 out (bf16).
+    /// (`attention_partials` is [`TaskKind::PagedAttention`] with i: 8 its
+    /// runs and p: 5 its f32 partials.)
+    AttentionCombine = 15,
 }
 
 impl TaskKind {
     /// Every kind, with its `#define` name in the source.
-    pub const ALL: [(TaskKind, &'static str); 14] = [
+    pub const ALL: [(TaskKind, &'static str); 15] = [
         (TaskKind::GemvBf16, "KILN_MK_GEMV_BF16"),
         (TaskKind::GemvBf16F32, "KILN_MK_GEMV_BF16_F32"),
         (TaskKind::GemvArgmax, "KILN_MK_GEMV_ARGMAX"),
@@ -184,6 +192,7 @@ impl TaskKind {
         (TaskKind::Scale, "KILN_MK_SCALE"),
         (TaskKind::Argmax, "KILN_MK_ARGMAX"),
         (TaskKind::GatherLast, "KILN_MK_GATHER_LAST"),
+        (TaskKind::AttentionCombine, "KILN_MK_ATTENTION_COMBINE"),
     ];
 }
 
@@ -447,7 +456,11 @@ pub fn supported(op: &PlanOp) -> Result<(), String> {
             }
             Ok(())
         }
-        Op::PagedAttention(AttnAttrs { head_dim, .. }) => {
+        Op::AttentionPartials {
+            attn: AttnAttrs { head_dim, .. },
+            ..
+        }
+        | Op::PagedAttention(AttnAttrs { head_dim, .. }) => {
             arity(5, 1)?;
             need_bf16(&a[0], "q")?;
             need_bf16(&a[1], "K cache")?;
@@ -455,6 +468,20 @@ pub fn supported(op: &PlanOp) -> Result<(), String> {
             if *head_dim > MAX_HEAD_DIM || !head_dim.is_multiple_of(8) {
                 return Err(format!(
                     "has head_dim {head_dim}; the interpreter's attention takes multiples of 8 up to {MAX_HEAD_DIM}"
+                ));
+            }
+            Ok(())
+        }
+        Op::AttentionCombine {
+            head_dim, out, ..
+        } => {
+            arity(1, 1)?;
+            if *out != DType::BF16 {
+                return Err(format!("has {out} results; the interpreter's combine writes bf16"));
+            }
+            if *head_dim > MAX_HEAD_DIM {
+                return Err(format!(
+                    "has head_dim {head_dim}; the interpreter combines heads up to {MAX_HEAD_DIM}"
                 ));
             }
             Ok(())
@@ -674,7 +701,25 @@ fn op_record(
             scale,
             window,
             softcap,
-        }) => {
+        })
+        | Op::AttentionPartials {
+            attn:
+                AttnAttrs {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    query,
+                    block_size,
+                    scale,
+                    window,
+                    softcap,
+                },
+            ..
+        } => {
+            // attention_partials: the same record with the runs in i[8].
+            if let Op::AttentionPartials { parts, .. } = &op.op {
+                i[8] = (*parts).max(1) as i32;
+            }
             let (batch, m) = two(&a[3])?;
             if *kv_heads == 0 || heads % kv_heads != 0 || *query == 0 || *block_size == 0 {
                 return Err(format!(
@@ -700,6 +745,21 @@ fn op_record(
                 return Err("has window 0, which attends to nothing".into());
             }
             TaskKind::PagedAttention
+        }
+        Op::AttentionCombine {
+            heads,
+            head_dim,
+            parts,
+            ..
+        } => {
+            let (rows, _) = two(&a[0])?;
+            i[0] = fits_i32(rows as u64, "rows")?;
+            i[1] = *heads as i32;
+            i[2] = *head_dim as i32;
+            i[3] = (*parts).max(1) as i32;
+            p[0] = addr(&a[0]);
+            p[1] = addr(&r[0]);
+            TaskKind::AttentionCombine
         }
         Op::SiluMul | Op::GeluTanhMul => {
             let (t, inter) = two(&r[0])?;
@@ -766,7 +826,7 @@ fn op_record(
         TaskKind::PagedAttention => &[0, 1, 2],
         TaskKind::SiluMul | TaskKind::GeluTanhMul | TaskKind::Add => &[0, 1, 2],
         TaskKind::Scale | TaskKind::Argmax => &[0, 1],
-        TaskKind::QkvRopeKvWrite | TaskKind::GatherLast => &[],
+        TaskKind::QkvRopeKvWrite | TaskKind::GatherLast | TaskKind::AttentionCombine => &[],
     };
     for &k in vector_ptrs {
         if kind == TaskKind::Argmax && k == 1 {

@@ -1,6 +1,8 @@
 //! `paged_attention` against an f64 reference on scattered block tables:
 //! GQA, multi-token causal queries, sliding window, softcap, several
-//! sequences of different lengths; and refusals of bad lengths and blocks.
+//! sequences of different lengths; the megakernel's split form
+//! (`attention_partials` then `attention_combine`) at every run count; and
+//! refusals of bad lengths and blocks.
 //!
 //! Tolerance: the output is a convex combination of v rows, so f32 error is
 //! tiny: one ulp of the result dtype plus `2e-5` absolute.
@@ -73,9 +75,33 @@ impl Case {
     }
 
     fn check(&self, seed: u64) {
+        self.check_runs(seed, None);
+    }
+
+    /// With `runs`, the megakernel's split form instead of the op:
+    /// `attention_combine(attention_partials(...))`, held to the same bound.
+    fn check_runs(&self, seed: u64, runs: Option<u32>) {
         let mut rng = Rng::new(seed);
         let (args, tables) = self.args(&mut rng);
-        let got = run(&self.op(), &args);
+        let got = match (runs, self.op()) {
+            (Some(parts), Op::PagedAttention(attn)) => {
+                let partials = run(&Op::AttentionPartials { attn, parts }, &args);
+                let rows = args[0].0.shape.dims()[0];
+                let width = attn.heads * parts * (attn.head_dim + 2);
+                let pt = kiln_ir::TensorType::new(DType::F32, kiln_ir::Shape(vec![rows, width]));
+                assert_eq!(partials[0].len() as u64, pt.size_bytes());
+                run(
+                    &Op::AttentionCombine {
+                        heads: attn.heads,
+                        head_dim: attn.head_dim,
+                        parts,
+                        out: self.dtype,
+                    },
+                    &[(pt, partials[0].clone())],
+                )
+            }
+            (_, op) => run(&op, &args),
+        };
         let want = reference::paged_attention(
             &self.a,
             &stored(&args[0]),
@@ -86,7 +112,10 @@ impl Case {
             &self.lens,
         );
         assert_close(
-            &format!("{:?} {} lens {:?}", self.a, self.dtype, self.lens),
+            &format!(
+                "{:?} {} lens {:?} runs {runs:?}",
+                self.a, self.dtype, self.lens
+            ),
             self.dtype,
             &got[0],
             &want,
@@ -159,6 +188,44 @@ fn multi_token_queries_are_causal_inside_the_window() {
             blocks: 10,
         }
         .check(83);
+    }
+}
+
+#[test]
+fn attention_split_into_runs_and_combined_matches_the_reference() {
+    // Every run count from one to more runs than a sequence has positions
+    // (empty runs), with GQA, multi-token causal queries, a sliding window
+    // and a softcap.
+    let mut windowed = attn(4, 2, 16, 3);
+    windowed.window = Some(9);
+    windowed.softcap = Some(20.0);
+    let cases = [
+        Case {
+            a: attn(6, 2, 16, 1),
+            dtype: DType::BF16,
+            lens: vec![1, 37, 16, 100],
+            m: 8,
+            blocks: 40,
+        },
+        Case {
+            a: attn(6, 2, 24, 2),
+            dtype: DType::F32,
+            lens: vec![5, 33],
+            m: 3,
+            blocks: 6,
+        },
+        Case {
+            a: windowed,
+            dtype: DType::BF16,
+            lens: vec![3, 20, 47],
+            m: 4,
+            blocks: 12,
+        },
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        for runs in [1, 2, 3, 8, 16, 64] {
+            case.check_runs(90 + i as u64, Some(runs));
+        }
     }
 }
 

@@ -574,6 +574,8 @@ fn every_task_kind_matches_the_cpu_reference() {
     //    uneven tiles, one crossing from the first sequence into the second.
     //    The rope tilings: whole (all ten units), q heads apart from a
     //    K+V tile, a tile mixing q heads with the K unit, one unit each.
+    //    Then the same attention split over the context (attention_partials
+    //    in three runs, attention_combine).
     let rope_tilings: [&[(u32, u32)]; 5] = [
         &[(0, 10)],
         &[(0, 3), (3, 8), (8, 10)],
@@ -778,6 +780,99 @@ fn every_task_kind_matches_the_cpu_reference() {
             bf,
             &slice(&out, oa, (t * heads * hd * 2) as u64),
             &a[0],
+        );
+
+        // The same attention split over the context in 3 runs
+        // (attention_partials in uneven tiles, one crossing sequences),
+        // then attention_combine in two tiles waiting on every run.
+        let runs = 3u32;
+        let attn = AttnAttrs {
+            heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            query: q,
+            block_size: bs,
+            scale: 0.125,
+            window,
+            softcap,
+        };
+        let width = heads * runs * (hd + 2);
+        let mut m = Mem::default();
+        let (qa, ka, va, ba, la) = (
+            m.put(&w[0]),
+            m.put(&w[1]),
+            m.put(&w[2]),
+            m.put(&ints(&tables)),
+            m.put(&ints(&lens)),
+        );
+        let pa = m.zeros((t * width * 4) as usize);
+        let oa = m.zeros((t * heads * hd * 2) as usize);
+        let units = batch * heads * runs;
+        let mut tasks = Vec::new();
+        for (c, tile) in [(0u32, 7u32), (7, 29), (29, units)].into_iter().enumerate() {
+            tasks.push((
+                task(
+                    TaskKind::PagedAttention,
+                    c as u32,
+                    tile,
+                    &[
+                        batch as i32,
+                        q as i32,
+                        heads as i32,
+                        kvh as i32,
+                        hd as i32,
+                        bs as i32,
+                        mb as i32,
+                        window.unwrap_or(0) as i32,
+                        runs as i32,
+                    ],
+                    &[0.125, softcap.unwrap_or(0.0)],
+                    &[at(qa), at(ka), at(va), at(ba), at(la), at(pa)],
+                ),
+                vec![],
+            ));
+        }
+        for (c, tile) in [(0u32, 5u32), (5, t * heads)].into_iter().enumerate() {
+            tasks.push((
+                task(
+                    TaskKind::AttentionCombine,
+                    3 + c as u32,
+                    tile,
+                    &[t as i32, heads as i32, hd as i32, runs as i32],
+                    &[],
+                    &[at(pa), at(oa)],
+                ),
+                vec![0, 1, 2],
+            ));
+        }
+        let out = run(&g, &m, &tasks, &[vec![0, 3], vec![1, 4], vec![2]]);
+        let split_args = [
+            (ty(bf, &[t, heads * hd]), w[0].clone()),
+            (ty(bf, &[slots_n, kvh * hd]), w[1].clone()),
+            (ty(bf, &[slots_n, kvh * hd]), w[2].clone()),
+            (ty(DType::I32, &[batch, mb]), ints(&tables)),
+            (ty(DType::I32, &[batch]), ints(&lens)),
+        ];
+        let parts = kiln_kernels::cpu::execute_on_vecs(
+            &Op::AttentionPartials { attn, parts: runs },
+            &split_args,
+        )
+        .unwrap();
+        let want = kiln_kernels::cpu::execute_on_vecs(
+            &Op::AttentionCombine {
+                heads,
+                head_dim: hd,
+                parts: runs,
+                out: bf,
+            },
+            &[(ty(DType::F32, &[t, width]), parts[0].clone())],
+        )
+        .unwrap();
+        close(
+            &format!("split attention hd {hd} query {q} window {window:?} softcap {softcap:?}"),
+            bf,
+            &slice(&out, oa, (t * heads * hd * 2) as u64),
+            &want[0],
         );
     }
 

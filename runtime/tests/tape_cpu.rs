@@ -1,5 +1,6 @@
 //! The megakernel tape, executed on the CPU (`kiln_runtime::tape`): for
-//! GPU-target and CPU plans of the tiny families, every memory region after
+//! GPU-target and CPU plans of the tiny families (attention split over the
+//! context where the tape has the queues for it), every memory region after
 //! each step of the tape (worker threads, and an adversary that runs
 //! producers as late as the waits allow) equals the op-by-op reference
 //! bitwise, over steps whose tokens, positions, slots and context lengths
@@ -16,13 +17,19 @@ use kiln_ir::{InputRole, Key};
 use kiln_runtime::tape::{run_ops, run_tape, KeyMemory, Order};
 
 fn compile(spec: &SynthSpec, target: &str, keys: &str) -> Plan {
+    compile_on(spec, target, keys, 3)
+}
+
+/// [`compile`] for a tape of `sms` SMs x 2 blocks (more queues than a
+/// key's (sequence, head) pairs split its attention over the context).
+fn compile_on(spec: &SynthSpec, target: &str, keys: &str, sms: u32) -> Plan {
     let opts = CompileOptions {
         keys: keys.split(',').map(|k| k.parse().unwrap()).collect(),
         target: target.parse().unwrap(),
         logits: true,
         schedule: ScheduleKind::Megakernel,
         megakernel: MegakernelOptions {
-            sm_count: 3,
+            sm_count: sms,
             blocks_per_sm: 2,
             min_tile: 8,
         },
@@ -208,6 +215,26 @@ fn cpu_plan_tapes_with_fused_matmuls_and_batches_equal_the_op_list_bitwise() {
         let plan = compile(&SynthSpec::tiny(family), "cpu", "b1q1s0,b3q1s0,b2q3s2");
         for kp in &plan.keys {
             check_key(&plan, kp, &orders(tape(kp)), 3);
+        }
+    }
+}
+
+#[test]
+fn tapes_with_attention_split_over_the_context_equal_the_op_list_bitwise_in_every_order() {
+    for (family, target, keys) in [
+        (SynthFamily::Llama, "cuda:sm_90", "b1q1s0,b2q1s0"),
+        (SynthFamily::Qwen3, "cpu", "b1q1s0,b2q3s2"),
+    ] {
+        let plan = compile_on(&SynthSpec::tiny(family), target, keys, 8);
+        for kp in &plan.keys {
+            assert!(
+                kp.ops
+                    .iter()
+                    .any(|o| matches!(o.op, kiln_ir::Op::AttentionPartials { .. })),
+                "{family:?} key {}: attention was not split",
+                kp.key
+            );
+            check_key(&plan, kp, &orders(tape(kp)), 4);
         }
     }
 }

@@ -125,6 +125,8 @@ fn tiles(op: &PlanOp, queues: u32, min_tile: u32) -> Vec<Tile> {
     let units = tile_units(op);
     let min = match op.op {
         kiln_ir::Op::PagedAttention(..)
+        | kiln_ir::Op::AttentionPartials { .. }
+        | kiln_ir::Op::AttentionCombine { .. }
         | kiln_ir::Op::QkvRopeKvWrite { .. }
         | kiln_ir::Op::Argmax => 1,
         _ => min_tile.max(1),
@@ -260,18 +262,28 @@ fn task_cost_ns(op: &PlanOp, tile: Tile, reads: &[BufRef], writes: &[BufRef]) ->
     if matches!(op.op, kiln_ir::Op::Embedding) {
         bytes = 2 * writes.iter().map(|b| b.bytes).fold(0, u64::saturating_add);
     }
-    if let kiln_ir::Op::PagedAttention(AttnAttrs {
-        head_dim,
-        block_size,
-        ..
-    }) = op.op
+    let attn = match op.op {
+        kiln_ir::Op::PagedAttention(a) => Some((a, 1)),
+        kiln_ir::Op::AttentionPartials { attn, parts } => Some((attn, parts.max(1) as u64)),
+        _ => None,
+    };
+    if let Some((
+        AttnAttrs {
+            head_dim,
+            block_size,
+            ..
+        },
+        parts,
+    )) = attn
     {
+        // A unit reads its head's K and V over the whole context (a run of
+        // `attention_partials`: its share of it).
         let columns = op
             .args
             .get(3)
             .and_then(|t| t.ty.shape.dims().get(1).copied())
             .unwrap_or(1) as u64;
-        let per_unit = columns * block_size as u64 * head_dim as u64 * 4;
+        let per_unit = columns * block_size as u64 * head_dim as u64 * 4 / parts;
         bytes = bytes.saturating_add(per_unit.saturating_mul((tile.end - tile.begin) as u64));
     }
     FIXED_NS + bytes / BYTES_PER_NS

@@ -209,6 +209,29 @@ pub fn run_pass_for(
     ed.finish().map_err(failed)
 }
 
+/// The megakernel schedule's context split of attention
+/// (`fuse::split_attention`) for a tape of `queues` queues, on a verified
+/// graph; the result is verified again (its [`GraphInfo`] is what the
+/// planner takes). Returns how many attentions were split.
+pub fn split_attention(
+    graph: Graph,
+    manifest: &WeightManifest,
+    queues: u32,
+) -> Result<(Graph, GraphInfo, u32), PassError> {
+    let name = graph.name.clone();
+    let mut ed = editor::Editor::new(graph);
+    let failed = |message: String| PassError::Failed {
+        pass: Pass::Dce,
+        graph: name.clone(),
+        message: format!("split-attention: {message}"),
+    };
+    let n = fuse::split_attention(&mut ed, queues).map_err(failed)?.0;
+    let g = ed.finish().map_err(failed)?;
+    let info = kiln_ir::verify(&g, Some(manifest))
+        .map_err(|e| failed(format!("produced a malformed graph: {e}")))?;
+    Ok((g, info, n))
+}
+
 /// Runs `passes` in order, verifying the input and every pass's output when
 /// `verify` is set. The result is verified either way: its [`GraphInfo`] is
 /// what the planner requires, so nothing is planned from unverified IR

@@ -39,7 +39,13 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
         }
         Op::PagedAttention(AttnAttrs {
             heads, head_dim, ..
-        }) => {
+        })
+        | Op::AttentionPartials {
+            attn: AttnAttrs {
+                heads, head_dim, ..
+            },
+            ..
+        } => {
             let tokens = op.args[0].ty.shape.dims()[0] as u64;
             tokens * *heads as u64 * 4 * *head_dim as u64 * max_context
         }
@@ -95,6 +101,7 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
         Op::Scale { softcap, .. } => numel(0) * if softcap.is_some() { 10 } else { 1 },
         Op::AllReduce { ranks, .. } => numel(0) * (*ranks as u64).saturating_sub(1),
         Op::ShardedArgmax { .. } => numel(0),
+        Op::AttentionCombine { .. } => 3 * numel(0),
     }
 }
 

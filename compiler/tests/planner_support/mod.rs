@@ -240,6 +240,11 @@ pub fn apply(
         Op::AllReduce { .. } | Op::ShardedArgmax { .. } => {
             panic!("the reference evaluator runs one rank")
         }
+        // Formed only for megakernel keys, after the passes these tests
+        // evaluate; runtime/tests/tape_cpu.rs checks them.
+        Op::AttentionPartials { .. } | Op::AttentionCombine { .. } => {
+            panic!("the reference evaluator does not run the megakernel's split attention")
+        }
         Op::Embedding => {
             let h = dims(&tys[1])[1];
             let mut out = Vec::new();

@@ -431,8 +431,27 @@ impl<'a> Gen<'a> {
                 let (kc, vc) = self.caches[l].1.expect("declared");
                 let bt = self.input(InputRole::BlockTables);
                 let cl = self.input(InputRole::ContextLens);
-                let op = Op::PagedAttention(self.attn_attrs(heads, kvh, hd));
-                let y = self.g.push1(op, &[qv, kc, vc, bt, cl]);
+                let attn = self.attn_attrs(heads, kvh, hd);
+                let y = if self.rng.coin() {
+                    self.g
+                        .push1(Op::PagedAttention(attn), &[qv, kc, vc, bt, cl])
+                } else {
+                    // The megakernel's split form: partials, then combine.
+                    let parts = self.rng.range(1, 5);
+                    let p = self
+                        .g
+                        .push1(Op::AttentionPartials { attn, parts }, &[qv, kc, vc, bt, cl]);
+                    let out = self.g.ty(qv).dtype;
+                    self.g.push1(
+                        Op::AttentionCombine {
+                            heads,
+                            head_dim: hd,
+                            parts,
+                            out,
+                        },
+                        &[p],
+                    )
+                };
                 self.acts.push(y);
             }
             8 => {

@@ -384,3 +384,133 @@ pub(crate) unsafe fn paged_attention(
     });
     Ok(())
 }
+
+/// `attention_partials(q, kc, vc, block_tables, context_lens) -> partials`
+/// (op.rs has the definition). A plain loop in f32 (`dot` in index order,
+/// `exp` from std): megakernel plans run it on the CPU to prove their
+/// tapes, not for speed, and the tape and the op list run this same code.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn attention_partials(
+    op: &Op,
+    q: Buf,
+    out: Buf,
+    kc: Buf,
+    vc: Buf,
+    tables: Buf,
+    lens: Buf,
+    batch: usize,
+    m: usize,
+    cache_slots: usize,
+) -> Result<()> {
+    let Op::AttentionPartials { attn, parts } = op else {
+        unreachable!("dispatched by execute")
+    };
+    let p = Params {
+        heads: attn.heads as usize,
+        kv_heads: attn.kv_heads as usize,
+        hd: attn.head_dim as usize,
+        query: attn.query as usize,
+        bs: attn.block_size as usize,
+        scale: attn.scale,
+        window: attn.window.map(|w| w as usize),
+        softcap: attn.softcap,
+        m,
+    };
+    let (tables, lens) = (tables.ints(), lens.ints());
+    validate(op, &p, tables, lens, cache_slots)?;
+    let (hd, parts) = (p.hd, *parts as usize);
+    let group = p.heads / p.kv_heads;
+    let (q_width, kv_width) = (p.heads * hd, p.kv_heads * hd);
+    let entry = hd + 2;
+    let row_width = p.heads * parts * entry;
+    let mut qrow = vec![0f32; hd];
+    let mut key = vec![0f32; hd];
+    let mut val = vec![0f32; hd];
+    let mut o = vec![0f32; entry];
+    let mut scores = Vec::new();
+    for b in 0..batch {
+        let ctx = lens[b] as usize;
+        let table = &tables[b * p.m..(b + 1) * p.m];
+        let lo = first_pos(&p, ctx, 0);
+        let run = (ctx - lo).div_ceil(parts).max(1);
+        for i in 0..p.query {
+            let (first, last) = (first_pos(&p, ctx, i), ctx - p.query + i);
+            let r = b * p.query + i;
+            for h in 0..p.heads {
+                q.load(r * q_width + h * hd, &mut qrow);
+                let g = h / group;
+                for part in 0..parts {
+                    let a = (lo + part * run).max(first);
+                    let z = (lo + (part + 1) * run).min(last + 1);
+                    o.fill(0.0);
+                    scores.clear();
+                    for pos in a..z {
+                        kc.load(slot(&p, table, pos) * kv_width + g * hd, &mut key);
+                        let d: f32 = qrow.iter().zip(&key).fold(0.0, |s, (x, y)| s + x * y);
+                        let mut s = d * p.scale;
+                        if let Some(cap) = p.softcap {
+                            s = cap * (s / cap).tanh();
+                        }
+                        scores.push(s);
+                    }
+                    let (mut mx, mut l) = (f32::NEG_INFINITY, 0f32);
+                    if a < z {
+                        mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        for (pos, s) in (a..z).zip(&scores) {
+                            let e = (s - mx).exp();
+                            l += e;
+                            vc.load(slot(&p, table, pos) * kv_width + g * hd, &mut val);
+                            for (acc, v) in o.iter_mut().zip(&val) {
+                                *acc += e * v;
+                            }
+                        }
+                    }
+                    o[hd] = mx;
+                    o[hd + 1] = l;
+                    out.store(r * row_width + (h * parts + part) * entry, &o);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `attention_combine(partials) -> out` over `rows` rows (op.rs has the
+/// definition).
+pub(crate) unsafe fn attention_combine(op: &Op, x: Buf, out: Buf, rows: usize) {
+    let Op::AttentionCombine {
+        heads,
+        head_dim,
+        parts,
+        ..
+    } = op
+    else {
+        unreachable!("dispatched by execute")
+    };
+    let (heads, hd, parts) = (*heads as usize, *head_dim as usize, *parts as usize);
+    let entry = hd + 2;
+    let mut e = vec![0f32; parts * entry];
+    let mut acc = vec![0f32; hd];
+    for r in 0..rows {
+        for h in 0..heads {
+            x.load((r * heads + h) * parts * entry, &mut e);
+            let runs = || e.chunks_exact(entry).filter(|c| c[hd + 1] > 0.0);
+            let mx = runs().map(|c| c[hd]).fold(f32::NEG_INFINITY, f32::max);
+            acc.fill(0.0);
+            let mut l = 0f32;
+            for c in runs() {
+                let w = (c[hd] - mx).exp();
+                l += w * c[hd + 1];
+                for (a, o) in acc.iter_mut().zip(&c[..hd]) {
+                    *a += w * o;
+                }
+            }
+            if l > 0.0 {
+                for a in acc.iter_mut() {
+                    *a /= l;
+                }
+            }
+            out.store((r * heads + h) * hd, &acc);
+        }
+    }
+}

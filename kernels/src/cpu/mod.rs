@@ -235,6 +235,14 @@ pub unsafe fn execute_prechecked(
             let (b, m) = d2(3);
             attention::paged_attention(op, a[0], r[0], a[1], a[2], a[3], a[4], b, m, d2(1).0)
         }
+        Op::AttentionPartials { .. } => {
+            let (b, m) = d2(3);
+            attention::attention_partials(op, a[0], r[0], a[1], a[2], a[3], a[4], b, m, d2(1).0)
+        }
+        Op::AttentionCombine { .. } => {
+            attention::attention_combine(op, a[0], r[0], d2(0).0);
+            Ok(())
+        }
         Op::QkvRopeKvWrite { .. } => {
             let norms = (a.len() == 7).then(|| (a[5], a[6]));
             kv::qkv_rope_kv_write(op, a[0], a[1], a[2], norms, r[0], r[1], r[2], d2(3).0)

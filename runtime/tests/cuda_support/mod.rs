@@ -212,6 +212,9 @@ pub fn reference(op: &Op, args: &[HT], result_tys: &[TensorType]) -> Vec<HT> {
         Op::AllReduce { .. } | Op::ShardedArgmax { .. } => {
             panic!("collectives need several ranks; runtime/tests/cuda_tp.rs tests them")
         }
+        Op::AttentionPartials { .. } | Op::AttentionCombine { .. } => {
+            panic!("only a megakernel tape runs these; kernels/tests/megakernel_gpu.rs tests them")
+        }
         Op::Embedding => {
             let tab = &args[1];
             let (v, h) = (dims(tab)[0] as i32, dims(tab)[1] as usize);
