@@ -392,6 +392,25 @@ fn attention_is_split_over_the_context_where_queues_outnumber_its_heads_and_each
 }
 
 #[test]
+fn a_gpu_key_scheduled_as_a_graph_may_not_hold_the_split_attention_ops() {
+    let spec = SynthSpec::tiny(SynthFamily::Llama);
+    let plan = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0", 8)).plan;
+    assert!(plan.keys[0]
+        .ops
+        .iter()
+        .any(|o| kiln_ir::validate::tape_only(&o.op)));
+    let mut bad = plan.clone();
+    bad.keys[0].schedule = Schedule::Graph;
+    let e = validate(&bad).expect_err("a split attention without its tape");
+    assert!(
+        e.field.starts_with("keys[b1q1s0].ops[")
+            && e.problem
+                .contains("runs only as tasks of a megakernel tape"),
+        "{e}"
+    );
+}
+
+#[test]
 fn two_tiles_of_one_rope_op_writing_one_cache_are_refused() {
     let spec = SynthSpec::tiny(SynthFamily::Llama);
     // A CPU plan: no launch parameters to keep in step with the mutations.
