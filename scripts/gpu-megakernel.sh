@@ -16,7 +16,9 @@
 #   3. the dependency mutation (one tape wait dropped, `--ignored`): it must
 #      FAIL to match, i.e. the test above catches it;
 #   4. `kiln bench <model>-graph.kiln --also <model>-mk.kiln` per model
-#      (KILN_MK_MODELS, KILN_MK_KEYS, KILN_MK_STEPS), JSON per model.
+#      (KILN_MK_MODELS, KILN_MK_KEYS, KILN_MK_STEPS), JSON per model; with
+#      KILN_MK_AB_WSTAGE=1 the megakernel plan once more without the GEMV
+#      weight stage (KILN_MK_WSTAGE=0).
 # Results: $OUT/summary.txt (the tables) and $OUT/logs.tgz.
 #
 # Usage there: bash scripts/gpu-megakernel.sh
@@ -75,6 +77,15 @@ if [[ " ${KILN_MK_STAGES:-tests bench} " == *" bench "* ]]; then
         --json "$OUT/bench-$m.json" > "$L/bench-$m.txt" 2>&1
       echo "bench $m: rc=$?" >> "$S"
       cat "$L/bench-$m.txt" >> "$S"
+      # KILN_MK_AB_WSTAGE=1: the megakernel plan again without the GEMV
+      # weight stage (KILN_MK_WSTAGE=0), in the same call, for its A/B.
+      if [[ "${KILN_MK_AB_WSTAGE:-0}" == 1 ]]; then
+        KILN_MK_WSTAGE=0 timeout 200 "$B/kiln" bench "$mk" \
+          --keys "${KILN_MK_KEYS:-b1q1s0,b8q1s0}" --steps "${KILN_MK_STEPS:-200}" --context 512 \
+          --json "$OUT/bench-$m-nostage.json" > "$L/bench-$m-nostage.txt" 2>&1
+        echo "bench $m megakernel without the weight stage: rc=$?" >> "$S"
+        cat "$L/bench-$m-nostage.txt" >> "$S"
+      fi
     fi
     # The megakernel plan with the interpreter's fused GEMV tiles
     # (`--fused-gemv`), timed and then traced (time per task class).

@@ -35,6 +35,23 @@ fn tape(plan: &Plan, k: usize) -> &Tape {
     plan.keys[k].schedule.tape().expect("a megakernel schedule")
 }
 
+/// Each task's dependencies before any reduction: the earlier tasks whose
+/// bytes its footprint touches (read after write, write after read or
+/// write).
+fn dependencies(t: &Tape) -> Vec<BTreeSet<u32>> {
+    let mut hz = Hazards::new();
+    t.tasks
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            hz.access(i as u32, &x.reads, &x.writes)
+                .into_iter()
+                .map(|c| c.task)
+                .collect()
+        })
+        .collect()
+}
+
 fn tape_mut(plan: &mut Plan, k: usize) -> &mut Tape {
     match &mut plan.keys[k].schedule {
         Schedule::Megakernel(t) => t,
@@ -165,18 +182,7 @@ fn a_tile_depends_only_on_the_producer_tiles_of_the_bytes_it_touches() {
     let kp = &plan.keys[0];
     let t = tape(&plan, 0);
     // The dependencies before any reduction, from the footprints.
-    let mut hz = Hazards::new();
-    let deps: Vec<BTreeSet<u32>> = t
-        .tasks
-        .iter()
-        .enumerate()
-        .map(|(i, x)| {
-            hz.access(i as u32, &x.reads, &x.writes)
-                .into_iter()
-                .map(|c| c.task)
-                .collect()
-        })
-        .collect();
+    let deps = dependencies(t);
     let tiles_of = |op: u32| -> BTreeSet<u32> {
         (0..t.tasks.len() as u32)
             .filter(|&i| t.tasks[i as usize].op == op)
@@ -227,18 +233,7 @@ fn a_query_head_ropes_after_its_own_qkv_columns_and_the_argmax_reads_one_row_per
     validate(&plan).unwrap_or_else(|e| panic!("{e}"));
     for (k, kp) in plan.keys.iter().enumerate() {
         let t = tape(&plan, k);
-        let mut hz = Hazards::new();
-        let deps: Vec<BTreeSet<u32>> = t
-            .tasks
-            .iter()
-            .enumerate()
-            .map(|(i, x)| {
-                hz.access(i as u32, &x.reads, &x.writes)
-                    .into_iter()
-                    .map(|c| c.task)
-                    .collect()
-            })
-            .collect();
+        let deps = dependencies(t);
         let tasks_of = |op: usize| -> Vec<u32> {
             (0..t.tasks.len() as u32)
                 .filter(|&i| t.tasks[i as usize].op as usize == op)
@@ -345,18 +340,7 @@ fn attention_is_split_over_the_context_where_queues_outnumber_its_heads_and_each
             None => assert!(runs.is_empty() && plain == 2, "key {}", kp.key),
         }
         let Some(r) = want_runs else { continue };
-        let mut hz = Hazards::new();
-        let deps: Vec<BTreeSet<u32>> = t
-            .tasks
-            .iter()
-            .enumerate()
-            .map(|(i, x)| {
-                hz.access(i as u32, &x.reads, &x.writes)
-                    .into_iter()
-                    .map(|c| c.task)
-                    .collect()
-            })
-            .collect();
+        let deps = dependencies(t);
         for (i, op) in kp.ops.iter().enumerate() {
             let Op::AttentionCombine { heads, .. } = op.op else {
                 continue;

@@ -646,6 +646,20 @@ fn every_task_kind_matches_the_cpu_reference() {
         let (ba, la) = (m.put(&ints(&tables)), m.put(&ints(&lens)));
         let oa = m.zeros((t * heads * hd * 2) as usize);
         assert_eq!(heads + 2, 10);
+        // An attention task's integers (runs 0: plain paged_attention).
+        let attn_ints = |runs: u32| {
+            [
+                batch as i32,
+                q as i32,
+                heads as i32,
+                kvh as i32,
+                hd as i32,
+                bs as i32,
+                mb as i32,
+                window.unwrap_or(0) as i32,
+                runs as i32,
+            ]
+        };
         let nr = rope_tiles.len() as u32;
         let mut tasks: Vec<(DeviceTask, Vec<u32>)> = rope_tiles
             .iter()
@@ -688,16 +702,7 @@ fn every_task_kind_matches_the_cpu_reference() {
                     TaskKind::PagedAttention,
                     nr + c as u32,
                     tile,
-                    &[
-                        batch as i32,
-                        q as i32,
-                        heads as i32,
-                        kvh as i32,
-                        hd as i32,
-                        bs as i32,
-                        mb as i32,
-                        window.unwrap_or(0) as i32,
-                    ],
+                    &attn_ints(0),
                     &[0.125, softcap.unwrap_or(0.0)],
                     &[at(qo), at(ka), at(va), at(ba), at(la), at(oa)],
                 ),
@@ -815,17 +820,7 @@ fn every_task_kind_matches_the_cpu_reference() {
                     TaskKind::PagedAttention,
                     c as u32,
                     tile,
-                    &[
-                        batch as i32,
-                        q as i32,
-                        heads as i32,
-                        kvh as i32,
-                        hd as i32,
-                        bs as i32,
-                        mb as i32,
-                        window.unwrap_or(0) as i32,
-                        runs as i32,
-                    ],
+                    &attn_ints(runs),
                     &[0.125, softcap.unwrap_or(0.0)],
                     &[at(qa), at(ka), at(va), at(ba), at(la), at(pa)],
                 ),

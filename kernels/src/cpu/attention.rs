@@ -55,6 +55,23 @@ struct Params {
     m: usize,
 }
 
+impl Params {
+    /// The attributes of a `paged_attention` with `m` block table columns.
+    fn of(a: &AttnAttrs, m: usize) -> Params {
+        Params {
+            heads: a.heads as usize,
+            kv_heads: a.kv_heads as usize,
+            hd: a.head_dim as usize,
+            query: a.query as usize,
+            bs: a.block_size as usize,
+            scale: a.scale,
+            window: a.window.map(|w| w as usize),
+            softcap: a.softcap,
+            m,
+        }
+    }
+}
+
 /// The first position query token `i` of a sequence of `ctx` attends to.
 #[inline(always)]
 fn first_pos(p: &Params, ctx: usize, i: usize) -> usize {
@@ -326,30 +343,10 @@ pub(crate) unsafe fn paged_attention(
     m: usize,
     cache_slots: usize,
 ) -> Result<()> {
-    let Op::PagedAttention(AttnAttrs {
-        heads,
-        kv_heads,
-        head_dim,
-        query,
-        block_size,
-        scale,
-        window,
-        softcap,
-    }) = op
-    else {
+    let Op::PagedAttention(attn) = op else {
         unreachable!("dispatched by execute")
     };
-    let p = Params {
-        heads: *heads as usize,
-        kv_heads: *kv_heads as usize,
-        hd: *head_dim as usize,
-        query: *query as usize,
-        bs: *block_size as usize,
-        scale: *scale,
-        window: window.map(|w| w as usize),
-        softcap: *softcap,
-        m,
-    };
+    let p = Params::of(attn, m);
     let (tables, lens) = (tables.ints(), lens.ints());
     validate(op, &p, tables, lens, cache_slots)?;
     let it = Item {
@@ -405,17 +402,7 @@ pub(crate) unsafe fn attention_partials(
     let Op::AttentionPartials { attn, parts } = op else {
         unreachable!("dispatched by execute")
     };
-    let p = Params {
-        heads: attn.heads as usize,
-        kv_heads: attn.kv_heads as usize,
-        hd: attn.head_dim as usize,
-        query: attn.query as usize,
-        bs: attn.block_size as usize,
-        scale: attn.scale,
-        window: attn.window.map(|w| w as usize),
-        softcap: attn.softcap,
-        m,
-    };
+    let p = Params::of(attn, m);
     let (tables, lens) = (tables.ints(), lens.ints());
     validate(op, &p, tables, lens, cache_slots)?;
     let (hd, parts) = (p.hd, *parts as usize);
