@@ -25,11 +25,12 @@
 // read with L1-bypassing loads (ld.global.cg), because an SM's L1 is not
 // coherent and the arena reuses addresses within a step. Weights, norm
 // weights, biases, the RoPE tables and the block tables are read plainly.
-// Before it waits, a GEMV tile whose weight rows fit the launch's dynamic
-// shared memory copies them there with cp.async (mk_stage_w: the whole
-// tile's bytes in flight at once, arriving while the block waits, so after
-// the waits only the activations are loaded); any other task asks L2 to
-// prefetch its weight rows (weights never depend on a wait). Once the waits
+// Before it waits, a GEMV tile copies the first of its weight rows that fit
+// the launch's dynamic shared memory there with cp.async (mk_stage_w: those
+// bytes in flight at once, arriving while the block waits, so after the
+// waits only the activations and any rows beyond the stage are loaded);
+// the rest of the tile, and any other task's weights, L2 is asked to
+// prefetch (weights never depend on a wait). Once the waits
 // are met, the block asks L2 for the next task's first
 // KILN_MK_PREFETCH_NEXT bytes, which then stream in while this task
 // computes.
@@ -269,26 +270,33 @@ KILN_DEV unsigned int mk_ws_bytes() {
   return n;
 }
 
-// The weight bytes GEMV tile t stages (0: it does not: not a GEMV tile, or
-// its weight is not constant within the step, i[7] = 0).
-KILN_DEV unsigned long long mk_stage_bytes(const MkTask& t) {
+// How many of GEMV tile t's weight rows (row pairs under a gated epilogue:
+// gate row j and up row j + up) the stage of `cap` bytes takes: the first
+// ones, as many as fit, an even number unless it is all of them (a warp's
+// row pair j, j + 1 is then staged both or neither). 0: none (not a GEMV
+// tile, its weight is not constant within the step, i[7] = 0, or not one
+// row fits).
+KILN_DEV int mk_stage_rows(const MkTask& t, unsigned int cap) {
   if (t.kind != KILN_MK_GEMV_BF16 && t.kind != KILN_MK_GEMV_BF16_F32) return 0;
   if (t.i[7] == 0) return 0;
   const bool gated = t.i[3] == 1 || t.i[3] == 2;
-  const unsigned long long rows = t.tile_end - t.tile_begin;
-  return rows * (unsigned long long)t.i[1] * 2ull * (gated ? 2ull : 1ull);
+  const int rows = (int)(t.tile_end - t.tile_begin);
+  const unsigned long long per = (unsigned long long)t.i[1] * 2ull * (gated ? 2ull : 1ull);
+  const unsigned long long fit = per == 0 ? 0 : cap / per;
+  if (fit >= (unsigned long long)rows) return rows;
+  return gated ? (int)fit : (int)fit & ~1;
 }
 
-// Issues the cp.async copies of tile t's weight rows into mk_ws when they
-// fit in `cap` bytes; returns whether it did (then mk_gemv waits for them
-// before its first product). Called before the task's waits: weights never
-// change within a step.
-KILN_DEV bool mk_stage_w(const MkTask& t, unsigned int cap) {
+// Issues the cp.async copies of the first rows of tile t's weight (see
+// mk_stage_rows) into mk_ws and returns how many rows it staged (0: none;
+// mk_gemv then waits for them before its first product). Called before the
+// task's waits: weights never change within a step.
+KILN_DEV int mk_stage_w(const MkTask& t, unsigned int cap) {
 #if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
-  const unsigned long long bytes = mk_stage_bytes(t);
-  if (bytes == 0 || bytes > cap) return false;
+  const int srows = mk_stage_rows(t, cap);
+  if (srows == 0) return 0;
   const i64 rowv = t.i[1] / 8;  // 16-byte vectors per weight row
-  const i64 n = (i64)(t.tile_end - t.tile_begin) * rowv;
+  const i64 n = (i64)srows * rowv;
   const bool gated = t.i[3] == 1 || t.i[3] == 2;
   const uint4* w = reinterpret_cast<const uint4*>(t.p[1]);
   const uint4* g0 = w + (i64)t.tile_begin * rowv;
@@ -302,11 +310,11 @@ KILN_DEV bool mk_stage_w(const MkTask& t, unsigned int cap) {
     }
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
-  return true;
+  return srows;
 #else
   (void)t;
   (void)cap;
-  return false;
+  return 0;
 #endif
 }
 
@@ -482,11 +490,12 @@ KILN_DEV void mk_argmax_block(float& best, int& bi, float* smem) {
 // 1 w, 2 bias, 3 norm weight, 5 out (i32).
 //
 // Lane q of a warp owns token q's outputs (stores, argmax candidates).
-// With `staged` the tile's weight rows are in mk_ws (mk_stage_w issued
-// their copies before the waits): the products read them from there, in
-// the same order, so the results are the unstaged ones bit for bit.
+// The first `staged` rows (row pairs, gated) of the tile are in mk_ws
+// (mk_stage_w issued their copies before the waits): their products read
+// them from there, in the same order, so the results are the unstaged ones
+// bit for bit; the rest stream from global memory as before.
 template <int TT>
-KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, bool staged) {
+KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, int staged) {
   constexpr int U = TT == 1 ? 8 : 4;
   const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
   const unsigned int kind = t.kind;
@@ -508,13 +517,12 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, bool staged) {
   float* wbest = smem + 8;                                           // [warps][8]
   int* widx = reinterpret_cast<int*>(smem + 8 + 8 * KILN_MK_WARPS);  // [warps][8]
   const int rstep = gated ? 1 : 2;
-  const int rows = j1 - j0;
   const kbf16* wsb = reinterpret_cast<const kbf16*>(mk_ws);
 #if defined(KILN_CUDA)
   // Ask L1 for this warp's first two weight rows (already prefetched into
   // L2 while the block waited) so they stream in while the block stages x.
   // After the waits: the acquire polls invalidate L1. A hint only.
-  if (!staged && j0 + rstep * warp < j1) {
+  if (j0 + rstep * warp >= j0 + staged && j0 + rstep * warp < j1) {
     const int ja = j0 + rstep * warp;
     const int jb = gated ? ja + up : (ja + 1 < j1 ? ja + 1 : ja);
     const char* wa = reinterpret_cast<const char*>(w + (i64)ja * k);
@@ -528,7 +536,7 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, bool staged) {
   for (int t0 = 0; t0 < T; t0 += tcap) {
     const int tc = T - t0 < tcap ? T - t0 : tcap;
     mk_stage_x(x, nw, pre, unit, eps, t0, tc, k, xs, smem);
-    if (staged && t0 == 0) {
+    if (staged > 0 && t0 == 0) {
       mk_stage_wait();
       __syncthreads();
     }
@@ -537,8 +545,8 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, bool staged) {
     for (int j = j0 + rstep * warp; j < j1; j += rstep * KILN_MK_WARPS) {
       const int jb = gated ? j + up : (j + 1 < j1 ? j + 1 : j);
       float acc[2][TT];
-      if (staged)
-        mk_dot2<TT, U>(xs, wsb, j - j0, gated ? rows + (j - j0) : jb - j0, tc, k, acc);
+      if (j - j0 < staged)
+        mk_dot2<TT, U>(xs, wsb, j - j0, gated ? staged + (j - j0) : jb - j0, tc, k, acc);
       else
         mk_dot2<TT, U>(xs, w, j, jb, tc, k, acc);
       float a0 = 0.0f, a1 = 0.0f;
@@ -1262,8 +1270,10 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
     const MkTask& t = cur;
     const unsigned int counter = t.counter;
     if (trace != nullptr && threadIdx.x == 0) trace[3 * (unsigned long long)ti] = mk_now();
-    const bool staged = ws_bytes != 0 && mk_stage_w(t, ws_bytes);
-    if (!staged) mk_prefetch(t);
+    const int staged = ws_bytes != 0 ? mk_stage_w(t, ws_bytes) : 0;
+    // L2 prefetch of what the stage does not hold (all of it when nothing
+    // is staged; the whole tile when part is: a hint).
+    if (staged < (int)(t.tile_end - t.tile_begin)) mk_prefetch(t);
     for (unsigned int n = threadIdx.x; n < t.wait_count; n += KILN_MK_THREADS) {
       const MkWait wt = waits[t.wait_begin + n];
       while (mk_load_acquire(&counters[wt.counter]) < wt.target) mk_pause();

@@ -84,13 +84,13 @@ const SMEM_FLOATS: u32 = 1344;
 pub const X_STAGE: u32 = 16384;
 
 /// The dynamic shared memory the engine asks for the interpreter's GEMV
-/// weight stage: a GEMV tile whose weight rows fit is copied there with
-/// `cp.async` before its waits (the whole tile in flight at once,
-/// landing while the block waits), instead of streaming from DRAM after
-/// them. 160 KiB takes every GEMV tile of Qwen3-0.6B and SmolLM2-135M at
-/// 132 queues (gate_up with its SiLU epilogue: 32 + 32 rows of 2 KiB) and
-/// leaves room for the static shared memory within an sm_90 block's
-/// 227 KiB. The backend grants less where the device has less (or none
+/// weight stage: a GEMV tile copies as many of its first weight rows as
+/// fit there with `cp.async` before its waits (those bytes in flight at
+/// once, landing while the block waits), and streams only the rest from
+/// DRAM after them. 160 KiB takes every GEMV tile of Qwen3-0.6B and
+/// SmolLM2-135M at 132 queues whole (gate_up with its SiLU epilogue: 32 +
+/// 32 rows of 2 KiB) and leaves room for the static shared memory within
+/// an sm_90 block's 227 KiB. The backend grants less where the device has less (or none
 /// where the grant would cost the co-residency the tape needs);
 /// `KILN_MK_WSTAGE=<bytes>` overrides the request (0: no staging).
 pub const WEIGHT_STAGE_BYTES: u32 = 160 << 10;
