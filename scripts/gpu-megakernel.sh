@@ -24,7 +24,10 @@
 # Usage there: bash scripts/gpu-megakernel.sh
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-C="$root/.device-carry"
+# KILN_MK_CARRY: the carry folder (default .device-carry; a subfolder such
+# as .device-carry/mk keeps this experiment's binaries apart from
+# gpu-final.sh's).
+C="${KILN_MK_CARRY:-$root/.device-carry}"
 OUT="${OUT:-/tmp/kiln-mk-out}"
 L=/tmp/kiln-mk-logs
 mkdir -p "$OUT" "$L"
@@ -37,6 +40,13 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
 done
 export LD_LIBRARY_PATH="${libdirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export KILN_CACHE=/tmp/kiln-cache KILN_REQUIRE_CUDA=1
+# A carried kernel-image cache (scripts/pack-device-carry.sh --kernel-cache,
+# or a KILN_CACHE folder packed the same way) spares the tests' compiles
+# NVRTC: entries are keyed by source, options, compiler and arch, so a
+# stale one is only missed.
+if [[ -f "$C/kernel-cache.tar.xz" ]]; then
+  mkdir -p "$KILN_CACHE" && tar xJf "$C/kernel-cache.tar.xz" -C "$KILN_CACHE"
+fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; } >> "$S" 2>&1
 B=/tmp/kiln-mk-bin
 mkdir -p "$B"
