@@ -311,3 +311,30 @@ pub fn schedule_plan(plan: &mut Plan, opts: &MegakernelOptions) -> Result<(), Me
     plan.counter_bytes = bytes;
     Ok(())
 }
+
+/// The step's length as the scheduler's own cost model estimates it (ns):
+/// every task starts when its queue predecessor and every task it waits on
+/// have finished, and takes `task_cost_ns`. A model, not a measurement
+/// (`kiln bench --profile` traces the real one); what it is good for is
+/// comparing two tapes of the same key.
+pub fn estimated_span_ns(kp: &KeyPlan, tape: &Tape) -> u64 {
+    let mut finish = vec![0u64; tape.tasks.len()];
+    let mut prev: Vec<Option<u32>> = vec![None; tape.tasks.len()];
+    for q in &tape.queues {
+        for w in q.windows(2) {
+            prev[w[1] as usize] = Some(w[0]);
+        }
+    }
+    for (i, t) in tape.tasks.iter().enumerate() {
+        let op = &kp.ops[t.op as usize];
+        let start = t
+            .waits
+            .iter()
+            .map(|w| finish.get(w.counter as usize).copied().unwrap_or(0))
+            .chain(prev[i].map(|p| finish[p as usize]))
+            .max()
+            .unwrap_or(0);
+        finish[i] = start + task_cost_ns(op, t.tile, &t.reads, &t.writes);
+    }
+    finish.into_iter().max().unwrap_or(0)
+}
