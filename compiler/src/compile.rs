@@ -599,8 +599,10 @@ pub fn compile_traced<E: Display>(
         let (g, info, s) =
             passes::run_pipeline_for(g, &mut manifest, &pipeline, opts.verify, &opts.target)?;
         // The megakernel schedule spreads each attention's context over
-        // tasks (see `passes::split_attention`).
-        let (g, info) = if opts.schedule == passes::megakernel::ScheduleKind::Megakernel {
+        // tasks (see `passes::split_attention`) on GPU targets; a CPU
+        // plan's tape is a proof run by the CPU executor, and the CPU
+        // backend runs the op list, where the split would only cost.
+        let (g, info) = if tape_rule {
             let queues = opts
                 .megakernel
                 .sm_count

@@ -376,6 +376,16 @@ fn attention_is_split_over_the_context_where_queues_outnumber_its_heads_and_each
 }
 
 #[test]
+fn a_cpu_plan_s_tape_keeps_its_attention_whole() {
+    // The CPU backend runs a tape plan's op list: the split would only cost.
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    let plan = compile_synth(&spec, &options("cpu", "b1q1s0", 8)).plan;
+    let ops = &plan.keys[0].ops;
+    assert!(ops.iter().any(|o| matches!(o.op, Op::PagedAttention(..))));
+    assert!(!ops.iter().any(|o| kiln_ir::validate::tape_only(&o.op)));
+}
+
+#[test]
 fn a_gpu_key_scheduled_as_a_graph_may_not_hold_the_split_attention_ops() {
     let spec = SynthSpec::tiny(SynthFamily::Llama);
     let plan = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0", 8)).plan;

@@ -271,7 +271,7 @@ pub fn rope_kv_parts(heads: u32, b: u32, e: u32) -> (u32, u32, bool, bool) {
         b.min(heads),
         e.min(heads),
         b <= heads && heads < e,
-        b <= heads + 1 && heads + 1 < e,
+        b <= heads.saturating_add(1) && heads.saturating_add(1) < e,
     )
 }
 
