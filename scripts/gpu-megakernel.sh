@@ -12,7 +12,8 @@
 #   1. cuda_megakernel (the hand-built two-layer tape) and megakernel_gpu
 #      (every task kind against the CPU reference, KILN_MK_GPU=1);
 #   2. cuda_serve's megakernel tests (every key of the tiny families and the
-#      Gemma-3-270M shape: megakernel vs graph schedule, replay vs eager);
+#      Gemma-3-270M shape: megakernel vs graph schedule, replay vs eager;
+#      KILN_MK_SERVE_TIMEOUT seconds, default 300);
 #   3. the dependency mutation (one tape wait dropped, `--ignored`): it must
 #      FAIL to match, i.e. the test above catches it;
 #   4. `kiln bench <model>-graph.kiln --also <model>-mk.kiln` per model
@@ -71,7 +72,7 @@ run() {
 if [[ " ${KILN_MK_STAGES:-tests bench} " == *" tests "* ]]; then
   run cuda_megakernel 60 "$B/cuda_megakernel" --test-threads=1
   KILN_MK_GPU=1 run megakernel_gpu 120 "$B/megakernel_gpu" --test-threads=1 --nocapture
-  run cuda_serve_megakernel 300 "$B/cuda_serve" megakernel --test-threads=1 --nocapture
+  run cuda_serve_megakernel "${KILN_MK_SERVE_TIMEOUT:-300}" "$B/cuda_serve" megakernel --test-threads=1 --nocapture
   if [[ "${KILN_MK_MUTATION:-1}" == 1 ]]; then
     run mutation_dropped_wait 120 "$B/cuda_serve" a_dropped_tape_wait --ignored --test-threads=1 --nocapture
   fi
