@@ -13,10 +13,11 @@
 //! Status: the interpreter runs every op of a default llama / qwen3 /
 //! gemma-family bf16 decode plan (GEMV and fused-GEMV tiles, embedding,
 //! the RMSNorm family, fused q/k-norm + RoPE + KV write (tiled by query
-//! head, plus a K-cache and a V-cache unit; the tiled form has not run on
-//! a GPU yet: `megakernel_gpu` case 4 covers it), paged attention (and
-//! its context-split form, `attention_partials` as an attention task with
-//! runs plus `attention_combine`: not yet run on a GPU either)
+//! head, plus a K-cache and a V-cache unit), paged attention (and its
+//! context-split form, `attention_partials` as an attention task with runs
+//! plus `attention_combine`; both forms, the argmax row tiles and the GEMV
+//! weight stage passed `megakernel_gpu` and `cuda_serve` on an H100 in
+//! bench/results/gpu-2026-12-05-s22)
 //! per (sequence, query head), the gated activations, add, scale, argmax, gather
 //! last). It compiles under NVRTC (tested here). Every task kind has run
 //! once on an H200 against the CPU reference over hand-built tapes
