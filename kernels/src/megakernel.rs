@@ -693,30 +693,17 @@ fn op_record(
             p[8] = pool_base + pool.add(&crate::gpu::rope_freqs_blob(rope, *head_dim));
             TaskKind::QkvRopeKvWrite
         }
-        Op::PagedAttention(AttnAttrs {
-            heads,
-            kv_heads,
-            head_dim,
-            query,
-            block_size,
-            scale,
-            window,
-            softcap,
-        })
-        | Op::AttentionPartials {
-            attn:
-                AttnAttrs {
-                    heads,
-                    kv_heads,
-                    head_dim,
-                    query,
-                    block_size,
-                    scale,
-                    window,
-                    softcap,
-                },
-            ..
-        } => {
+        Op::PagedAttention(attn) | Op::AttentionPartials { attn, .. } => {
+            let AttnAttrs {
+                heads,
+                kv_heads,
+                head_dim,
+                query,
+                block_size,
+                scale,
+                window,
+                softcap,
+            } = attn;
             // attention_partials: the same record with the runs in i[8].
             if let Op::AttentionPartials { parts, .. } = &op.op {
                 i[8] = (*parts).max(1) as i32;
