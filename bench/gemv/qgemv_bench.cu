@@ -20,6 +20,34 @@
 
 #include <cuda_runtime.h>
 
+// Geometry variants of the integer-dot GEMV (qdot_rows' R, U, KS, PIPE and
+// the blocks-per-SM bound), one token, bf16 out: kind 3 of the table below.
+#define QDV1(NAME, S, Q, R, U, KS, PIPE, MINB)                                                  \
+  KILN_GLOBAL void __launch_bounds__(KILN_QWARPS * KILN_WARP, MINB)                             \
+      NAME##_##S(const kbf16* x, const unsigned char* w, const float* scale, const kbf16* bias, \
+                 const kbf16* res, kbf16* out, int tokens, int n, int k, int w_const, i64 off1, \
+                 i64 off2, i64 off3) {                                                          \
+    qdot_rows<Q, kbf16, 0, 0, R, U, KS, PIPE>(x, w, bias, nullptr, res, out, n, k, w_const,    \
+                                              off1, off2, off3, 0.0f, 0, KQ_FUSED_NONE);       \
+  }
+#define QDV(NAME, R, U, KS, PIPE, MINB)           \
+  QDV1(NAME, q4k, KQ_Q4K, R, U, KS, PIPE, MINB)   \
+  QDV1(NAME, q6k, KQ_Q6K, R, U, KS, PIPE, MINB)
+#define QDV_LIST(X)                  \
+  X(i8_r4u2k2, 4, 2, 2, 0, 2)        \
+  X(i8_r4u2k4, 4, 2, 4, 0, 2)        \
+  X(i8_r2u2k1, 2, 2, 1, 0, 2)        \
+  X(i8_r2u2k2, 2, 2, 2, 0, 2)        \
+  X(i8_r2u4k1, 2, 4, 1, 0, 2)        \
+  X(i8_r4u2k1p, 4, 2, 1, 1, 1)       \
+  X(i8_r4u2k1p2, 4, 2, 1, 1, 2)      \
+  X(i8_r4u2k2p2, 4, 2, 2, 1, 2)      \
+  X(i8_r2u2k1p, 2, 2, 1, 1, 2)       \
+  X(i8_r2u2k2p, 2, 2, 2, 1, 2)       \
+  X(i8_r4u1k1p, 4, 1, 1, 1, 2)       \
+  X(i8_r4u1k2p, 4, 1, 2, 1, 2)
+QDV_LIST(QDV)
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -102,11 +130,17 @@ KILN_GLOBAL void xfill(kbf16* d, size_t n, unsigned int seed) {
 
 struct Kern {
   const char* name;
-  int kind;  // 0 qgemv, 1 qskinny, 2 qgemv_i8 (T = 1 only)
+  int kind;  // 0 qgemv, 1 qskinny, 2 qgemv_i8 (T = 1 only), 3 an i8 variant (T = 1 only)
   int tp, mt;
+  int rows_per_block;  // kind 3
+  QFn q4k, q6k, q8_0;  // kind 3
 };
 
 static QFn pick(const Kern& kk, int q, int T) {
+  if (kk.kind == 3) {
+    if (T != 1) return nullptr;
+    return q == KQ_Q4K ? kk.q4k : q == KQ_Q6K ? kk.q6k : q == KQ_Q8_0 ? kk.q8_0 : nullptr;
+  }
 #define QG(S, TT) (QFn) qgemv_##S##_t##TT##_bf16_bf16
 #define QD(S) (T == 1 ? (QFn) qgemv_i8_##S##_t1_bf16_bf16 : nullptr)
 #define QS(S, TP, MT) (QFn) qskinny_##S##_t##TP##_r##MT##_bf16_bf16
@@ -142,7 +176,10 @@ static void launch(const Kern& kk, int q, cudaStream_t s, const kbf16* x, const 
   cfg.attrs = at;
   cfg.numAttrs = 1;
   cfg.stream = s;
-  if (kk.kind == 2) {
+  if (kk.kind == 3) {
+    cfg.gridDim = dim3((n + kk.rows_per_block - 1) / kk.rows_per_block);
+    cfg.blockDim = dim3(KILN_QWARPS * KILN_WARP);
+  } else if (kk.kind == 2) {
     cfg.gridDim = dim3((n + KILN_QWARPS * KILN_QD_ROWS - 1) / (KILN_QWARPS * KILN_QD_ROWS));
     cfg.blockDim = dim3(KILN_QWARPS * KILN_WARP);
   } else if (kk.kind == 0) {
@@ -169,6 +206,9 @@ static const Kern KERNS[] = {
     {"qskinny_r2", 1, 8, 2},
 #endif
     {"qgemv_i8", 2, 0, 0},
+#define QDV_KERN(NAME, R, U, KS, PIPE, MINB) \
+  {#NAME, 3, 0, 0, (KILN_QWARPS / KS) * R, (QFn)NAME##_q4k, (QFn)NAME##_q6k, nullptr},
+    QDV_LIST(QDV_KERN)
 };
 
 struct Shape {
@@ -181,7 +221,8 @@ static const Shape SHAPES[] = {
     {"llama-3-8b", "gate_up", 28672, 4096}, {"llama-3-8b", "down", 4096, 14336},
     {"llama-3-8b", "lm_head", 128256, 4096}, {"qwen3-4b", "qkv", 6144, 2560},
     {"qwen3-4b", "o", 2560, 4096},       {"qwen3-4b", "gate_up", 19456, 2560},
-    {"qwen3-4b", "down", 2560, 9728},    {"qwen3-0.6b", "gate_up", 6144, 1024},
+    {"qwen3-4b", "down", 2560, 9728},    {"qwen3-0.6b", "qkv", 4096, 1024},
+    {"qwen3-0.6b", "o", 1024, 2048},     {"qwen3-0.6b", "gate_up", 6144, 1024},
     {"qwen3-0.6b", "down", 1024, 3072},
 };
 

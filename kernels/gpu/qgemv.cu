@@ -590,26 +590,41 @@ KILN_DEV void qd_prep_x(const kbf16* __restrict__ x, const kbf16* __restrict__ n
   }
 }
 
-template <int Q, typename O, int PRE, int FUSED>
+// The geometry is a template (R rows per warp, U vectors per row in flight
+// per lane, KS warps splitting each row's vectors, PIPE: the next vectors'
+// loads issued before the current ones are multiplied) so the lowering can
+// pick one per shape; the plain entries are R = KILN_QD_ROWS, U =
+// KILN_QD_UNROLL, KS = 1, PIPE = 0. With KS > 1 warp s of a row group takes
+// the vectors of the "virtual lane" 32 s + lane of a KS*32-lane warp, and
+// the KS partial sums meet in shared memory, added in slice order
+// (deterministic; a different f32 order from KS = 1, inside the same bound).
+// The weight metadata is weight bytes too: with w_const the first round of
+// it is loaded before the dependency wait with the first vectors.
+template <int Q, typename O, int PRE, int FUSED, int R = KILN_QD_ROWS, int U = KILN_QD_UNROLL,
+          int KS = 1, int PIPE = 0>
 KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __restrict__ w,
                         const kbf16* __restrict__ bias, const kbf16* __restrict__ norm_w,
                         const kbf16* __restrict__ res, O* __restrict__ out, int n, int k,
                         int w_const, i64 off1, i64 off2, i64 off3, float eps, int unit_offset,
                         int mode) {
-  constexpr int R = KILN_QD_ROWS;
-  constexpr int U = KILN_QD_UNROLL;
   constexpr int EPV = QElems<Q>::n;
+  constexpr int WPB = KILN_QWARPS / KS;  // row groups per block
+  constexpr int STRIDE = U * KILN_WARP * KS;
   __shared__ __align__(16) signed char xq[KILN_QD_MAXK];
   __shared__ float xd[KILN_QD_MAXK / 32];
   __shared__ int xi[KILN_QD_MAXK / 16];
   __shared__ float inv_rms[1];
+  __shared__ float red[KS > 1 ? KILN_QWARPS * R : 1];
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
+  const int slice = KS > 1 ? warp % KS : 0;
+  const int grp = KS > 1 ? warp / KS : warp;
+  const int vl = slice * KILN_WARP + lane;  // this lane's first vector of a row
   const bool act = FUSED && (mode == KQ_FUSED_SILU || mode == KQ_FUSED_GELU);
-  // Outputs a warp owns: R rows, or R/2 gate rows and their R/2 up rows.
+  // Outputs a row group owns: R rows, or R/2 gate rows and their R/2 up rows.
   const int P = act ? R / 2 : R;
   const int outs = act ? n / 2 : n;
-  const i64 out0 = ((i64)blockIdx.x * KILN_QWARPS + warp) * P;
+  const i64 out0 = ((i64)blockIdx.x * WPB + grp) * P;
   const bool live = out0 < outs;
   const int nv = k / EPV;
   i64 rows[R];
@@ -618,18 +633,23 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
   for (int r = 0; r < R; ++r) {
     const i64 o = r < P ? out0 + r : out0 + (r - P);
     const i64 base = r < P ? 0 : outs;
-    // Rows past the end re-read the warp's first row (results dropped).
+    // Rows past the end re-read the group's first row (results dropped).
     rows[r] = live ? base + (o < outs ? o : out0) : 0;
     wv[r] = reinterpret_cast<const uint4*>(w) + rows[r] * nv;
   }
   uint4 qr[R][U];
-  if (w_const) {
+  QMeta mr[R][U];
+  const bool pre = w_const && live;
+  if (pre) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int cc = lane + u * KILN_WARP;
-        if (cc < nv) qr[r][u] = wv[r][cc];
+        const int cc = vl + u * KILN_WARP * KS;
+        if (cc < nv) {
+          qr[r][u] = wv[r][cc];
+          mr[r][u] = q_meta<Q>(w, rows[r], cc, k, off1, off2, off3);
+        }
       }
   }
   KILN_PROLOGUE();
@@ -639,98 +659,139 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
   }
   qd_prep_x<PRE>(x, norm_w, k, PRE ? inv_rms[0] : 1.0f, unit_offset, xq, xd, xi);
   __syncthreads();
-  if (!live) return;
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-  bool first = true;
-  for (int c = lane; c < nv; c += U * KILN_WARP) {
-    if (!first || !w_const) {
+  if (live) {
+    if (!pre) {
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          const int cc = c + u * KILN_WARP;
-          if (cc < nv) qr[r][u] = wv[r][cc];
-        }
-    }
-    first = false;
-    QMeta mr[R][U];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int cc = c + u * KILN_WARP;
-        if (cc < nv) mr[r][u] = q_meta<Q>(w, rows[r], cc, k, off1, off2, off3);
-      }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int cc = c + u * KILN_WARP;
-      if (cc >= nv) break;
-      const int xa = q_xa<Q>(cc);
-      const int xb = xa + q_xb_gap<Q>();
-      const uint4 va = *reinterpret_cast<const uint4*>(xq + xa);
-      const float dxa = xd[xa / 32];
-      uint4 vb = make_uint4(0u, 0u, 0u, 0u);
-      float dxb = 0.0f;
-      // Sums of the x codes of the two 16-element halves: the min's
-      // (Q4_K) and the code offset's (Q6_K) share of the dot product.
-      int sa16 = 0, sb16 = 0;
-      if (EPV == 32) {
-        vb = *reinterpret_cast<const uint4*>(xq + xb);
-        dxb = xd[xb / 32];
-        sa16 = xi[xa / 16];
-        sb16 = xi[xb / 16];
-      }
-      const int ia0 = Q == KQ_Q6K ? -32 * sa16 : 0, ib0 = Q == KQ_Q6K ? -32 * sb16 : 0;
-      const unsigned int xav[4] = {va.x, va.y, va.z, va.w};
-      const unsigned int xbv[4] = {vb.x, vb.y, vb.z, vb.w};
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint4 q = qr[r][u];
-        const QMeta m = mr[r][u];
-        const unsigned int wd[4] = {q.x, q.y, q.z, q.w};
-        int ia = ia0, ib = ib0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (Q == KQ_Q8_0) {
-            ia = kiln_dp4a(wd[j], xav[j], ia);
-          } else {
-            unsigned int lo = wd[j] & 0x0f0f0f0fu;
-            unsigned int hi = (wd[j] >> 4) & 0x0f0f0f0fu;
-            if (Q == KQ_Q6K) {
-              const unsigned int a6 = (m.m2 >> (8 * j)) & 0xffu, b6 = (m.m3 >> (8 * j)) & 0xffu;
-              lo |= ((a6 & 0x03u) | ((a6 & 0x0cu) << 6) | ((a6 & 0x30u) << 12) |
-                     ((a6 & 0xc0u) << 18))
-                    << 4;
-              hi |= ((b6 & 0x03u) | ((b6 & 0x0cu) << 6) | ((b6 & 0x30u) << 12) |
-                     ((b6 & 0xc0u) << 18))
-                    << 4;
-            }
-            ia = kiln_dp4a(lo, xav[j], ia);
-            ib = kiln_dp4a(hi, xbv[j], ib);
+          const int cc = vl + u * KILN_WARP * KS;
+          if (cc < nv) {
+            qr[r][u] = wv[r][cc];
+            mr[r][u] = q_meta<Q>(w, rows[r], cc, k, off1, off2, off3);
           }
         }
-        if (Q == KQ_Q8_0) {
-          acc[r] += q_f16(m.m0) * (dxa * (float)ia);
-        } else if (Q == KQ_Q4K) {
-          const float d = q_f16(m.m0), dmin = q_f16(m.m0 >> 16);
-          const float sa = q_byte_code(m.m1, 0, 0.0f), ma = q_byte_code(m.m1, 1, 0.0f);
-          const float sb = q_byte_code(m.m1, 2, 0.0f), mb = q_byte_code(m.m1, 3, 0.0f);
-          acc[r] += dxa * (d * sa * (float)ia - dmin * ma * (float)sa16) +
-                    dxb * (d * sb * (float)ib - dmin * mb * (float)sb16);
-        } else {  // Q6_K
-          const float d = q_f16(m.m0);
-          const float sa = (float)(signed char)(m.m1 & 0xffu);
-          const float sb = (float)(signed char)((m.m1 >> 8) & 0xffu);
-          acc[r] += d * (sa * (dxa * (float)ia) + sb * (dxb * (float)ib));
+    }
+    for (int c = vl; c < nv; c += STRIDE) {
+      // qr / mr hold vectors c + u * 32 KS. Without PIPE the next round is
+      // loaded at the end of this one; with it, before this one is used.
+      uint4 qn[R][U];
+      QMeta mn[R][U];
+      if (PIPE) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int cc = c + STRIDE + u * KILN_WARP * KS;
+            if (cc < nv) {
+              qn[r][u] = wv[r][cc];
+              mn[r][u] = q_meta<Q>(w, rows[r], cc, k, off1, off2, off3);
+            }
+          }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int cc = c + u * KILN_WARP * KS;
+        if (cc >= nv) break;
+        const int xa = q_xa<Q>(cc);
+        const int xb = xa + q_xb_gap<Q>();
+        const uint4 va = *reinterpret_cast<const uint4*>(xq + xa);
+        const float dxa = xd[xa / 32];
+        uint4 vb = make_uint4(0u, 0u, 0u, 0u);
+        float dxb = 0.0f;
+        // Sums of the x codes of the two 16-element halves: the min's
+        // (Q4_K) and the code offset's (Q6_K) share of the dot product.
+        int sa16 = 0, sb16 = 0;
+        if (EPV == 32) {
+          vb = *reinterpret_cast<const uint4*>(xq + xb);
+          dxb = xd[xb / 32];
+          sa16 = xi[xa / 16];
+          sb16 = xi[xb / 16];
+        }
+        const int ia0 = Q == KQ_Q6K ? -32 * sa16 : 0, ib0 = Q == KQ_Q6K ? -32 * sb16 : 0;
+        const unsigned int xav[4] = {va.x, va.y, va.z, va.w};
+        const unsigned int xbv[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint4 q = qr[r][u];
+          const QMeta m = mr[r][u];
+          const unsigned int wd[4] = {q.x, q.y, q.z, q.w};
+          int ia = ia0, ib = ib0;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (Q == KQ_Q8_0) {
+              ia = kiln_dp4a(wd[j], xav[j], ia);
+            } else {
+              unsigned int lo = wd[j] & 0x0f0f0f0fu;
+              unsigned int hi = (wd[j] >> 4) & 0x0f0f0f0fu;
+              if (Q == KQ_Q6K) {
+                const unsigned int a6 = (m.m2 >> (8 * j)) & 0xffu, b6 = (m.m3 >> (8 * j)) & 0xffu;
+                lo |= ((a6 & 0x03u) | ((a6 & 0x0cu) << 6) | ((a6 & 0x30u) << 12) |
+                       ((a6 & 0xc0u) << 18))
+                      << 4;
+                hi |= ((b6 & 0x03u) | ((b6 & 0x0cu) << 6) | ((b6 & 0x30u) << 12) |
+                       ((b6 & 0xc0u) << 18))
+                      << 4;
+              }
+              ia = kiln_dp4a(lo, xav[j], ia);
+              ib = kiln_dp4a(hi, xbv[j], ib);
+            }
+          }
+          if (Q == KQ_Q8_0) {
+            acc[r] += q_f16(m.m0) * (dxa * (float)ia);
+          } else if (Q == KQ_Q4K) {
+            const float d = q_f16(m.m0), dmin = q_f16(m.m0 >> 16);
+            const float sa = q_byte_code(m.m1, 0, 0.0f), ma = q_byte_code(m.m1, 1, 0.0f);
+            const float sb = q_byte_code(m.m1, 2, 0.0f), mb = q_byte_code(m.m1, 3, 0.0f);
+            acc[r] += dxa * (d * sa * (float)ia - dmin * ma * (float)sa16) +
+                      dxb * (d * sb * (float)ib - dmin * mb * (float)sb16);
+          } else {  // Q6_K
+            const float d = q_f16(m.m0);
+            const float sa = (float)(signed char)(m.m1 & 0xffu);
+            const float sb = (float)(signed char)((m.m1 >> 8) & 0xffu);
+            acc[r] += d * (sa * (dxa * (float)ia) + sb * (dxb * (float)ib));
+          }
         }
       }
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int cc = c + STRIDE + u * KILN_WARP * KS;
+          if (cc < nv) {
+            if (PIPE) {
+              qr[r][u] = qn[r][u];
+              mr[r][u] = mn[r][u];
+            } else {
+              qr[r][u] = wv[r][cc];
+              mr[r][u] = q_meta<Q>(w, rows[r], cc, k, off1, off2, off3);
+            }
+          }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+  }
+  if (KS > 1) {
+    // The slices' sums meet in shared memory; slice 0 adds them in order.
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) red[warp * R + r] = acc[r];
+    }
+    __syncthreads();
+    if (slice != 0) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float s = red[warp * R + r];
+#pragma unroll
+      for (int z = 1; z < KS; ++z) s += red[(warp + z) * R + r];
+      acc[r] = s;
     }
   }
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
-  if (lane != 0) return;
+  if (!live || lane != 0) return;
   if (act) {
 #pragma unroll
     for (int o = 0; o < R / 2; ++o) {
@@ -755,32 +816,47 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
   }
 }
 
-#define KILN_QDOT(S, Q)                                                                        \
-  KILN_GLOBAL void __launch_bounds__(KILN_QWARPS * KILN_WARP)                                  \
-      qgemv_i8_##S##_t1_bf16_bf16(const kbf16* x, const unsigned char* w, const float* scale,  \
-                                  const kbf16* bias, const kbf16* res, kbf16* out, int tokens, \
-                                  int n, int k, int w_const, i64 off1, i64 off2, i64 off3) {   \
-    qdot_rows<Q, kbf16, 0, 0>(x, w, bias, nullptr, res, out, n, k, w_const, off1, off2, off3,  \
-                              0.0f, 0, KQ_FUSED_NONE);                                         \
+// Entries of one geometry G (a tag: empty for the plain geometry, else
+// _r<R>u<U>k<KS>[p], kiln_kernels::quant_gpu::QdotGeom::tag): MINB is the
+// blocks per SM the register budget is bounded for (0: no bound).
+#define KILN_QDOT_LB(MINB) __launch_bounds__(KILN_QWARPS * KILN_WARP, (MINB) > 0 ? (MINB) : 1)
+#define KILN_QDOT_G(S, Q, G, R, U, KS, PIPE, MINB)                                             \
+  KILN_GLOBAL void KILN_QDOT_LB(MINB)                                                          \
+      qgemv_i8##G##_##S##_t1_bf16_bf16(const kbf16* x, const unsigned char* w,                 \
+                                       const float* scale, const kbf16* bias, const kbf16* res, \
+                                       kbf16* out, int tokens, int n, int k, int w_const,      \
+                                       i64 off1, i64 off2, i64 off3) {                         \
+    qdot_rows<Q, kbf16, 0, 0, R, U, KS, PIPE>(x, w, bias, nullptr, res, out, n, k, w_const,    \
+                                              off1, off2, off3, 0.0f, 0, KQ_FUSED_NONE);       \
   }                                                                                            \
-  KILN_GLOBAL void __launch_bounds__(KILN_QWARPS * KILN_WARP)                                  \
-      qgemv_i8_##S##_t1_bf16_f32(const kbf16* x, const unsigned char* w, const float* scale,   \
-                                 const kbf16* bias, const kbf16* res, float* out, int tokens,  \
-                                 int n, int k, int w_const, i64 off1, i64 off2, i64 off3) {    \
-    qdot_rows<Q, float, 0, 0>(x, w, bias, nullptr, res, out, n, k, w_const, off1, off2, off3,  \
-                              0.0f, 0, KQ_FUSED_NONE);                                         \
+  KILN_GLOBAL void KILN_QDOT_LB(MINB)                                                          \
+      qgemv_i8##G##_##S##_t1_bf16_f32(const kbf16* x, const unsigned char* w,                  \
+                                      const float* scale, const kbf16* bias, const kbf16* res,  \
+                                      float* out, int tokens, int n, int k, int w_const,       \
+                                      i64 off1, i64 off2, i64 off3) {                          \
+    qdot_rows<Q, float, 0, 0, R, U, KS, PIPE>(x, w, bias, nullptr, res, out, n, k, w_const,    \
+                                              off1, off2, off3, 0.0f, 0, KQ_FUSED_NONE);       \
   }                                                                                            \
-  KILN_QDOT_FUSED(S, Q, kbf16, 0, qgemv_i8_fused_##S##_t1_bf16_bf16)                           \
-  KILN_QDOT_FUSED(S, Q, kbf16, 1, qgemv_i8_fused_norm_##S##_t1_bf16_bf16)                      \
-  KILN_QDOT_FUSED(S, Q, float, 1, qgemv_i8_fused_norm_##S##_t1_bf16_f32)
-#define KILN_QDOT_FUSED(S, Q, O, PRE, NAME)                                                    \
-  KILN_GLOBAL void __launch_bounds__(KILN_QWARPS * KILN_WARP)                                  \
+  KILN_QDOT_FUSED(S, Q, kbf16, 0, qgemv_i8##G##_fused_##S##_t1_bf16_bf16, R, U, KS, PIPE, MINB) \
+  KILN_QDOT_FUSED(S, Q, kbf16, 1, qgemv_i8##G##_fused_norm_##S##_t1_bf16_bf16, R, U, KS, PIPE, \
+                  MINB)                                                                        \
+  KILN_QDOT_FUSED(S, Q, float, 1, qgemv_i8##G##_fused_norm_##S##_t1_bf16_f32, R, U, KS, PIPE,  \
+                  MINB)
+#define KILN_QDOT_FUSED(S, Q, O, PRE, NAME, R, U, KS, PIPE, MINB)                              \
+  KILN_GLOBAL void KILN_QDOT_LB(MINB)                                                          \
       NAME(const kbf16* x, const unsigned char* w, const float* scale, const kbf16* bias,      \
            const kbf16* norm_w, const kbf16* res, O* out, int tokens, int n, int k, int w_const, \
            i64 off1, i64 off2, i64 off3, float eps, int unit_offset, int mode) {               \
-    qdot_rows<Q, O, PRE, 1>(x, w, bias, norm_w, res, out, n, k, w_const, off1, off2, off3, eps, \
-                            unit_offset, mode);                                                \
+    qdot_rows<Q, O, PRE, 1, R, U, KS, PIPE>(x, w, bias, norm_w, res, out, n, k, w_const, off1,  \
+                                            off2, off3, eps, unit_offset, mode);               \
   }
+// The geometries the lowering may pick (kiln_kernels::quant_gpu::QDOT_GEOMS,
+// the same list in the same order).
+#define KILN_QDOT(S, Q)                                                    \
+  KILN_QDOT_G(S, Q, , KILN_QD_ROWS, KILN_QD_UNROLL, 1, 0, 0)               \
+  KILN_QDOT_G(S, Q, _r4u2k2, 4, 2, 2, 0, 2)                                \
+  KILN_QDOT_G(S, Q, _r2u2k1p, 2, 2, 1, 1, 2)                               \
+  KILN_QDOT_G(S, Q, _r2u2k2p, 2, 2, 2, 1, 2)
 KILN_QDOT(q4k, KQ_Q4K)
 KILN_QDOT(q6k, KQ_Q6K)
 KILN_QDOT(q8_0, KQ_Q8_0)

@@ -2393,7 +2393,8 @@ mod tests {
                 m.name
             );
             for e in entry_points(m.name) {
-                // Drop dtype and instantiation tokens (`bf16`, `t4`, `r2`, `v8`, `k2`).
+                // Drop dtype and instantiation tokens (`bf16`, `t4`, `r2`, `v8`,
+                // `k2`, the integer-dot GEMV's geometry tags `r4u2k2p`).
                 let stem: Vec<&str> = e
                     .split('_')
                     .filter(|tok| {
@@ -2401,7 +2402,10 @@ mod tests {
                         let inst = tok.len() > 1
                             && tok.starts_with(['t', 'r', 'v', 'k'])
                             && tok[1..].bytes().all(|c| c.is_ascii_digit());
-                        !dtype && !inst
+                        let geom = crate::quant_gpu::QDOT_GEOMS
+                            .iter()
+                            .any(|g| g.tag().trim_start_matches('_') == *tok);
+                        !dtype && !inst && !geom
                     })
                     .collect();
                 let stem = stem.join("_");

@@ -479,8 +479,120 @@ pub const QDOT_TYPES: [QuantType; 3] = [QuantType::Q4K, QuantType::Q6K, QuantTyp
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QGemvKernel {
     Float,
+    /// The integer-dot kernel in the geometry [`QdotGeom::for_shape`]
+    /// picks for the launch's shape.
     Int8Dot,
+    /// The integer-dot kernel in one given geometry (tests, A/B runs).
+    Int8DotAt(QdotGeom),
 }
+
+/// The geometry of the integer-dot GEMV (`qdot_rows`' template parameters
+/// in `qgemv.cu`): `rows` weight rows per warp, `unroll` 16-byte vectors
+/// per row in flight per lane, `split_k` warps sharing each row's vectors
+/// (their partial sums added in a fixed order in shared memory), and
+/// `pipelined`: the next vectors' loads issued before the current ones are
+/// multiplied (twice the registers for weights, so fewer rows per warp).
+///
+/// Why a choice: a block is 8 warps and quantizes x itself before its
+/// first product, so a GEMV with few rows (Llama-3-8B's o and down: 4096
+/// rows, 128 blocks of the plain geometry on a 132-SM part) runs one block
+/// per SM with one batch of loads in flight per warp; splitting K or
+/// pipelining keeps more bytes in flight there, while a GEMV with many
+/// blocks (gate_up, lm_head) already does. The rule is
+/// [`QdotGeom::for_shape`]; every geometry is instantiated for every
+/// integer-dot entry ([`QDOT_GEOMS`], the same list as the kernel's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QdotGeom {
+    pub rows: u32,
+    pub unroll: u32,
+    pub split_k: u32,
+    pub pipelined: bool,
+}
+
+impl QdotGeom {
+    /// The geometry the integer-dot kernel was first written with.
+    pub const PLAIN: QdotGeom = QdotGeom {
+        rows: 4,
+        unroll: 2,
+        split_k: 1,
+        pipelined: false,
+    };
+
+    /// The entry-name tag: empty for [`QdotGeom::PLAIN`], else
+    /// `_r<rows>u<unroll>k<split_k>` with `p` when pipelined.
+    pub fn tag(self) -> String {
+        if self == QdotGeom::PLAIN {
+            String::new()
+        } else {
+            format!(
+                "_r{}u{}k{}{}",
+                self.rows,
+                self.unroll,
+                self.split_k,
+                if self.pipelined { "p" } else { "" }
+            )
+        }
+    }
+
+    /// Weight rows one block covers (8 warps).
+    pub fn rows_per_block(self) -> u64 {
+        (8 / self.split_k as u64) * self.rows as u64
+    }
+
+    /// The geometry named by `tag` (as [`QdotGeom::tag`] writes it, or
+    /// `plain`), among [`QDOT_GEOMS`].
+    pub fn from_tag(tag: &str) -> Option<QdotGeom> {
+        let tag = tag.trim();
+        if tag == "plain" || tag.is_empty() {
+            return Some(QdotGeom::PLAIN);
+        }
+        QDOT_GEOMS
+            .into_iter()
+            .find(|g| g.tag().trim_start_matches('_') == tag.trim_start_matches('_'))
+    }
+
+    /// The geometry a plan records for a GEMV of `n` weight rows and rows
+    /// of `k`: `KILN_QDOT_GEOM` (a [`QdotGeom::tag`] or `plain`) as the
+    /// plan is compiled overrides the rule, for A/B runs.
+    pub fn for_shape(n: u64, k: u64) -> QdotGeom {
+        if let Some(g) = std::env::var("KILN_QDOT_GEOM")
+            .ok()
+            .and_then(|t| QdotGeom::from_tag(&t))
+        {
+            return g;
+        }
+        Self::rule(n, k)
+    }
+
+    /// [`QdotGeom::for_shape`] without the override.
+    pub fn rule(_n: u64, _k: u64) -> QdotGeom {
+        QdotGeom::PLAIN
+    }
+}
+
+/// Every geometry the integer-dot entries are instantiated in (the list
+/// `KILN_QDOT` expands in `qgemv.cu`).
+pub const QDOT_GEOMS: [QdotGeom; 4] = [
+    QdotGeom::PLAIN,
+    QdotGeom {
+        rows: 4,
+        unroll: 2,
+        split_k: 2,
+        pipelined: false,
+    },
+    QdotGeom {
+        rows: 2,
+        unroll: 2,
+        split_k: 1,
+        pipelined: true,
+    },
+    QdotGeom {
+        rows: 2,
+        unroll: 2,
+        split_k: 2,
+        pipelined: true,
+    },
+];
 
 impl QGemvKernel {
     /// Whether the integer-dot kernel exists for a `t`-token GEMV of a `q`
@@ -514,10 +626,23 @@ impl QGemvKernel {
         }
     }
 
-    fn prefix(self) -> &'static str {
+    /// The kernel with its geometry fixed for a GEMV of `n` rows of `k`.
+    fn resolve(self, n: u64, k: u64) -> QGemvKernel {
         match self {
-            QGemvKernel::Float => "qgemv",
-            QGemvKernel::Int8Dot => "qgemv_i8",
+            QGemvKernel::Int8Dot => QGemvKernel::Int8DotAt(QdotGeom::for_shape(n, k)),
+            other => other,
+        }
+    }
+
+    fn is_int8(self) -> bool {
+        !matches!(self, QGemvKernel::Float)
+    }
+
+    fn prefix(self) -> String {
+        match self {
+            QGemvKernel::Float => "qgemv".into(),
+            QGemvKernel::Int8Dot => "qgemv_i8".into(),
+            QGemvKernel::Int8DotAt(g) => format!("qgemv_i8{}", g.tag()),
         }
     }
 
@@ -525,6 +650,7 @@ impl QGemvKernel {
         match self {
             QGemvKernel::Float => QGEMV_ROWS_PER_BLOCK as u64,
             QGemvKernel::Int8Dot => QDOT_ROWS_PER_BLOCK as u64,
+            QGemvKernel::Int8DotAt(g) => g.rows_per_block(),
         }
     }
 }
@@ -546,12 +672,15 @@ pub fn entry_points() -> Vec<String> {
         }
         v.push(format!("qgather_{}_bf16", stem(q)));
     }
-    for q in QDOT_TYPES {
-        for o in ["bf16", "f32"] {
-            v.push(format!("qgemv_i8_{}_t1_bf16_{o}", stem(q)));
-            v.push(format!("qgemv_i8_fused_norm_{}_t1_bf16_{o}", stem(q)));
+    for g in QDOT_GEOMS {
+        let p = format!("qgemv_i8{}", g.tag());
+        for q in QDOT_TYPES {
+            for o in ["bf16", "f32"] {
+                v.push(format!("{p}_{}_t1_bf16_{o}", stem(q)));
+                v.push(format!("{p}_fused_norm_{}_t1_bf16_{o}", stem(q)));
+            }
+            v.push(format!("{p}_fused_{}_t1_bf16_bf16", stem(q)));
         }
-        v.push(format!("qgemv_i8_fused_{}_t1_bf16_bf16", stem(q)));
     }
     v
 }
@@ -642,7 +771,7 @@ fn check_kernel(
     t: u64,
     op: &'static str,
 ) -> Result<(), QLowerError> {
-    if kern == QGemvKernel::Int8Dot && !QGemvKernel::int8_dot_exists(q, t, k) {
+    if kern.is_int8() && !QGemvKernel::int8_dot_exists(q, t, k) {
         return Err(QLowerError::Unsupported {
             op,
             q,
@@ -802,6 +931,7 @@ pub fn lower_qgemv_with(
     };
     let c = check_gemm(q, n, k, t, out, bufs)?;
     check_kernel(kern, q, n, k, t, "matmul")?;
+    let kern = kern.resolve(n, k);
     let os = c.os;
     let grid = n.div_ceil(kern.rows_per_block());
     let grid = u32::try_from(grid).map_err(|_| refuse("too many rows for one grid".into()))?;
@@ -1193,6 +1323,7 @@ pub fn lower_qgemv_fused_with(
         return lower_qgemv_with(kern, q, n, k, t, out, bufs, w_const, pdl);
     }
     check_kernel(kern, q, n, k, t, "fused_matmul")?;
+    let kern = kern.resolve(n, k);
     let name = if f.norm.is_some() {
         "fused_norm"
     } else {
@@ -1996,8 +2127,12 @@ mod tests {
             let set: std::collections::BTreeSet<&String> = list.iter().collect();
             assert_eq!(set.len(), list.len());
         }
-        // Plain, fused and gather entries of qgemv; plain and fused of qskinny.
-        assert_eq!(entry_points().len(), 8 * (8 + 12 + 1) + 3 * 5);
+        // Plain, fused and gather entries of qgemv, the integer-dot entries
+        // in every geometry; plain and fused of qskinny.
+        assert_eq!(
+            entry_points().len(),
+            8 * (8 + 12 + 1) + QDOT_GEOMS.len() * 3 * 5
+        );
         assert_eq!(qskinny_entry_points().len(), 8 * (16 + 20));
     }
 

@@ -26,8 +26,8 @@ use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Region};
 use kiln_ir::{DType, Key, Op, TensorType};
 use kiln_kernels::quant_gpu::{
     dequantize_repacked, lower_qgather, lower_qgemv_fused_with, lower_qgemv_with, lower_qskinny,
-    lower_qskinny_fused, repack, QAct, QFusion, QGemvBufs, QGemvKernel, QNorm, QuantType,
-    QUANT_TYPES,
+    lower_qskinny_fused, repack, QAct, QFusion, QGemvBufs, QGemvKernel, QNorm, QdotGeom, QuantType,
+    QDOT_GEOMS, QUANT_TYPES,
 };
 use kiln_runtime::backend::{
     Backend, DevOperand, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
@@ -204,7 +204,8 @@ struct Case {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kern {
     Gemv,
-    GemvI8,
+    /// The integer-dot GEMV in one of its geometries.
+    GemvI8(QdotGeom),
     Skinny,
 }
 
@@ -213,7 +214,7 @@ impl Kern {
     fn gemvs(q: QuantType, t: u64, k: u64) -> Vec<Kern> {
         let mut v = vec![Kern::Gemv];
         if QGemvKernel::int8_dot_exists(q, t, k) {
-            v.push(Kern::GemvI8);
+            v.extend(QDOT_GEOMS.into_iter().map(Kern::GemvI8));
         }
         v
     }
@@ -269,12 +270,12 @@ fn kernel_case(
     let g = |k| lower_qgemv_with(k, w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl());
     let ks = match kern {
         Kern::Gemv => g(QGemvKernel::Float),
-        Kern::GemvI8 => g(QGemvKernel::Int8Dot),
+        Kern::GemvI8(geom) => g(QGemvKernel::Int8DotAt(geom)),
         Kern::Skinny => lower_qskinny(w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl()),
     }
     .unwrap();
     let int8_x = ks[0].entry.starts_with("qgemv_i8_");
-    assert_eq!(int8_x, kern == Kern::GemvI8, "{}", ks[0].entry);
+    assert_eq!(int8_x, matches!(kern, Kern::GemvI8(_)), "{}", ks[0].entry);
     let mut args = vec![x.clone(), w.w.clone()];
     args.extend(w.scale.clone());
     args.extend(bias.as_ref().map(|(d, _)| d.clone()));
@@ -412,8 +413,9 @@ fn quantized_gemv_matches_the_decoded_weight_for_every_type_at_awkward_sizes() {
             }
         }
     }
-    // The integer-dot kernel adds a T = 1 case for Q4_K, Q6_K and Q8_0.
-    assert_eq!(cases, 8 * 3 * 3 * 4 + 3 * 3 * 3);
+    // The integer-dot kernel adds a T = 1 case for Q4_K, Q6_K and Q8_0 in
+    // each of its geometries.
+    assert_eq!(cases, 8 * 3 * 3 * 4 + 3 * 3 * 3 * QDOT_GEOMS.len());
 }
 
 /// Each type's GEMV captured once and replayed with new activations every
@@ -428,7 +430,7 @@ fn quantized_gemv_under_capture_and_replay_follows_changing_inputs() {
         // The integer-dot GEMV's types at one token (Q4_K otherwise runs
         // at three).
         let (t, kern) = if QGemvKernel::int8_dot_exists(q, 1, k) {
-            (1, Kern::GemvI8)
+            (1, Kern::GemvI8(QDOT_GEOMS[qi % QDOT_GEOMS.len()]))
         } else {
             (t, Kern::Gemv)
         };
@@ -699,7 +701,7 @@ fn fused_launch(b: &CudaBackend, w: &DevWeight, c: &FusedCase, kern: Kern) -> La
     let g = |kk| lower_qgemv_fused_with(kk, q, n, k, t, od, &bufs, &f, true, b.pdl());
     let ks = match kern {
         Kern::Gemv => g(QGemvKernel::Float),
-        Kern::GemvI8 => g(QGemvKernel::Int8Dot),
+        Kern::GemvI8(geom) => g(QGemvKernel::Int8DotAt(geom)),
         Kern::Skinny => lower_qskinny_fused(q, n, k, t, od, &bufs, &f, true, b.pdl()),
     }
     .unwrap();
@@ -792,7 +794,7 @@ fn check_fused(what: &str, kern: Kern, w: &DevWeight, c: &FusedCase, x: &HT, got
         if let Some((_, bh)) = &c.bias {
             acc += f64::from(bh.f[row]);
         }
-        if kern == Kern::GemvI8 {
+        if matches!(kern, Kern::GemvI8(_)) {
             bound += int8_x_bound(
                 &xn[t * k..(t + 1) * k],
                 &amb[t * k..(t + 1) * k],
@@ -917,8 +919,9 @@ fn quantized_fused_gemms_match_the_unfused_sequence_for_every_type_prologue_and_
         }
     }
     let per_shape = if tensor_cores { 4 + 4 } else { 4 };
-    // The integer-dot kernel adds the T = 1 case of Q4_K, Q6_K and Q8_0.
-    assert_eq!(cases, 8 * 2 * 5 * per_shape + 3 * 2 * 5);
+    // The integer-dot kernel adds the T = 1 case of Q4_K, Q6_K and Q8_0 in
+    // each of its geometries.
+    assert_eq!(cases, 8 * 2 * 5 * per_shape + 3 * 2 * 5 * QDOT_GEOMS.len());
 }
 
 /// Each type's fused GEMM (norm + SiLU*up; the GEMV at one token, the
@@ -935,7 +938,7 @@ fn quantized_fused_gemms_under_capture_and_replay_follow_changing_inputs() {
         let kern = if t >= 2 && tensor_cores {
             Kern::Skinny
         } else if QGemvKernel::int8_dot_exists(q, t, k) {
-            Kern::GemvI8
+            Kern::GemvI8(QDOT_GEOMS[(qi + 1) % QDOT_GEOMS.len()])
         } else {
             Kern::Gemv
         };
