@@ -552,21 +552,37 @@ impl QdotGeom {
     }
 
     /// The geometry a plan records for a GEMV of `n` weight rows and rows
-    /// of `k`: `KILN_QDOT_GEOM` (a [`QdotGeom::tag`] or `plain`) as the
-    /// plan is compiled overrides the rule, for A/B runs.
+    /// of `k`: `KILN_QDOT_GEOM` (a [`QdotGeom::tag`], `plain`, or `auto`
+    /// for [`QdotGeom::by_blocks`]) as the plan is compiled overrides the
+    /// rule, for A/B runs.
     pub fn for_shape(n: u64, k: u64) -> QdotGeom {
-        if let Some(g) = std::env::var("KILN_QDOT_GEOM")
-            .ok()
-            .and_then(|t| QdotGeom::from_tag(&t))
-        {
-            return g;
+        match std::env::var("KILN_QDOT_GEOM") {
+            Ok(t) if t.trim() == "auto" => Self::by_blocks(n, k),
+            Ok(t) => QdotGeom::from_tag(&t).unwrap_or_else(|| Self::rule(n, k)),
+            Err(_) => Self::rule(n, k),
         }
-        Self::rule(n, k)
     }
 
     /// [`QdotGeom::for_shape`] without the override.
     pub fn rule(_n: u64, _k: u64) -> QdotGeom {
         QdotGeom::PLAIN
+    }
+
+    /// The candidate rule: the fewest rows per block that still leave two
+    /// blocks per SM of a 132-SM part (H100 / H200 SXM) idle-free, i.e. the
+    /// plain geometry where it makes 264 blocks or more, split-K 2 where
+    /// that reaches 132 (twice the blocks), and two rows per warp with
+    /// split-K 2 and pipelined loads (four times the blocks) below.
+    pub fn by_blocks(n: u64, _k: u64) -> QdotGeom {
+        const SMS: u64 = 132;
+        let blocks = n.div_ceil(QdotGeom::PLAIN.rows_per_block());
+        if blocks >= 2 * SMS {
+            QdotGeom::PLAIN
+        } else if blocks >= SMS {
+            QDOT_GEOMS[1]
+        } else {
+            QDOT_GEOMS[3]
+        }
     }
 }
 
@@ -2119,6 +2135,28 @@ mod tests {
             let e = lower(n, k, DType::BF16, &half, &silu).unwrap_err();
             assert!(e.contains("out needs"), "{e}");
         }
+    }
+
+    #[test]
+    fn every_integer_dot_geometry_tag_names_its_geometry_back() {
+        for g in QDOT_GEOMS {
+            assert_eq!(QdotGeom::from_tag(&g.tag()), Some(g));
+            assert_eq!(g.rows_per_block(), (8 / g.split_k as u64) * g.rows as u64);
+        }
+        assert_eq!(QdotGeom::from_tag("plain"), Some(QdotGeom::PLAIN));
+        assert_eq!(QdotGeom::from_tag("r9u9k9"), None);
+    }
+
+    #[test]
+    fn the_block_count_rule_splits_only_gemvs_with_too_few_blocks() {
+        // Llama-3-8B: gate_up (28672 rows) and the lm_head keep the plain
+        // geometry; qkv (6144: 192 blocks) splits K; o and down (4096: 128
+        // blocks) take four times the blocks.
+        assert_eq!(QdotGeom::by_blocks(28672, 4096), QdotGeom::PLAIN);
+        assert_eq!(QdotGeom::by_blocks(128256, 4096), QdotGeom::PLAIN);
+        assert_eq!(QdotGeom::by_blocks(6144, 4096), QDOT_GEOMS[1]);
+        assert_eq!(QdotGeom::by_blocks(4096, 14336), QDOT_GEOMS[3]);
+        assert_eq!(QdotGeom::by_blocks(1024, 3072), QDOT_GEOMS[3]);
     }
 
     #[test]
