@@ -13,8 +13,8 @@ mkdir -p "$OUT"
 H=/tmp/qdot-harness
 rm -rf "$H" && mkdir -p "$H"
 if [[ "${QDOT_HARNESS:-1}" == 1 ]]; then
-  Q_TYPE="${QDOT_TYPES:-q4k q6k}" Q_NCU="${QDOT_NCU:-qgemv_i8:q4k:4096:14336:1 i8_r4u2k2:q4k:4096:14336:1 i8_r2u2k1p:q4k:4096:14336:1}" \
-    OUT=$H timeout "${QDOT_HARNESS_TIMEOUT:-300}" bash bench/gemv/qdevice-run.sh
+  Q_TYPE="${QDOT_TYPES:-q4k q6k}" Q_NCU="${QDOT_NCU:-qgemv_i8:q4k:4096:14336:1 i8_r2u2k2p:q4k:4096:14336:1}" \
+    OUT=$H timeout "${QDOT_HARNESS_TIMEOUT:-240}" bash bench/gemv/qdevice-run.sh
   tar czf "$OUT/harness.tgz" -C "$H" .
 fi
 KILN_FINAL_STAGES="${QDOT_STAGES:-tests bench}" KILN_BENCH_MODELS="${QDOT_MODELS:-qwen3-0.6b llama-3-8b}" \
