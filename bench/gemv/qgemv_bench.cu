@@ -48,6 +48,25 @@
   X(i8_r4u1k2p, 4, 1, 2, 1, 2)
 QDV_LIST(QDV)
 
+// Diagnostic, not a GEMV: only the x preparation every integer-dot block
+// does before its first product (the plain geometry's grid), so its share
+// of a launch can be read off against the whole kernel's time. Its output
+// is one value per block (the "max rel" column is meaningless for it).
+#define QDV_PREP1(S)                                                                           \
+  KILN_GLOBAL void __launch_bounds__(KILN_QWARPS * KILN_WARP)                                  \
+      i8_preponly_##S(const kbf16* x, const unsigned char*, const float*, const kbf16*,        \
+                      const kbf16*, kbf16* out, int, int n, int k, int, i64, i64, i64) {       \
+    __shared__ __align__(16) signed char xq[KILN_QD_MAXK];                                     \
+    __shared__ float xd[KILN_QD_MAXK / 32];                                                    \
+    __shared__ int xi[KILN_QD_MAXK / 16];                                                      \
+    KILN_PROLOGUE();                                                                           \
+    qd_prep_x<0>(x, nullptr, k, 1.0f, 0, xq, xd, xi);                                          \
+    __syncthreads();                                                                           \
+    if (threadIdx.x == 0 && blockIdx.x < n) out[blockIdx.x] = st<kbf16>(xd[0] + (float)xi[0]); \
+  }
+QDV_PREP1(q4k)
+QDV_PREP1(q6k)
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -209,6 +228,8 @@ static const Kern KERNS[] = {
 #define QDV_KERN(NAME, R, U, KS, PIPE, MINB) \
   {#NAME, 3, 0, 0, (KILN_QWARPS / KS) * R, (QFn)NAME##_q4k, (QFn)NAME##_q6k, nullptr},
     QDV_LIST(QDV_KERN)
+    {"i8_preponly", 3, 0, 0, KILN_QWARPS * KILN_QD_ROWS, (QFn)i8_preponly_q4k,
+     (QFn)i8_preponly_q6k, nullptr},
 };
 
 struct Shape {
