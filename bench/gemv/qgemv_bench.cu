@@ -45,7 +45,9 @@
   X(i8_r2u2k1p, 2, 2, 1, 1, 2)       \
   X(i8_r2u2k2p, 2, 2, 2, 1, 2)       \
   X(i8_r4u1k1p, 4, 1, 1, 1, 2)       \
-  X(i8_r4u1k2p, 4, 1, 2, 1, 2)
+  X(i8_r4u1k2p, 4, 1, 2, 1, 2)        \
+  X(i8_r4u1k1, 4, 1, 1, 0, 2)         \
+  X(i8_r4u2k1m2, 4, 2, 1, 0, 2)
 QDV_LIST(QDV)
 
 // Diagnostic, not a GEMV: only the x preparation every integer-dot block

@@ -146,6 +146,33 @@ KILN_DEV float q_e4m3(unsigned int b) {
   return __uint_as_float(u) * 1.329227995784916e36f;  // 2^120
 }
 
+// Four e4m3 codes of a word (byte e is a[e]) as f32. On sm_89 and later
+// the hardware converts two codes to two f16 in one instruction (every
+// e4m3 value, subnormals included, is an f16 value, and every f16 an f32,
+// so both conversions are exact and a[] is bit for bit q_e4m3's): about a
+// quarter of the software form's instructions, which at one token bound
+// an FP8 GEMV, not its bytes. Elsewhere (sm_80, HIP) the software form.
+KILN_DEV void q_e4m3x4(unsigned int w, float* a) {
+#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+  unsigned int h01, h23;
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(h01), "=r"(h23)
+      : "r"(w));
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
+      "cvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(a[0]), "=f"(a[1])
+      : "r"(h01));
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
+      "cvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(a[2]), "=f"(a[3])
+      : "r"(h23));
+#else
+#pragma unroll
+  for (int e = 0; e < 4; ++e) a[e] = q_e4m3((w >> (8 * e)) & 0xffu);
+#endif
+}
+
 template <int Q>
 KILN_DEV QMeta q_meta(const unsigned char* __restrict__ w, i64 row, int v, int k, i64 off1,
                       i64 off2, i64 off3) {
@@ -184,11 +211,11 @@ KILN_DEV void q_decode(uint4 q, QMeta m, float* a, float* b, float& da, float& m
   if (Q == KQ_Q8_0 || Q == KQ_FP8) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      if (Q == KQ_Q8_0) {
-        a[i] = q_byte_code(wd[i / 4] ^ 0x80808080u, i % 4, 128.0f);
-      } else {
-        a[i] = q_e4m3((wd[i / 4] >> (8 * (i % 4))) & 0xffu);
-      }
+      if (Q == KQ_Q8_0) a[i] = q_byte_code(wd[i / 4] ^ 0x80808080u, i % 4, 128.0f);
+    }
+    if (Q == KQ_FP8) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) q_e4m3x4(wd[j], a + 4 * j);
     }
     da = Q == KQ_Q8_0 ? q_f16(m.m0) : 1.0f;
     ma = 0.0f;
@@ -598,8 +625,12 @@ KILN_DEV void qd_prep_x(const kbf16* __restrict__ x, const kbf16* __restrict__ n
 // the vectors of the "virtual lane" 32 s + lane of a KS*32-lane warp, and
 // the KS partial sums meet in shared memory, added in slice order
 // (deterministic; a different f32 order from KS = 1, inside the same bound).
-// The weight metadata is weight bytes too: with w_const the first round of
-// it is loaded before the dependency wait with the first vectors.
+// With PIPE the first round's metadata is loaded with its codes before the
+// dependency wait; without it each round's metadata is loaded after that
+// round's codes into an array of its own, as the kernel was first written.
+// Every geometry is bounded to two blocks per SM (128 registers): the
+// RMSNorm prologue took the plain entry to 152 registers unbounded, one
+// block per SM.
 template <int Q, typename O, int PRE, int FUSED, int R = KILN_QD_ROWS, int U = KILN_QD_UNROLL,
           int KS = 1, int PIPE = 0>
 KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __restrict__ w,
@@ -648,7 +679,7 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
         const int cc = vl + u * KILN_WARP * KS;
         if (cc < nv) {
           qr[r][u] = wv[r][cc];
-          mr[r][u] = q_meta<Q>(w, rows[r], cc, k, off1, off2, off3);
+          if (PIPE) mr[r][u] = q_meta<Q>(w, rows[r], cc, k, off1, off2, off3);
         }
       }
   }
@@ -659,11 +690,12 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
   }
   qd_prep_x<PRE>(x, norm_w, k, PRE ? inv_rms[0] : 1.0f, unit_offset, xq, xd, xi);
   __syncthreads();
+  if (KS == 1 && !live) return;
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;
   if (live) {
-    if (!pre) {
+    if (PIPE && !pre) {
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -675,9 +707,34 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
           }
         }
     }
+    bool first = true;
     for (int c = vl; c < nv; c += STRIDE) {
-      // qr / mr hold vectors c + u * 32 KS. Without PIPE the next round is
-      // loaded at the end of this one; with it, before this one is used.
+      // Without PIPE this round's codes are loaded here (the first round's
+      // before the dependency wait when pre). With PIPE, qr / mr hold this
+      // round (loaded during the last) and the next is loaded before this
+      // one is used.
+      if (!PIPE) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int cc = c + u * KILN_WARP * KS;
+            if (cc < nv && (!first || !pre)) qr[r][u] = wv[r][cc];
+          }
+        first = false;
+      }
+      // Without PIPE, this round's metadata (a fresh array: nothing of it
+      // lives across rounds).
+      QMeta ml[R][U];
+      if (!PIPE) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int cc = c + u * KILN_WARP * KS;
+            if (cc < nv) ml[r][u] = q_meta<Q>(w, rows[r], cc, k, off1, off2, off3);
+          }
+      }
       uint4 qn[R][U];
       QMeta mn[R][U];
       if (PIPE) {
@@ -717,7 +774,7 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const uint4 q = qr[r][u];
-          const QMeta m = mr[r][u];
+          const QMeta m = PIPE ? mr[r][u] : ml[r][u];
           const unsigned int wd[4] = {q.x, q.y, q.z, q.w};
           int ia = ia0, ib = ib0;
 #pragma unroll
@@ -756,21 +813,17 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
           }
         }
       }
+      if (PIPE) {
 #pragma unroll
-      for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int cc = c + STRIDE + u * KILN_WARP * KS;
-          if (cc < nv) {
-            if (PIPE) {
+          for (int u = 0; u < U; ++u) {
+            if (c + STRIDE + u * KILN_WARP * KS < nv) {
               qr[r][u] = qn[r][u];
               mr[r][u] = mn[r][u];
-            } else {
-              qr[r][u] = wv[r][cc];
-              mr[r][u] = q_meta<Q>(w, rows[r], cc, k, off1, off2, off3);
             }
           }
-        }
+      }
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
@@ -853,10 +906,11 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
 // The geometries the lowering may pick (kiln_kernels::quant_gpu::QDOT_GEOMS,
 // the same list in the same order).
 #define KILN_QDOT(S, Q)                                                    \
-  KILN_QDOT_G(S, Q, , KILN_QD_ROWS, KILN_QD_UNROLL, 1, 0, 0)               \
+  KILN_QDOT_G(S, Q, , KILN_QD_ROWS, KILN_QD_UNROLL, 1, 0, 2)               \
   KILN_QDOT_G(S, Q, _r4u2k2, 4, 2, 2, 0, 2)                                \
   KILN_QDOT_G(S, Q, _r2u2k1p, 2, 2, 1, 1, 2)                               \
-  KILN_QDOT_G(S, Q, _r2u2k2p, 2, 2, 2, 1, 2)
+  KILN_QDOT_G(S, Q, _r2u2k2p, 2, 2, 2, 1, 2)                               \
+  KILN_QDOT_G(S, Q, _r4u1k1p, 4, 1, 1, 1, 2)
 KILN_QDOT(q4k, KQ_Q4K)
 KILN_QDOT(q6k, KQ_Q6K)
 KILN_QDOT(q8_0, KQ_Q8_0)

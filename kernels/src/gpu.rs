@@ -2780,8 +2780,10 @@ mod tests {
             // One token: the integer-dot GEMV where it exists, else the float one.
             let i8 = crate::quant_gpu::QGemvKernel::choose(q, 1, 4096, true)
                 == crate::quant_gpu::QGemvKernel::Int8Dot;
+            // (1000 rows of 512: the rule's geometry, not the plain one.)
+            let geom = crate::quant_gpu::QdotGeom::rule(1000, 512).tag();
             let gemv = if i8 {
-                format!("qgemv_i8_{s}_t1_bf16_bf16")
+                format!("qgemv_i8{geom}_{s}_t1_bf16_bf16")
             } else {
                 format!("qgemv_{s}_t1_bf16_bf16")
             };
@@ -2917,9 +2919,15 @@ mod tests {
             if crate::quant_gpu::QGemvKernel::choose(q, 1, k as u64, true)
                 == crate::quant_gpu::QGemvKernel::Int8Dot
             {
-                // The integer-dot GEMV: 16 gate/up row pairs a block.
-                assert_eq!(ls[0].entry, format!("qgemv_i8_fused_norm_{s}_t1_bf16_bf16"));
-                assert_eq!(ls[0].grid, [(n / 2).div_ceil(16), 1, 1]);
+                // The integer-dot GEMV in the rule's geometry: half its
+                // rows a block in gate/up row pairs.
+                let g = crate::quant_gpu::QdotGeom::rule(n as u64, k as u64);
+                assert_eq!(
+                    ls[0].entry,
+                    format!("qgemv_i8{}_fused_norm_{s}_t1_bf16_bf16", g.tag())
+                );
+                let pairs = g.rows_per_block() as u32 / 2;
+                assert_eq!(ls[0].grid, [(n / 2).div_ceil(pairs), 1, 1]);
             } else {
                 assert_eq!(ls[0].entry, format!("qgemv_fused_norm_{s}_t1_bf16_bf16"));
                 assert_eq!(ls[0].grid, [(n / 2).div_ceil(8), 1, 1]);

@@ -563,32 +563,55 @@ impl QdotGeom {
         }
     }
 
-    /// [`QdotGeom::for_shape`] without the override.
-    pub fn rule(_n: u64, _k: u64) -> QdotGeom {
-        QdotGeom::PLAIN
+    /// [`QdotGeom::for_shape`] without the override: [`QdotGeom::by_blocks`]
+    /// (`KILN_QDOT_GEOM=plain` compiles the plain geometry everywhere, for
+    /// comparison).
+    pub fn rule(n: u64, k: u64) -> QdotGeom {
+        Self::by_blocks(n, k)
     }
 
-    /// The candidate rule: the fewest rows per block that still leave two
-    /// blocks per SM of a 132-SM part (H100 / H200 SXM) idle-free, i.e. the
-    /// plain geometry where it makes 264 blocks or more, split-K 2 where
-    /// that reaches 132 (twice the blocks), and two rows per warp with
-    /// split-K 2 and pipelined loads (four times the blocks) below.
-    pub fn by_blocks(n: u64, _k: u64) -> QdotGeom {
+    /// The block-count rule, from the harness on the H200 and the H100
+    /// (session 24, bench/results/gpu-2026-12-06-s24, where the plans it
+    /// writes run Qwen3-0.6B Q4_K 10% and Llama-3-8B Q4_K 5% faster than
+    /// the plain geometry's): the plain geometry where it makes
+    /// two blocks per SM of a 132-SM part or more (gate_up, lm_head);
+    /// below that, two rows per warp with pipelined loads (four times the
+    /// blocks) for rows of 2048 or more (Llama-3-8B o and down, Qwen3-0.6B
+    /// o and down), and one vector in flight per row of four, pipelined,
+    /// for short rows or between one and two waves (Llama-3-8B qkv,
+    /// Qwen3-0.6B qkv and gate_up).
+    pub fn by_blocks(n: u64, k: u64) -> QdotGeom {
         const SMS: u64 = 132;
         let blocks = n.div_ceil(QdotGeom::PLAIN.rows_per_block());
         if blocks >= 2 * SMS {
             QdotGeom::PLAIN
-        } else if blocks >= SMS {
-            QDOT_GEOMS[1]
+        } else if blocks < SMS && k >= 2048 {
+            QdotGeom::R2U2K1P
         } else {
-            QDOT_GEOMS[3]
+            QdotGeom::R4U1K1P
         }
     }
+
+    /// Two rows per warp, pipelined (four times the plain blocks).
+    pub const R2U2K1P: QdotGeom = QdotGeom {
+        rows: 2,
+        unroll: 2,
+        split_k: 1,
+        pipelined: true,
+    };
+
+    /// Four rows per warp, one vector each in flight, pipelined.
+    pub const R4U1K1P: QdotGeom = QdotGeom {
+        rows: 4,
+        unroll: 1,
+        split_k: 1,
+        pipelined: true,
+    };
 }
 
 /// Every geometry the integer-dot entries are instantiated in (the list
 /// `KILN_QDOT` expands in `qgemv.cu`).
-pub const QDOT_GEOMS: [QdotGeom; 4] = [
+pub const QDOT_GEOMS: [QdotGeom; 5] = [
     QdotGeom::PLAIN,
     QdotGeom {
         rows: 4,
@@ -596,18 +619,14 @@ pub const QDOT_GEOMS: [QdotGeom; 4] = [
         split_k: 2,
         pipelined: false,
     },
-    QdotGeom {
-        rows: 2,
-        unroll: 2,
-        split_k: 1,
-        pipelined: true,
-    },
+    QdotGeom::R2U2K1P,
     QdotGeom {
         rows: 2,
         unroll: 2,
         split_k: 2,
         pipelined: true,
     },
+    QdotGeom::R4U1K1P,
 ];
 
 impl QGemvKernel {
@@ -2148,15 +2167,24 @@ mod tests {
     }
 
     #[test]
-    fn the_block_count_rule_splits_only_gemvs_with_too_few_blocks() {
+    fn the_block_count_rule_keeps_the_plain_geometry_only_where_it_fills_two_waves() {
         // Llama-3-8B: gate_up (28672 rows) and the lm_head keep the plain
-        // geometry; qkv (6144: 192 blocks) splits K; o and down (4096: 128
-        // blocks) take four times the blocks.
+        // geometry; qkv (6144: 192 blocks) takes one vector per row of
+        // four, pipelined; o and down (4096: 128 blocks) four times the
+        // blocks. Qwen3-0.6B: qkv (K = 1024) and gate_up (192 blocks) as
+        // Llama's qkv, o (K = 2048) and down as Llama's o.
         assert_eq!(QdotGeom::by_blocks(28672, 4096), QdotGeom::PLAIN);
         assert_eq!(QdotGeom::by_blocks(128256, 4096), QdotGeom::PLAIN);
-        assert_eq!(QdotGeom::by_blocks(6144, 4096), QDOT_GEOMS[1]);
-        assert_eq!(QdotGeom::by_blocks(4096, 14336), QDOT_GEOMS[3]);
-        assert_eq!(QdotGeom::by_blocks(1024, 3072), QDOT_GEOMS[3]);
+        assert_eq!(QdotGeom::by_blocks(6144, 4096), QdotGeom::R4U1K1P);
+        assert_eq!(QdotGeom::by_blocks(4096, 4096), QdotGeom::R2U2K1P);
+        assert_eq!(QdotGeom::by_blocks(4096, 14336), QdotGeom::R2U2K1P);
+        assert_eq!(QdotGeom::by_blocks(4096, 1024), QdotGeom::R4U1K1P);
+        assert_eq!(QdotGeom::by_blocks(6144, 1024), QdotGeom::R4U1K1P);
+        assert_eq!(QdotGeom::by_blocks(1024, 2048), QdotGeom::R2U2K1P);
+        assert_eq!(QdotGeom::by_blocks(1024, 3072), QdotGeom::R2U2K1P);
+        for g in [QdotGeom::R2U2K1P, QdotGeom::R4U1K1P] {
+            assert!(QDOT_GEOMS.contains(&g), "{g:?} is instantiated");
+        }
     }
 
     #[test]

@@ -381,13 +381,16 @@ fn a_kept_plan_for_a_gpu_lowers_its_quantized_weights_to_qgemv_and_qskinny_launc
     }
     // The b1 integer-dot GEMV (the CUDA default) and the 8-token
     // tensor-core GEMM over Q4_K matrices, and the Q6_K embedding/lm_head;
-    // no 8-token key loops the GEMV any more.
+    // no 8-token key loops the GEMV any more. Every GEMV of the tiny model
+    // is under a wave of blocks with rows under 2048, so the geometry rule
+    // gives it one vector in flight per row of four, pipelined.
+    let geom = kiln_kernels::quant_gpu::QdotGeom::R4U1K1P.tag();
     for e in [
-        "qgemv_i8_q4k_t1_bf16_bf16",
-        "qskinny_q4k_t8_r1_bf16_bf16",
-        "qgather_q6k_bf16",
+        format!("qgemv_i8{geom}_q4k_t1_bf16_bf16"),
+        "qskinny_q4k_t8_r1_bf16_bf16".into(),
+        "qgather_q6k_bf16".into(),
     ] {
-        assert!(entries.contains(e), "{e} missing from {entries:?}");
+        assert!(entries.contains(e.as_str()), "{e} missing from {entries:?}");
     }
     assert!(!entries.contains("qgemv_q4k_t8_bf16_bf16"), "{entries:?}");
     // `kiln inspect` shows the choice in the 8-token key's launch list.
@@ -471,7 +474,8 @@ fn a_kept_q4_k_plan_for_a_gpu_fuses_one_token_gemms_by_default_and_every_key_whe
         let want = if key.query == 1 {
             // Both plans fuse the one-token key alike.
             assert_eq!(p, f, "{key}");
-            "qgemv_i8_fused_norm_q4k_t1_bf16_bf16"
+            // (the geometry rule's pick for the tiny model's GEMVs)
+            "qgemv_i8_r4u1k1p_fused_norm_q4k_t1_bf16_bf16"
         } else {
             assert!(
                 !p.iter().any(|e| e.contains("fused")),
