@@ -735,6 +735,12 @@ pub fn compile_model(
             opts.penalty_slots
         )));
     }
+    // A development override of the integer-dot GEMV's geometry is checked
+    // once here, so a typo is refused before tracing rather than as the
+    // first quantized matmul's lowering error.
+    if matches!(opts.target, Target::Cuda { .. }) {
+        kiln_kernels::quant_gpu::QdotGeom::for_shape(1, 1).map_err(CompileError::Options)?;
+    }
     let meta = ModelMeta {
         architecture: model.architecture().to_string(),
         files: model.source_files().to_vec(),

@@ -554,12 +554,30 @@ impl QdotGeom {
     /// The geometry a plan records for a GEMV of `n` weight rows and rows
     /// of `k`: `KILN_QDOT_GEOM` (a [`QdotGeom::tag`], `plain`, or `auto`
     /// for [`QdotGeom::by_blocks`]) as the plan is compiled overrides the
-    /// rule, for A/B runs.
-    pub fn for_shape(n: u64, k: u64) -> QdotGeom {
-        match std::env::var("KILN_QDOT_GEOM") {
-            Ok(t) if t.trim() == "auto" => Self::by_blocks(n, k),
-            Ok(t) => QdotGeom::from_tag(&t).unwrap_or_else(|| Self::rule(n, k)),
-            Err(_) => Self::rule(n, k),
+    /// rule, for A/B runs; a value that names no geometry is refused (a
+    /// typo must not turn an A/B run into a comparison of the rule with
+    /// itself).
+    pub fn for_shape(n: u64, k: u64) -> Result<QdotGeom, String> {
+        Self::for_shape_with(std::env::var("KILN_QDOT_GEOM").ok().as_deref(), n, k)
+    }
+
+    /// [`QdotGeom::for_shape`] with the override given.
+    pub fn for_shape_with(over: Option<&str>, n: u64, k: u64) -> Result<QdotGeom, String> {
+        match over.map(str::trim) {
+            None | Some("") => Ok(Self::rule(n, k)),
+            Some("auto") => Ok(Self::by_blocks(n, k)),
+            Some(t) => QdotGeom::from_tag(t).ok_or_else(|| {
+                let known: Vec<String> = QDOT_GEOMS
+                    .iter()
+                    .skip(1)
+                    .map(|g| g.tag().trim_start_matches('_').to_string())
+                    .collect();
+                format!(
+                    "KILN_QDOT_GEOM={t} names no integer-dot geometry; \
+                     set it to plain, auto or one of {} (or unset it for the rule)",
+                    known.join(", ")
+                )
+            }),
         }
     }
 
@@ -661,12 +679,13 @@ impl QGemvKernel {
         }
     }
 
-    /// The kernel with its geometry fixed for a GEMV of `n` rows of `k`.
-    fn resolve(self, n: u64, k: u64) -> QGemvKernel {
-        match self {
-            QGemvKernel::Int8Dot => QGemvKernel::Int8DotAt(QdotGeom::for_shape(n, k)),
+    /// The kernel with its geometry fixed for a GEMV of `n` rows of `k`
+    /// (the error: an override naming no geometry).
+    fn resolve(self, n: u64, k: u64) -> Result<QGemvKernel, String> {
+        Ok(match self {
+            QGemvKernel::Int8Dot => QGemvKernel::Int8DotAt(QdotGeom::for_shape(n, k)?),
             other => other,
-        }
+        })
     }
 
     fn is_int8(self) -> bool {
@@ -966,7 +985,7 @@ pub fn lower_qgemv_with(
     };
     let c = check_gemm(q, n, k, t, out, bufs)?;
     check_kernel(kern, q, n, k, t, "matmul")?;
-    let kern = kern.resolve(n, k);
+    let kern = kern.resolve(n, k).map_err(refuse)?;
     let os = c.os;
     let grid = n.div_ceil(kern.rows_per_block());
     let grid = u32::try_from(grid).map_err(|_| refuse("too many rows for one grid".into()))?;
@@ -1358,7 +1377,13 @@ pub fn lower_qgemv_fused_with(
         return lower_qgemv_with(kern, q, n, k, t, out, bufs, w_const, pdl);
     }
     check_kernel(kern, q, n, k, t, "fused_matmul")?;
-    let kern = kern.resolve(n, k);
+    let kern = kern.resolve(n, k).map_err(|why| QLowerError::Unsupported {
+        op: "fused_matmul",
+        q,
+        n,
+        k,
+        why,
+    })?;
     let name = if f.norm.is_some() {
         "fused_norm"
     } else {
@@ -2164,6 +2189,34 @@ mod tests {
         }
         assert_eq!(QdotGeom::from_tag("plain"), Some(QdotGeom::PLAIN));
         assert_eq!(QdotGeom::from_tag("r9u9k9"), None);
+    }
+
+    #[test]
+    fn a_geometry_override_that_names_no_geometry_is_refused_with_the_known_tags() {
+        let (n, k) = (4096, 14336);
+        assert_eq!(
+            QdotGeom::for_shape_with(None, n, k),
+            Ok(QdotGeom::rule(n, k))
+        );
+        assert_eq!(
+            QdotGeom::for_shape_with(Some(" "), n, k),
+            Ok(QdotGeom::rule(n, k))
+        );
+        assert_eq!(
+            QdotGeom::for_shape_with(Some("plain"), n, k),
+            Ok(QdotGeom::PLAIN)
+        );
+        assert_eq!(
+            QdotGeom::for_shape_with(Some("auto"), n, k),
+            Ok(QdotGeom::by_blocks(n, k))
+        );
+        assert_eq!(
+            QdotGeom::for_shape_with(Some("r4u1k1p"), n, k),
+            Ok(QdotGeom::R4U1K1P)
+        );
+        let e = QdotGeom::for_shape_with(Some("r4u1k1"), n, k).unwrap_err();
+        assert!(e.contains("KILN_QDOT_GEOM=r4u1k1 names no"), "{e}");
+        assert!(e.contains("r2u2k1p") && e.contains("auto"), "{e}");
     }
 
     #[test]
