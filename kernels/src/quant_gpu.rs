@@ -593,7 +593,7 @@ impl QdotGeom {
     /// writes run Qwen3-0.6B Q4_K 10% and Llama-3-8B Q4_K 5% faster than
     /// the plain geometry's): the plain geometry where it makes
     /// two blocks per SM of a 132-SM part or more (gate_up, lm_head);
-    /// below that, two rows per warp with pipelined loads (four times the
+    /// below that, two rows per warp with pipelined loads (twice the
     /// blocks) for rows of 2048 or more (Llama-3-8B o and down, Qwen3-0.6B
     /// o and down), and one vector in flight per row of four, pipelined,
     /// for short rows or between one and two waves (Llama-3-8B qkv,
@@ -610,7 +610,7 @@ impl QdotGeom {
         }
     }
 
-    /// Two rows per warp, pipelined (four times the plain blocks).
+    /// Two rows per warp, pipelined (twice the plain blocks).
     pub const R2U2K1P: QdotGeom = QdotGeom {
         rows: 2,
         unroll: 2,
@@ -2223,7 +2223,7 @@ mod tests {
     fn the_block_count_rule_keeps_the_plain_geometry_only_where_it_fills_two_waves() {
         // Llama-3-8B: gate_up (28672 rows) and the lm_head keep the plain
         // geometry; qkv (6144: 192 blocks) takes one vector per row of
-        // four, pipelined; o and down (4096: 128 blocks) four times the
+        // four, pipelined; o and down (4096: 128 blocks) twice the
         // blocks. Qwen3-0.6B: qkv (K = 1024) and gate_up (192 blocks) as
         // Llama's qkv, o (K = 2048) and down as Llama's o.
         assert_eq!(QdotGeom::by_blocks(28672, 4096), QdotGeom::PLAIN);
