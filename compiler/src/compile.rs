@@ -739,7 +739,7 @@ pub fn compile_model(
     // once here, so a typo is refused before tracing rather than as the
     // first quantized matmul's lowering error.
     if matches!(opts.target, Target::Cuda { .. }) {
-        kiln_kernels::quant_gpu::QdotGeom::for_shape(1, 1).map_err(CompileError::Options)?;
+        kiln_kernels::quant_gpu::QdotGeom::check_override().map_err(CompileError::Options)?;
     }
     let meta = ModelMeta {
         architecture: model.architecture().to_string(),

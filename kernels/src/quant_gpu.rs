@@ -561,6 +561,13 @@ impl QdotGeom {
         Self::for_shape_with(std::env::var("KILN_QDOT_GEOM").ok().as_deref(), n, k)
     }
 
+    /// Whether `KILN_QDOT_GEOM`, when set, names a geometry (the refusal
+    /// [`QdotGeom::for_shape`] would give), for a compiler to check once
+    /// before any work.
+    pub fn check_override() -> Result<(), String> {
+        Self::for_shape(1, 1).map(|_| ())
+    }
+
     /// [`QdotGeom::for_shape`] with the override given.
     pub fn for_shape_with(over: Option<&str>, n: u64, k: u64) -> Result<QdotGeom, String> {
         match over.map(str::trim) {
