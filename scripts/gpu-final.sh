@@ -24,7 +24,8 @@
 #           e.g. "gemma-3-270m-window16"; KILN_ORACLE_ARGS: more arguments)
 #   serve   `kiln serve --device cuda` on the new Qwen3-0.6B plan driven by
 #           scripts/bench-serve.py at concurrency 1, 8, 32
-#   ncu     Nsight Compute summary of one b1 step of the new Qwen3-0.6B plan
+#   ncu     Nsight Compute summary of one step per model (KILN_NCU_MODEL, a
+#           list, default qwen3-0.6b), variant and key (see the stage)
 #   sanitize (opt-in) compute-sanitizer memcheck over carried test binaries:
 #           KILN_SANITIZE="BINARY[:FILTER] ..." (e.g. "cuda_quant cuda_backend:fused")
 #   tp      (opt-in, 2 GPUs) Llama-3-8B-shaped tp=1 vs tp=2 `kiln bench` b1
@@ -227,17 +228,18 @@ if [[ " $stages " == *" ncu "* && -n "$last" ]]; then
   # default b1q1s0; KILN_NCU_MODEL, default qwen3-0.6b): one profiled step
   # (KILN_NCU_FILTER: only the kernels it names).
   metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,lts__t_bytes.sum,launch__registers_per_thread,smsp__sass_inst_executed_op_local_ld.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size
+  for nm in ${KILN_NCU_MODEL:-qwen3-0.6b}; do
   for v in ${KILN_NCU_VARIANTS:-$last}; do
     for key in ${KILN_NCU_KEYS:-b1q1s0}; do
-      plan=/tmp/plans-$v/${KILN_NCU_MODEL:-qwen3-0.6b}.kiln
-      csv="$OUT/logs/ncu-$v-$key.csv"
+      plan=/tmp/plans-$v/$nm.kiln
+      csv="$OUT/logs/ncu-$nm-$v-$key.csv"
       # KILN_NCU_FILTER: only kernels whose name matches (ncu's
       # --kernel-name, e.g. "regex:paged_attn|qskinny").
       timeout 300 ncu --csv --launch-count "${KILN_NCU_KERNELS:-600}" --metrics "$metrics" \
         ${KILN_NCU_FILTER:+--kernel-name "$KILN_NCU_FILTER"} \
         "$B/kiln-$v" bench "$plan" --device cuda --keys "$key" --steps 1 --context 512 \
         > "$csv" 2> "$OUT/logs/ncu-stderr-$v-$key.txt"
-      echo "ncu $v $key: rc=$?" >> "$S"
+      echo "ncu $nm $v $key: rc=$?" >> "$S"
       python3 - "$csv" >> "$S" 2>&1 <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
@@ -268,6 +270,7 @@ for k, a in sorted(agg.items(), key=lambda x: -x[1]["gpu__time_duration.sum"])[:
           f"{a['smsp__sass_inst_executed_op_local_ld.sum']/c:>7.0f} {a['sm__warps_active.avg.pct_of_peak_sustained_active']/c:>5.1f} {a['launch__grid_size']/c:>6.0f}")
 PY
     done
+  done
   done
 fi
 

@@ -735,11 +735,18 @@ pub fn compile_model(
             opts.penalty_slots
         )));
     }
-    // A development override of the integer-dot GEMV's geometry is checked
-    // once here, so a typo is refused before tracing rather than as the
-    // first quantized matmul's lowering error.
+    // The development overrides of the integer-dot GEMV's geometry and the
+    // skinny GEMM's warps are checked once here, so a typo is refused
+    // before tracing rather than as the first quantized matmul's lowering
+    // error.
     if matches!(opts.target, Target::Cuda { .. }) {
         kiln_kernels::quant_gpu::QdotGeom::check_override().map_err(CompileError::Options)?;
+        kiln_kernels::quant_gpu::skinny_warps_cap(
+            std::env::var("KILN_QSKINNY_WARPS").ok().as_deref(),
+        )
+        .map_err(CompileError::Options)?;
+        kiln_kernels::quant_gpu::skinny_prefetch(std::env::var("KILN_QSKINNY_PF").ok().as_deref())
+            .map_err(CompileError::Options)?;
     }
     let meta = ModelMeta {
         architecture: model.architecture().to_string(),

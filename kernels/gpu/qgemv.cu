@@ -552,18 +552,48 @@ KILN_DEV int kiln_dp4a(unsigned int a, unsigned int b, int c) {
 // rint(x * (1 / d)) (0 for a zero group), into xq int8 [k], xd f32 [k/32]
 // (the d) and xi int [k/16] (the sums of the codes of each 16). Thread i
 // takes 8 consecutive elements, four threads a 32-group; every thread runs
-// every round (the shuffles need the whole warp).
+// every round (the shuffles need the whole warp). qd_quant8 is one round's
+// work for one thread's 8 values f of elements [i, i + 8).
+KILN_DEV void qd_quant8(const float* f, int i, bool valid, signed char* xq, float* xd, int* xi) {
+  float am = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) am = fmaxf(am, fabsf(f[e]));
+  am = fmaxf(am, shfl_xor(am, 1));
+  am = fmaxf(am, shfl_xor(am, 2));
+  const float d = __fdiv_rn(am, 127.0f);
+  const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
+  unsigned int p0 = 0u, p1 = 0u;
+  int qs = 0;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const int q = max(-127, min(127, __float2int_rn(__fmul_rn(f[e], id))));
+    qs += q;
+    if (e < 4) {
+      p0 |= ((unsigned int)q & 0xffu) << (8 * e);
+    } else {
+      p1 |= ((unsigned int)q & 0xffu) << (8 * (e - 4));
+    }
+  }
+  qs += shfl_xor_int(qs, 1);
+  if (valid) {
+    *reinterpret_cast<uint2*>(xq + i) = make_uint2(p0, p1);
+    if ((threadIdx.x & 3) == 0) xd[i / 32] = d;
+    if ((threadIdx.x & 1) == 0) xi[i / 16] = qs;
+  }
+}
+
+// Up to QD_QB rounds' loads are issued before any is used (one L2 round
+// trip per QD_QB rounds, not per round: 7 rounds at K = 14336).
+#define QD_QB 4
+
 template <int PRE>
 KILN_DEV void qd_prep_x(const kbf16* __restrict__ x, const kbf16* __restrict__ norm_w, int k,
                         float inv, int unit_offset, signed char* xq, float* xd, int* xi) {
-  // Up to QB rounds' loads are issued before any is used (one L2 round trip
-  // per QB rounds, not per round: 7 rounds at K = 14336).
-  constexpr int QB = 4;
   const int step = blockDim.x * 8;
-  for (int base0 = 0; base0 < k; base0 += QB * step) {
-    uint4 xr[QB], nr[QB];
+  for (int base0 = 0; base0 < k; base0 += QD_QB * step) {
+    uint4 xr[QD_QB], nr[QD_QB];
 #pragma unroll
-    for (int b = 0; b < QB; ++b) {
+    for (int b = 0; b < QD_QB; ++b) {
       const int i = base0 + b * step + threadIdx.x * 8;
       if (i < k) {
         xr[b] = *reinterpret_cast<const uint4*>(x + i);
@@ -571,7 +601,7 @@ KILN_DEV void qd_prep_x(const kbf16* __restrict__ x, const kbf16* __restrict__ n
       }
     }
 #pragma unroll
-    for (int b = 0; b < QB; ++b) {
+    for (int b = 0; b < QD_QB; ++b) {
       if (base0 + b * step >= k) break;  // uniform over the block
       const int i = base0 + b * step + threadIdx.x * 8;
       const bool valid = i < k;
@@ -588,32 +618,68 @@ KILN_DEV void qd_prep_x(const kbf16* __restrict__ x, const kbf16* __restrict__ n
             f[e] = round_to<kbf16>(f[e] * inv * (unit_offset ? 1.0f + g[e] : g[e]));
         }
       }
-      float am = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) am = fmaxf(am, fabsf(f[e]));
-      am = fmaxf(am, shfl_xor(am, 1));
-      am = fmaxf(am, shfl_xor(am, 2));
-      const float d = __fdiv_rn(am, 127.0f);
-      const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
-      unsigned int p0 = 0u, p1 = 0u;
-      int qs = 0;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const int q = max(-127, min(127, __float2int_rn(__fmul_rn(f[e], id))));
-        qs += q;
-        if (e < 4) {
-          p0 |= ((unsigned int)q & 0xffu) << (8 * e);
-        } else {
-          p1 |= ((unsigned int)q & 0xffu) << (8 * (e - 4));
-        }
-      }
-      qs += shfl_xor_int(qs, 1);
-      if (valid) {
-        *reinterpret_cast<uint2*>(xq + i) = make_uint2(p0, p1);
-        if ((threadIdx.x & 3) == 0) xd[i / 32] = d;
-        if ((threadIdx.x & 1) == 0) xi[i / 16] = qs;
-      }
+      qd_quant8(f, i, valid, xq, xd, xi);
     }
+  }
+}
+
+// The RMSNorm prologue and the quantization in one pass over x, for rows
+// of at most QD_QB * 8 * blockDim.x elements (every model's hidden size
+// kiln traces; qd_one_pass): the row stays in registers between the sum
+// of squares and the codes, so x is read from L2 once and the block meets
+// at one barrier, not two reads and two barriers (kiln_inv_rms_row_block,
+// then qd_prep_x). The sum of squares runs in kiln_inv_rms_row_block's
+// order (thread i: vectors i, i + blockDim.x, ..., each element in turn;
+// then the warps' sums in warp order), so inv is the same f32 and the
+// codes are bit for bit the two-pass ones.
+KILN_DEV bool qd_one_pass(int k) { return k <= QD_QB * 8 * (int)blockDim.x; }
+KILN_DEV void qd_prep_x_normed(const kbf16* __restrict__ x, const kbf16* __restrict__ norm_w,
+                               int k, float eps, int unit_offset, signed char* xq, float* xd,
+                               int* xi) {
+  __shared__ float part[32];
+  const int step = blockDim.x * 8;
+  uint4 xr[QD_QB], nr[QD_QB];
+#pragma unroll
+  for (int b = 0; b < QD_QB; ++b) {
+    const int i = b * step + threadIdx.x * 8;
+    if (i < k) {
+      xr[b] = *reinterpret_cast<const uint4*>(x + i);
+      nr[b] = *reinterpret_cast<const uint4*>(norm_w + i);
+    }
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int b = 0; b < QD_QB; ++b) {
+    if (b * step + threadIdx.x * 8 < k) {
+      float f[8];
+      unpack8(xr[b], x, f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+    }
+  }
+  ss = warp_sum(ss);
+  if (threadIdx.x % KILN_WARP == 0) part[threadIdx.x / KILN_WARP] = ss;
+  __syncthreads();
+  float t = 0.0f;
+  for (int w = 0; w < (int)(blockDim.x / KILN_WARP); ++w) t += part[w];
+  const float inv = 1.0f / sqrtf(t / (float)k + eps);
+#pragma unroll
+  for (int b = 0; b < QD_QB; ++b) {
+    if (b * step >= k) break;  // uniform over the block
+    const int i = b * step + threadIdx.x * 8;
+    const bool valid = i < k;
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = 0.0f;
+    if (valid) {
+      float g[8];
+      unpack8(xr[b], x, f);
+      unpack8(nr[b], norm_w, g);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        f[e] = round_to<kbf16>(f[e] * inv * (unit_offset ? 1.0f + g[e] : g[e]));
+    }
+    qd_quant8(f, i, valid, xq, xd, xi);
   }
 }
 
@@ -684,11 +750,15 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
       }
   }
   KILN_PROLOGUE();
-  if (PRE) {
-    kiln_inv_rms_row_block(x, k, eps, inv_rms);
-    __syncthreads();
+  if (PRE && qd_one_pass(k)) {
+    qd_prep_x_normed(x, norm_w, k, eps, unit_offset, xq, xd, xi);
+  } else {
+    if (PRE) {
+      kiln_inv_rms_row_block(x, k, eps, inv_rms);
+      __syncthreads();
+    }
+    qd_prep_x<PRE>(x, norm_w, k, PRE ? inv_rms[0] : 1.0f, unit_offset, xq, xd, xi);
   }
-  qd_prep_x<PRE>(x, norm_w, k, PRE ? inv_rms[0] : 1.0f, unit_offset, xq, xd, xi);
   __syncthreads();
   if (KS == 1 && !live) return;
   float acc[R];

@@ -49,8 +49,10 @@
 //
 // Codes to bf16 without conversions: a byte c < 128 placed under the bf16
 // exponent byte 0x43 is the bf16 128 + c (one byte permute makes two such
-// halves), and one bf16x2 FMA subtracts 128 plus the type's offset. The
-// 8-bit types go through f32 and one cvt.rn.bf16x2.f32 (exact).
+// halves), and one bf16x2 FMA subtracts 128 plus the type's offset. FP8 on
+// sm_89+ converts in hardware and moves the f16 bits under a bf16 exponent
+// the same way (qsk_e4m3x2). Q8_0, and FP8 before sm_89, go through f32 and
+// one cvt.rn.bf16x2.f32 (exact).
 //
 // Work split (kernels/src/quant_gpu.rs `lower_qskinny` picks the geometry):
 //   * block b owns rows [16*MT*b, 16*MT*(b+1)): MT row tiles of 16;
@@ -210,6 +212,25 @@ KILN_DEV unsigned int qsk_fma_bf16x2(unsigned int a, unsigned int b, unsigned in
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
+// Two e4m3 codes (the low and high byte of `pair`) as bf16x2, exactly, on
+// sm_89+: the hardware conversion to f16x2 (exact; every e4m3 value, the
+// subnormals included, is a normal f16 or zero), then each f16 half's
+// exponent and top 7 mantissa bits shifted into bf16's (sign in place),
+// which is the bf16 2^-112 times the value (zero stays zero; no bf16
+// subnormal arises), and one bf16x2 FMA by 2^112 (0x7780), adding -0 so a
+// zero keeps its sign. Four instructions a pair instead of two qsk_e4m3
+// and a conversion; the same bits.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+#define KILN_QSK_E4M3_HW 1
+KILN_DEV unsigned int qsk_e4m3x2(unsigned int pair) {
+  unsigned int h;
+  asm("{\n\t.reg .b16 l;\n\tcvt.u16.u32 l, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}"
+      : "=r"(h)
+      : "r"(pair));
+  const unsigned int y = ((h >> 3) & 0x0fff0fffu) | (h & 0x80008000u);
+  return qsk_fma_bf16x2(y, 0x77807780u, 0x80008000u);
+}
+#endif
 // (lo, hi) f32 -> bf16x2 (exact for the values used here).
 KILN_DEV unsigned int qsk_pack_bf16(float lo, float hi) {
   unsigned int d;
@@ -228,6 +249,13 @@ KILN_DEV void qsk_mma(float* d, unsigned int a0, unsigned int a1, unsigned int a
 // bf16x2 registers {4t, 4t+1} and {4t+2, 4t+3}.
 template <int Q>
 KILN_DEV void qsk_codes(const QskUnit& d, int s, int t, unsigned int& p01, unsigned int& p23) {
+#if defined(KILN_QSK_E4M3_HW)
+  if (Q == KQ_FP8) {
+    p01 = qsk_e4m3x2(d.w[0]);
+    p23 = qsk_e4m3x2(d.w[0] >> 16);
+    return;
+  }
+#endif
   if (Qsk<Q>::bytes8) {
     const unsigned int wd = d.w[Q == KQ_FP8 ? 0 : s];
     float f[4];
@@ -387,12 +415,31 @@ KILN_DEV float qsk_xn(const kbf16* __restrict__ xr, const kbf16* __restrict__ no
   return round_to<kbf16>(v * inv * (unit_offset ? 1.0f + g : g));
 }
 
+#if defined(KILN_QSK_MMA)
+// Slots 1..P-1 of a warp's unit ring: the units u + i * warps that exist.
+template <int Q, int MT, int P>
+KILN_DEV void qsk_ring_fill(QskUnit (&ring)[P][MT][2], const unsigned char* __restrict__ w,
+                            const i64 (&rows)[MT][2], int u, int warps, int units, int k, int t,
+                            i64 off1, i64 off2, i64 off3) {
+#pragma unroll
+  for (int i = 1; i < P; ++i) {
+    if (u + i * warps < units) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          qsk_load<Q>(ring[i][mt][h], w, rows[mt][h], u + i * warps, k, t, off1, off2, off3);
+    }
+  }
+}
+#endif
+
 // PRE: the RMSNorm prologue (norm_w, eps, unit_offset); FUSED: the entry
 // takes an epilogue `mode`. Plain entries are <.., 0, 0> (norm_w null,
 // mode 0): the same code as before the fused entries existed. An
 // activation epilogue needs MT == 2 (the lowering checks): the block's
 // tile 0 is gate rows [16b, 16b + 16), tile 1 the up rows n/2 + the same.
-template <int Q, typename O, int NT, int MT, int PRE, int FUSED>
+template <int Q, typename O, int NT, int MT, int PRE, int FUSED, int PF = 0>
 KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __restrict__ w,
                            const float* __restrict__ scale, const kbf16* __restrict__ bias,
                            const kbf16* __restrict__ norm_w, const kbf16* __restrict__ res,
@@ -449,6 +496,11 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
 #pragma unroll
       for (int h = 0; h < 2; ++h) qsk_load<Q>(cur[mt][h], w, rows[mt][h], u, k, t, off1, off2, off3);
   }
+  // FP8's ring (see the loop): its further slots, before the wait too.
+  constexpr int P = PF > 0 ? PF : 1;
+  QskUnit ring[P][MT][2];
+  if (PF > 0 && Q == KQ_FP8 && !PRE && w_const)
+    qsk_ring_fill<Q, MT, P>(ring, w, rows, u, warps, units, k, t, off1, off2, off3);
   KILN_PROLOGUE();
   // The prologue: every block computes each token row's inverse RMS itself
   // (x is L2-resident); each lane keeps its B rows' values.
@@ -468,6 +520,52 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) qsk_load<Q>(cur[mt][h], w, rows[mt][h], u, k, t, off1, off2, off3);
+  }
+  if (PF > 0 && Q == KQ_FP8 && !PRE) {
+    // FP8 (the plain entries): a ring of PF units per warp instead of one
+    // in flight, unrolled so every slot is a fixed register set (slot i is
+    // multiplied, then refilled with the unit PF * warps on; PF - 1 units'
+    // loads stay in flight during each unit's MMA and no register copy
+    // waits on a load). An FP8 unit is one step straight into acc, so the
+    // sums are the plain loop's, in its order. An earlier form of this ring
+    // measured on the H100 (bench/results/gpu-2026-12-06-s25/): Qwen3-4B
+    // FP8 b8 5.221 -> 4.355 ms at PF 3; on Q4_K the rings lost (4.9 ->
+    // 5.2-5.4 ms), so only FP8 has them.
+    if (!w_const) qsk_ring_fill<Q, MT, P>(ring, w, rows, u, warps, units, k, t, off1, off2, off3);
+    // Slot 0 takes the unit already loaded (a copy that waits for it)
+    // after slots 1.. are in flight.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) ring[0][mt][h] = cur[mt][h];
+    for (int u0 = u; u0 < units; u0 += P * warps) {
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        const int uu = u0 + i * warps;
+        if (uu >= units) break;  // uniform over the warp
+        uint2 xb[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          xb[nt] = *reinterpret_cast<const uint2*>(xrow[nt] + (i64)uu * Qsk<Q>::epu);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          unsigned int a0, a1, a2, a3;
+          qsk_codes<Q>(ring[i][mt][0], 0, t, a0, a2);
+          qsk_codes<Q>(ring[i][mt][1], 0, t, a1, a3);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) qsk_mma(acc[mt][nt], a0, a1, a2, a3, xb[nt].x, xb[nt].y);
+        }
+        const int un = uu + P * warps;
+        if (un < units) {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              qsk_load<Q>(ring[i][mt][h], w, rows[mt][h], un, k, t, off1, off2, off3);
+        }
+      }
+    }
+    u = units;  // the plain loop below has nothing left
   }
   for (; u < units; u += warps) {
     // The next unit's words and metadata, in flight during this one's MMAs.
@@ -657,6 +755,21 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
   KILN_QSKINNY_FUSED(S, Q, kbf16, bf16, TP, 2, 1, qskinny_fused_norm_##S##_t##TP##_r2_bf16_bf16) \
   KILN_QSKINNY_FUSED(S, Q, float, f32, TP, 1, 1, qskinny_fused_norm_##S##_t##TP##_r1_bf16_f32) \
   KILN_QSKINNY_FUSED(S, Q, float, f32, TP, 2, 1, qskinny_fused_norm_##S##_t##TP##_r2_bf16_f32)
+// Ring-prefetch variants of FP8's eight-token, one-tile entries (PF units
+// per warp in flight, see the loop): qskinny_fp8_t8_r1_pfPF_bf16_OS, PF in
+// 2, 3, 4 (kiln_kernels::quant_gpu::QSKINNY_FP8_PREFETCH: opt-in until run).
+#define KILN_QSKINNY_PF(S, Q, O, OS, PF)                                                       \
+  KILN_GLOBAL void __launch_bounds__(512) qskinny_##S##_t8_r1_pf##PF##_bf16_##OS(              \
+      const kbf16* x, const unsigned char* w, const float* scale, const kbf16* bias,           \
+      const kbf16* res, O* out, int tokens, int n, int k, int w_const, i64 off1, i64 off2,     \
+      i64 off3) {                                                                              \
+    qskinny_gemm<Q, O, 1, 1, 0, 0, PF>(x, w, scale, bias, nullptr, res, out, tokens, n, k,     \
+                                       w_const, off1, off2, off3, 0.0f, 0, KQSK_FUSED_NONE);   \
+  }
+#define KILN_QSKINNY_PFS(S, Q)                                                                 \
+  KILN_QSKINNY_PF(S, Q, kbf16, bf16, 2) KILN_QSKINNY_PF(S, Q, kbf16, bf16, 3)                  \
+  KILN_QSKINNY_PF(S, Q, kbf16, bf16, 4) KILN_QSKINNY_PF(S, Q, float, f32, 2)                   \
+  KILN_QSKINNY_PF(S, Q, float, f32, 3) KILN_QSKINNY_PF(S, Q, float, f32, 4)
 #define KILN_QSKINNY_TILES(S, Q, O, OS)                                                        \
   KILN_QSKINNY(S, Q, O, OS, 8, 1) KILN_QSKINNY(S, Q, O, OS, 16, 1)                             \
   KILN_QSKINNY(S, Q, O, OS, 24, 1) KILN_QSKINNY(S, Q, O, OS, 32, 1)                            \
@@ -677,3 +790,4 @@ KILN_QSKINNY_TYPE(q4k, KQ_Q4K)
 KILN_QSKINNY_TYPE(q5k, KQ_Q5K)
 KILN_QSKINNY_TYPE(q6k, KQ_Q6K)
 KILN_QSKINNY_TYPE(fp8, KQ_FP8)
+KILN_QSKINNY_PFS(fp8, KQ_FP8)

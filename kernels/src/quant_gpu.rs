@@ -1027,6 +1027,40 @@ pub const QSKINNY_TOKENS: [u32; 4] = [8, 16, 24, 32];
 /// Row tiles (16 rows each) per block the quantized skinny GEMM takes.
 pub const QSKINNY_ROW_TILES: [u32; 2] = [1, 2];
 
+/// The ring-prefetch depths FP8's eight-token, one-tile skinny entries are
+/// also instantiated for (`qskinny_fp8_t8_r1_pf<d>_..`: `d` units per warp
+/// in flight instead of the plain loop's one ahead; see the kernel).
+pub const QSKINNY_PREFETCH: [u32; 3] = [2, 3, 4];
+
+/// The ring depth measured best for FP8's eight-token, one-tile launches
+/// (H100, bench/results/gpu-2026-12-06-s25/, Qwen3-4B FP8 b8 step): plain
+/// loop 5.221 ms, depth 2 4.832, 3 4.355, 4 4.380. Not yet the default:
+/// the ring was timed in an earlier form of the kernel (one loop body for
+/// both loops, which also slowed Q4_K's plain loop by 4%); the committed
+/// form keeps the other types' loop as it was and gives FP8 a loop of its
+/// own, which has compiled for sm_80 and sm_90 but not yet run. Until a
+/// device run passes `cuda_quant` on it, `KILN_QSKINNY_PF=3` opts in.
+/// On Q4_K every depth lost (plain 4.891 ms, rings 5.21-5.38), so only FP8
+/// instantiates ring entries.
+pub const QSKINNY_FP8_PREFETCH: u32 = 3;
+
+/// FP8's ring depth for eight-token, one-tile launches from
+/// `KILN_QSKINNY_PF` (read at compile time like `KILN_QDOT_GEOM`, an A/B
+/// knob): one of [`QSKINNY_PREFETCH`], or unset / empty / `0` for the
+/// plain loop (`None`).
+pub fn skinny_prefetch(over: Option<&str>) -> Result<Option<u32>, String> {
+    match over.map(str::trim) {
+        None | Some("") | Some("0") => Ok(None),
+        Some(v) => match v.parse::<u32>() {
+            Ok(d) if QSKINNY_PREFETCH.contains(&d) => Ok(Some(d)),
+            _ => Err(format!(
+                "KILN_QSKINNY_PF={v} is not a prefetch depth; set it to 2, 3 or 4 \
+                 (3 measured best), or 0 or nothing for the plain loop"
+            )),
+        },
+    }
+}
+
 /// Every entry point of the `qskinny` module.
 pub fn qskinny_entry_points() -> Vec<String> {
     let mut v = Vec::new();
@@ -1035,6 +1069,13 @@ pub fn qskinny_entry_points() -> Vec<String> {
             for mt in QSKINNY_ROW_TILES {
                 for tp in QSKINNY_TOKENS {
                     v.push(format!("qskinny_{}_t{tp}_r{mt}_bf16_{o}", stem(q)));
+                }
+            }
+        }
+        if q == QuantType::Fp8E4M3 {
+            for o in ["bf16", "f32"] {
+                for pf in QSKINNY_PREFETCH {
+                    v.push(format!("qskinny_{}_t8_r1_pf{pf}_bf16_{o}", stem(q)));
                 }
             }
         }
@@ -1110,6 +1151,35 @@ pub fn lower_qskinny(
     w_const: bool,
     pdl: bool,
 ) -> Result<Vec<KernelLaunch>, QLowerError> {
+    let prefetch =
+        skinny_prefetch(std::env::var("KILN_QSKINNY_PF").ok().as_deref()).map_err(|why| {
+            QLowerError::Unsupported {
+                op: "matmul",
+                q,
+                n,
+                k,
+                why,
+            }
+        })?;
+    lower_qskinny_with(q, n, k, t, out, bufs, w_const, pdl, prefetch)
+}
+
+/// [`lower_qskinny`] with FP8's ring depth given (`Some(d)`, one of
+/// [`QSKINNY_PREFETCH`]: eight-token, one-tile FP8 launches take the
+/// `_pf<d>` entry; other launches and types are unaffected) instead of
+/// read from `KILN_QSKINNY_PF`.
+#[allow(clippy::too_many_arguments)]
+pub fn lower_qskinny_with(
+    q: QuantType,
+    n: u64,
+    k: u64,
+    t: u64,
+    out: DType,
+    bufs: &QGemvBufs,
+    w_const: bool,
+    pdl: bool,
+    prefetch: Option<u32>,
+) -> Result<Vec<KernelLaunch>, QLowerError> {
     let c = check_gemm(q, n, k, t, out, bufs)?;
     let os = c.os;
     let mut launches = Vec::new();
@@ -1117,9 +1187,13 @@ pub fn lower_qskinny(
     while t0 < t {
         let tokens = (t - t0).min(32);
         let g = SkinnyGeometry::of(q, "matmul", n, k, tokens, false)?;
+        let pf = prefetch
+            .filter(|d| QSKINNY_PREFETCH.contains(d))
+            .filter(|_| q == QuantType::Fp8E4M3 && g.tp == 8 && g.mt == 1)
+            .map_or(String::new(), |d| format!("_pf{d}"));
         launches.push(KernelLaunch {
             module: QSKINNY_MODULE.into(),
-            entry: format!("qskinny_{}_t{}_r{}_bf16_{os}", stem(q), g.tp, g.mt),
+            entry: format!("qskinny_{}_t{}_r{}{pf}_bf16_{os}", stem(q), g.tp, g.mt),
             grid: [g.grid, 1, 1],
             block: [32 * g.warps as u32, 1, 1],
             shared_bytes: g.shared_bytes(),
@@ -1130,6 +1204,23 @@ pub fn lower_qskinny(
         t0 += tokens;
     }
     Ok(launches)
+}
+
+/// The developer override of the skinny GEMM's split-K warps per block
+/// (`KILN_QSKINNY_WARPS`, read at compile time like `KILN_QDOT_GEOM`; an
+/// A/B knob, not a tuning table): a power of two from 1 to 16 caps the
+/// warps the rule picks; unset (or empty) leaves the rule alone.
+pub fn skinny_warps_cap(over: Option<&str>) -> Result<Option<u64>, String> {
+    match over.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(v) => match v.parse::<u64>() {
+            Ok(w) if (1..=16).contains(&w) && w.is_power_of_two() => Ok(Some(w)),
+            _ => Err(format!(
+                "KILN_QSKINNY_WARPS={v} is not a warp count; set it to 1, 2, 4, 8 or 16 \
+                 (or unset it for the rule)"
+            )),
+        },
+    }
 }
 
 /// One qskinny launch's geometry (see [`lower_qskinny`]'s doc).
@@ -1159,7 +1250,9 @@ impl SkinnyGeometry {
             1
         };
         let units = k / qskinny_unit(q);
-        let mut warps = 16 / mt;
+        let cap = skinny_warps_cap(std::env::var("KILN_QSKINNY_WARPS").ok().as_deref())
+            .map_err(|why| QLowerError::Unsupported { op, q, n, k, why })?;
+        let mut warps = cap.map_or(16 / mt, |c| c.min(16 / mt));
         while warps > 1 && 2 * warps > units {
             warps /= 2;
         }
@@ -2227,6 +2320,93 @@ mod tests {
     }
 
     #[test]
+    fn a_skinny_prefetch_override_takes_the_instantiated_depths_and_refuses_the_rest() {
+        assert_eq!(skinny_prefetch(None), Ok(None));
+        assert_eq!(skinny_prefetch(Some("")), Ok(None));
+        assert_eq!(skinny_prefetch(Some("0")), Ok(None));
+        assert!(QSKINNY_PREFETCH.contains(&QSKINNY_FP8_PREFETCH));
+        let entries = qskinny_entry_points();
+        for d in QSKINNY_PREFETCH {
+            assert_eq!(skinny_prefetch(Some(&d.to_string())), Ok(Some(d)));
+            for o in ["bf16", "f32"] {
+                assert!(entries.contains(&format!("qskinny_fp8_t8_r1_pf{d}_bf16_{o}")));
+                assert!(!entries.contains(&format!("qskinny_q4k_t8_r1_pf{d}_bf16_{o}")));
+            }
+        }
+        for bad in ["1", "5", "deep", "-3"] {
+            let e = skinny_prefetch(Some(bad)).unwrap_err();
+            assert!(e.contains(&format!("KILN_QSKINNY_PF={bad} is not")), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_prefetch_depth_picks_the_ring_entry_only_for_eight_token_one_tile_fp8_launches() {
+        let buf = |offset, bytes| BufRef {
+            region: kiln_ir::plan::Region::Arena,
+            offset,
+            bytes,
+        };
+        let entry = |q: QuantType, n: u64, t: u64, pf: Option<u32>| {
+            let w = repacked_bytes(q, n, 4096).unwrap();
+            let bufs = QGemvBufs {
+                x: buf(0, t * 4096 * 2),
+                w: BufRef {
+                    region: kiln_ir::plan::Region::Weight(0),
+                    offset: 0,
+                    bytes: w,
+                },
+                scale: (q == QuantType::Fp8E4M3).then(|| buf(1 << 24, n * 4)),
+                bias: None,
+                residual: None,
+                out: buf(1 << 26, t * n * 2),
+            };
+            lower_qskinny_with(q, n, 4096, t, DType::BF16, &bufs, true, true, pf).unwrap()[0]
+                .entry
+                .clone()
+        };
+        let fp8 = QuantType::Fp8E4M3;
+        assert_eq!(entry(fp8, 2560, 8, None), "qskinny_fp8_t8_r1_bf16_bf16");
+        assert_eq!(
+            entry(fp8, 2560, 8, Some(3)),
+            "qskinny_fp8_t8_r1_pf3_bf16_bf16"
+        );
+        assert_eq!(
+            entry(fp8, 2560, 5, Some(2)),
+            "qskinny_fp8_t8_r1_pf2_bf16_bf16"
+        );
+        // More tokens, another type, or a depth with no entry: the plain loop.
+        assert_eq!(
+            entry(fp8, 2560, 16, Some(3)),
+            "qskinny_fp8_t16_r1_bf16_bf16"
+        );
+        assert_eq!(
+            entry(QuantType::Q4K, 2560, 8, Some(3)),
+            "qskinny_q4k_t8_r1_bf16_bf16"
+        );
+        assert_eq!(entry(fp8, 2560, 8, Some(7)), "qskinny_fp8_t8_r1_bf16_bf16");
+        for e in [entry(fp8, 2560, 8, Some(4)), entry(fp8, 2560, 8, None)] {
+            assert!(qskinny_entry_points().contains(&e), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_skinny_warps_override_takes_powers_of_two_up_to_sixteen_and_refuses_the_rest() {
+        assert_eq!(skinny_warps_cap(None), Ok(None));
+        assert_eq!(skinny_warps_cap(Some(" ")), Ok(None));
+        for w in [1u64, 2, 4, 8, 16] {
+            assert_eq!(skinny_warps_cap(Some(&w.to_string())), Ok(Some(w)));
+        }
+        for bad in ["0", "3", "32", "four", "-4"] {
+            let e = skinny_warps_cap(Some(bad)).unwrap_err();
+            assert!(
+                e.contains(&format!("KILN_QSKINNY_WARPS={bad} is not")),
+                "{e}"
+            );
+            assert!(e.contains("1, 2, 4, 8 or 16"), "{e}");
+        }
+    }
+
+    #[test]
     fn the_block_count_rule_keeps_the_plain_geometry_only_where_it_fills_two_waves() {
         // Llama-3-8B: gate_up (28672 rows) and the lm_head keep the plain
         // geometry; qkv (6144: 192 blocks) takes one vector per row of
@@ -2254,12 +2434,16 @@ mod tests {
             assert_eq!(set.len(), list.len());
         }
         // Plain, fused and gather entries of qgemv, the integer-dot entries
-        // in every geometry; plain and fused of qskinny.
+        // in every geometry; plain and fused of qskinny, and FP8's ring
+        // entries.
         assert_eq!(
             entry_points().len(),
             8 * (8 + 12 + 1) + QDOT_GEOMS.len() * 3 * 5
         );
-        assert_eq!(qskinny_entry_points().len(), 8 * (16 + 20));
+        assert_eq!(
+            qskinny_entry_points().len(),
+            8 * (16 + 20) + 2 * QSKINNY_PREFETCH.len()
+        );
     }
 
     #[test]

@@ -26,8 +26,8 @@ use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Region};
 use kiln_ir::{DType, Key, Op, TensorType};
 use kiln_kernels::quant_gpu::{
     dequantize_repacked, lower_qgather, lower_qgemv_fused_with, lower_qgemv_with, lower_qskinny,
-    lower_qskinny_fused, repack, QAct, QFusion, QGemvBufs, QGemvKernel, QNorm, QdotGeom, QuantType,
-    QDOT_GEOMS, QUANT_TYPES,
+    lower_qskinny_fused, lower_qskinny_with, repack, QAct, QFusion, QGemvBufs, QGemvKernel, QNorm,
+    QdotGeom, QuantType, QDOT_GEOMS, QSKINNY_PREFETCH, QUANT_TYPES,
 };
 use kiln_runtime::backend::{
     Backend, DevOperand, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
@@ -196,6 +196,8 @@ struct Case {
     launch: Launch,
     /// The launch quantizes x to int8 (`qgemv_i8`).
     int8_x: bool,
+    /// The first kernel's entry point.
+    entry: String,
 }
 
 /// Which kernel a case runs: the GEMV (`qgemv`), its integer-dot form
@@ -207,6 +209,9 @@ enum Kern {
     /// The integer-dot GEMV in one of its geometries.
     GemvI8(QdotGeom),
     Skinny,
+    /// The skinny GEMM with FP8's unit ring of this depth (eight-token,
+    /// one-tile launches; others lower as `Skinny`).
+    SkinnyRing(u32),
 }
 
 impl Kern {
@@ -272,6 +277,9 @@ fn kernel_case(
         Kern::Gemv => g(QGemvKernel::Float),
         Kern::GemvI8(geom) => g(QGemvKernel::Int8DotAt(geom)),
         Kern::Skinny => lower_qskinny(w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl()),
+        Kern::SkinnyRing(d) => {
+            lower_qskinny_with(w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl(), Some(d))
+        }
     }
     .unwrap();
     let int8_x = ks[0].entry.starts_with("qgemv_i8_");
@@ -281,7 +289,7 @@ fn kernel_case(
     args.extend(bias.as_ref().map(|(d, _)| d.clone()));
     args.extend(res.as_ref().map(|(d, _)| d.clone()));
     let launch = launch_of(
-        if kern == Kern::Skinny {
+        if matches!(kern, Kern::Skinny | Kern::SkinnyRing(_)) {
             "qskinny"
         } else {
             "qgemv"
@@ -299,6 +307,7 @@ fn kernel_case(
         out,
         launch,
         int8_x,
+        entry: ks[0].entry.clone(),
     }
 }
 
@@ -358,6 +367,46 @@ fn check_gemv(what: &str, w: &DevWeight, c: &Case, x: &HT, got: &HT) {
     eprintln!("{what}: worst error / bound = {worst:.3}");
 }
 
+/// `c` launched once, its output checked against the host reference.
+fn launch_and_check(b: &mut CudaBackend, w: &DevWeight, c: &Case, what: &str) {
+    b.prepare(&c.launch).unwrap();
+    b.launch(&c.launch).unwrap();
+    b.synchronize().unwrap();
+    let x = download(b, &c.x);
+    let got = download(b, &c.out);
+    check_gemv(what, w, c, &x, &got);
+}
+
+/// `c` captured once and replayed four times with new activations (and a
+/// poisoned output) each step: every replay matches the host reference on
+/// that step's x, and the replay counter moves by four.
+fn replay_follows_changing_inputs(
+    b: &mut CudaBackend,
+    r: &mut Rng,
+    w: &DevWeight,
+    c: &Case,
+    what: &str,
+) {
+    let (t, k) = (c.t, w.k);
+    b.prepare(&c.launch).unwrap();
+    b.begin_capture(Key::new(t as u32, 1, 0)).unwrap();
+    b.launch(&c.launch).unwrap();
+    let graph = b.end_capture().unwrap();
+    let before = b.counters().graphs.replays();
+    for step in 0..4 {
+        let x = HT::random(r, DType::BF16, &[t as u32, k as u32], 1.0 + step as f32);
+        b.upload(c.x.ptr, &x.bytes()).unwrap();
+        b.upload(c.out.ptr, &vec![0xff; c.out.ty.size_bytes() as usize])
+            .unwrap();
+        b.replay(graph).unwrap();
+        b.synchronize().unwrap();
+        let got = download(b, &c.out);
+        check_gemv(&format!("{what} replay step {step}"), w, c, &x, &got);
+    }
+    assert_eq!(b.counters().graphs.replays() - before, 4);
+    b.destroy_graph(graph).unwrap();
+}
+
 fn download(b: &mut CudaBackend, o: &DevOperand) -> HT {
     get(b, o)
 }
@@ -393,20 +442,7 @@ fn quantized_gemv_matches_the_decoded_weight_for_every_type_at_awkward_sizes() {
                     let residual = out == DType::BF16 && (ti == 1 || (t == 1 && ki == 2));
                     for kern in Kern::gemvs(q, t, k) {
                         let c = kernel_case(&mut b, &mut r, &w, t, out, bias, residual, kern);
-                        b.prepare(&c.launch).unwrap();
-                        b.launch(&c.launch).unwrap();
-                        b.synchronize().unwrap();
-                        let x = download(&mut b, &c.x);
-                        let got = download(&mut b, &c.out);
-                        check_gemv(
-                            &format!(
-                                "{kern:?} {q:?} [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"
-                            ),
-                            &w,
-                            &c,
-                            &x,
-                            &got,
-                        );
+                        launch_and_check(&mut b, &w, &c, &format!("{kern:?} {q:?} [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"));
                         cases += 1;
                     }
                 }
@@ -436,34 +472,7 @@ fn quantized_gemv_under_capture_and_replay_follows_changing_inputs() {
         };
         let w = weight(&mut b, q, n, k, 2000 + qi as u64);
         let c = kernel_case(&mut b, &mut r, &w, t, DType::BF16, true, false, kern);
-        b.prepare(&c.launch).unwrap();
-        b.begin_capture(Key::new(t as u32, 1, 0)).unwrap();
-        b.launch(&c.launch).unwrap();
-        let graph = b.end_capture().unwrap();
-        let before = b.counters().graphs.replays();
-        for step in 0..4 {
-            let x = HT::random(
-                &mut r,
-                DType::BF16,
-                &[t as u32, k as u32],
-                1.0 + step as f32,
-            );
-            b.upload(c.x.ptr, &x.bytes()).unwrap();
-            b.upload(c.out.ptr, &vec![0xff; c.out.ty.size_bytes() as usize])
-                .unwrap();
-            b.replay(graph).unwrap();
-            b.synchronize().unwrap();
-            let got = download(&mut b, &c.out);
-            check_gemv(
-                &format!("{kern:?} {q:?} replay step {step} t={t}"),
-                &w,
-                &c,
-                &x,
-                &got,
-            );
-        }
-        assert_eq!(b.counters().graphs.replays() - before, 4);
-        b.destroy_graph(graph).unwrap();
+        replay_follows_changing_inputs(&mut b, &mut r, &w, &c, &format!("{kern:?} {q:?} t={t}"));
     }
 }
 
@@ -499,26 +508,71 @@ fn quantized_skinny_gemm_matches_the_decoded_weight_for_every_type_at_awkward_si
                 let bias = (n + t) % 2 == 1;
                 let residual = out == DType::BF16 && ti % 3 == 1;
                 let c = kernel_case(&mut b, &mut r, &w, t, out, bias, residual, Kern::Skinny);
-                b.prepare(&c.launch).unwrap();
-                b.launch(&c.launch).unwrap();
-                b.synchronize().unwrap();
-                let x = download(&mut b, &c.x);
-                let got = download(&mut b, &c.out);
-                check_gemv(
-                    &format!(
-                        "qskinny {q:?} [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"
-                    ),
-                    &w,
-                    &c,
-                    &x,
-                    &got,
-                );
+                launch_and_check(&mut b, &w, &c, &format!("qskinny {q:?} [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"));
                 cases += 1;
             }
             let _ = b.free(w.w.ptr);
         }
     }
     assert_eq!(cases, 8 * (3 * 3 * 6 + 3));
+}
+
+/// FP8's eight-token skinny GEMM with a ring of 2, 3 and 4 units per warp
+/// (opt-in, `KILN_QSKINNY_PF`) against the same reference and bound: K at
+/// FP8's minimum (one unit a warp or none), a few units and a long row, N
+/// below a tile, not a multiple of 16, and large, 2..8 tokens, outputs
+/// poisoned; the launch is the ring entry. Then one case captured and
+/// replayed with new activations every step.
+#[test]
+fn fp8_skinny_gemm_with_a_unit_ring_matches_the_decoded_weight_and_replays() {
+    let Some(mut b) = gpu() else { return };
+    let mut r = Rng::new(28);
+    let q = QuantType::Fp8E4M3;
+    let mut cases = 0;
+    for (di, d) in QSKINNY_PREFETCH.into_iter().enumerate() {
+        for (si, k) in ks(q).into_iter().enumerate() {
+            for n in [5u64, 37, 1000] {
+                let w = weight(&mut b, q, n, k, 9000 + 100 * di as u64 + 10 * si as u64 + n);
+                for t in [2u64, 5, 8] {
+                    let out = if (t + n) % 2 == 0 {
+                        DType::BF16
+                    } else {
+                        DType::F32
+                    };
+                    let bias = t == 5;
+                    let residual = out == DType::BF16 && t == 8;
+                    let c = kernel_case(
+                        &mut b,
+                        &mut r,
+                        &w,
+                        t,
+                        out,
+                        bias,
+                        residual,
+                        Kern::SkinnyRing(d),
+                    );
+                    assert!(c.entry.contains(&format!("_pf{d}_")), "{}", c.entry);
+                    launch_and_check(&mut b, &w, &c, &format!("qskinny ring {d} FP8 [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"));
+                    cases += 1;
+                }
+                let _ = b.free(w.w.ptr);
+            }
+        }
+    }
+    assert_eq!(cases, 3 * 3 * 3 * 3);
+    let (n, k, t) = (1000u64, ks(q)[2], 8u64);
+    let w = weight(&mut b, q, n, k, 9999);
+    let c = kernel_case(
+        &mut b,
+        &mut r,
+        &w,
+        t,
+        DType::BF16,
+        true,
+        false,
+        Kern::SkinnyRing(3),
+    );
+    replay_follows_changing_inputs(&mut b, &mut r, &w, &c, "qskinny ring 3 FP8");
 }
 
 /// Each type's skinny GEMM captured once and replayed with new activations
@@ -541,34 +595,7 @@ fn quantized_skinny_gemm_under_capture_and_replay_follows_changing_inputs() {
             false,
             Kern::Skinny,
         );
-        b.prepare(&c.launch).unwrap();
-        b.begin_capture(Key::new(t as u32, 1, 0)).unwrap();
-        b.launch(&c.launch).unwrap();
-        let graph = b.end_capture().unwrap();
-        let before = b.counters().graphs.replays();
-        for step in 0..4 {
-            let x = HT::random(
-                &mut r,
-                DType::BF16,
-                &[t as u32, k as u32],
-                1.0 + step as f32,
-            );
-            b.upload(c.x.ptr, &x.bytes()).unwrap();
-            b.upload(c.out.ptr, &vec![0xff; c.out.ty.size_bytes() as usize])
-                .unwrap();
-            b.replay(graph).unwrap();
-            b.synchronize().unwrap();
-            let got = download(&mut b, &c.out);
-            check_gemv(
-                &format!("qskinny {q:?} replay step {step} t={t}"),
-                &w,
-                &c,
-                &x,
-                &got,
-            );
-        }
-        assert_eq!(b.counters().graphs.replays() - before, 4);
-        b.destroy_graph(graph).unwrap();
+        replay_follows_changing_inputs(&mut b, &mut r, &w, &c, &format!("qskinny {q:?} t={t}"));
     }
 }
 
@@ -703,6 +730,7 @@ fn fused_launch(b: &CudaBackend, w: &DevWeight, c: &FusedCase, kern: Kern) -> La
         Kern::Gemv => g(QGemvKernel::Float),
         Kern::GemvI8(geom) => g(QGemvKernel::Int8DotAt(geom)),
         Kern::Skinny => lower_qskinny_fused(q, n, k, t, od, &bufs, &f, true, b.pdl()),
+        Kern::SkinnyRing(_) => unreachable!("the ring has plain entries only"),
     }
     .unwrap();
     for l in &ks {

@@ -4,13 +4,21 @@
 //! launches over weights repacked at load), run by the real engine with
 //! graphs, against the CPU engine on the bf16 import of the same file.
 //!
-//! The GPU kernels dequantize each weight exactly and multiply it with the
-//! bf16 activations in f32, so the kept plan on CUDA computes what the bf16
-//! import computes up to summation order and the bf16 rounding of the
-//! dequantized weights: teacher-forced logits within [`LOGIT_REL`] of the
-//! row's range, and every greedy token equal unless the CPU's top two
-//! logits are a near-tie (margin under twice that difference). The replay
-//! counter is the witness that graphs ran.
+//! Two GPU paths, two references. The float kernels (`qgemv_<type>_*`,
+//! `qskinny_*`) dequantize each weight exactly and multiply it with the
+//! bf16 activations in f32, so they compute what the bf16 import computes
+//! up to summation order and the bf16 rounding of the dequantized weights:
+//! their reference is the CPU engine on the bf16 import. The one-token
+//! integer-dot kernel (`qgemv_i8_*`, the CUDA default for Q4_K, Q6_K and
+//! Q8_0) quantizes the activations per 32 to int8 exactly as the CPU
+//! backend's quantized matmul does, so a plan whose layers run it is held
+//! to the CPU engine on the same kept import (against the bf16 import its
+//! int8 activations alone moved the tiny model's logits by 4.6% of their
+//! range on the H100, session 25; against the kept import 0.56%). Either way:
+//! teacher-forced logits within [`LOGIT_REL`] of the row's range, and every
+//! greedy token equal unless the reference's top two logits are a near-tie
+//! (margin under twice that difference). The replay counter is the witness
+//! that graphs ran.
 //!
 //! Without a CUDA device every test prints SKIPPED and passes, unless
 //! `KILN_REQUIRE_CUDA=1` (the GPU machine's runs) makes that a failure.
@@ -148,14 +156,11 @@ fn check(matrix: GgmlType, embed: GgmlType) -> Result<String, String> {
         ..ImportOptions::default()
     };
     import_gguf(&gguf, &kept, &keep).unwrap();
-    let cpu_plan = compile_dir(&dense, &opts(Target::Cpu), &mut |_, _| {})
-        .unwrap()
-        .plan;
     let gpu_plan = compile_dir(&kept, &opts(Target::Cuda { sm }), &mut |_, _| {})
         .unwrap()
         .plan;
     // The kept plan really runs quantized kernels.
-    let qlaunches = gpu_plan
+    let launches: Vec<_> = gpu_plan
         .keys
         .iter()
         .flat_map(|k| &k.ops)
@@ -165,10 +170,34 @@ fn check(matrix: GgmlType, embed: GgmlType) -> Result<String, String> {
         })
         .flatten()
         .filter(|l| l.module == "qgemv")
-        .count();
-    if qlaunches == 0 {
+        .collect();
+    if launches.is_empty() {
         return Err(format!("{matrix}/{embed}: no qgemv launch in the plan"));
     }
+    let qlaunches = launches.len();
+    // int8 activations in most of the GPU's matmuls (the layers'; the
+    // lm_head's type can differ from theirs): the CPU reference quantizes
+    // them too. With the layers on the float kernels, an integer-dot
+    // lm_head perturbs only the last product, and the bf16 import stays
+    // the closer reference (measured on the H100, session 25: 1.2-1.6e-2
+    // against it, 2.9-3.4e-2 against the kept import).
+    let matmuls: Vec<_> = launches
+        .iter()
+        .filter(|l| !l.entry.starts_with("qgather"))
+        .collect();
+    let i8s = matmuls
+        .iter()
+        .filter(|l| l.entry.starts_with("qgemv_i8"))
+        .count();
+    let int8 = 2 * i8s > matmuls.len();
+    let (ref_dir, reference) = if int8 {
+        (&kept, "the kept import")
+    } else {
+        (&dense, "the bf16 import")
+    };
+    let cpu_plan = compile_dir(ref_dir, &opts(Target::Cpu), &mut |_, _| {})
+        .unwrap()
+        .plan;
     let mut worst = 0f32;
     let mut ties = 0;
     let mut replays = 0;
@@ -177,8 +206,8 @@ fn check(matrix: GgmlType, embed: GgmlType) -> Result<String, String> {
         vec![1, 200, 7, 7, 9, 33, 250],
         vec![5],
     ] {
-        let (want, _, _) = run(&cpu_plan, &dense, false, &prompt, None);
-        let (_, lc, _) = run(&cpu_plan, &dense, false, &prompt, Some(&want));
+        let (want, _, _) = run(&cpu_plan, ref_dir, false, &prompt, None);
+        let (_, lc, _) = run(&cpu_plan, ref_dir, false, &prompt, Some(&want));
         let (_, lg, r) = run(&gpu_plan, &kept, true, &prompt, Some(&want));
         let got: Vec<u32> = lg.iter().map(|r| argmax(r)).collect();
         replays += r;
@@ -200,7 +229,7 @@ fn check(matrix: GgmlType, embed: GgmlType) -> Result<String, String> {
                 s.sort_by(|x, y| y.total_cmp(x));
                 if s[0] - s[1] > 2.0 * d {
                     return Err(format!(
-                        "{matrix}/{embed} prompt {prompt:?} step {i}: CUDA {:?} vs CPU {:?} with a margin of {} over a logit difference of {d}",
+                        "{matrix}/{embed} prompt {prompt:?} step {i}: CUDA {:?} vs CPU on {reference} {:?} with a margin of {} over a logit difference of {d}",
                         got.get(i),
                         want.get(i),
                         s[0] - s[1]
@@ -212,14 +241,14 @@ fn check(matrix: GgmlType, embed: GgmlType) -> Result<String, String> {
     }
     if worst > LOGIT_REL {
         return Err(format!(
-            "{matrix}/{embed}: logits differ by {worst:.3e} of their range (bound {LOGIT_REL})"
+            "{matrix}/{embed}: logits differ from the CPU engine on {reference} by {worst:.3e} of their range (bound {LOGIT_REL})"
         ));
     }
     if replays == 0 {
         return Err(format!("{matrix}/{embed}: no graph replays"));
     }
     Ok(format!(
-        "{matrix}/{embed}: worst relative logit difference {worst:.2e}, {ties} near-tie(s), {qlaunches} qgemv launches, {replays} replays"
+        "{matrix}/{embed}: worst relative logit difference {worst:.2e} against the CPU engine on {reference}, {ties} near-tie(s), {qlaunches} qgemv launches, {replays} replays"
     ))
 }
 
