@@ -238,7 +238,7 @@ if [[ " $stages " == *" ncu "* && -n "$last" ]]; then
       timeout 300 ncu --csv --launch-count "${KILN_NCU_KERNELS:-600}" --metrics "$metrics" \
         ${KILN_NCU_FILTER:+--kernel-name "$KILN_NCU_FILTER"} \
         "$B/kiln-$v" bench "$plan" --device cuda --keys "$key" --steps 1 --context 512 \
-        > "$csv" 2> "$OUT/logs/ncu-stderr-$v-$key.txt"
+        > "$csv" 2> "$OUT/logs/ncu-stderr-$nm-$v-$key.txt"
       echo "ncu $nm $v $key: rc=$?" >> "$S"
       python3 - "$csv" >> "$S" 2>&1 <<'PY'
 import csv, sys, collections

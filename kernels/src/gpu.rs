@@ -2394,14 +2394,16 @@ mod tests {
             );
             for e in entry_points(m.name) {
                 // Drop dtype and instantiation tokens (`bf16`, `t4`, `r2`, `v8`,
-                // `k2`, the integer-dot GEMV's geometry tags `r4u2k2p`).
+                // `k2`, `pf3`, the integer-dot GEMV's geometry tags `r4u2k2p`).
                 let stem: Vec<&str> = e
                     .split('_')
                     .filter(|tok| {
                         let dtype = ["bf16", "f16", "f32", "i32"].contains(tok);
-                        let inst = tok.len() > 1
-                            && tok.starts_with(['t', 'r', 'v', 'k'])
-                            && tok[1..].bytes().all(|c| c.is_ascii_digit());
+                        let digits = |p: usize| {
+                            tok.len() > p && tok[p..].bytes().all(|c| c.is_ascii_digit())
+                        };
+                        let inst = (tok.starts_with(['t', 'r', 'v', 'k']) && digits(1))
+                            || (tok.starts_with("pf") && digits(2));
                         let geom = crate::quant_gpu::QDOT_GEOMS
                             .iter()
                             .any(|g| g.tag().trim_start_matches('_') == *tok);
