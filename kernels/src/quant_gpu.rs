@@ -1032,30 +1032,29 @@ pub const QSKINNY_ROW_TILES: [u32; 2] = [1, 2];
 /// in flight instead of the plain loop's one ahead; see the kernel).
 pub const QSKINNY_PREFETCH: [u32; 3] = [2, 3, 4];
 
-/// The ring depth measured best for FP8's eight-token, one-tile launches
-/// (H100, bench/results/gpu-2026-12-06-s25/, Qwen3-4B FP8 b8 step): plain
-/// loop 5.221 ms, depth 2 4.832, 3 4.355, 4 4.380. Not yet the default:
-/// the ring was timed in an earlier form of the kernel (one loop body for
-/// both loops, which also slowed Q4_K's plain loop by 4%); the committed
-/// form keeps the other types' loop as it was and gives FP8 a loop of its
-/// own, which has compiled for sm_80 and sm_90 but not yet run. Until a
-/// device run passes `cuda_quant` on it, `KILN_QSKINNY_PF=3` opts in.
-/// On Q4_K every depth lost (plain 4.891 ms, rings 5.21-5.38), so only FP8
-/// instantiates ring entries.
+/// The ring depth FP8's eight-token, one-tile launches take by default
+/// (H100, Qwen3-4B FP8 b8 step): in the ring's first form depth 2 gave
+/// 4.832 ms, 3 4.355 and 4 4.380 against the plain loop's 5.221
+/// (bench/results/gpu-2026-12-06-s25/); in the committed form (FP8's own
+/// loop, the other types' loop unchanged) depth 3 gave 4.440 against
+/// 5.268 in one call, and `cuda_quant` and compute-sanitizer passed on it
+/// (bench/results/gpu-2026-12-06-s26/). On Q4_K every depth lost (plain
+/// 4.891 ms, rings 5.21-5.38), so only FP8 instantiates ring entries.
 pub const QSKINNY_FP8_PREFETCH: u32 = 3;
 
-/// FP8's ring depth for eight-token, one-tile launches from
+/// FP8's ring depth for eight-token, one-tile launches, overridden by
 /// `KILN_QSKINNY_PF` (read at compile time like `KILN_QDOT_GEOM`, an A/B
-/// knob): one of [`QSKINNY_PREFETCH`], or unset / empty / `0` for the
-/// plain loop (`None`).
+/// knob): unset or empty is [`QSKINNY_FP8_PREFETCH`], `0` the plain loop
+/// (`None`), otherwise one of [`QSKINNY_PREFETCH`].
 pub fn skinny_prefetch(over: Option<&str>) -> Result<Option<u32>, String> {
     match over.map(str::trim) {
-        None | Some("") | Some("0") => Ok(None),
+        None | Some("") => Ok(Some(QSKINNY_FP8_PREFETCH)),
+        Some("0") => Ok(None),
         Some(v) => match v.parse::<u32>() {
             Ok(d) if QSKINNY_PREFETCH.contains(&d) => Ok(Some(d)),
             _ => Err(format!(
                 "KILN_QSKINNY_PF={v} is not a prefetch depth; set it to 2, 3 or 4 \
-                 (3 measured best), or 0 or nothing for the plain loop"
+                 (3, the default, measured best), 0 for the plain loop, or leave it unset"
             )),
         },
     }
@@ -1975,8 +1974,29 @@ mod tests {
             for (n, k) in [(5u64, min_k), (37, 3 * min_k), (1000, 4096), (8200, 4096)] {
                 for t in [2u64, 3, 8, 9, 17, 24, 32, 33, 70] {
                     let b = bufs(t, n, k, q);
-                    let ls = lower_qskinny(q, n, k, t, DType::F32, &b, true, true).unwrap();
+                    let ls =
+                        lower_qskinny_with(q, n, k, t, DType::F32, &b, true, true, None).unwrap();
                     assert_eq!(ls.len() as u64, t.div_ceil(32), "{q:?} t={t}");
+                    // The default differs from the plain loop only in FP8's
+                    // eight-token, one-tile entries, which take the ring.
+                    let def = lower_qskinny(q, n, k, t, DType::F32, &b, true, true).unwrap();
+                    assert_eq!(def.len(), ls.len());
+                    for (d, p) in def.iter().zip(&ls) {
+                        let ring = q == QuantType::Fp8E4M3 && p.entry.contains("_t8_r1_");
+                        let want = if ring {
+                            p.entry
+                                .replace("_t8_r1_", &format!("_t8_r1_pf{QSKINNY_FP8_PREFETCH}_"))
+                        } else {
+                            p.entry.clone()
+                        };
+                        assert_eq!(d.entry, want, "{q:?} [{n},{k}] t={t}");
+                        assert!(qskinny_entry_points().contains(&d.entry));
+                        assert_eq!(
+                            (d.grid, d.block, d.shared_bytes),
+                            (p.grid, p.block, p.shared_bytes)
+                        );
+                        assert_eq!(d.params, p.params);
+                    }
                     let lay = layout(q, n, k).unwrap();
                     for (i, l) in ls.iter().enumerate() {
                         let t0 = 32 * i as u64;
@@ -2321,8 +2341,8 @@ mod tests {
 
     #[test]
     fn a_skinny_prefetch_override_takes_the_instantiated_depths_and_refuses_the_rest() {
-        assert_eq!(skinny_prefetch(None), Ok(None));
-        assert_eq!(skinny_prefetch(Some("")), Ok(None));
+        assert_eq!(skinny_prefetch(None), Ok(Some(QSKINNY_FP8_PREFETCH)));
+        assert_eq!(skinny_prefetch(Some("")), Ok(Some(QSKINNY_FP8_PREFETCH)));
         assert_eq!(skinny_prefetch(Some("0")), Ok(None));
         assert!(QSKINNY_PREFETCH.contains(&QSKINNY_FP8_PREFETCH));
         let entries = qskinny_entry_points();

@@ -25,7 +25,7 @@ use kiln_compiler::gguf::types::GgmlType;
 use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Region};
 use kiln_ir::{DType, Key, Op, TensorType};
 use kiln_kernels::quant_gpu::{
-    dequantize_repacked, lower_qgather, lower_qgemv_fused_with, lower_qgemv_with, lower_qskinny,
+    dequantize_repacked, lower_qgather, lower_qgemv_fused_with, lower_qgemv_with,
     lower_qskinny_fused, lower_qskinny_with, repack, QAct, QFusion, QGemvBufs, QGemvKernel, QNorm,
     QdotGeom, QuantType, QDOT_GEOMS, QSKINNY_PREFETCH, QUANT_TYPES,
 };
@@ -276,7 +276,7 @@ fn kernel_case(
     let ks = match kern {
         Kern::Gemv => g(QGemvKernel::Float),
         Kern::GemvI8(geom) => g(QGemvKernel::Int8DotAt(geom)),
-        Kern::Skinny => lower_qskinny(w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl()),
+        Kern::Skinny => lower_qskinny_with(w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl(), None),
         Kern::SkinnyRing(d) => {
             lower_qskinny_with(w.q, w.n, w.k, t, out_dtype, &bufs, true, b.pdl(), Some(d))
         }
@@ -518,7 +518,7 @@ fn quantized_skinny_gemm_matches_the_decoded_weight_for_every_type_at_awkward_si
 }
 
 /// FP8's eight-token skinny GEMM with a ring of 2, 3 and 4 units per warp
-/// (opt-in, `KILN_QSKINNY_PF`) against the same reference and bound: K at
+/// (depth 3 is the default, `KILN_QSKINNY_PF` picks another) against the same reference and bound: K at
 /// FP8's minimum (one unit a warp or none), a few units and a long row, N
 /// below a tile, not a multiple of 16, and large, 2..8 tokens, outputs
 /// poisoned; the launch is the ring entry. Then one case captured and
