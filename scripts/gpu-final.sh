@@ -26,7 +26,8 @@
 #           scripts/bench-serve.py at concurrency 1, 8, 32
 #   ncu     Nsight Compute summary of one step per model (KILN_NCU_MODEL, a
 #           list, default qwen3-0.6b), variant and key (see the stage)
-#   sanitize (opt-in) compute-sanitizer memcheck over carried test binaries:
+#   sanitize (opt-in) compute-sanitizer (KILN_SANITIZE_TOOLS, default memcheck;
+#           e.g. "memcheck racecheck") over carried test binaries:
 #           KILN_SANITIZE="BINARY[:FILTER] ..." (e.g. "cuda_quant cuda_backend:fused")
 #   tp      (opt-in, 2 GPUs) Llama-3-8B-shaped tp=1 vs tp=2 `kiln bench` b1
 #           (plans llama-3-8b.kiln / llama-3-8b-tp2.kiln of the last variant,
@@ -279,12 +280,16 @@ if [[ " $stages " == *" sanitize "* ]]; then
     t=${spec%%:*} filt=""
     [[ "$spec" == *:* ]] && filt=${spec#*:}
     [[ -x "$B/$t" ]] || { echo "sanitize $t: binary missing" >> "$S"; continue; }
-    start=$(date +%s)
-    KILN_REQUIRE_CUDA=1 KILN_GEMM_AUTOTUNE=0 KILN_CUBIN_DIR="$cubins" timeout "${KILN_SANITIZE_TIMEOUT:-200}" \
-      compute-sanitizer --tool memcheck --error-exitcode 9 "$B/$t" $filt --test-threads=1 \
-      > "$OUT/logs/sanitize-$t.txt" 2>&1
-    echo "sanitize $t${filt:+ ($filt)}: rc=$? ($(( $(date +%s) - start )) s)" >> "$S"
-    grep -E "ERROR SUMMARY|^test result|Invalid|out of bounds" "$OUT/logs/sanitize-$t.txt" | head -10 >> "$S"
+    for tool in ${KILN_SANITIZE_TOOLS:-memcheck}; do
+      start=$(date +%s)
+      log="$OUT/logs/sanitize-$t.txt"
+      [[ "$tool" == memcheck ]] || log="$OUT/logs/sanitize-$tool-$t.txt"
+      KILN_REQUIRE_CUDA=1 KILN_GEMM_AUTOTUNE=0 KILN_CUBIN_DIR="$cubins" timeout "${KILN_SANITIZE_TIMEOUT:-200}" \
+        compute-sanitizer --tool "$tool" --error-exitcode 9 "$B/$t" $filt --test-threads=1 \
+        > "$log" 2>&1
+      echo "sanitize $tool $t${filt:+ ($filt)}: rc=$? ($(( $(date +%s) - start )) s)" >> "$S"
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^test result|Invalid|out of bounds|hazard" "$log" | head -10 >> "$S"
+    done
   done
 fi
 

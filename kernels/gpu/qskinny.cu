@@ -57,7 +57,9 @@
 // Work split (kernels/src/quant_gpu.rs `lower_qskinny` picks the geometry):
 //   * block b owns rows [16*MT*b, 16*MT*(b+1)): MT row tiles of 16;
 //   * its W warps split K: warp w takes the units w, w+W, w+2W, ..., with
-//     the next unit's weight words and metadata in flight during this one;
+//     the next unit's weight words and metadata in flight during this one
+//     (the `_pf<d>` entries keep d - 1 or d ahead: FP8 in registers, Q4_K
+//     in shared memory through cp.async, see QskSlot);
 //   * each warp keeps every token: NT tiles of 8 (T <= 8*NT);
 //   * the per-warp partial sums meet in dynamic shared memory
 //     ([W][MT*NT*4][32] f32) and are summed in warp order (deterministic).
@@ -434,6 +436,78 @@ KILN_DEV void qsk_ring_fill(QskUnit (&ring)[P][MT][2], const unsigned char* __re
 }
 #endif
 
+#if defined(KILN_QSK_MMA)
+// Q4_K's unit ring in shared memory (the `_pf<d>` entries of Q4_K): the
+// register ring that helps FP8 lost on Q4_K, whose plain loop already sits
+// at the 64 registers that allow two 512-thread blocks per SM, so the units
+// in flight go to shared memory through cp.async, which holds no register
+// while the bytes travel. A slot is one unit of the warp's 16 * MT rows:
+// [16 * MT rows][2 vectors][16 B] of codes, the two vectors of rows whose
+// bit 2 is set swapped (so the eight rows g of one read and their lanes t
+// hit 32 distinct banks), then [2][16 * MT] metadata words (the
+// super-block's d/dmin word, the chunk's scales/mins word), the words
+// qsk_load reads.
+template <int MT> struct QskSlot {
+  static constexpr int bytes = MT * 16 * 32 + 2 * MT * 16 * 4;
+};
+KILN_DEV void qsk_cp16(void* smem, const void* gmem) {
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+KILN_DEV void qsk_cp4(void* smem, const void* gmem) {
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
+}
+KILN_DEV void qsk_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> KILN_DEV void qsk_cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+// Issues one Q4_K unit of rows [row0, row0 + 16 * MT) (clamped to n - 1
+// as the plain loop clamps) into `slot`: MT 16-byte copies of codes and MT
+// 4-byte copies of metadata per lane.
+template <int MT>
+KILN_DEV void qsk_cp_unit(unsigned char* slot, const unsigned char* __restrict__ w, i64 row0, int n,
+                          int u, int k, int lane, i64 off1, i64 off2) {
+  const i64 row_bytes = (i64)k / 2;
+#pragma unroll
+  for (int j = 0; j < MT; ++j) {
+    const int c = lane + 32 * j;
+    const int r = c >> 1, v = c & 1;
+    const i64 gr = row0 + r < n ? row0 + r : n - 1;
+    qsk_cp16(slot + r * 32 + 16 * (v ^ ((r >> 2) & 1)), w + gr * row_bytes + (i64)u * 32 + 16 * v);
+  }
+  unsigned char* meta = slot + MT * 16 * 32;
+#pragma unroll
+  for (int j = 0; j < MT; ++j) {
+    const int c = lane + 32 * j;
+    const int r = c % (16 * MT);
+    const i64 gr = row0 + r < n ? row0 + r : n - 1;
+    const unsigned char* src = c < 16 * MT ? w + off1 + 4 * (gr * (k / 256) + u / 4)
+                                           : w + off2 + 4 * (gr * (k / 64) + u);
+    qsk_cp4(meta + 4 * c, src);
+  }
+}
+// Lane (g, t)'s words of a landed slot: what qsk_load reads from memory.
+template <int MT>
+KILN_DEV void qsk_slot_read(QskUnit (&cur)[MT][2], const unsigned char* slot, int g, int t) {
+  const unsigned int* meta = reinterpret_cast<const unsigned int*>(slot + MT * 16 * 32);
+  const int sw = (g >> 2) & 1;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * mt + 8 * h + g;
+      QskUnit& d = cur[mt][h];
+      d.w[0] = *reinterpret_cast<const unsigned int*>(slot + r * 32 + 16 * sw + 4 * t);
+      d.w[1] = *reinterpret_cast<const unsigned int*>(slot + r * 32 + 16 * (sw ^ 1) + 4 * t);
+      d.m[0] = meta[r];
+      d.m[1] = meta[16 * MT + r];
+#pragma unroll
+      for (int i = 2; i < 6; ++i) d.m[i] = 0u;
+    }
+}
+#endif
+
 // PRE: the RMSNorm prologue (norm_w, eps, unit_offset); FUSED: the entry
 // takes an epilogue `mode`. Plain entries are <.., 0, 0> (norm_w null,
 // mode 0): the same code as before the fused entries existed. An
@@ -454,7 +528,10 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
   const i64 row0 = act ? (i64)blockIdx.x * 16 : (i64)blockIdx.x * (16 * MT);
   __shared__ float qsk_inv[PRE ? 32 : 1];
 #if defined(KILN_QSK_MMA)
-  extern __shared__ float qsk_red[];  // [warps][R][32]
+  // [warps][R][32] for the split-K partials; under CPA first the warps'
+  // unit rings ([warps][P] slots), which the partials overwrite after a
+  // block barrier.
+  extern __shared__ __align__(16) float qsk_red[];
   constexpr int R = MT * NT * 4;
   constexpr int S = Qsk<Q>::steps;
   constexpr int GS = Qsk<Q>::gsteps;
@@ -490,7 +567,20 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
 
   int u = warp;
   QskUnit cur[MT][2];
-  if (w_const && u < units) {
+  // Q4_K's shared-memory ring (plain entries): P - 1 units per warp in
+  // flight through cp.async; see QskSlot.
+  constexpr bool CPA = PF > 0 && Q == KQ_Q4K && !PRE && !FUSED;
+  unsigned char* cring = reinterpret_cast<unsigned char*>(qsk_red) +
+                         (size_t)warp * (PF > 0 ? PF : 1) * QskSlot<MT>::bytes;
+  if (CPA && w_const) {
+#pragma unroll
+    for (int i = 0; i < (PF > 0 ? PF : 1) - 1; ++i) {
+      if (u + i * warps < units)
+        qsk_cp_unit<MT>(cring + i * QskSlot<MT>::bytes, w, row0, n, u + i * warps, k, lane, off1, off2);
+      qsk_cp_commit();
+    }
+  }
+  if (!CPA && w_const && u < units) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -515,7 +605,15 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
     }
   }
   const kbf16* nrow = norm_w + 4 * t;
-  if (!w_const && u < units) {
+  if (CPA && !w_const) {
+#pragma unroll
+    for (int i = 0; i < (PF > 0 ? PF : 1) - 1; ++i) {
+      if (u + i * warps < units)
+        qsk_cp_unit<MT>(cring + i * QskSlot<MT>::bytes, w, row0, n, u + i * warps, k, lane, off1, off2);
+      qsk_cp_commit();
+    }
+  }
+  if (!CPA && !w_const && u < units) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -567,11 +665,24 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
     }
     u = units;  // the plain loop below has nothing left
   }
-  for (; u < units; u += warps) {
+  for (int it = 0; u < units; u += warps, ++it) {
     // The next unit's words and metadata, in flight during this one's MMAs.
     const int un = u + warps;
     QskUnit nxt[MT][2];
-    if (un < units) {
+    if (CPA) {
+      // This unit's slot has landed (at most P - 2 later groups pending);
+      // after the warp barrier every lane is done with the slot read last
+      // iteration, which takes the unit P - 1 on.
+      constexpr int P2 = PF > 1 ? PF - 2 : 0;
+      qsk_cp_wait<P2>();
+      __syncwarp();
+      const int uf = u + ((PF > 0 ? PF : 1) - 1) * warps;
+      if (uf < units)
+        qsk_cp_unit<MT>(cring + ((it + (PF > 0 ? PF : 1) - 1) % (PF > 0 ? PF : 1)) * QskSlot<MT>::bytes,
+                        w, row0, n, uf, k, lane, off1, off2);
+      qsk_cp_commit();
+      qsk_slot_read<MT>(cur, cring + (it % (PF > 0 ? PF : 1)) * QskSlot<MT>::bytes, g, t);
+    } else if (un < units) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -657,12 +768,17 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
           }
       }
     }
-    if (un < units) {
+    if (!CPA && un < units) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) cur[mt][h] = nxt[mt][h];
     }
+  }
+  if (CPA) {
+    // The partials overwrite other warps' rings.
+    qsk_cp_wait<0>();
+    __syncthreads();
   }
   // Split-K reduction: every warp's partials to shared memory, then each
   // thread sums one (register, lane) slot over the warps in warp order.
@@ -755,9 +871,10 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
   KILN_QSKINNY_FUSED(S, Q, kbf16, bf16, TP, 2, 1, qskinny_fused_norm_##S##_t##TP##_r2_bf16_bf16) \
   KILN_QSKINNY_FUSED(S, Q, float, f32, TP, 1, 1, qskinny_fused_norm_##S##_t##TP##_r1_bf16_f32) \
   KILN_QSKINNY_FUSED(S, Q, float, f32, TP, 2, 1, qskinny_fused_norm_##S##_t##TP##_r2_bf16_f32)
-// Ring-prefetch variants of FP8's eight-token, one-tile entries (PF units
-// per warp in flight, see the loop): qskinny_fp8_t8_r1_pfPF_bf16_OS, PF in
-// 2, 3, 4 (kiln_kernels::quant_gpu::QSKINNY_FP8_PREFETCH: opt-in until run).
+// Ring-prefetch variants of the eight-token, one-tile entries of FP8 (a
+// ring of registers) and Q4_K (a ring in shared memory, QskSlot): PF units
+// per warp in flight, qskinny_{fp8,q4k}_t8_r1_pfPF_bf16_OS, PF in 2, 3, 4
+// (kiln_kernels::quant_gpu::skinny_prefetch picks the default depths).
 #define KILN_QSKINNY_PF(S, Q, O, OS, PF)                                                       \
   KILN_GLOBAL void __launch_bounds__(512) qskinny_##S##_t8_r1_pf##PF##_bf16_##OS(              \
       const kbf16* x, const unsigned char* w, const float* scale, const kbf16* bias,           \
@@ -791,3 +908,4 @@ KILN_QSKINNY_TYPE(q5k, KQ_Q5K)
 KILN_QSKINNY_TYPE(q6k, KQ_Q6K)
 KILN_QSKINNY_TYPE(fp8, KQ_FP8)
 KILN_QSKINNY_PFS(fp8, KQ_FP8)
+KILN_QSKINNY_PFS(q4k, KQ_Q4K)

@@ -1027,10 +1027,18 @@ pub const QSKINNY_TOKENS: [u32; 4] = [8, 16, 24, 32];
 /// Row tiles (16 rows each) per block the quantized skinny GEMM takes.
 pub const QSKINNY_ROW_TILES: [u32; 2] = [1, 2];
 
-/// The ring-prefetch depths FP8's eight-token, one-tile skinny entries are
-/// also instantiated for (`qskinny_fp8_t8_r1_pf<d>_..`: `d` units per warp
-/// in flight instead of the plain loop's one ahead; see the kernel).
+/// The ring-prefetch depths the eight-token, one-tile skinny entries of the
+/// ring types ([`skinny_ring_type`]) are also instantiated for
+/// (`qskinny_<fp8|q4k>_t8_r1_pf<d>_..`: `d` units per warp in flight
+/// instead of the plain loop's one ahead; see the kernel).
 pub const QSKINNY_PREFETCH: [u32; 3] = [2, 3, 4];
+
+/// Whether `q`'s eight-token skinny launches have ring entries: FP8 (a
+/// ring of registers) and Q4_K (a ring in shared memory filled by
+/// cp.async, since Q4_K's plain loop is at its register limit).
+pub fn skinny_ring_type(q: QuantType) -> bool {
+    matches!(q, QuantType::Fp8E4M3 | QuantType::Q4K)
+}
 
 /// The ring depth FP8's eight-token, one-tile launches take by default
 /// (H100, Qwen3-4B FP8 b8 step): in the ring's first form depth 2 gave
@@ -1038,26 +1046,49 @@ pub const QSKINNY_PREFETCH: [u32; 3] = [2, 3, 4];
 /// (bench/results/gpu-2026-12-06-s25/); in the committed form (FP8's own
 /// loop, the other types' loop unchanged) depth 3 gave 4.440 against
 /// 5.268 in one call, and `cuda_quant` and compute-sanitizer passed on it
-/// (bench/results/gpu-2026-12-06-s26/). On Q4_K every depth lost (plain
-/// 4.891 ms, rings 5.21-5.38), so only FP8 instantiates ring entries.
+/// (bench/results/gpu-2026-12-06-s26/).
 pub const QSKINNY_FP8_PREFETCH: u32 = 3;
 
-/// FP8's ring depth for eight-token, one-tile launches, overridden by
+/// The shared-memory ring depth Q4_K's eight-token, one-tile launches take
+/// by default. A ring of registers lost on Q4_K (plain 4.891 ms, rings
+/// 5.21-5.38 on a Llama-3-8B b8 step, bench/results/gpu-2026-12-06-s25/);
+/// the cp.async ring in shared memory won at every depth in one H100 call
+/// (bench/results/gpu-2026-12-06-s26/, b8 steps, plain / depth 2 / 3 / 4):
+/// Llama-3-8B 4.698 / 4.231 / 4.224 / 4.206 ms, Qwen3-0.6B 1.391 / 1.374
+/// / 1.305 / 1.288 ms, b1 unchanged; `cuda_quant`, memcheck and racecheck
+/// passed on it.
+pub const QSKINNY_Q4K_PREFETCH: Option<u32> = Some(4);
+
+/// Bytes of one Q4_K ring slot (one unit of a warp's 16 rows: 16 x 32
+/// bytes of codes and 2 x 16 metadata words; the kernel's `QskSlot<1>`).
+pub const QSKINNY_Q4K_SLOT_BYTES: u64 = 16 * 32 + 2 * 16 * 4;
+
+/// `q`'s ring depth for eight-token, one-tile launches, overridden by
 /// `KILN_QSKINNY_PF` (read at compile time like `KILN_QDOT_GEOM`, an A/B
-/// knob): unset or empty is [`QSKINNY_FP8_PREFETCH`], `0` the plain loop
-/// (`None`), otherwise one of [`QSKINNY_PREFETCH`].
-pub fn skinny_prefetch(over: Option<&str>) -> Result<Option<u32>, String> {
-    match over.map(str::trim) {
-        None | Some("") => Ok(Some(QSKINNY_FP8_PREFETCH)),
-        Some("0") => Ok(None),
-        Some(v) => match v.parse::<u32>() {
-            Ok(d) if QSKINNY_PREFETCH.contains(&d) => Ok(Some(d)),
-            _ => Err(format!(
-                "KILN_QSKINNY_PF={v} is not a prefetch depth; set it to 2, 3 or 4 \
-                 (3, the default, measured best), 0 for the plain loop, or leave it unset"
-            )),
+/// knob): unset or empty is the type's default ([`QSKINNY_FP8_PREFETCH`],
+/// [`QSKINNY_Q4K_PREFETCH`]), `0` the plain loop (`None`), otherwise one
+/// of [`QSKINNY_PREFETCH`] for every ring type. Types without ring entries
+/// are always `None`.
+pub fn skinny_prefetch(over: Option<&str>, q: QuantType) -> Result<Option<u32>, String> {
+    let d = match over.map(str::trim) {
+        None | Some("") => match q {
+            QuantType::Fp8E4M3 => Some(QSKINNY_FP8_PREFETCH),
+            QuantType::Q4K => QSKINNY_Q4K_PREFETCH,
+            _ => None,
         },
-    }
+        Some("0") => None,
+        Some(v) => match v.parse::<u32>() {
+            Ok(d) if QSKINNY_PREFETCH.contains(&d) => Some(d),
+            _ => {
+                return Err(format!(
+                    "KILN_QSKINNY_PF={v} is not a prefetch depth; set it to 2, 3 or 4, \
+                     0 for the plain loop, or leave it unset for each type's default \
+                     (FP8 3)"
+                ))
+            }
+        },
+    };
+    Ok(d.filter(|_| skinny_ring_type(q)))
 }
 
 /// Every entry point of the `qskinny` module.
@@ -1071,7 +1102,7 @@ pub fn qskinny_entry_points() -> Vec<String> {
                 }
             }
         }
-        if q == QuantType::Fp8E4M3 {
+        if skinny_ring_type(q) {
             for o in ["bf16", "f32"] {
                 for pf in QSKINNY_PREFETCH {
                     v.push(format!("qskinny_{}_t8_r1_pf{pf}_bf16_{o}", stem(q)));
@@ -1151,7 +1182,7 @@ pub fn lower_qskinny(
     pdl: bool,
 ) -> Result<Vec<KernelLaunch>, QLowerError> {
     let prefetch =
-        skinny_prefetch(std::env::var("KILN_QSKINNY_PF").ok().as_deref()).map_err(|why| {
+        skinny_prefetch(std::env::var("KILN_QSKINNY_PF").ok().as_deref(), q).map_err(|why| {
             QLowerError::Unsupported {
                 op: "matmul",
                 q,
@@ -1186,16 +1217,24 @@ pub fn lower_qskinny_with(
     while t0 < t {
         let tokens = (t - t0).min(32);
         let g = SkinnyGeometry::of(q, "matmul", n, k, tokens, false)?;
-        let pf = prefetch
+        let ring = prefetch
             .filter(|d| QSKINNY_PREFETCH.contains(d))
-            .filter(|_| q == QuantType::Fp8E4M3 && g.tp == 8 && g.mt == 1)
-            .map_or(String::new(), |d| format!("_pf{d}"));
+            .filter(|_| skinny_ring_type(q) && g.tp == 8 && g.mt == 1);
+        let pf = ring.map_or(String::new(), |d| format!("_pf{d}"));
+        // Q4_K's ring lives in the dynamic shared memory the partials
+        // reuse after it: [warps][depth] slots.
+        let shared = match ring {
+            Some(d) if q == QuantType::Q4K => g
+                .shared_bytes()
+                .max((g.warps * u64::from(d) * QSKINNY_Q4K_SLOT_BYTES) as u32),
+            _ => g.shared_bytes(),
+        };
         launches.push(KernelLaunch {
             module: QSKINNY_MODULE.into(),
             entry: format!("qskinny_{}_t{}_r{}{pf}_bf16_{os}", stem(q), g.tp, g.mt),
             grid: [g.grid, 1, 1],
             block: [32 * g.warps as u32, 1, 1],
-            shared_bytes: g.shared_bytes(),
+            shared_bytes: shared,
             cluster: 1,
             params: c.params(bufs, n, k, t0, tokens, w_const),
             pdl,
@@ -1977,24 +2016,29 @@ mod tests {
                     let ls =
                         lower_qskinny_with(q, n, k, t, DType::F32, &b, true, true, None).unwrap();
                     assert_eq!(ls.len() as u64, t.div_ceil(32), "{q:?} t={t}");
-                    // The default differs from the plain loop only in FP8's
-                    // eight-token, one-tile entries, which take the ring.
+                    // The default differs from the plain loop only in the
+                    // ring types' eight-token, one-tile entries, which take
+                    // the type's default ring; Q4_K's adds its slots to the
+                    // shared memory.
                     let def = lower_qskinny(q, n, k, t, DType::F32, &b, true, true).unwrap();
                     assert_eq!(def.len(), ls.len());
                     for (d, p) in def.iter().zip(&ls) {
-                        let ring = q == QuantType::Fp8E4M3 && p.entry.contains("_t8_r1_");
-                        let want = if ring {
-                            p.entry
-                                .replace("_t8_r1_", &format!("_t8_r1_pf{QSKINNY_FP8_PREFETCH}_"))
-                        } else {
-                            p.entry.clone()
+                        let depth = skinny_prefetch(None, q)
+                            .unwrap()
+                            .filter(|_| p.entry.contains("_t8_r1_"));
+                        let want = match depth {
+                            Some(dp) => p.entry.replace("_t8_r1_", &format!("_t8_r1_pf{dp}_")),
+                            None => p.entry.clone(),
                         };
                         assert_eq!(d.entry, want, "{q:?} [{n},{k}] t={t}");
                         assert!(qskinny_entry_points().contains(&d.entry));
-                        assert_eq!(
-                            (d.grid, d.block, d.shared_bytes),
-                            (p.grid, p.block, p.shared_bytes)
-                        );
+                        let shared = match depth {
+                            Some(dp) if q == QuantType::Q4K => p.shared_bytes.max(
+                                (u64::from(dp) * QSKINNY_Q4K_SLOT_BYTES) as u32 * p.block[0] / 32,
+                            ),
+                            _ => p.shared_bytes,
+                        };
+                        assert_eq!((d.grid, d.block, d.shared_bytes), (p.grid, p.block, shared));
                         assert_eq!(d.params, p.params);
                     }
                     let lay = layout(q, n, k).unwrap();
@@ -2341,26 +2385,37 @@ mod tests {
 
     #[test]
     fn a_skinny_prefetch_override_takes_the_instantiated_depths_and_refuses_the_rest() {
-        assert_eq!(skinny_prefetch(None), Ok(Some(QSKINNY_FP8_PREFETCH)));
-        assert_eq!(skinny_prefetch(Some("")), Ok(Some(QSKINNY_FP8_PREFETCH)));
-        assert_eq!(skinny_prefetch(Some("0")), Ok(None));
+        let (fp8, q4k) = (QuantType::Fp8E4M3, QuantType::Q4K);
+        for unset in [None, Some(""), Some(" ")] {
+            assert_eq!(skinny_prefetch(unset, fp8), Ok(Some(QSKINNY_FP8_PREFETCH)));
+            assert_eq!(skinny_prefetch(unset, q4k), Ok(QSKINNY_Q4K_PREFETCH));
+            assert_eq!(skinny_prefetch(unset, QuantType::Q6K), Ok(None));
+        }
+        for q in QUANT_TYPES {
+            assert_eq!(skinny_prefetch(Some("0"), q), Ok(None));
+        }
         assert!(QSKINNY_PREFETCH.contains(&QSKINNY_FP8_PREFETCH));
+        assert!(QSKINNY_Q4K_PREFETCH.is_none_or(|d| QSKINNY_PREFETCH.contains(&d)));
         let entries = qskinny_entry_points();
         for d in QSKINNY_PREFETCH {
-            assert_eq!(skinny_prefetch(Some(&d.to_string())), Ok(Some(d)));
-            for o in ["bf16", "f32"] {
-                assert!(entries.contains(&format!("qskinny_fp8_t8_r1_pf{d}_bf16_{o}")));
-                assert!(!entries.contains(&format!("qskinny_q4k_t8_r1_pf{d}_bf16_{o}")));
+            for q in QUANT_TYPES {
+                let want = skinny_ring_type(q).then_some(d);
+                assert_eq!(skinny_prefetch(Some(&d.to_string()), q), Ok(want));
+                for o in ["bf16", "f32"] {
+                    let e = format!("qskinny_{}_t8_r1_pf{d}_bf16_{o}", stem(q));
+                    assert_eq!(entries.contains(&e), skinny_ring_type(q), "{e}");
+                }
             }
         }
         for bad in ["1", "5", "deep", "-3"] {
-            let e = skinny_prefetch(Some(bad)).unwrap_err();
+            let e = skinny_prefetch(Some(bad), fp8).unwrap_err();
             assert!(e.contains(&format!("KILN_QSKINNY_PF={bad} is not")), "{e}");
         }
     }
 
     #[test]
-    fn a_prefetch_depth_picks_the_ring_entry_only_for_eight_token_one_tile_fp8_launches() {
+    fn a_prefetch_depth_picks_the_ring_entry_only_for_eight_token_one_tile_launches_of_ring_types()
+    {
         let buf = |offset, bytes| BufRef {
             region: kiln_ir::plan::Region::Arena,
             offset,
@@ -2394,14 +2449,19 @@ mod tests {
             entry(fp8, 2560, 5, Some(2)),
             "qskinny_fp8_t8_r1_pf2_bf16_bf16"
         );
-        // More tokens, another type, or a depth with no entry: the plain loop.
+        assert_eq!(
+            entry(QuantType::Q4K, 2560, 8, Some(3)),
+            "qskinny_q4k_t8_r1_pf3_bf16_bf16"
+        );
+        // More tokens, a type without rings, or a depth with no entry: the
+        // plain loop.
         assert_eq!(
             entry(fp8, 2560, 16, Some(3)),
             "qskinny_fp8_t16_r1_bf16_bf16"
         );
         assert_eq!(
-            entry(QuantType::Q4K, 2560, 8, Some(3)),
-            "qskinny_q4k_t8_r1_bf16_bf16"
+            entry(QuantType::Q6K, 2560, 8, Some(3)),
+            "qskinny_q6k_t8_r1_bf16_bf16"
         );
         assert_eq!(entry(fp8, 2560, 8, Some(7)), "qskinny_fp8_t8_r1_bf16_bf16");
         for e in [entry(fp8, 2560, 8, Some(4)), entry(fp8, 2560, 8, None)] {
@@ -2454,15 +2514,15 @@ mod tests {
             assert_eq!(set.len(), list.len());
         }
         // Plain, fused and gather entries of qgemv, the integer-dot entries
-        // in every geometry; plain and fused of qskinny, and FP8's ring
-        // entries.
+        // in every geometry; plain and fused of qskinny, and the ring
+        // entries of FP8 and Q4_K.
         assert_eq!(
             entry_points().len(),
             8 * (8 + 12 + 1) + QDOT_GEOMS.len() * 3 * 5
         );
         assert_eq!(
             qskinny_entry_points().len(),
-            8 * (16 + 20) + 2 * QSKINNY_PREFETCH.len()
+            8 * (16 + 20) + 2 * 2 * QSKINNY_PREFETCH.len()
         );
     }
 

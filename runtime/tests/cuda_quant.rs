@@ -209,8 +209,8 @@ enum Kern {
     /// The integer-dot GEMV in one of its geometries.
     GemvI8(QdotGeom),
     Skinny,
-    /// The skinny GEMM with FP8's unit ring of this depth (eight-token,
-    /// one-tile launches; others lower as `Skinny`).
+    /// The skinny GEMM with the ring type's unit ring of this depth
+    /// (eight-token, one-tile launches; others lower as `Skinny`).
     SkinnyRing(u32),
 }
 
@@ -517,62 +517,67 @@ fn quantized_skinny_gemm_matches_the_decoded_weight_for_every_type_at_awkward_si
     assert_eq!(cases, 8 * (3 * 3 * 6 + 3));
 }
 
-/// FP8's eight-token skinny GEMM with a ring of 2, 3 and 4 units per warp
-/// (depth 3 is the default, `KILN_QSKINNY_PF` picks another) against the same reference and bound: K at
-/// FP8's minimum (one unit a warp or none), a few units and a long row, N
-/// below a tile, not a multiple of 16, and large, 2..8 tokens, outputs
-/// poisoned; the launch is the ring entry. Then one case captured and
-/// replayed with new activations every step.
+/// The eight-token skinny GEMM of each ring type (FP8: a ring of
+/// registers; Q4_K: a ring in shared memory filled by cp.async) with 2, 3
+/// and 4 units per warp in flight against the same reference and bound as
+/// the plain loop: K at the type's minimum (fewer units than ring slots), a
+/// few units and a long row, N below a tile (clamped rows), not a multiple
+/// of 16, and large, 2..8 tokens, outputs poisoned; the launch is the ring
+/// entry. Then one case per type captured and replayed with new activations
+/// every step.
 #[test]
-fn fp8_skinny_gemm_with_a_unit_ring_matches_the_decoded_weight_and_replays() {
+fn skinny_gemm_with_a_unit_ring_matches_the_decoded_weight_and_replays() {
     let Some(mut b) = gpu() else { return };
     let mut r = Rng::new(28);
-    let q = QuantType::Fp8E4M3;
     let mut cases = 0;
-    for (di, d) in QSKINNY_PREFETCH.into_iter().enumerate() {
-        for (si, k) in ks(q).into_iter().enumerate() {
-            for n in [5u64, 37, 1000] {
-                let w = weight(&mut b, q, n, k, 9000 + 100 * di as u64 + 10 * si as u64 + n);
-                for t in [2u64, 5, 8] {
-                    let out = if (t + n) % 2 == 0 {
-                        DType::BF16
-                    } else {
-                        DType::F32
-                    };
-                    let bias = t == 5;
-                    let residual = out == DType::BF16 && t == 8;
-                    let c = kernel_case(
-                        &mut b,
-                        &mut r,
-                        &w,
-                        t,
-                        out,
-                        bias,
-                        residual,
-                        Kern::SkinnyRing(d),
-                    );
-                    assert!(c.entry.contains(&format!("_pf{d}_")), "{}", c.entry);
-                    launch_and_check(&mut b, &w, &c, &format!("qskinny ring {d} FP8 [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"));
-                    cases += 1;
+    for (qi, q) in [QuantType::Fp8E4M3, QuantType::Q4K].into_iter().enumerate() {
+        for (di, d) in QSKINNY_PREFETCH.into_iter().enumerate() {
+            for (si, k) in ks(q).into_iter().enumerate() {
+                for n in [5u64, 37, 1000] {
+                    let seed = 9000 + 1000 * qi as u64 + 100 * di as u64 + 10 * si as u64 + n;
+                    let w = weight(&mut b, q, n, k, seed);
+                    for t in [2u64, 5, 8] {
+                        let out = if (t + n) % 2 == 0 {
+                            DType::BF16
+                        } else {
+                            DType::F32
+                        };
+                        let bias = t == 5;
+                        let residual = out == DType::BF16 && t == 8;
+                        let c = kernel_case(
+                            &mut b,
+                            &mut r,
+                            &w,
+                            t,
+                            out,
+                            bias,
+                            residual,
+                            Kern::SkinnyRing(d),
+                        );
+                        assert!(c.entry.contains(&format!("_pf{d}_")), "{}", c.entry);
+                        launch_and_check(&mut b, &w, &c, &format!("qskinny ring {d} {q:?} [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"));
+                        cases += 1;
+                    }
+                    let _ = b.free(w.w.ptr);
                 }
-                let _ = b.free(w.w.ptr);
             }
         }
+        let (n, k, t) = (1000u64, ks(q)[2], 8u64);
+        let w = weight(&mut b, q, n, k, 9999 - qi as u64);
+        let c = kernel_case(
+            &mut b,
+            &mut r,
+            &w,
+            t,
+            DType::BF16,
+            true,
+            false,
+            Kern::SkinnyRing(3),
+        );
+        replay_follows_changing_inputs(&mut b, &mut r, &w, &c, &format!("qskinny ring 3 {q:?}"));
+        let _ = b.free(w.w.ptr);
     }
-    assert_eq!(cases, 3 * 3 * 3 * 3);
-    let (n, k, t) = (1000u64, ks(q)[2], 8u64);
-    let w = weight(&mut b, q, n, k, 9999);
-    let c = kernel_case(
-        &mut b,
-        &mut r,
-        &w,
-        t,
-        DType::BF16,
-        true,
-        false,
-        Kern::SkinnyRing(3),
-    );
-    replay_follows_changing_inputs(&mut b, &mut r, &w, &c, "qskinny ring 3 FP8");
+    assert_eq!(cases, 2 * 3 * 3 * 3 * 3);
 }
 
 /// Each type's skinny GEMM captured once and replayed with new activations
