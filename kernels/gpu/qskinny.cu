@@ -58,8 +58,8 @@
 //   * block b owns rows [16*MT*b, 16*MT*(b+1)): MT row tiles of 16;
 //   * its W warps split K: warp w takes the units w, w+W, w+2W, ..., with
 //     the next unit's weight words and metadata in flight during this one
-//     (the `_pf<d>` entries keep d - 1 or d ahead: FP8 in registers, Q4_K
-//     in shared memory through cp.async, see QskSlot);
+//     (the `_pf<d>` entries keep d - 1 or d ahead: FP8 in registers, the
+//     others in shared memory through cp.async, see QskSlot);
 //   * each warp keeps every token: NT tiles of 8 (T <= 8*NT);
 //   * the per-warp partial sums meet in dynamic shared memory
 //     ([W][MT*NT*4][32] f32) and are summed in warp order (deterministic).
@@ -70,8 +70,9 @@
 // Entry points: qskinny_S_tTP_rMT_bf16_OS, TP in 8, 16, 24, 32, MT in 1, 2,
 // OS in bf16, f32, with S one of qskinny_q8_0_, qskinny_q4_0_,
 // qskinny_q4_1_, qskinny_q5_0_, qskinny_q4k_, qskinny_q5k_, qskinny_q6k_,
-// qskinny_fp8_. Parameters are qgemv's (x, w, scale, bias, res, out, tokens,
-// n, k, w_const, off1, off2, off3).
+// qskinny_fp8_, and the ring variants qskinny_S_t8_r1_pfPF_bf16_OS (see the
+// end of the file). Parameters are qgemv's (x, w, scale, bias, res, out,
+// tokens, n, k, w_const, off1, off2, off3).
 //
 // Fused entries (fused_matmul over a quantized weight):
 // qskinny_fused_norm_S_tTP_rMT_bf16_{bf16,f32} (the RMSNorm prologue) and
@@ -437,22 +438,39 @@ KILN_DEV void qsk_ring_fill(QskUnit (&ring)[P][MT][2], const unsigned char* __re
 #endif
 
 #if defined(KILN_QSK_MMA)
-// Q4_K's unit ring in shared memory (the `_pf<d>` entries of Q4_K): the
-// register ring that helps FP8 lost on Q4_K, whose plain loop already sits
-// at the 64 registers that allow two 512-thread blocks per SM, so the units
-// in flight go to shared memory through cp.async, which holds no register
-// while the bytes travel. A slot is one unit of the warp's 16 * MT rows:
-// [16 * MT rows][2 vectors][16 B] of codes, the two vectors of rows whose
-// bit 2 is set swapped (so the eight rows g of one read and their lanes t
-// hit 32 distinct banks), then [2][16 * MT] metadata words (the
-// super-block's d/dmin word, the chunk's scales/mins word), the words
-// qsk_load reads.
-template <int MT> struct QskSlot {
-  static constexpr int bytes = MT * 16 * 32 + 2 * MT * 16 * 4;
+// The unit ring in shared memory (the `_pf<d>` entries of every type but
+// FP8): a ring of registers helps FP8 (one vector, no metadata) but lost on
+// Q4_K, whose plain loop already sits at the 64 registers that allow two
+// 512-thread blocks per SM, so the units in flight go to shared memory
+// through cp.async, which holds no register while the bytes travel. A slot
+// is one unit of the warp's 16 * MT rows: [rows][uv vectors][16 B] of codes
+// (with two vectors, those of rows whose bit 2 is set swapped, so the eight
+// rows g of one read and their lanes t hit 32 distinct banks; with one, the
+// 16-byte row stride does that already), then the metadata words qsk_load
+// reads, field by field, [field][rows][words]: f0 the first scale word (a
+// 16-bit scale is copied as the aligned word holding it and picked at the
+// read), f1 the second (Q5_0: its fifth bits; the K-quants: the chunk's
+// scales), f2 Q5_K's two / Q6_K's four words of high bits.
+template <int Q> struct QskMeta {
+  // Words per row of fields f1 and f2, and whether f0 is a 16-bit scale.
+  static constexpr int f1 = (Q == KQ_Q5_0 || Qsk<Q>::kquant) ? 1 : 0;
+  static constexpr int f2 = Q == KQ_Q5K ? 2 : Q == KQ_Q6K ? 4 : 0;
+  static constexpr bool half0 = Q == KQ_Q8_0 || Q == KQ_Q4_0 || Q == KQ_Q5_0 || Q == KQ_Q6K;
+};
+template <int Q, int MT> struct QskSlot {
+  static constexpr int rows = 16 * MT;
+  static constexpr int codes = rows * Qsk<Q>::uv * 16;
+  static constexpr int m1 = codes + rows * 4;
+  static constexpr int m2 = m1 + rows * 4 * QskMeta<Q>::f1;
+  static constexpr int bytes = m2 + rows * 4 * QskMeta<Q>::f2;
 };
 KILN_DEV void qsk_cp16(void* smem, const void* gmem) {
   const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+KILN_DEV void qsk_cp8(void* smem, const void* gmem) {
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(s), "l"(gmem) : "memory");
 }
 KILN_DEV void qsk_cp4(void* smem, const void* gmem) {
   const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
@@ -462,48 +480,115 @@ KILN_DEV void qsk_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memor
 template <int N> KILN_DEV void qsk_cp_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
-// Issues one Q4_K unit of rows [row0, row0 + 16 * MT) (clamped to n - 1
-// as the plain loop clamps) into `slot`: MT 16-byte copies of codes and MT
-// 4-byte copies of metadata per lane.
-template <int MT>
+// Row `row`'s unit-u index into f0's array (one scale per 32-block, or per
+// 256-element super-block for the K-quants) and the byte address of f0.
+template <int Q>
+KILN_DEV const unsigned char* qsk_f0(const unsigned char* __restrict__ w, i64 row, int u, int k,
+                                     i64 off1) {
+  const i64 i = Qsk<Q>::kquant ? row * (k / 256) + u / 4 : row * (k / 32) + u;
+  return w + off1 + (QskMeta<Q>::half0 ? 2 : 4) * i;
+}
+// Issues one unit of rows [row0, row0 + 16 * MT) (clamped to n - 1 as the
+// plain loop clamps) into `slot`, the copies spread over the warp's lanes.
+template <int Q, int MT>
 KILN_DEV void qsk_cp_unit(unsigned char* slot, const unsigned char* __restrict__ w, i64 row0, int n,
-                          int u, int k, int lane, i64 off1, i64 off2) {
-  const i64 row_bytes = (i64)k / 2;
+                          int u, int k, int lane, i64 off1, i64 off2, i64 off3) {
+  using S = QskSlot<Q, MT>;
+  constexpr int uv = Qsk<Q>::uv;
+  const i64 row_bytes = Qsk<Q>::bytes8 ? (i64)k : (i64)k / 2;
+  const i64 nv = k / 32;
 #pragma unroll
-  for (int j = 0; j < MT; ++j) {
+  for (int j = 0; j < (S::rows * uv + 31) / 32; ++j) {
     const int c = lane + 32 * j;
-    const int r = c >> 1, v = c & 1;
-    const i64 gr = row0 + r < n ? row0 + r : n - 1;
-    qsk_cp16(slot + r * 32 + 16 * (v ^ ((r >> 2) & 1)), w + gr * row_bytes + (i64)u * 32 + 16 * v);
+    if (c < S::rows * uv) {
+      const int r = c / uv, v = c % uv;
+      const i64 gr = row0 + r < n ? row0 + r : n - 1;
+      const int dv = uv == 2 ? (v ^ ((r >> 2) & 1)) : 0;
+      qsk_cp16(slot + (r * uv + dv) * 16, w + gr * row_bytes + (i64)u * uv * 16 + 16 * v);
+    }
   }
-  unsigned char* meta = slot + MT * 16 * 32;
+  // The metadata: f0 and f1 one word a row, f2 one copy a row.
+  constexpr int nf = 1 + (QskMeta<Q>::f1 ? 1 : 0);
 #pragma unroll
-  for (int j = 0; j < MT; ++j) {
+  for (int j = 0; j < (S::rows * nf + 31) / 32; ++j) {
     const int c = lane + 32 * j;
-    const int r = c % (16 * MT);
-    const i64 gr = row0 + r < n ? row0 + r : n - 1;
-    const unsigned char* src = c < 16 * MT ? w + off1 + 4 * (gr * (k / 256) + u / 4)
-                                           : w + off2 + 4 * (gr * (k / 64) + u);
-    qsk_cp4(meta + 4 * c, src);
+    if (c < S::rows * nf) {
+      const int f = c / S::rows, r = c % S::rows;
+      const i64 gr = row0 + r < n ? row0 + r : n - 1;
+      const unsigned char* src;
+      if (f == 0) {
+        const unsigned char* p = qsk_f0<Q>(w, gr, u, k, off1);
+        src = reinterpret_cast<const unsigned char*>(reinterpret_cast<size_t>(p) & ~(size_t)3);
+      } else if (Q == KQ_Q5_0) {
+        src = w + off2 + 4 * (gr * nv + u);
+      } else if (Q == KQ_Q6K) {
+        // Two i8 scales per vector, (A, B) of 2u then of 2u + 1: one word.
+        src = w + off2 + 4 * ((gr * nv) / 2 + u);
+      } else {
+        src = w + off2 + 4 * (gr * (k / 64) + u);
+      }
+      qsk_cp4(slot + (f == 0 ? S::codes : S::m1) + 4 * r, src);
+    }
+  }
+  if (QskMeta<Q>::f2) {
+#pragma unroll
+    for (int j = 0; j < (S::rows + 31) / 32; ++j) {
+      const int r = lane + 32 * j;
+      if (r < S::rows) {
+        const i64 gr = row0 + r < n ? row0 + r : n - 1;
+        if (Q == KQ_Q5K)
+          qsk_cp8(slot + S::m2 + 8 * r, w + off3 + 8 * ((gr * nv) / 2 + u));
+        else
+          qsk_cp16(slot + S::m2 + 16 * r, w + off3 + 16 * ((gr * nv) / 2 + u));
+      }
+    }
   }
 }
-// Lane (g, t)'s words of a landed slot: what qsk_load reads from memory.
-template <int MT>
-KILN_DEV void qsk_slot_read(QskUnit (&cur)[MT][2], const unsigned char* slot, int g, int t) {
-  const unsigned int* meta = reinterpret_cast<const unsigned int*>(slot + MT * 16 * 32);
-  const int sw = (g >> 2) & 1;
+// Lane (g, t)'s words of a landed slot: what qsk_load reads from memory
+// (rows: the lane's rows, as the plain loop clamps them).
+template <int Q, int MT>
+KILN_DEV void qsk_slot_read(QskUnit (&cur)[MT][2], const unsigned char* slot,
+                            const i64 (&rows)[MT][2], const unsigned char* __restrict__ w, int u,
+                            int k, i64 off1, int g, int t) {
+  using S = QskSlot<Q, MT>;
+  constexpr int uv = Qsk<Q>::uv;
+  const unsigned int* meta = reinterpret_cast<const unsigned int*>(slot + S::codes);
+  const int sw = uv == 2 ? (g >> 2) & 1 : 0;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = 16 * mt + 8 * h + g;
       QskUnit& d = cur[mt][h];
-      d.w[0] = *reinterpret_cast<const unsigned int*>(slot + r * 32 + 16 * sw + 4 * t);
-      d.w[1] = *reinterpret_cast<const unsigned int*>(slot + r * 32 + 16 * (sw ^ 1) + 4 * t);
-      d.m[0] = meta[r];
-      d.m[1] = meta[16 * MT + r];
 #pragma unroll
-      for (int i = 2; i < 6; ++i) d.m[i] = 0u;
+      for (int v = 0; v < 2; ++v)
+        d.w[v] = v < uv ? *reinterpret_cast<const unsigned int*>(slot + (r * uv + (v ^ sw)) * 16 + 4 * t)
+                        : 0u;
+#pragma unroll
+      for (int i = 0; i < 6; ++i) d.m[i] = 0u;
+      unsigned int m0 = meta[r];
+      if (QskMeta<Q>::half0)
+        m0 = (reinterpret_cast<size_t>(qsk_f0<Q>(w, rows[mt][h], u, k, off1)) & 2) ? m0 >> 16
+                                                                                    : m0 & 0xffffu;
+      d.m[0] = m0;
+      if (QskMeta<Q>::f1) {
+        const unsigned int m1 = *reinterpret_cast<const unsigned int*>(slot + S::m1 + 4 * r);
+        if (Q == KQ_Q5_0)
+          d.m[2] = m1;
+        else
+          d.m[1] = m1;
+      }
+      if (Q == KQ_Q5K) {
+        const uint2 hb = *reinterpret_cast<const uint2*>(slot + S::m2 + 8 * r);
+        d.m[2] = hb.x;
+        d.m[3] = hb.y;
+      } else if (Q == KQ_Q6K) {
+        const uint4 hb = *reinterpret_cast<const uint4*>(slot + S::m2 + 16 * r);
+        d.m[2] = hb.x;
+        d.m[3] = hb.y;
+        d.m[4] = hb.z;
+        d.m[5] = hb.w;
+      }
     }
 }
 #endif
@@ -567,16 +652,16 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
 
   int u = warp;
   QskUnit cur[MT][2];
-  // Q4_K's shared-memory ring (plain entries): P - 1 units per warp in
-  // flight through cp.async; see QskSlot.
-  constexpr bool CPA = PF > 0 && Q == KQ_Q4K && !PRE && !FUSED;
+  // The shared-memory ring (plain entries of every type but FP8): P - 1
+  // units per warp in flight through cp.async; see QskSlot.
+  constexpr bool CPA = PF > 0 && Q != KQ_FP8 && !PRE && !FUSED;
   unsigned char* cring = reinterpret_cast<unsigned char*>(qsk_red) +
-                         (size_t)warp * (PF > 0 ? PF : 1) * QskSlot<MT>::bytes;
+                         (size_t)warp * (PF > 0 ? PF : 1) * QskSlot<Q, MT>::bytes;
   if (CPA && w_const) {
 #pragma unroll
     for (int i = 0; i < (PF > 0 ? PF : 1) - 1; ++i) {
       if (u + i * warps < units)
-        qsk_cp_unit<MT>(cring + i * QskSlot<MT>::bytes, w, row0, n, u + i * warps, k, lane, off1, off2);
+        qsk_cp_unit<Q, MT>(cring + i * QskSlot<Q, MT>::bytes, w, row0, n, u + i * warps, k, lane, off1, off2, off3);
       qsk_cp_commit();
     }
   }
@@ -609,7 +694,7 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
 #pragma unroll
     for (int i = 0; i < (PF > 0 ? PF : 1) - 1; ++i) {
       if (u + i * warps < units)
-        qsk_cp_unit<MT>(cring + i * QskSlot<MT>::bytes, w, row0, n, u + i * warps, k, lane, off1, off2);
+        qsk_cp_unit<Q, MT>(cring + i * QskSlot<Q, MT>::bytes, w, row0, n, u + i * warps, k, lane, off1, off2, off3);
       qsk_cp_commit();
     }
   }
@@ -678,10 +763,11 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
       __syncwarp();
       const int uf = u + ((PF > 0 ? PF : 1) - 1) * warps;
       if (uf < units)
-        qsk_cp_unit<MT>(cring + ((it + (PF > 0 ? PF : 1) - 1) % (PF > 0 ? PF : 1)) * QskSlot<MT>::bytes,
-                        w, row0, n, uf, k, lane, off1, off2);
+        qsk_cp_unit<Q, MT>(cring + ((it + (PF > 0 ? PF : 1) - 1) % (PF > 0 ? PF : 1)) * QskSlot<Q, MT>::bytes,
+                        w, row0, n, uf, k, lane, off1, off2, off3);
       qsk_cp_commit();
-      qsk_slot_read<MT>(cur, cring + (it % (PF > 0 ? PF : 1)) * QskSlot<MT>::bytes, g, t);
+      qsk_slot_read<Q, MT>(cur, cring + (it % (PF > 0 ? PF : 1)) * QskSlot<Q, MT>::bytes, rows, w,
+                           u, k, off1, g, t);
     } else if (un < units) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -871,9 +957,9 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
   KILN_QSKINNY_FUSED(S, Q, kbf16, bf16, TP, 2, 1, qskinny_fused_norm_##S##_t##TP##_r2_bf16_bf16) \
   KILN_QSKINNY_FUSED(S, Q, float, f32, TP, 1, 1, qskinny_fused_norm_##S##_t##TP##_r1_bf16_f32) \
   KILN_QSKINNY_FUSED(S, Q, float, f32, TP, 2, 1, qskinny_fused_norm_##S##_t##TP##_r2_bf16_f32)
-// Ring-prefetch variants of the eight-token, one-tile entries of FP8 (a
-// ring of registers) and Q4_K (a ring in shared memory, QskSlot): PF units
-// per warp in flight, qskinny_{fp8,q4k}_t8_r1_pfPF_bf16_OS, PF in 2, 3, 4
+// Ring-prefetch variants of every type's eight-token, one-tile entries
+// (FP8: a ring of registers; the others a ring in shared memory, QskSlot):
+// PF units per warp in flight, qskinny_S_t8_r1_pfPF_bf16_OS, PF in 2, 3, 4
 // (kiln_kernels::quant_gpu::skinny_prefetch picks the default depths).
 #define KILN_QSKINNY_PF(S, Q, O, OS, PF)                                                       \
   KILN_GLOBAL void __launch_bounds__(512) qskinny_##S##_t8_r1_pf##PF##_bf16_##OS(              \
@@ -898,7 +984,8 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
   KILN_QSKINNY_FUSED_TP(S, Q, 8)                                                               \
   KILN_QSKINNY_FUSED_TP(S, Q, 16)                                                              \
   KILN_QSKINNY_FUSED_TP(S, Q, 24)                                                              \
-  KILN_QSKINNY_FUSED_TP(S, Q, 32)
+  KILN_QSKINNY_FUSED_TP(S, Q, 32)                                                              \
+  KILN_QSKINNY_PFS(S, Q)
 KILN_QSKINNY_TYPE(q8_0, KQ_Q8_0)
 KILN_QSKINNY_TYPE(q4_0, KQ_Q4_0)
 KILN_QSKINNY_TYPE(q4_1, KQ_Q4_1)
@@ -907,5 +994,3 @@ KILN_QSKINNY_TYPE(q4k, KQ_Q4K)
 KILN_QSKINNY_TYPE(q5k, KQ_Q5K)
 KILN_QSKINNY_TYPE(q6k, KQ_Q6K)
 KILN_QSKINNY_TYPE(fp8, KQ_FP8)
-KILN_QSKINNY_PFS(fp8, KQ_FP8)
-KILN_QSKINNY_PFS(q4k, KQ_Q4K)

@@ -1027,17 +1027,52 @@ pub const QSKINNY_TOKENS: [u32; 4] = [8, 16, 24, 32];
 /// Row tiles (16 rows each) per block the quantized skinny GEMM takes.
 pub const QSKINNY_ROW_TILES: [u32; 2] = [1, 2];
 
-/// The ring-prefetch depths the eight-token, one-tile skinny entries of the
-/// ring types ([`skinny_ring_type`]) are also instantiated for
-/// (`qskinny_<fp8|q4k>_t8_r1_pf<d>_..`: `d` units per warp in flight
-/// instead of the plain loop's one ahead; see the kernel).
+/// The ring-prefetch depths every type's eight-token, one-tile skinny
+/// entries are also instantiated for (`qskinny_<type>_t8_r1_pf<d>_..`: `d`
+/// units per warp in flight instead of the plain loop's one ahead; see the
+/// kernel): FP8 keeps its ring in registers (one vector a unit, no
+/// metadata), the others in shared memory filled by cp.async, since their
+/// plain loops already sit at the register count that allows two
+/// 512-thread blocks per SM.
 pub const QSKINNY_PREFETCH: [u32; 3] = [2, 3, 4];
 
-/// Whether `q`'s eight-token skinny launches have ring entries: FP8 (a
-/// ring of registers) and Q4_K (a ring in shared memory filled by
-/// cp.async, since Q4_K's plain loop is at its register limit).
+/// Whether `q`'s eight-token skinny launches have ring entries (every
+/// type does).
 pub fn skinny_ring_type(q: QuantType) -> bool {
-    matches!(q, QuantType::Fp8E4M3 | QuantType::Q4K)
+    QUANT_TYPES.contains(&q)
+}
+
+/// The dynamic shared memory a warp's ring slots may take in all, in one
+/// block: 48 KiB (what a launch gets without opting in) less 1 KiB, so the
+/// static shared memory fits beside it.
+pub const QSKINNY_RING_SHARED: u64 = 47 * 1024;
+
+/// Bytes of one shared-memory ring slot of `q` (one unit of a warp's 16
+/// rows: the unit's 16-byte code vectors of each row, then its metadata
+/// words; the kernel's `QskSlot<Q, 1>`); 0 for FP8, whose ring is
+/// registers.
+pub fn qskinny_slot_bytes(q: QuantType) -> u64 {
+    let (vectors, meta_words) = match q {
+        QuantType::Fp8E4M3 => return 0,
+        QuantType::Q8_0 => (2, 1),
+        QuantType::Q4_0 | QuantType::Q4_1 => (1, 1),
+        QuantType::Q5_0 => (1, 2),
+        QuantType::Q4K => (2, 2),
+        QuantType::Q5K => (2, 4),
+        QuantType::Q6K => (2, 6),
+    };
+    16 * (16 * vectors + 4 * meta_words)
+}
+
+/// The ring depth a launch of `warps` warps takes for a requested `depth`:
+/// the deepest instantiated depth up to it whose slots fit
+/// [`QSKINNY_RING_SHARED`] (Q6_K at 16 warps: 3), or none.
+pub fn skinny_ring_depth(q: QuantType, warps: u64, depth: u32) -> Option<u32> {
+    QSKINNY_PREFETCH
+        .into_iter()
+        .rev()
+        .filter(|&d| d <= depth)
+        .find(|&d| warps * u64::from(d) * qskinny_slot_bytes(q) <= QSKINNY_RING_SHARED)
 }
 
 /// The ring depth FP8's eight-token, one-tile launches take by default
@@ -1049,32 +1084,32 @@ pub fn skinny_ring_type(q: QuantType) -> bool {
 /// (bench/results/gpu-2026-12-06-s26/).
 pub const QSKINNY_FP8_PREFETCH: u32 = 3;
 
-/// The shared-memory ring depth Q4_K's eight-token, one-tile launches take
-/// by default. A ring of registers lost on Q4_K (plain 4.891 ms, rings
-/// 5.21-5.38 on a Llama-3-8B b8 step, bench/results/gpu-2026-12-06-s25/);
-/// the cp.async ring in shared memory won at every depth in one H100 call
+/// The shared-memory ring depth the other types' eight-token, one-tile
+/// launches take by default (capped by [`skinny_ring_depth`]). A ring of
+/// registers lost on Q4_K (plain 4.891 ms, rings 5.21-5.38 on a Llama-3-8B
+/// b8 step, bench/results/gpu-2026-12-06-s25/); the cp.async ring in
+/// shared memory won at every depth in one H100 call
 /// (bench/results/gpu-2026-12-06-s26/, b8 steps, plain / depth 2 / 3 / 4):
-/// Llama-3-8B 4.698 / 4.231 / 4.224 / 4.206 ms, Qwen3-0.6B 1.391 / 1.374
-/// / 1.305 / 1.288 ms, b1 unchanged; `cuda_quant`, memcheck and racecheck
-/// passed on it.
-pub const QSKINNY_Q4K_PREFETCH: Option<u32> = Some(4);
-
-/// Bytes of one Q4_K ring slot (one unit of a warp's 16 rows: 16 x 32
-/// bytes of codes and 2 x 16 metadata words; the kernel's `QskSlot<1>`).
-pub const QSKINNY_Q4K_SLOT_BYTES: u64 = 16 * 32 + 2 * 16 * 4;
+/// Llama-3-8B Q4_K 4.698 / 4.231 / 4.224 / 4.206 ms, Qwen3-0.6B Q4_K 1.391
+/// / 1.374 / 1.305 / 1.288 ms, b1 unchanged. Every type, plain / default
+/// (call 3): Llama-3-8B Q6_K 6.145 / 5.083 (its plain loop needs 101
+/// registers, the ring 64), Qwen3-4B Q8_0 4.141 / 3.843, Qwen3-1.7B Q5_K
+/// 2.230 / 2.133, SmolLM2-135M Q5_0 0.902 / 0.887, Llama-3.2-1B Q4_0 and
+/// Qwen3-0.6B Q4_1 within 0.3%. `cuda_quant`, memcheck and racecheck
+/// passed on every type's ring.
+pub const QSKINNY_SMEM_PREFETCH: Option<u32> = Some(4);
 
 /// `q`'s ring depth for eight-token, one-tile launches, overridden by
 /// `KILN_QSKINNY_PF` (read at compile time like `KILN_QDOT_GEOM`, an A/B
 /// knob): unset or empty is the type's default ([`QSKINNY_FP8_PREFETCH`],
-/// [`QSKINNY_Q4K_PREFETCH`]), `0` the plain loop (`None`), otherwise one
-/// of [`QSKINNY_PREFETCH`] for every ring type. Types without ring entries
-/// are always `None`.
+/// [`QSKINNY_SMEM_PREFETCH`]), `0` the plain loop (`None`), otherwise one
+/// of [`QSKINNY_PREFETCH`] for every type. A launch takes at most what
+/// [`skinny_ring_depth`] allows.
 pub fn skinny_prefetch(over: Option<&str>, q: QuantType) -> Result<Option<u32>, String> {
     let d = match over.map(str::trim) {
         None | Some("") => match q {
             QuantType::Fp8E4M3 => Some(QSKINNY_FP8_PREFETCH),
-            QuantType::Q4K => QSKINNY_Q4K_PREFETCH,
-            _ => None,
+            _ => QSKINNY_SMEM_PREFETCH,
         },
         Some("0") => None,
         Some(v) => match v.parse::<u32>() {
@@ -1218,17 +1253,13 @@ pub fn lower_qskinny_with(
         let tokens = (t - t0).min(32);
         let g = SkinnyGeometry::of(q, "matmul", n, k, tokens, false)?;
         let ring = prefetch
-            .filter(|d| QSKINNY_PREFETCH.contains(d))
-            .filter(|_| skinny_ring_type(q) && g.tp == 8 && g.mt == 1);
+            .filter(|_| skinny_ring_type(q) && g.tp == 8 && g.mt == 1)
+            .and_then(|d| skinny_ring_depth(q, g.warps, d));
         let pf = ring.map_or(String::new(), |d| format!("_pf{d}"));
-        // Q4_K's ring lives in the dynamic shared memory the partials
-        // reuse after it: [warps][depth] slots.
-        let shared = match ring {
-            Some(d) if q == QuantType::Q4K => g
-                .shared_bytes()
-                .max((g.warps * u64::from(d) * QSKINNY_Q4K_SLOT_BYTES) as u32),
-            _ => g.shared_bytes(),
-        };
+        // A shared-memory ring lives in the dynamic shared memory the
+        // partials reuse after it: [warps][depth] slots.
+        let shared = ring.map_or(0, |d| g.warps * u64::from(d) * qskinny_slot_bytes(q));
+        let shared = g.shared_bytes().max(shared as u32);
         launches.push(KernelLaunch {
             module: QSKINNY_MODULE.into(),
             entry: format!("qskinny_{}_t{}_r{}{pf}_bf16_{os}", stem(q), g.tp, g.mt),
@@ -2025,7 +2056,8 @@ mod tests {
                     for (d, p) in def.iter().zip(&ls) {
                         let depth = skinny_prefetch(None, q)
                             .unwrap()
-                            .filter(|_| p.entry.contains("_t8_r1_"));
+                            .filter(|_| p.entry.contains("_t8_r1_"))
+                            .and_then(|dp| skinny_ring_depth(q, u64::from(p.block[0] / 32), dp));
                         let want = match depth {
                             Some(dp) => p.entry.replace("_t8_r1_", &format!("_t8_r1_pf{dp}_")),
                             None => p.entry.clone(),
@@ -2033,11 +2065,12 @@ mod tests {
                         assert_eq!(d.entry, want, "{q:?} [{n},{k}] t={t}");
                         assert!(qskinny_entry_points().contains(&d.entry));
                         let shared = match depth {
-                            Some(dp) if q == QuantType::Q4K => p.shared_bytes.max(
-                                (u64::from(dp) * QSKINNY_Q4K_SLOT_BYTES) as u32 * p.block[0] / 32,
+                            Some(dp) => p.shared_bytes.max(
+                                (u64::from(dp) * qskinny_slot_bytes(q)) as u32 * p.block[0] / 32,
                             ),
-                            _ => p.shared_bytes,
+                            None => p.shared_bytes,
                         };
+                        assert!(u64::from(shared) <= QSKINNY_RING_SHARED.max(48 * 1024));
                         assert_eq!((d.grid, d.block, d.shared_bytes), (p.grid, p.block, shared));
                         assert_eq!(d.params, p.params);
                     }
@@ -2388,14 +2421,17 @@ mod tests {
         let (fp8, q4k) = (QuantType::Fp8E4M3, QuantType::Q4K);
         for unset in [None, Some(""), Some(" ")] {
             assert_eq!(skinny_prefetch(unset, fp8), Ok(Some(QSKINNY_FP8_PREFETCH)));
-            assert_eq!(skinny_prefetch(unset, q4k), Ok(QSKINNY_Q4K_PREFETCH));
-            assert_eq!(skinny_prefetch(unset, QuantType::Q6K), Ok(None));
+            assert_eq!(skinny_prefetch(unset, q4k), Ok(QSKINNY_SMEM_PREFETCH));
+            assert_eq!(
+                skinny_prefetch(unset, QuantType::Q6K),
+                Ok(QSKINNY_SMEM_PREFETCH)
+            );
         }
         for q in QUANT_TYPES {
             assert_eq!(skinny_prefetch(Some("0"), q), Ok(None));
         }
         assert!(QSKINNY_PREFETCH.contains(&QSKINNY_FP8_PREFETCH));
-        assert!(QSKINNY_Q4K_PREFETCH.is_none_or(|d| QSKINNY_PREFETCH.contains(&d)));
+        assert!(QSKINNY_SMEM_PREFETCH.is_none_or(|d| QSKINNY_PREFETCH.contains(&d)));
         let entries = qskinny_entry_points();
         for d in QSKINNY_PREFETCH {
             for q in QUANT_TYPES {
@@ -2459,11 +2495,22 @@ mod tests {
             entry(fp8, 2560, 16, Some(3)),
             "qskinny_fp8_t16_r1_bf16_bf16"
         );
+        // Q6_K's four slots a warp would not fit 47 KiB at 16 warps: three.
         assert_eq!(
-            entry(QuantType::Q6K, 2560, 8, Some(3)),
-            "qskinny_q6k_t8_r1_bf16_bf16"
+            entry(QuantType::Q6K, 2560, 8, Some(4)),
+            "qskinny_q6k_t8_r1_pf3_bf16_bf16"
         );
-        assert_eq!(entry(fp8, 2560, 8, Some(7)), "qskinny_fp8_t8_r1_bf16_bf16");
+        assert_eq!(skinny_ring_depth(QuantType::Q6K, 16, 4), Some(3));
+        assert_eq!(skinny_ring_depth(QuantType::Q5K, 16, 4), Some(3));
+        assert_eq!(skinny_ring_depth(QuantType::Q4K, 16, 4), Some(4));
+        assert_eq!(skinny_ring_depth(QuantType::Q4K, 16, 1), None);
+        assert_eq!(skinny_ring_depth(QuantType::Fp8E4M3, 16, 4), Some(4));
+        // A depth past the instantiated ones takes the deepest; below them, none.
+        assert_eq!(
+            entry(fp8, 2560, 8, Some(7)),
+            "qskinny_fp8_t8_r1_pf4_bf16_bf16"
+        );
+        assert_eq!(entry(fp8, 2560, 8, Some(1)), "qskinny_fp8_t8_r1_bf16_bf16");
         for e in [entry(fp8, 2560, 8, Some(4)), entry(fp8, 2560, 8, None)] {
             assert!(qskinny_entry_points().contains(&e), "{e}");
         }
@@ -2514,15 +2561,15 @@ mod tests {
             assert_eq!(set.len(), list.len());
         }
         // Plain, fused and gather entries of qgemv, the integer-dot entries
-        // in every geometry; plain and fused of qskinny, and the ring
-        // entries of FP8 and Q4_K.
+        // in every geometry; plain and fused of qskinny, and every type's
+        // ring entries.
         assert_eq!(
             entry_points().len(),
             8 * (8 + 12 + 1) + QDOT_GEOMS.len() * 3 * 5
         );
         assert_eq!(
             qskinny_entry_points().len(),
-            8 * (16 + 20) + 2 * 2 * QSKINNY_PREFETCH.len()
+            8 * (16 + 20 + 2 * QSKINNY_PREFETCH.len())
         );
     }
 

@@ -517,20 +517,21 @@ fn quantized_skinny_gemm_matches_the_decoded_weight_for_every_type_at_awkward_si
     assert_eq!(cases, 8 * (3 * 3 * 6 + 3));
 }
 
-/// The eight-token skinny GEMM of each ring type (FP8: a ring of
-/// registers; Q4_K: a ring in shared memory filled by cp.async) with 2, 3
-/// and 4 units per warp in flight against the same reference and bound as
+/// The eight-token skinny GEMM of every type with its unit ring (FP8: a
+/// ring of registers; the others a ring in shared memory filled by
+/// cp.async) at 2, 3 and 4 units per warp in flight (Q5_K and Q6_K capped
+/// at 3 where 16 warps' slots would not fit) against the same reference and bound as
 /// the plain loop: K at the type's minimum (fewer units than ring slots), a
 /// few units and a long row, N below a tile (clamped rows), not a multiple
 /// of 16, and large, 2..8 tokens, outputs poisoned; the launch is the ring
 /// entry. Then one case per type captured and replayed with new activations
 /// every step.
 #[test]
-fn skinny_gemm_with_a_unit_ring_matches_the_decoded_weight_and_replays() {
+fn every_type_s_skinny_gemm_with_a_unit_ring_matches_the_decoded_weight_and_replays() {
     let Some(mut b) = gpu() else { return };
     let mut r = Rng::new(28);
     let mut cases = 0;
-    for (qi, q) in [QuantType::Fp8E4M3, QuantType::Q4K].into_iter().enumerate() {
+    for (qi, q) in QUANT_TYPES.into_iter().enumerate() {
         for (di, d) in QSKINNY_PREFETCH.into_iter().enumerate() {
             for (si, k) in ks(q).into_iter().enumerate() {
                 for n in [5u64, 37, 1000] {
@@ -554,7 +555,7 @@ fn skinny_gemm_with_a_unit_ring_matches_the_decoded_weight_and_replays() {
                             residual,
                             Kern::SkinnyRing(d),
                         );
-                        assert!(c.entry.contains(&format!("_pf{d}_")), "{}", c.entry);
+                        assert!(c.entry.contains("_t8_r1_pf"), "{}", c.entry);
                         launch_and_check(&mut b, &w, &c, &format!("qskinny ring {d} {q:?} [{t},{k}]x[{n},{k}]^T -> {out} bias={bias} residual={residual}"));
                         cases += 1;
                     }
@@ -577,7 +578,7 @@ fn skinny_gemm_with_a_unit_ring_matches_the_decoded_weight_and_replays() {
         replay_follows_changing_inputs(&mut b, &mut r, &w, &c, &format!("qskinny ring 3 {q:?}"));
         let _ = b.free(w.w.ptr);
     }
-    assert_eq!(cases, 2 * 3 * 3 * 3 * 3);
+    assert_eq!(cases, 8 * 3 * 3 * 3 * 3);
 }
 
 /// Each type's skinny GEMM captured once and replayed with new activations
