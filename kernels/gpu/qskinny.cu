@@ -488,11 +488,22 @@ KILN_DEV const unsigned char* qsk_f0(const unsigned char* __restrict__ w, i64 ro
   const i64 i = Qsk<Q>::kquant ? row * (k / 256) + u / 4 : row * (k / 32) + u;
   return w + off1 + (QskMeta<Q>::half0 ? 2 : 4) * i;
 }
-// Issues one unit of rows [row0, row0 + 16 * MT) (clamped to n - 1 as the
-// plain loop clamps) into `slot`, the copies spread over the warp's lanes.
+// The weight row of slot row r (the kernel's rows[r / 16][(r / 8) % 2] for
+// lane g = r % 8): row0 + r clamped to n - 1, or under an activation
+// epilogue (act_outs = n / 2 > 0) gate row row0 + r % 16 clamped to
+// act_outs - 1, plus act_outs for the up tile (r >= 16).
+KILN_DEV i64 qsk_row_of(i64 row0, int r, int n, int act_outs) {
+  if (act_outs > 0) {
+    const i64 j = row0 + (r & 15);
+    return (j < act_outs ? j : act_outs - 1) + (i64)(r >> 4) * act_outs;
+  }
+  return row0 + r < n ? row0 + r : n - 1;
+}
+// Issues one unit of the block's 16 * MT rows (qsk_row_of) into `slot`,
+// the copies spread over the warp's lanes.
 template <int Q, int MT>
 KILN_DEV void qsk_cp_unit(unsigned char* slot, const unsigned char* __restrict__ w, i64 row0, int n,
-                          int u, int k, int lane, i64 off1, i64 off2, i64 off3) {
+                          int act_outs, int u, int k, int lane, i64 off1, i64 off2, i64 off3) {
   using S = QskSlot<Q, MT>;
   constexpr int uv = Qsk<Q>::uv;
   const i64 row_bytes = Qsk<Q>::bytes8 ? (i64)k : (i64)k / 2;
@@ -502,7 +513,7 @@ KILN_DEV void qsk_cp_unit(unsigned char* slot, const unsigned char* __restrict__
     const int c = lane + 32 * j;
     if (c < S::rows * uv) {
       const int r = c / uv, v = c % uv;
-      const i64 gr = row0 + r < n ? row0 + r : n - 1;
+      const i64 gr = qsk_row_of(row0, r, n, act_outs);
       const int dv = uv == 2 ? (v ^ ((r >> 2) & 1)) : 0;
       qsk_cp16(slot + (r * uv + dv) * 16, w + gr * row_bytes + (i64)u * uv * 16 + 16 * v);
     }
@@ -514,7 +525,7 @@ KILN_DEV void qsk_cp_unit(unsigned char* slot, const unsigned char* __restrict__
     const int c = lane + 32 * j;
     if (c < S::rows * nf) {
       const int f = c / S::rows, r = c % S::rows;
-      const i64 gr = row0 + r < n ? row0 + r : n - 1;
+      const i64 gr = qsk_row_of(row0, r, n, act_outs);
       const unsigned char* src;
       if (f == 0) {
         const unsigned char* p = qsk_f0<Q>(w, gr, u, k, off1);
@@ -535,7 +546,7 @@ KILN_DEV void qsk_cp_unit(unsigned char* slot, const unsigned char* __restrict__
     for (int j = 0; j < (S::rows + 31) / 32; ++j) {
       const int r = lane + 32 * j;
       if (r < S::rows) {
-        const i64 gr = row0 + r < n ? row0 + r : n - 1;
+        const i64 gr = qsk_row_of(row0, r, n, act_outs);
         if (Q == KQ_Q5K)
           qsk_cp8(slot + S::m2 + 8 * r, w + off3 + 8 * ((gr * nv) / 2 + u));
         else
@@ -652,16 +663,17 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
 
   int u = warp;
   QskUnit cur[MT][2];
-  // The shared-memory ring (plain entries of every type but FP8): P - 1
-  // units per warp in flight through cp.async; see QskSlot.
-  constexpr bool CPA = PF > 0 && Q != KQ_FP8 && !PRE && !FUSED;
+  // The shared-memory ring (the ring entries of every type but FP8, plain
+  // and fused): P - 1 units per warp in flight through cp.async; see
+  // QskSlot. The prologue runs while the first units travel.
+  constexpr bool CPA = PF > 0 && Q != KQ_FP8;
   unsigned char* cring = reinterpret_cast<unsigned char*>(qsk_red) +
                          (size_t)warp * (PF > 0 ? PF : 1) * QskSlot<Q, MT>::bytes;
   if (CPA && w_const) {
 #pragma unroll
     for (int i = 0; i < (PF > 0 ? PF : 1) - 1; ++i) {
       if (u + i * warps < units)
-        qsk_cp_unit<Q, MT>(cring + i * QskSlot<Q, MT>::bytes, w, row0, n, u + i * warps, k, lane, off1, off2, off3);
+        qsk_cp_unit<Q, MT>(cring + i * QskSlot<Q, MT>::bytes, w, row0, n, act ? outs : 0, u + i * warps, k, lane, off1, off2, off3);
       qsk_cp_commit();
     }
   }
@@ -694,7 +706,7 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
 #pragma unroll
     for (int i = 0; i < (PF > 0 ? PF : 1) - 1; ++i) {
       if (u + i * warps < units)
-        qsk_cp_unit<Q, MT>(cring + i * QskSlot<Q, MT>::bytes, w, row0, n, u + i * warps, k, lane, off1, off2, off3);
+        qsk_cp_unit<Q, MT>(cring + i * QskSlot<Q, MT>::bytes, w, row0, n, act ? outs : 0, u + i * warps, k, lane, off1, off2, off3);
       qsk_cp_commit();
     }
   }
@@ -764,7 +776,7 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
       const int uf = u + ((PF > 0 ? PF : 1) - 1) * warps;
       if (uf < units)
         qsk_cp_unit<Q, MT>(cring + ((it + (PF > 0 ? PF : 1) - 1) % (PF > 0 ? PF : 1)) * QskSlot<Q, MT>::bytes,
-                        w, row0, n, uf, k, lane, off1, off2, off3);
+                        w, row0, n, act ? outs : 0, uf, k, lane, off1, off2, off3);
       qsk_cp_commit();
       qsk_slot_read<Q, MT>(cur, cring + (it % (PF > 0 ? PF : 1)) * QskSlot<Q, MT>::bytes, rows, w,
                            u, k, off1, g, t);
@@ -969,6 +981,25 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
     qskinny_gemm<Q, O, 1, 1, 0, 0, PF>(x, w, scale, bias, nullptr, res, out, tokens, n, k,     \
                                        w_const, off1, off2, off3, 0.0f, 0, KQSK_FUSED_NONE);   \
   }
+// Ring variants of the fused entries an eight-token launch takes (the
+// norm prologue's one-tile entries, the activation epilogue's two-tile
+// ones), at the one depth kiln_kernels::quant_gpu::skinny_ring_depth gives
+// the type's default (D: 3 for Q5_K and Q6_K, else 4): every type but FP8.
+#define KILN_QSKINNY_FUSED_PF(S, Q, O, OS, MT, PRE, D, NAME)                                   \
+  KILN_GLOBAL void __launch_bounds__(512 / MT)                                                 \
+      NAME(const kbf16* x, const unsigned char* w, const float* scale, const kbf16* bias,      \
+           const kbf16* norm_w, const kbf16* res, O* out, int tokens, int n, int k, int w_const, \
+           i64 off1, i64 off2, i64 off3, float eps, int unit_offset, int mode) {               \
+    qskinny_gemm<Q, O, 1, MT, PRE, 1, D>(x, w, scale, bias, norm_w, res, out, tokens, n, k,    \
+                                         w_const, off1, off2, off3, eps, unit_offset, mode);    \
+  }
+#define KILN_QSKINNY_FUSED_PFS(S, Q, D)                                                        \
+  KILN_QSKINNY_FUSED_PF(S, Q, kbf16, bf16, 2, 0, D, qskinny_fused_##S##_t8_r2_pf##D##_bf16_bf16) \
+  KILN_QSKINNY_FUSED_PF(S, Q, kbf16, bf16, 1, 1, D,                                            \
+                        qskinny_fused_norm_##S##_t8_r1_pf##D##_bf16_bf16)                      \
+  KILN_QSKINNY_FUSED_PF(S, Q, kbf16, bf16, 2, 1, D,                                            \
+                        qskinny_fused_norm_##S##_t8_r2_pf##D##_bf16_bf16)                      \
+  KILN_QSKINNY_FUSED_PF(S, Q, float, f32, 1, 1, D, qskinny_fused_norm_##S##_t8_r1_pf##D##_bf16_f32)
 #define KILN_QSKINNY_PFS(S, Q)                                                                 \
   KILN_QSKINNY_PF(S, Q, kbf16, bf16, 2) KILN_QSKINNY_PF(S, Q, kbf16, bf16, 3)                  \
   KILN_QSKINNY_PF(S, Q, kbf16, bf16, 4) KILN_QSKINNY_PF(S, Q, float, f32, 2)                   \
@@ -994,3 +1025,10 @@ KILN_QSKINNY_TYPE(q4k, KQ_Q4K)
 KILN_QSKINNY_TYPE(q5k, KQ_Q5K)
 KILN_QSKINNY_TYPE(q6k, KQ_Q6K)
 KILN_QSKINNY_TYPE(fp8, KQ_FP8)
+KILN_QSKINNY_FUSED_PFS(q8_0, KQ_Q8_0, 4)
+KILN_QSKINNY_FUSED_PFS(q4_0, KQ_Q4_0, 4)
+KILN_QSKINNY_FUSED_PFS(q4_1, KQ_Q4_1, 4)
+KILN_QSKINNY_FUSED_PFS(q5_0, KQ_Q5_0, 4)
+KILN_QSKINNY_FUSED_PFS(q4k, KQ_Q4K, 4)
+KILN_QSKINNY_FUSED_PFS(q5k, KQ_Q5K, 3)
+KILN_QSKINNY_FUSED_PFS(q6k, KQ_Q6K, 3)

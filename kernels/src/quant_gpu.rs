@@ -1084,6 +1084,18 @@ pub fn skinny_ring_depth(q: QuantType, warps: u64, depth: u32) -> Option<u32> {
 /// (bench/results/gpu-2026-12-06-s26/).
 pub const QSKINNY_FP8_PREFETCH: u32 = 3;
 
+/// The one ring depth the fused eight-token entries of `q` are
+/// instantiated for (`qskinny_fused[_norm]_<type>_t8_r<mt>_pf<d>_..`, every
+/// type but FP8): the default depth as [`skinny_ring_depth`] caps it at 16
+/// warps' worth of slots (one-tile launches of 16 warps and two-tile
+/// launches of 8 take the same shared memory).
+pub fn skinny_fused_ring_depth(q: QuantType) -> Option<u32> {
+    if q == QuantType::Fp8E4M3 {
+        return None;
+    }
+    QSKINNY_SMEM_PREFETCH.and_then(|d| skinny_ring_depth(q, 16, d))
+}
+
 /// The shared-memory ring depth the other types' eight-token, one-tile
 /// launches take by default (capped by [`skinny_ring_depth`]). A ring of
 /// registers lost on Q4_K (plain 4.891 ms, rings 5.21-5.38 on a Llama-3-8B
@@ -1143,6 +1155,13 @@ pub fn qskinny_entry_points() -> Vec<String> {
                     v.push(format!("qskinny_{}_t8_r1_pf{pf}_bf16_{o}", stem(q)));
                 }
             }
+        }
+        if let Some(d) = skinny_fused_ring_depth(q) {
+            let s = stem(q);
+            v.push(format!("qskinny_fused_{s}_t8_r2_pf{d}_bf16_bf16"));
+            v.push(format!("qskinny_fused_norm_{s}_t8_r1_pf{d}_bf16_bf16"));
+            v.push(format!("qskinny_fused_norm_{s}_t8_r2_pf{d}_bf16_bf16"));
+            v.push(format!("qskinny_fused_norm_{s}_t8_r1_pf{d}_bf16_f32"));
         }
         for tp in QSKINNY_TOKENS {
             v.push(format!("qskinny_fused_{}_t{tp}_r2_bf16_bf16", stem(q)));
@@ -1627,15 +1646,30 @@ pub fn lower_qskinny_fused(
     } else {
         "fused"
     };
+    let prefetch =
+        skinny_prefetch(std::env::var("KILN_QSKINNY_PF").ok().as_deref(), q).map_err(|why| {
+            QLowerError::Unsupported {
+                op: "fused_matmul",
+                q,
+                n,
+                k,
+                why,
+            }
+        })?;
     let mut launches = Vec::new();
     let mut t0 = 0u64;
     while t0 < t {
         let tokens = (t - t0).min(32);
         let g = SkinnyGeometry::of(q, "fused_matmul", n, k, tokens, f.act.is_some())?;
+        let ring = prefetch
+            .filter(|_| q != QuantType::Fp8E4M3 && g.tp == 8)
+            .and_then(|_| skinny_fused_ring_depth(q));
+        let pf = ring.map_or(String::new(), |d| format!("_pf{d}"));
+        let shared = ring.map_or(0, |d| g.warps * u64::from(d) * g.mt * qskinny_slot_bytes(q));
         launches.push(KernelLaunch {
             module: QSKINNY_MODULE.into(),
             entry: format!(
-                "qskinny_{name}_{}_t{}_r{}_bf16_{}",
+                "qskinny_{name}_{}_t{}_r{}{pf}_bf16_{}",
                 stem(q),
                 g.tp,
                 g.mt,
@@ -1643,7 +1677,7 @@ pub fn lower_qskinny_fused(
             ),
             grid: [g.grid, 1, 1],
             block: [32 * g.warps as u32, 1, 1],
-            shared_bytes: g.shared_bytes(),
+            shared_bytes: g.shared_bytes().max(shared as u32),
             cluster: 1,
             params: c.fused_params(bufs, f, (n, k, out_n), t0, tokens, w_const),
             pdl,
@@ -2070,7 +2104,7 @@ mod tests {
                             ),
                             None => p.shared_bytes,
                         };
-                        assert!(u64::from(shared) <= QSKINNY_RING_SHARED.max(48 * 1024));
+                        assert!(shared <= 48 * 1024);
                         assert_eq!((d.grid, d.block, d.shared_bytes), (p.grid, p.block, shared));
                         assert_eq!(d.params, p.params);
                     }
@@ -2269,20 +2303,45 @@ mod tests {
                         assert_eq!(l.params[16], LaunchParam::I32(mode), "{what}");
                         if skinny {
                             let (suffix, grid, threads, shared) = skinny_geometry(q, n, k, tokens);
+                            // Eight-token launches of every type but FP8
+                            // take the fused ring: its slots in the shared
+                            // memory too.
+                            let tp = tokens.div_ceil(8) * 8;
+                            let ring = skinny_fused_ring_depth(q).filter(|_| tp == 8);
+                            assert_eq!(
+                                l.entry.contains("_pf"),
+                                ring.is_some(),
+                                "{what}: {}",
+                                l.entry
+                            );
+                            let ring_bytes = |warps: u64, mt: u64| {
+                                ring.map_or(0, |d| {
+                                    warps * u64::from(d) * mt * qskinny_slot_bytes(q)
+                                }) as u32
+                            };
                             if act.is_some() {
                                 // Gate and up tiles in every block: two tiles
                                 // of 16 rows, n / 2 outputs, at most 8 warps.
                                 assert!(l.entry.contains("_r2_"), "{what}");
                                 assert_eq!(l.grid, [(n / 2).div_ceil(16) as u32, 1, 1]);
                                 assert!(l.block[0] <= 256, "{what}");
-                                let tp = tokens.div_ceil(8) * 8;
                                 let warps = l.block[0] as u64 / 32;
-                                assert_eq!(l.shared_bytes as u64, warps * 2 * tp / 8 * 512);
+                                assert_eq!(
+                                    l.shared_bytes,
+                                    ((warps * 2 * tp / 8 * 512) as u32).max(ring_bytes(warps, 2))
+                                );
                             } else {
                                 assert!(l.entry.contains(&suffix), "{what}");
                                 assert_eq!((l.grid[0], l.block[0]), (grid, threads), "{what}");
-                                assert_eq!(l.shared_bytes, shared, "{what}");
+                                let warps = u64::from(threads / 32);
+                                let mt = if suffix.ends_with("r2") { 2 } else { 1 };
+                                assert_eq!(
+                                    l.shared_bytes,
+                                    shared.max(ring_bytes(warps, mt)),
+                                    "{what}"
+                                );
                             }
+                            assert!(l.shared_bytes <= 48 * 1024, "{what}");
                         } else {
                             let rows = if act.is_some() { 8 } else { 16 };
                             assert_eq!(l.grid, [out_n.div_ceil(rows) as u32, 1, 1], "{what}");
@@ -2569,7 +2628,7 @@ mod tests {
         );
         assert_eq!(
             qskinny_entry_points().len(),
-            8 * (16 + 20 + 2 * QSKINNY_PREFETCH.len())
+            8 * (16 + 20 + 2 * QSKINNY_PREFETCH.len()) + 7 * 4
         );
     }
 
