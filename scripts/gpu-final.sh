@@ -89,6 +89,9 @@ fi
   real_gemma3=$KILN_CACHE/gemma3/gemma-3-270m-q4_k_m.gguf
 echo "real weights: smollm2 $real_smollm2, gemma3 $real_gemma3" >> "$S"
 export KILN_SMOLLM2_GGUF=$real_smollm2 KILN_GEMMA3_GGUF=$real_gemma3
+# With the real weights here, a real-model test that skips is a failure.
+[[ -f "$real_smollm2" ]] && export KILN_REQUIRE_SMOLLM2=1
+[[ -f "$real_gemma3" ]] && export KILN_REQUIRE_GEMMA3=1
 
 B=/tmp/kbin
 mkdir -p "$B"

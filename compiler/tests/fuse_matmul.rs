@@ -313,3 +313,85 @@ fn the_greedy_argmax_joins_the_lm_head_only_when_nothing_else_reads_the_logits()
         }
     }
 }
+
+/// With the projections kept quantized (FP8 here), the graph schedule's
+/// default GPU rule (`fuse-matmul-quant`) fuses the residual and SiLU*up
+/// epilogues of keys of up to eight tokens, and past one token an
+/// RMSNorm prologue only where K <= 1024 (the b8 A/B of
+/// bench/results/gpu-2026-12-06-s26/); keys of more tokens stay unfused.
+#[test]
+fn quantized_keys_of_up_to_eight_tokens_fuse_epilogues_and_only_narrow_prologues() {
+    let cuda = Target::Cuda { sm: 90 };
+    let passes: Vec<Pass> = DEFAULT_PIPELINE
+        .iter()
+        .map(|&p| {
+            if p == Pass::FuseMatMul {
+                Pass::FuseMatMulQuant
+            } else {
+                p
+            }
+        })
+        .collect();
+    for hidden in [1024u32, 2048] {
+        let spec = SynthSpec {
+            hidden,
+            intermediate: 64,
+            ..SynthSpec::tiny(SynthFamily::Llama)
+        };
+        for (key, epilogues, prologues) in [
+            ("b1q1s0", true, true),
+            ("b8q1s0", true, hidden <= 1024),
+            ("b3q1s0", true, hidden <= 1024),
+            ("b16q1s0", false, false),
+        ] {
+            let key: Key = key.parse().unwrap();
+            let mut g = spec.graph(key, &kv_for(&spec, key), false);
+            let mut m = spec.manifest();
+            for &w in &g.weights.clone() {
+                let quantize = matches!(&g.value(w).def, kiln_ir::ValueDef::Weight(n)
+                    if n.ends_with("_proj.weight") || n == "lm_head.weight");
+                if quantize {
+                    g.values[w.0 as usize].ty.storage = Some(kiln_ir::QuantType::Fp8E4M3);
+                }
+            }
+            for e in &mut m.entries {
+                if e.name.ends_with("_proj.weight") || e.name == "lm_head.weight" {
+                    e.storage = Some(kiln_ir::QuantType::Fp8E4M3);
+                }
+            }
+            let (g, _, s) =
+                run_pipeline_for(g, &mut m, &passes, true, &cuda).unwrap_or_else(|e| panic!("{e}"));
+            let what = format!("hidden {hidden} {key}: {s:?}");
+            let post = |e: Epilogue| {
+                count(
+                    &g,
+                    |o| matches!(o, Op::FusedMatMul { post, .. } if *post == e),
+                )
+            };
+            let layers = spec.layers as usize;
+            let want = |on: bool, n: usize| if on { n } else { 0 };
+            assert_eq!(post(Epilogue::SiluMul), want(epilogues, layers), "{what}");
+            assert!((post(Epilogue::Residual) > 0) == epilogues, "{what}");
+            let pre = count(&g, |o| matches!(o, Op::FusedMatMul { pre: Some(_), .. }));
+            assert_eq!(pre > 0, prologues, "{what}");
+        }
+    }
+}
+
+/// `KILN_FUSE_QUANT` names the multi-token part of the rule or is refused
+/// with what it takes.
+#[test]
+fn the_quantized_fusion_override_takes_one_epi_all_or_a_width_and_refuses_the_rest() {
+    use kiln_compiler::passes::quant_fuse_override as o;
+    assert_eq!(o(None), Ok(None));
+    assert_eq!(o(Some(" ")), Ok(None));
+    assert_eq!(o(Some("one")), Ok(Some((1, 0))));
+    assert_eq!(o(Some("epi")), Ok(Some((u32::MAX, 0))));
+    assert_eq!(o(Some("all")), Ok(Some((u32::MAX, u64::MAX))));
+    assert_eq!(o(Some("2048")), Ok(Some((u32::MAX, 2048))));
+    let e = o(Some("most")).unwrap_err();
+    assert!(
+        e.contains("KILN_FUSE_QUANT=most is not") && e.contains("one, epi, all"),
+        "{e}"
+    );
+}

@@ -724,8 +724,9 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
     // waits on a load). An FP8 unit is one step straight into acc, so the
     // sums are the plain loop's, in its order. An earlier form of this ring
     // measured on the H100 (bench/results/gpu-2026-12-06-s25/): Qwen3-4B
-    // FP8 b8 5.221 -> 4.355 ms at PF 3; on Q4_K the rings lost (4.9 ->
-    // 5.2-5.4 ms), so only FP8 has them.
+    // FP8 b8 5.221 -> 4.355 ms at PF 3; on Q4_K a ring of registers lost
+    // (4.9 -> 5.2-5.4 ms), so the other types keep theirs in shared
+    // memory (CPA above).
     if (!w_const) qsk_ring_fill<Q, MT, P>(ring, w, rows, u, warps, units, k, t, off1, off2, off3);
     // Slot 0 takes the unit already loaded (a copy that waits for it)
     // after slots 1.. are in flight.

@@ -1248,10 +1248,11 @@ pub fn lower_qskinny(
     lower_qskinny_with(q, n, k, t, out, bufs, w_const, pdl, prefetch)
 }
 
-/// [`lower_qskinny`] with FP8's ring depth given (`Some(d)`, one of
-/// [`QSKINNY_PREFETCH`]: eight-token, one-tile FP8 launches take the
-/// `_pf<d>` entry; other launches and types are unaffected) instead of
-/// read from `KILN_QSKINNY_PF`.
+/// [`lower_qskinny`] with the ring depth given (`Some(d)`: eight-token,
+/// one-tile launches take the `_pf<d'>` entry, `d'` the deepest of
+/// [`QSKINNY_PREFETCH`] up to `d` that [`skinny_ring_depth`] allows; other
+/// launches are unaffected; `None`: the plain loop) instead of read from
+/// `KILN_QSKINNY_PF`.
 #[allow(clippy::too_many_arguments)]
 pub fn lower_qskinny_with(
     q: QuantType,

@@ -556,9 +556,13 @@ impl Fusable {
             Target::Cuda { .. } | Target::Hip { .. } => {
                 let quantized = tys.get(1).is_some_and(|w| w.storage.is_some());
                 let tokens = tys.first().and_then(|x| x.shape.dims().first().copied());
+                let k = tys.first().and_then(|x| x.shape.dims().get(1).copied());
                 let within = |most: u32| tokens.is_some_and(|t| t <= most);
                 (if quantized {
                     within(rule.quant_max_tokens)
+                        && (self.pre.is_none()
+                            || within(1)
+                            || k.is_some_and(|k| u64::from(k) <= rule.quant_multi_norm_max_k))
                 } else {
                     rule.dense && within(rule.max_tokens)
                 }) && kiln_kernels::gpu::fused_matmul_runs(&self.op(), &tys, target).is_ok()
@@ -594,6 +598,11 @@ pub(crate) struct FuseRule {
     /// quantized to fuse (their unfused form runs the same qgemv / qskinny
     /// kernels, never cuBLASLt, so nothing is given up by fusing).
     pub quant_max_tokens: u32,
+    /// The largest K whose quantized matmuls of more than one token take an
+    /// RMSNorm prologue (every block of the skinny GEMM recomputes its
+    /// tokens' inverse RMS from the whole x rows, L2 traffic that grows as
+    /// N * K; one-token keys always may).
+    pub quant_multi_norm_max_k: u64,
     /// Whether `argmax(matmul)` becomes `fused_matmul{argmax}`.
     pub argmax: bool,
 }
@@ -604,22 +613,49 @@ impl FuseRule {
         dense: true,
         max_tokens: GPU_FUSE_MAX_TOKENS,
         quant_max_tokens: u32::MAX,
+        quant_multi_norm_max_k: u64::MAX,
         argmax: true,
     };
 
     /// The graph schedule's default rule on GPU targets
-    /// (`fuse-matmul-quant`): only matmuls over quantized weights, in
-    /// one-token keys. Measured on the H200 (bench/results/gpu-2026-12-04-s18/),
+    /// (`fuse-matmul-quant`): only matmuls over quantized weights, in keys
+    /// of up to eight tokens, with an RMSNorm prologue past one token only
+    /// where K <= 1024. Measured on the H200 (bench/results/gpu-2026-12-04-s18/),
     /// the one-token integer-dot GEMV with its RMSNorm prologue and
     /// SiLU/residual epilogues is faster than the unfused ops it replaces,
     /// while the dense fused GEMV is still slower than the unfused staged
-    /// GEMV, and the fused eight-token qskinny slower than the unfused one.
+    /// GEMV. At eight tokens, once the skinny GEMM's fused entries kept a
+    /// unit ring (H100, Q4_K shapes, b8 steps, unfused / epilogues only /
+    /// epilogues and prologues, bench/results/gpu-2026-12-06-s26/ call
+    /// 13): Qwen3-0.6B (K 1024) 1.334 / 1.286 / 1.153 ms, Llama-3.2-1B
+    /// (2048) 1.145 / 1.075 / 1.104, Qwen3-1.7B (2048) 1.917 / 1.831 /
+    /// 1.862, Qwen3-4B (2560) 3.252 / 3.136 / 3.454, Llama-3-8B (4096)
+    /// 4.283 / 4.052 / 4.518: the epilogues always win, the prologue (every
+    /// block recomputes its tokens' inverse RMS over the whole rows) only
+    /// at K 1024. Keys past eight tokens were not measured and stay
+    /// unfused.
     pub const GRAPH_QUANT: FuseRule = FuseRule {
         dense: false,
         max_tokens: GPU_FUSE_MAX_TOKENS,
-        quant_max_tokens: 1,
+        quant_max_tokens: 8,
+        quant_multi_norm_max_k: 1024,
         argmax: true,
     };
+
+    /// [`FuseRule::GRAPH_QUANT`] unless `KILN_FUSE_QUANT` (a compile-time
+    /// A/B knob, checked at compile start by [`quant_fuse_override`])
+    /// overrides its multi-token part.
+    pub fn graph_quant() -> FuseRule {
+        let base = FuseRule::GRAPH_QUANT;
+        match quant_fuse_override(std::env::var("KILN_FUSE_QUANT").ok().as_deref()) {
+            Ok(Some((quant_max_tokens, quant_multi_norm_max_k))) => FuseRule {
+                quant_max_tokens,
+                quant_multi_norm_max_k,
+                ..base
+            },
+            _ => base,
+        }
+    }
 
     /// The megakernel schedule's rule (`fuse-matmul-tape`): the
     /// interpreter's GEMV tiles take up to eight tokens with every prologue
@@ -630,8 +666,33 @@ impl FuseRule {
         dense: true,
         max_tokens: 8,
         quant_max_tokens: u32::MAX,
+        quant_multi_norm_max_k: u64::MAX,
         argmax: false,
     };
+}
+
+/// `KILN_FUSE_QUANT`, the default graph schedule's quantized fusions of
+/// multi-token keys (a compile-time A/B knob): unset or empty keeps the
+/// rule's own; `one` fuses one-token keys only; `epi` fuses the epilogues
+/// (residual, SiLU/GELU*up, argmax) at every token count and the RMSNorm
+/// prologue at one token; `all` fuses everything at every token count; a
+/// number K does what `all` does for prologues over at most K columns and
+/// what `epi` does otherwise. Returns (`quant_max_tokens`,
+/// `quant_multi_norm_max_k`).
+pub fn quant_fuse_override(v: Option<&str>) -> Result<Option<(u32, u64)>, String> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some("one") => Ok(Some((1, 0))),
+        Some("epi") => Ok(Some((u32::MAX, 0))),
+        Some("all") => Ok(Some((u32::MAX, u64::MAX))),
+        Some(v) => match v.parse::<u64>() {
+            Ok(k) => Ok(Some((u32::MAX, k))),
+            Err(_) => Err(format!(
+                "KILN_FUSE_QUANT={v} is not a fusion rule; set it to one, epi, all or a \
+                 largest K for multi-token RMSNorm prologues (or unset it for the default)"
+            )),
+        },
+    }
 }
 
 /// What [`fuse_matmul`] did.

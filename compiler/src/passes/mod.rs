@@ -30,6 +30,7 @@
 
 mod editor;
 mod fuse;
+pub use fuse::quant_fuse_override;
 pub mod megakernel;
 pub mod shard;
 #[doc(hidden)]
@@ -200,8 +201,8 @@ pub fn run_pass_for(
             stats.matmul_prologues += c.prologues;
         }
         Pass::FuseMatMulQuant => {
-            let c =
-                fuse::fuse_matmul(&mut ed, target, fuse::FuseRule::GRAPH_QUANT).map_err(failed)?;
+            let c = fuse::fuse_matmul(&mut ed, target, fuse::FuseRule::graph_quant())
+                .map_err(failed)?;
             stats.matmul_epilogues += c.epilogues;
             stats.matmul_prologues += c.prologues;
         }
