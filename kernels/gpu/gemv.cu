@@ -184,14 +184,6 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
 // CUDA targets are sm_80 and sm_90 (kernels/src/nvrtc.rs), all with cp.async.
 #if defined(KILN_CUDA)
 #define KILN_GEMV_STAGED 1
-KILN_DEV void gemv_cp16(void* smem, const void* gmem) {
-  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-KILN_DEV void gemv_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> KILN_DEV void gemv_cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 template <typename T, typename O, int TT, int KS>
 KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
@@ -230,10 +222,10 @@ KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
       for (int j = 0; j < COPIES; ++j) {
         const int c = ch * CV + col[j];
-        if (c < kv) gemv_cp16(dst + threadIdx.x + j * THREADS, src[j] + c);
+        if (c < kv) kiln_cp_async16(dst + threadIdx.x + j * THREADS, src[j] + c);
       }
     }
-    gemv_cp_commit();  // empty groups keep the count uniform
+    kiln_cp_async_commit();  // empty groups keep the count uniform
   };
   if (w_const) {
 #pragma unroll
@@ -252,7 +244,7 @@ KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
   const uint4* xv = reinterpret_cast<const uint4*>(x);
   const int lrow = pair * KILN_GEMV_ROWS;  // the warp's first row in the tile
   for (int ch = 0; ch < chunks; ++ch) {
-    gemv_cp_wait<KILN_GEMV_STAGES - 2>();
+    kiln_cp_async_wait<KILN_GEMV_STAGES - 2>();
     __syncthreads();  // every thread's copies of ch landed; ch - 1's stage is free
     issue(ch + KILN_GEMV_STAGES - 1);
     const uint4* sv = stage[ch % KILN_GEMV_STAGES];
@@ -278,7 +270,7 @@ KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
       }
     }
   }
-  gemv_cp_wait<0>();
+  kiln_cp_async_wait<0>();
 #pragma unroll
   for (int r = 0; r < KILN_GEMV_ROWS; ++r)
 #pragma unroll

@@ -54,6 +54,29 @@ KILN_DEV void kiln_prologue() {
 }
 #define KILN_PROLOGUE() kiln_prologue()
 
+// Asynchronous global-to-shared copies (cp.async, sm_80+; every CUDA target
+// kiln compiles for): 16-, 8- and 4-byte copies that hold no register while
+// the bytes travel, committed in groups and waited for by the count of
+// groups still allowed in flight. HIP has none; its kernels take other paths.
+#if defined(KILN_CUDA)
+KILN_DEV void kiln_cp_async16(void* smem, const void* gmem) {
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+KILN_DEV void kiln_cp_async8(void* smem, const void* gmem) {
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(s), "l"(gmem) : "memory");
+}
+KILN_DEV void kiln_cp_async4(void* smem, const void* gmem) {
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
+}
+KILN_DEV void kiln_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> KILN_DEV void kiln_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+#endif
+
 // Thread-block clusters (sm_90+): the blocks of one cluster run at once on
 // one GPC and read each other's shared memory. KILN_CLUSTERS is defined
 // where a kernel may be launched with a cluster dimension; elsewhere (sm_80,

@@ -464,22 +464,6 @@ template <int Q, int MT> struct QskSlot {
   static constexpr int m2 = m1 + rows * 4 * QskMeta<Q>::f1;
   static constexpr int bytes = m2 + rows * 4 * QskMeta<Q>::f2;
 };
-KILN_DEV void qsk_cp16(void* smem, const void* gmem) {
-  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-KILN_DEV void qsk_cp8(void* smem, const void* gmem) {
-  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(s), "l"(gmem) : "memory");
-}
-KILN_DEV void qsk_cp4(void* smem, const void* gmem) {
-  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
-}
-KILN_DEV void qsk_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> KILN_DEV void qsk_cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 // Row `row`'s unit-u index into f0's array (one scale per 32-block, or per
 // 256-element super-block for the K-quants) and the byte address of f0.
 template <int Q>
@@ -515,7 +499,7 @@ KILN_DEV void qsk_cp_unit(unsigned char* slot, const unsigned char* __restrict__
       const int r = c / uv, v = c % uv;
       const i64 gr = qsk_row_of(row0, r, n, act_outs);
       const int dv = uv == 2 ? (v ^ ((r >> 2) & 1)) : 0;
-      qsk_cp16(slot + (r * uv + dv) * 16, w + gr * row_bytes + (i64)u * uv * 16 + 16 * v);
+      kiln_cp_async16(slot + (r * uv + dv) * 16, w + gr * row_bytes + (i64)u * uv * 16 + 16 * v);
     }
   }
   // The metadata: f0 and f1 one word a row, f2 one copy a row.
@@ -538,7 +522,7 @@ KILN_DEV void qsk_cp_unit(unsigned char* slot, const unsigned char* __restrict__
       } else {
         src = w + off2 + 4 * (gr * (k / 64) + u);
       }
-      qsk_cp4(slot + (f == 0 ? S::codes : S::m1) + 4 * r, src);
+      kiln_cp_async4(slot + (f == 0 ? S::codes : S::m1) + 4 * r, src);
     }
   }
   if (QskMeta<Q>::f2) {
@@ -548,9 +532,9 @@ KILN_DEV void qsk_cp_unit(unsigned char* slot, const unsigned char* __restrict__
       if (r < S::rows) {
         const i64 gr = qsk_row_of(row0, r, n, act_outs);
         if (Q == KQ_Q5K)
-          qsk_cp8(slot + S::m2 + 8 * r, w + off3 + 8 * ((gr * nv) / 2 + u));
+          kiln_cp_async8(slot + S::m2 + 8 * r, w + off3 + 8 * ((gr * nv) / 2 + u));
         else
-          qsk_cp16(slot + S::m2 + 16 * r, w + off3 + 16 * ((gr * nv) / 2 + u));
+          kiln_cp_async16(slot + S::m2 + 16 * r, w + off3 + 16 * ((gr * nv) / 2 + u));
       }
     }
   }
@@ -674,7 +658,7 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
     for (int i = 0; i < (PF > 0 ? PF : 1) - 1; ++i) {
       if (u + i * warps < units)
         qsk_cp_unit<Q, MT>(cring + i * QskSlot<Q, MT>::bytes, w, row0, n, act ? outs : 0, u + i * warps, k, lane, off1, off2, off3);
-      qsk_cp_commit();
+      kiln_cp_async_commit();
     }
   }
   if (!CPA && w_const && u < units) {
@@ -707,7 +691,7 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
     for (int i = 0; i < (PF > 0 ? PF : 1) - 1; ++i) {
       if (u + i * warps < units)
         qsk_cp_unit<Q, MT>(cring + i * QskSlot<Q, MT>::bytes, w, row0, n, act ? outs : 0, u + i * warps, k, lane, off1, off2, off3);
-      qsk_cp_commit();
+      kiln_cp_async_commit();
     }
   }
   if (!CPA && !w_const && u < units) {
@@ -772,13 +756,13 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
       // after the warp barrier every lane is done with the slot read last
       // iteration, which takes the unit P - 1 on.
       constexpr int P2 = PF > 1 ? PF - 2 : 0;
-      qsk_cp_wait<P2>();
+      kiln_cp_async_wait<P2>();
       __syncwarp();
       const int uf = u + ((PF > 0 ? PF : 1) - 1) * warps;
       if (uf < units)
         qsk_cp_unit<Q, MT>(cring + ((it + (PF > 0 ? PF : 1) - 1) % (PF > 0 ? PF : 1)) * QskSlot<Q, MT>::bytes,
                         w, row0, n, act ? outs : 0, uf, k, lane, off1, off2, off3);
-      qsk_cp_commit();
+      kiln_cp_async_commit();
       qsk_slot_read<Q, MT>(cur, cring + (it % (PF > 0 ? PF : 1)) * QskSlot<Q, MT>::bytes, rows, w,
                            u, k, off1, g, t);
     } else if (un < units) {
@@ -876,7 +860,7 @@ KILN_DEV void qskinny_gemm(const kbf16* __restrict__ x, const unsigned char* __r
   }
   if (CPA) {
     // The partials overwrite other warps' rings.
-    qsk_cp_wait<0>();
+    kiln_cp_async_wait<0>();
     __syncthreads();
   }
   // Split-K reduction: every warp's partials to shared memory, then each
