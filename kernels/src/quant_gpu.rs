@@ -1235,17 +1235,20 @@ pub fn lower_qskinny(
     w_const: bool,
     pdl: bool,
 ) -> Result<Vec<KernelLaunch>, QLowerError> {
-    let prefetch =
-        skinny_prefetch(std::env::var("KILN_QSKINNY_PF").ok().as_deref(), q).map_err(|why| {
-            QLowerError::Unsupported {
-                op: "matmul",
-                q,
-                n,
-                k,
-                why,
-            }
-        })?;
+    let prefetch = env_prefetch("matmul", q, n, k)?;
     lower_qskinny_with(q, n, k, t, out, bufs, w_const, pdl, prefetch)
+}
+
+/// `q`'s ring depth from `KILN_QSKINNY_PF` ([`skinny_prefetch`]), a bad
+/// value refused as the lowering of `op` over `[n, k]`.
+fn env_prefetch(
+    op: &'static str,
+    q: QuantType,
+    n: u64,
+    k: u64,
+) -> Result<Option<u32>, QLowerError> {
+    skinny_prefetch(std::env::var("KILN_QSKINNY_PF").ok().as_deref(), q)
+        .map_err(|why| QLowerError::Unsupported { op, q, n, k, why })
 }
 
 /// [`lower_qskinny`] with the ring depth given (`Some(d)`: eight-token,
@@ -1647,16 +1650,7 @@ pub fn lower_qskinny_fused(
     } else {
         "fused"
     };
-    let prefetch =
-        skinny_prefetch(std::env::var("KILN_QSKINNY_PF").ok().as_deref(), q).map_err(|why| {
-            QLowerError::Unsupported {
-                op: "fused_matmul",
-                q,
-                n,
-                k,
-                why,
-            }
-        })?;
+    let prefetch = env_prefetch("fused_matmul", q, n, k)?;
     let mut launches = Vec::new();
     let mut t0 = 0u64;
     while t0 < t {
