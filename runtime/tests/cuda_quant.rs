@@ -621,23 +621,31 @@ enum Fused {
     NormResidual,
     /// RMSNorm prologue, an f32 result (the final norm + lm_head).
     NormF32,
+    /// SiLU*up without a prologue (what keys of 2-8 tokens fuse over
+    /// K > 1024).
+    Silu,
 }
 
-const FUSED: [Fused; 5] = [
+const FUSED: [Fused; 6] = [
     Fused::Norm,
     Fused::NormSilu,
     Fused::NormGeluUnit,
     Fused::NormResidual,
     Fused::NormF32,
+    Fused::Silu,
 ];
 
 impl Fused {
     fn act(self) -> Option<QAct> {
         match self {
-            Fused::NormSilu => Some(QAct::Silu),
+            Fused::NormSilu | Fused::Silu => Some(QAct::Silu),
             Fused::NormGeluUnit => Some(QAct::GeluTanh),
             _ => None,
         }
+    }
+    /// Whether the case has the RMSNorm prologue.
+    fn norm(self) -> bool {
+        self != Fused::Silu
     }
     fn out(self) -> DType {
         if self == Fused::NormF32 {
@@ -723,7 +731,7 @@ fn fused_launch(b: &CudaBackend, w: &DevWeight, c: &FusedCase, kern: Kern) -> La
         out: abs(&c.out),
     };
     let f = QFusion {
-        norm: Some(QNorm {
+        norm: c.kind.norm().then(|| QNorm {
             weight: abs(&c.norm_w.0),
             eps: c.eps,
             unit_offset: c.unit_offset,
@@ -740,12 +748,15 @@ fn fused_launch(b: &CudaBackend, w: &DevWeight, c: &FusedCase, kern: Kern) -> La
     }
     .unwrap();
     for l in &ks {
-        assert!(l.entry.contains("_fused_norm_"), "{}", l.entry);
+        assert!(l.entry.contains("_fused_"), "{}", l.entry);
+        assert_eq!(l.entry.contains("_norm_"), c.kind.norm(), "{}", l.entry);
     }
     let mut args = vec![c.x.clone(), w.w.clone()];
     args.extend(w.scale.clone());
     args.extend(c.bias.as_ref().map(|(d, _)| d.clone()));
-    args.push(c.norm_w.0.clone());
+    if c.kind.norm() {
+        args.push(c.norm_w.0.clone());
+    }
     args.extend(c.res.as_ref().map(|(d, _)| d.clone()));
     launch_of(
         if kern == Kern::Skinny {
@@ -774,6 +785,13 @@ fn host_normed(c: &FusedCase, x: &HT, k: usize) -> (Vec<f64>, Vec<f64>) {
     let nw = &c.norm_w.1;
     let mut xn = vec![0f64; x.f.len()];
     let mut amb = vec![0f64; x.f.len()];
+    if !c.kind.norm() {
+        // No prologue: the product reads x as stored.
+        for (d, &v) in xn.iter_mut().zip(&x.f) {
+            *d = f64::from(v);
+        }
+        return (xn, amb);
+    }
     for t in 0..c.t as usize {
         let row = &x.f[t * k..(t + 1) * k];
         let ss: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
@@ -890,7 +908,7 @@ fn check_fused(what: &str, kern: Kern, w: &DevWeight, c: &FusedCase, x: &HT, got
 
 /// Both kernels' fused entries (the RMSNorm prologue, plain and Gemma's
 /// (1 + w), with no epilogue, SiLU*up, GELU-tanh*up, the residual add and
-/// an f32 result) for every type, at T = 1, 3, 8, 17 and 32 (the GEMV at up
+/// an f32 result; and SiLU*up without the prologue) for every type, at T = 1, 3, 8, 17 and 32 (the GEMV at up
 /// to 17 tokens, its 8-token loop included; the tensor-core GEMM from 3 on
 /// sm_80+), K a few blocks and a long row, N not a multiple of 16 (37
 /// outputs under the activations) and large; outputs poisoned; against the
@@ -955,7 +973,10 @@ fn quantized_fused_gemms_match_the_unfused_sequence_for_every_type_prologue_and_
     let per_shape = if tensor_cores { 4 + 4 } else { 4 };
     // The integer-dot kernel adds the T = 1 case of Q4_K, Q6_K and Q8_0 in
     // each of its geometries.
-    assert_eq!(cases, 8 * 2 * 5 * per_shape + 3 * 2 * 5 * QDOT_GEOMS.len());
+    assert_eq!(
+        cases,
+        8 * 2 * FUSED.len() * per_shape + 3 * 2 * FUSED.len() * QDOT_GEOMS.len()
+    );
 }
 
 /// Each type's fused GEMM (norm + SiLU*up; the GEMV at one token, the
