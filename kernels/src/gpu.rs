@@ -2791,8 +2791,24 @@ mod tests {
             };
             assert!(entry_points("qgemv").contains(&gemv), "{gemv}");
             assert_eq!(quantized_matmul_entries(q, 1, &sm90), one("qgemv", gemv));
+            // Eight-token launches take the type's default unit ring (FP8's
+            // in registers, the others' in shared memory), as deep as the
+            // split-K warps' slots allow at K = 512.
+            let warps = {
+                let units = 512 / crate::quant_gpu::qskinny_unit(q);
+                let mut w = 16u64;
+                while w > 1 && 2 * w > units {
+                    w /= 2;
+                }
+                w
+            };
+            let ring = crate::quant_gpu::skinny_prefetch(None, q)
+                .unwrap()
+                .and_then(|d| crate::quant_gpu::skinny_ring_depth(q, warps, d))
+                .map_or(String::new(), |d| format!("_pf{d}"));
             for (t, tp) in [(2u32, 8u32), (8, 8), (9, 16), (32, 32)] {
-                let want = one("qskinny", format!("qskinny_{s}_t{tp}_r1_bf16_bf16"));
+                let pf = if tp == 8 { ring.as_str() } else { "" };
+                let want = one("qskinny", format!("qskinny_{s}_t{tp}_r1{pf}_bf16_bf16"));
                 assert_eq!(quantized_matmul_entries(q, t, &sm90), want, "{q:?} t={t}");
                 let sm80 = Target::Cuda { sm: 80 };
                 assert_eq!(quantized_matmul_entries(q, t, &sm80), want, "{q:?} t={t}");
@@ -2803,7 +2819,10 @@ mod tests {
                 two,
                 vec![
                     ("qskinny".into(), format!("qskinny_{s}_t32_r1_bf16_bf16")),
-                    ("qskinny".into(), format!("qskinny_{s}_t8_r1_bf16_bf16")),
+                    (
+                        "qskinny".into(),
+                        format!("qskinny_{s}_t8_r1{ring}_bf16_bf16")
+                    ),
                 ]
             );
             // Older parts and HIP keep the GEMV.
@@ -2943,10 +2962,14 @@ mod tests {
             assert_eq!(ls[0].params[16], LaunchParam::I32(1));
             // The final norm + lm_head of 8 tokens: tensor cores, an f32 result.
             let op = fused(false, DType::F32, norm, Epilogue::None);
+            // Eight-token fused launches take the type's fused ring (none
+            // for FP8).
+            let fring = crate::quant_gpu::skinny_fused_ring_depth(q)
+                .map_or(String::new(), |d| format!("_pf{d}"));
             let ls = one(8, &op, &sm90);
             assert_eq!(
                 ls[0].entry,
-                format!("qskinny_fused_norm_{s}_t8_r1_bf16_f32")
+                format!("qskinny_fused_norm_{s}_t8_r1{fring}_bf16_f32")
             );
             assert_eq!(ls[0].params[16], LaunchParam::I32(0));
             // GELU without the prologue on HIP: the GEMV at any token count.
@@ -2957,7 +2980,10 @@ mod tests {
             assert!(!ls[0].pdl);
             // ... and on tensor cores: gate and up tiles in one block.
             let ls = one(3, &op, &sm90);
-            assert_eq!(ls[0].entry, format!("qskinny_fused_{s}_t8_r2_bf16_bf16"));
+            assert_eq!(
+                ls[0].entry,
+                format!("qskinny_fused_{s}_t8_r2{fring}_bf16_bf16")
+            );
             assert_eq!(ls[0].grid, [(n / 2).div_ceil(16), 1, 1]);
             // A residual alone is the plain kernel's epilogue.
             let op = fused(false, DType::BF16, None, Epilogue::Residual);
