@@ -1202,7 +1202,11 @@ pub fn qskinny_unit(q: QuantType) -> u64 {
 /// * `warps` split K per block: the largest power of two up to 16 / `mt`
 ///   that still gives every warp two units ([`qskinny_unit`]), at least 1;
 /// * dynamic shared memory for the split-K partials:
-///   `warps * mt * (tp / 8) * 4 * 32` f32.
+///   `warps * mt * (tp / 8) * 4 * 32` f32, or more under a unit ring;
+/// * eight-token, one-tile launches take the type's default unit ring
+///   ([`skinny_prefetch`], [`skinny_ring_depth`]): the `_pf<d>` entry, and
+///   for every type but FP8 `warps * d` slots of [`qskinny_slot_bytes`] in
+///   the dynamic shared memory.
 ///
 /// ```
 /// use kiln_ir::plan::{BufRef, Region};
@@ -1221,8 +1225,9 @@ pub fn qskinny_unit(q: QuantType) -> u64 {
 /// let launches =
 ///     lower_qskinny(QuantType::Q4K, n, k, t, kiln_ir::DType::BF16, &bufs, true, true).unwrap();
 /// assert_eq!(launches.len(), 1);
-/// assert_eq!(launches[0].entry, "qskinny_q4k_t8_r1_bf16_bf16");
+/// assert_eq!(launches[0].entry, "qskinny_q4k_t8_r1_pf4_bf16_bf16");
 /// assert_eq!((launches[0].grid, launches[0].block), ([256, 1, 1], [512, 1, 1]));
+/// assert_eq!(launches[0].shared_bytes, 16 * 4 * 640);
 /// ```
 #[allow(clippy::too_many_arguments)]
 pub fn lower_qskinny(
