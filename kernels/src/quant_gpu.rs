@@ -1036,12 +1036,6 @@ pub const QSKINNY_ROW_TILES: [u32; 2] = [1, 2];
 /// 512-thread blocks per SM.
 pub const QSKINNY_PREFETCH: [u32; 3] = [2, 3, 4];
 
-/// Whether `q`'s eight-token skinny launches have ring entries (every
-/// type does).
-pub fn skinny_ring_type(q: QuantType) -> bool {
-    QUANT_TYPES.contains(&q)
-}
-
 /// The dynamic shared memory a warp's ring slots may take in all, in one
 /// block: 48 KiB (what a launch gets without opting in) less 1 KiB, so the
 /// static shared memory fits beside it.
@@ -1135,7 +1129,7 @@ pub fn skinny_prefetch(over: Option<&str>, q: QuantType) -> Result<Option<u32>, 
             }
         },
     };
-    Ok(d.filter(|_| skinny_ring_type(q)))
+    Ok(d)
 }
 
 /// Every entry point of the `qskinny` module.
@@ -1149,11 +1143,9 @@ pub fn qskinny_entry_points() -> Vec<String> {
                 }
             }
         }
-        if skinny_ring_type(q) {
-            for o in ["bf16", "f32"] {
-                for pf in QSKINNY_PREFETCH {
-                    v.push(format!("qskinny_{}_t8_r1_pf{pf}_bf16_{o}", stem(q)));
-                }
+        for o in ["bf16", "f32"] {
+            for pf in QSKINNY_PREFETCH {
+                v.push(format!("qskinny_{}_t8_r1_pf{pf}_bf16_{o}", stem(q)));
             }
         }
         if let Some(d) = skinny_fused_ring_depth(q) {
@@ -1281,7 +1273,7 @@ pub fn lower_qskinny_with(
         let tokens = (t - t0).min(32);
         let g = SkinnyGeometry::of(q, "matmul", n, k, tokens, false)?;
         let ring = prefetch
-            .filter(|_| skinny_ring_type(q) && g.tp == 8 && g.mt == 1)
+            .filter(|_| g.tp == 8 && g.mt == 1)
             .and_then(|d| skinny_ring_depth(q, g.warps, d));
         let pf = ring.map_or(String::new(), |d| format!("_pf{d}"));
         // A shared-memory ring lives in the dynamic shared memory the
@@ -2494,11 +2486,11 @@ mod tests {
         let entries = qskinny_entry_points();
         for d in QSKINNY_PREFETCH {
             for q in QUANT_TYPES {
-                let want = skinny_ring_type(q).then_some(d);
+                let want = Some(d);
                 assert_eq!(skinny_prefetch(Some(&d.to_string()), q), Ok(want));
                 for o in ["bf16", "f32"] {
                     let e = format!("qskinny_{}_t8_r1_pf{d}_bf16_{o}", stem(q));
-                    assert_eq!(entries.contains(&e), skinny_ring_type(q), "{e}");
+                    assert!(entries.contains(&e), "{e}");
                 }
             }
         }
@@ -2548,8 +2540,7 @@ mod tests {
             entry(QuantType::Q4K, 2560, 8, Some(3)),
             "qskinny_q4k_t8_r1_pf3_bf16_bf16"
         );
-        // More tokens, a type without rings, or a depth with no entry: the
-        // plain loop.
+        // More tokens: the plain loop.
         assert_eq!(
             entry(fp8, 2560, 16, Some(3)),
             "qskinny_fp8_t16_r1_bf16_bf16"
