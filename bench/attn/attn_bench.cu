@@ -88,10 +88,17 @@ static Geo geometry(int batch, int query, int heads, int kvh, int hd, int bs, in
   g.cluster = 1;
   while (g.cluster * 2 <= std::min(max_cluster, g.want_parts)) g.cluster *= 2;
   g.ku = ku;
-  g.num_parts = (g.num_parts + g.cluster - 1) / g.cluster * g.cluster;
+  // The cluster gather region (kiln_kernels::gpu::attention_gather_floats);
+  // the plain combine where it does not fit.
   const long warps = 4;
-  const long part = (long)rt * hd + pl + warps * rt * (hd + 2) + (long)rt * (hd + 2);
-  g.shared = (int)(std::max(part, (long)rt * (g.num_parts + 1)) * 4);
+  const long stream = (long)rt * hd + pl + warps * rt * (hd + 2);
+  auto bytes = [&](int c) {
+    const long part = stream + (c > 1 ? (long)rt * hd + 16L * (1 + 2 * rt) : 0);
+    return std::max(part, (long)rt * (g.num_parts + 1)) * 4;
+  };
+  if (g.cluster < 4 || bytes(g.cluster) > 48 * 1024) g.cluster = 1;
+  g.num_parts = (g.num_parts + g.cluster - 1) / g.cluster * g.cluster;
+  g.shared = (int)bytes(g.cluster);
   return g;
 }
 

@@ -11,6 +11,16 @@
 //     (b, g, tile), bumped after a memory fence) rescales the partitions to
 //     the global max and writes the normalized output, rounded to T once,
 //     then resets its counter to zero for the next launch.
+//     On sm_90 with a cluster size (AttnShape::cluster) the partitions of
+//     one cluster merge first, without scratch: a reduce-scatter through
+//     distributed shared memory (attn_push and the cluster step in
+//     attn_part). Each member stores each other member the slice of its
+//     state that member merges, then arrives on that member's mbarrier;
+//     each member waits for its own slices only. (The first form pulled
+//     every member's slice with remote loads between two barriers over the
+//     whole cluster; that cost about 3 us of a 8-10 us launch at batch 1,
+//     bench/attn/ablate.sh.) Only when one context spans several clusters
+//     do the merged slices go to scratch for the counter combine.
 // Context lengths and block tables are read from device memory, so the grid
 // is sized for the widest context (M * block_size) and blocks past a
 // sequence's context return at once. Softmax is f32 throughout.
@@ -131,7 +141,55 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
                           float* __restrict__ part_acc, float* __restrict__ part_ml,
                           const AttnShape& a, int b, int g, int part, int p0, int p1,
                           const int* rid, const int* qpos, i64 slot_stride, int new_from,
-                          T* direct_out, float* cres, const AttnRope<T>* ar);
+                          T* direct_out, float* cres, unsigned long long* cbar, int cmembers,
+                          const AttnRope<T>* ar);
+
+// The output row id of tile row r (< the group's rows) of sequence b and
+// kv head g: ((b*Q + qi)*heads + h) with h = g*group + r/Q, qi = r%Q.
+KILN_DEV i64 attn_row_id(const AttnShape& a, int b, int g, int r) {
+  const KilnDiv qd = kiln_div(a.query);
+  const int group = a.heads / kiln_div(a.kv_heads);
+  return ((i64)b * a.query + r % qd) * a.heads + g * group + r / qd;
+}
+
+// The cluster combine's gather region, in every member's shared memory:
+// [cm][per] floats of accumulator slices (per = ceil(RT*hd / cm): member t
+// of the cm members holding context merges elements [t*per, (t+1)*per) of
+// the tile's RT*hd outputs), then at RT*hd + KILN_ATTN_MAX_CLUSTER the (max,
+// sum) pairs [cm][RT][2] of every member (kiln_kernels::gpu sizes it as
+// RT*hd + MAX_CLUSTER*(1 + 2*RT) floats).
+KILN_DEV int attn_gather_per(int elems, int cm) { return (elems + cm - 1) / cm; }
+
+#if defined(KILN_CLUSTERS)
+// A member's push (reduce-scatter): the threads are dealt out over the cm
+// targets, tpb = threads / cm of them per target; they store the target's
+// slice of this member's accumulators, value(i) for element i, and (one
+// thread) this member's (max, sum) per row, row(j, 0) and row(j, 1), into
+// the target's gather region as slot `crank`, then each arrives once on the
+// target's mbarrier (release: its own stores are what it signals), so a
+// target expects cm * tpb arrivals.
+template <int RT, typename V, typename R>
+KILN_DEV void attn_push(float* cres, unsigned long long* cbar, int crank, int cm, int elems,
+                        V value, R row) {
+  const int tpb = KILN_ATTN_THREADS / cm;
+  const int tid = threadIdx.x;
+  if (tid >= cm * tpb) return;
+  const int t = tid / tpb, lt = tid - t * tpb;
+  const int per = attn_gather_per(elems, cm);
+  const int lo = t * per, hi = min(elems, lo + per);
+  for (int i = lo + lt; i < hi; i += tpb)
+    st_cluster(kiln_mapa(cres + crank * per + (i - lo), t), value(i));
+  if (lt == 0) {
+    float* ml = cres + elems + KILN_ATTN_MAX_CLUSTER + crank * RT * 2;
+#pragma unroll
+    for (int j = 0; j < RT; ++j) {
+      st_cluster(kiln_mapa(ml + 2 * j, t), row(j, 0));
+      st_cluster(kiln_mapa(ml + 2 * j + 1, t), row(j, 1));
+    }
+  }
+  mbar_arrive_remote(kiln_mapa(cbar, t));
+}
+#endif
 
 template <typename T, int RT, int VEC, bool STREAM, int KU = (RT <= 2 ? 8 : 4)>
 KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
@@ -144,6 +202,9 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   if (!STREAM) KILN_PROLOGUE();
   extern __shared__ float smem[];
   __shared__ int last_block;
+  // This cluster member's mbarrier: the arrivals of every member's push
+  // into its gather region (attn_push).
+  __shared__ __align__(8) unsigned long long cbar;
   const int tid = threadIdx.x;
   const int part = blockIdx.x;
   const int tile = a.tiles == 1 ? 0 : blockIdx.y % a.tiles;
@@ -177,20 +238,32 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
 #if defined(KILN_CLUSTERS)
   if (STREAM && a.cluster > 1) csize = a.cluster;
 #endif
-  if (csize > 1) {
-    // A whole cluster past the context leaves (the same test in all its
-    // blocks); a cluster holding context keeps its empty members, which
-    // take part in its barriers with an empty softmax state.
-    if ((part & ~(csize - 1)) * plen >= ctx) return;  // csize: a power of two
-  } else if (p0 >= ctx) {
-    return;  // the combine never reads this partition
-  }
-  const int p1 = min(p0 + plen, ctx);  // <= p0 for an empty cluster member
   // Partitions holding context positions; with one, the block normalizes
   // and writes the output itself (no scratch round trip, no combine).
   int nact = (ctx + plen - 1) / plen;
-  // Where the streaming form leaves its partition's state for the cluster
-  // step: [RT][hd] accumulators, then [RT] (max, sum) pairs.
+  // The cluster's members holding context (all of them but the last
+  // cluster's tail) and this block's rank in it.
+  const int crank = part & (csize - 1);
+  const int cfirst = part & ~(csize - 1);  // csize: a power of two
+  const int cmembers = min(csize, nact - cfirst);
+  if (csize > 1) {
+    // A whole cluster past the context leaves (the same test in all its
+    // blocks). The others arrive on the cluster barrier first thing (a
+    // member holding context after setting up its mbarrier) and wait on it
+    // only before their first store into another member's shared memory.
+    if (cfirst * plen >= ctx) return;
+#if defined(KILN_CLUSTERS)
+    if (p0 < ctx && tid == 0)
+      mbar_init_cluster(&cbar, cmembers * (KILN_ATTN_THREADS / cmembers));
+    cluster_arrive_relaxed();
+#endif
+    if (p0 >= ctx) return;  // an empty member: no one pushes to it or counts it
+  } else if (p0 >= ctx) {
+    return;  // the combine never reads this partition
+  }
+  const int p1 = min(p0 + plen, ctx);
+  // The cluster combine's gather region (attn_gather_per), at the same
+  // offset in every block.
   float* cres = csize > 1 ? smem + (RT * a.head_dim + a.part_len +
                                     KILN_ATTN_WARPS * RT * (a.head_dim + 2))
                           : nullptr;
@@ -224,9 +297,14 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
     skip = skip || p1 <= lo;
   }
   if (skip && cres != nullptr) {
+    // Before every row's sliding window: an empty state (sum 0, zero
+    // accumulators; the merging members give it weight 0).
     KILN_PROLOGUE();
-    for (int i = tid; i < RT * (hd + 2); i += KILN_ATTN_THREADS)
-      cres[i] = i < RT * hd || (i - RT * hd) % 2 == 1 ? 0.0f : -KILN_INF;
+#if defined(KILN_CLUSTERS)
+    cluster_wait();
+    attn_push<RT>(cres, &cbar, crank, cmembers, RT * hd, [](int) { return 0.0f; },
+                  [](int, int k) { return k == 0 ? -KILN_INF : 0.0f; });
+#endif
   } else if (skip) {
     if (STREAM) KILN_PROLOGUE();
     if (tid == 0) {
@@ -242,41 +320,47 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
     if (STREAM) {
       attn_stream<T, RT, KU>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0, p1, rid,
                          qpos, slot_stride, ctx - a.query,
-                         nact == 1 && cres == nullptr ? out : nullptr, cres, ar);
+                         nact == 1 && cres == nullptr ? out : nullptr, cres, &cbar, cmembers, ar);
     } else {
       attn_partition<T, RT, VEC>(q, kc, vc, block_tables, part_acc, part_ml, a, b, g, part, p0,
                                  p1, rid, qpos, slot_stride, nact == 1 ? out : nullptr);
     }
   }
+  int ncount = nact;  // the blocks the completion count below waits for
 #if defined(KILN_CLUSTERS)
   if (cres != nullptr) {
-    // The cluster step: every block of the cluster takes a slice of the
-    // tile's RT * hd outputs and merges the cluster's csize partition states
-    // for it, read from their shared memory (no DRAM or L2 round trip, no
-    // fence, no counter). A single cluster holding context writes the
-    // normalized output; otherwise the merged state goes to scratch as
-    // partition `cidx` and the last cluster combines as below.
-    cluster_sync();
-    const int crank = part & (csize - 1), cidx = part / kiln_div(csize);
+    // The cluster step (a reduce-scatter): every member holding context has
+    // pushed each member its slice of its partition's state and its (max,
+    // sum) per row (attn_push, at attn_stream's end or in the skip path
+    // above). Each member waits for its own slices only (no barrier over the
+    // whole cluster, no loads from another block), merges its slice of the
+    // outputs from its own shared memory and writes it normalized when the
+    // cluster holds the whole context; otherwise the merged slice goes to
+    // scratch as partition `cidx` and the last block to finish combines the
+    // clusters as below.
+    mbar_wait_cluster(&cbar, 0);
+    const int cidx = part / kiln_div(csize);
     const int ncl = (nact + csize - 1) / kiln_div(csize);
-    const int elems = RT * hd, per = (elems + csize - 1) / kiln_div(csize);
-    // Per row, once: the cluster members' weights exp(m_r - M) (0 for a
-    // member that saw no visible position) and 1 / sum of weighted l; a
-    // warp per row, a lane per member.
+    const int elems = RT * hd, cm = cmembers;
+    const int per = attn_gather_per(elems, cm);
+    const float* cml = cres + elems + KILN_ATTN_MAX_CLUSTER;  // [cm][RT][2]
+    // Per row, once: the members' weights exp(m_r - M) (0 for a member
+    // that saw no visible position) and 1 / sum of weighted l; a warp per
+    // row, a lane per member.
     float* cw = smem;                                  // [RT][KILN_ATTN_MAX_CLUSTER]
     float* crow = cw + RT * KILN_ATTN_MAX_CLUSTER;      // [RT]: (M, L)
     {
       const int lane = tid % KILN_WARP, warp = tid / KILN_WARP;
       for (int j = warp; j < RT; j += KILN_ATTN_WARPS) {
         float mr = -KILN_INF, lr = 0.0f;
-        if (lane < csize) {
-          mr = ld_cluster(cres + elems + 2 * j, lane);
-          lr = ld_cluster(cres + elems + 2 * j + 1, lane);
+        if (lane < cm) {
+          mr = cml[(lane * RT + j) * 2];
+          lr = cml[(lane * RT + j) * 2 + 1];
         }
         const float mm = warp_max(lr > 0.0f ? mr : -KILN_INF);
         const float w = lr > 0.0f ? expf(mr - mm) : 0.0f;
         const float ls = warp_sum(w * lr);
-        if (lane < csize) cw[j * KILN_ATTN_MAX_CLUSTER + lane] = w;
+        if (lane < KILN_ATTN_MAX_CLUSTER) cw[j * KILN_ATTN_MAX_CLUSTER + lane] = w;
         if (lane == 0) {
           crow[2 * j] = mm;
           crow[2 * j + 1] = ls;
@@ -284,38 +368,34 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
       }
     }
     __syncthreads();
-    const int hi = min(elems, (crank + 1) * per);
-    for (int i = crank * per + tid; i < hi; i += KILN_ATTN_THREADS) {
+    const int lo = crank * per, hi = min(elems, lo + per);
+    for (int i = lo + tid; i < hi; i += KILN_ATTN_THREADS) {
       const int j = i / hdd, d = i % hdd;
-      if (rid[j] < 0) continue;
-      float vr[KILN_ATTN_MAX_CLUSTER];
-#pragma unroll
-      for (int r = 0; r < KILN_ATTN_MAX_CLUSTER; ++r)
-        if (r < csize) vr[r] = ld_cluster(cres + i, r);
+      if (tile * RT + j >= rows) continue;  // rid[j] < 0, without indexing rid at run time
       float sacc = 0.0f;
 #pragma unroll
       for (int r = 0; r < KILN_ATTN_MAX_CLUSTER; ++r) {
-        if (r < csize) {
+        if (r < cm) {
           const float w = cw[j * KILN_ATTN_MAX_CLUSTER + r];
-          sacc += w > 0.0f ? vr[r] * w : 0.0f;
+          sacc += w > 0.0f ? cres[r * per + (i - lo)] * w : 0.0f;
         }
       }
       const float mm = crow[2 * j], ls = crow[2 * j + 1];
+      const i64 row = attn_row_id(a, b, g, tile * RT + j);
       if (ncl == 1) {
-        out[(i64)rid[j] * hd + d] = st<T>(sacc * (ls > 0.0f ? 1.0f / ls : 0.0f));
+        out[row * hd + d] = st<T>(sacc * (ls > 0.0f ? 1.0f / ls : 0.0f));
       } else {
-        part_acc[((i64)rid[j] * a.num_parts + cidx) * hd + d] = sacc;
+        part_acc[(row * a.num_parts + cidx) * hd + d] = sacc;
         if (d == 0) {
-          float* ml = part_ml + ((i64)rid[j] * a.num_parts + cidx) * 2;
+          float* ml = part_ml + (row * a.num_parts + cidx) * 2;
           ml[0] = mm;
           ml[1] = ls;
         }
       }
     }
-    if (ncl > 1) __threadfence();  // before rank 0 counts the cluster done
-    cluster_sync();  // no block leaves while another still reads its shared memory
-    if (ncl == 1 || crank != 0) return;
-    nact = ncl;  // the cross-cluster combine below, over cluster states
+    if (ncl == 1) return;
+    nact = ncl;  // the cross-cluster combine below, over cluster states,
+                 // once every member block (ncount of them) has written its slice
   } else
 #endif
   if (nact == 1) return;  // written directly (a window-skipped lone partition is impossible:
@@ -326,7 +406,7 @@ KILN_DEV void attn_part(const T* __restrict__ q, const T* __restrict__ kc, const
   __syncthreads();
   if (tid == 0) {
     const unsigned int done = atomicAdd(&counters[blockIdx.y], 1u);
-    last_block = done + 1 == (unsigned int)nact;
+    last_block = done + 1 == (unsigned int)ncount;
   }
   __syncthreads();
   if (!last_block) return;
@@ -651,7 +731,8 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
                           float* __restrict__ part_acc, float* __restrict__ part_ml,
                           const AttnShape& a, int b, int g, int part, int p0, int p1,
                           const int* rid, const int* qpos, i64 slot_stride, int new_from,
-                          T* direct_out, float* cres, const AttnRope<T>* ar) {
+                          T* direct_out, float* cres, unsigned long long* cbar, int cmembers,
+                          const AttnRope<T>* ar) {
   extern __shared__ float smem[];
   const int tid = threadIdx.x;
   const int hd = a.head_dim;
@@ -710,7 +791,7 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
   const int nfirst = max(p0, old_end);
   // (kiln_kernels::gpu::rope_attention_shared_bytes sizes it the same way.)
   int roff = RT * hd + a.part_len + KILN_ATTN_WARPS * RT * (hd + 2) +
-             (a.cluster > 1 ? RT * (hd + 2) : 0);
+             (a.cluster > 1 ? RT * hd + KILN_ATTN_MAX_CLUSTER * (1 + 2 * RT) : 0);
   roff = (roff + 7) & ~7;  // 32-byte aligned rows
   T* nks = reinterpret_cast<T*>(smem + roff);
   T* nvs = nks + a.query * hd;
@@ -876,6 +957,27 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
   }
   __syncthreads();
   const KilnDiv hdd = kiln_div(hd);
+#if defined(KILN_CLUSTERS)
+  if (cres != nullptr) {
+    // A cluster member pushes its state's slices to the members (see
+    // attn_push) once every block of the cluster has arrived on the
+    // cluster barrier (so every member's mbarrier is set up).
+    cluster_wait();
+    const int crank = part & (a.cluster - 1);
+    attn_push<RT>(
+        cres, cbar, crank, cmembers, RT * hd,
+        [&](int i) {
+          const int j = i / hdd, d = i % hdd;
+          float s = 0.0f;
+#pragma unroll
+          for (int w = 0; w < KILN_ATTN_WARPS; ++w)
+            s += wacc[(w * RT + j) * hd + d] * wwt[j * KILN_ATTN_WARPS + w];
+          return s;
+        },
+        [&](int j, int k) { return wrow[2 * j + k]; });
+    return;
+  }
+#endif
   for (int i = tid; i < RT * hd; i += KILN_ATTN_THREADS) {
     const int j = i / hdd, d = i % hdd;
     if (rid[j] < 0) continue;
@@ -887,12 +989,6 @@ KILN_DEV void attn_stream(const T* __restrict__ q, const T* __restrict__ kc,
     if (direct_out != nullptr) {
       // The combine's arithmetic for one partition (weight exp(0) = 1).
       direct_out[(i64)rid[j] * hd + d] = st<T>(s * (ls > 0.0f ? 1.0f / ls : 0.0f));
-    } else if (cres != nullptr) {
-      cres[i] = s;
-      if (d == 0) {
-        cres[RT * hd + 2 * j] = mm;
-        cres[RT * hd + 2 * j + 1] = ls;
-      }
     } else {
       part_acc[((i64)rid[j] * a.num_parts + part) * hd + d] = s;
       if (d == 0) {

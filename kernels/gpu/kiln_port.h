@@ -78,25 +78,59 @@ template <int N> KILN_DEV void kiln_cp_async_wait() {
 #endif
 
 // Thread-block clusters (sm_90+): the blocks of one cluster run at once on
-// one GPC and read each other's shared memory. KILN_CLUSTERS is defined
+// one GPC and can store into each other's shared memory and arrive on each
+// other's mbarriers (attention's cluster combine uses only that direction). KILN_CLUSTERS is defined
 // where a kernel may be launched with a cluster dimension; elsewhere (sm_80,
 // HIP) no kernel uses these, and the plans never ask for a cluster.
 #if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define KILN_CLUSTERS 1
-// Every thread of every block of the cluster arrives, then waits: shared
-// memory written before is visible to the cluster's blocks after.
-KILN_DEV void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
-               ::: "memory");
+// Split arrive / wait of the same cluster barrier (the non-aligned forms:
+// threads may reach them at different points). A block arrives early and
+// waits only before its first access to another block's shared memory, so
+// the barrier's latency hides behind the work in between.
+KILN_DEV void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
 }
-// The f32 at `p` (this block's shared memory) in cluster block `rank`.
-KILN_DEV float ld_cluster(const float* p, unsigned int rank) {
-  unsigned int a, r;
-  float v;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+KILN_DEV void cluster_wait() { asm volatile("barrier.cluster.wait;" ::: "memory"); }
+// The shared::cluster address of `p` (this block's shared memory, the same
+// layout in every block of the kernel) in cluster block `rank`.
+KILN_DEV unsigned int kiln_mapa(const void* p, unsigned int rank) {
+  const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+  unsigned int r;
   asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
-  return v;
+  return r;
+}
+// A store into another block's shared memory (an address from kiln_mapa).
+KILN_DEV void st_cluster(unsigned int addr, float v) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+// An mbarrier in this block's shared memory expecting `count` arrivals,
+// made visible to the cluster's blocks (they arrive on it after a
+// cluster_wait that follows this block's cluster_arrive_relaxed).
+KILN_DEV void mbar_init_cluster(unsigned long long* bar, unsigned int count) {
+  const unsigned int a = (unsigned int)__cvta_generic_to_shared(bar);
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(count) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Arrive on an mbarrier of another block (address from kiln_mapa),
+// releasing this thread's earlier stores to the cluster.
+KILN_DEV void mbar_arrive_remote(unsigned int addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(addr)
+               : "memory");
+}
+// Wait for phase `parity` of this block's mbarrier to complete, acquiring
+// what the arriving threads released.
+KILN_DEV void mbar_wait_cluster(unsigned long long* bar, unsigned int parity) {
+  const unsigned int a = (unsigned int)__cvta_generic_to_shared(bar);
+  unsigned int done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+  }
 }
 #endif
 

@@ -1029,11 +1029,21 @@ pub fn rope_attention_shared_bytes(
     let (hd, warps) = (head_dim as u64, (ATTN_THREADS / KILN_WARP) as u64);
     let mut floats = rt * hd + part_len + warps * rt * (hd + 2);
     if cluster > 1 {
-        floats += rt * (hd + 2);
+        floats += attention_gather_floats(rt, hd);
     }
     let floats = floats.div_ceil(8) * 8;
     let bytes = (floats * 4 + 2 * query as u64 * hd * elem).max(part.shared_bytes as u64);
     (bytes <= MAX_STATIC_SHARED as u64).then_some(bytes as u32)
+}
+
+/// Floats of the streaming attention kernel's cluster gather region for
+/// `rt`-row tiles of head dim `hd` (`attention.cu`, `attn_gather_per`): the
+/// accumulator slices every member of a cluster pushes to the member that
+/// merges them (at most `rt * hd` plus one rounding per member), then each
+/// member's (max, sum) per row.
+pub fn attention_gather_floats(rt: u64, hd: u64) -> u64 {
+    let c = ATTN_MAX_CLUSTER as u64;
+    rt * hd + c * (1 + 2 * rt)
 }
 
 /// Geometry of one paged-attention op (see `attention.cu`).
@@ -1062,9 +1072,10 @@ pub struct AttnGeometry {
     pub want_parts: u32,
     /// Partitions per thread-block cluster (1: none). With clusters (CUDA
     /// sm_90, the streaming kernel) the partitions of one cluster merge
-    /// their softmax states through distributed shared memory, without the
-    /// scratch round trip, fence and completion counter of the plain
-    /// combine; only a context spread over more than one cluster still
+    /// their softmax states through distributed shared memory (a
+    /// reduce-scatter: each member merges a slice, see `attention.cu`),
+    /// without the scratch round trip, fence and completion counter of the
+    /// plain combine; only a context spread over more than one cluster still
     /// combines the clusters' states through scratch. `num_parts` is a
     /// multiple of it.
     pub cluster: u32,
@@ -1159,13 +1170,13 @@ pub fn attention_geometry_for(
     // over, up to the hardware's limit: a context then combines inside one
     // cluster (measured on the H200 with bench/attn/attn_bench.cu: a short
     // context split over two clusters of 8 is slower than no cluster).
-    // The cluster's state region (the block's merged state, RT * (hd + 2)
-    // floats) must fit beside the streaming kernel's shared memory; where it
-    // does not (head_dim 256 with 8-row tiles), the plain combine runs.
+    // The cluster combine's gather region (attention_gather_floats) must
+    // fit beside the streaming kernel's shared memory; where it does not
+    // (head_dim 256 with 8-row tiles), the plain combine runs.
     let warps = (ATTN_THREADS / KILN_WARP) as u64;
     let stream_floats = rt * hd + part_len + warps * rt * (hd + 2);
-    let fits =
-        (stream_floats + rt * (hd + 2)).max(rt * (num_parts + 1)) * 4 <= MAX_STATIC_SHARED as u64;
+    let fits = (stream_floats + attention_gather_floats(rt, hd)).max(rt * (num_parts + 1)) * 4
+        <= MAX_STATIC_SHARED as u64;
     // Clusters of fewer than 4 partitions measured slower than the plain
     // combine (SmolLM2-135M b32: 3 partitions, 16.2 us plain, 18.4 us with
     // clusters of 2), so those stay plain.
@@ -1176,8 +1187,12 @@ pub fn attention_geometry_for(
     num_parts = num_parts.div_ceil(cluster) * cluster;
     let partition = if stream {
         // q rows, the slot of each position, each warp's (acc, m, l), then
-        // (clusters) the block's merged state that the cluster reads.
-        let cres = if cluster > 1 { rt * (hd + 2) } else { 0 };
+        // (clusters) the gather region of the members' pushed states.
+        let cres = if cluster > 1 {
+            attention_gather_floats(rt, hd)
+        } else {
+            0
+        };
         stream_floats + cres
     } else {
         // Phase 1: q rows, scores and the slot of each position; phase 2:
@@ -2667,9 +2682,10 @@ mod tests {
             assert!(on.cluster <= on.want_parts.max(1), "{what}");
             assert_eq!(on.num_parts % on.cluster, 0, "{what}");
             assert!(on.num_parts >= off.num_parts && on.num_parts <= ATTN_MAX_PARTS);
-            // The cluster's state region: RT * (hd + 2) more floats.
+            // The cluster's gather region: RT * hd + 16 * (1 + 2 RT) more
+            // floats, whatever the cluster's size.
             let extra = if on.cluster > 1 {
-                on.row_tile * (hd + 2) * 4
+                attention_gather_floats(on.row_tile as u64, hd as u64) as u32 * 4
             } else {
                 0
             };
