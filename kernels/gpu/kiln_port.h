@@ -79,9 +79,10 @@ template <int N> KILN_DEV void kiln_cp_async_wait() {
 
 // Thread-block clusters (sm_90+): the blocks of one cluster run at once on
 // one GPC and can store into each other's shared memory and arrive on each
-// other's mbarriers (attention's cluster combine uses only that direction). KILN_CLUSTERS is defined
-// where a kernel may be launched with a cluster dimension; elsewhere (sm_80,
-// HIP) no kernel uses these, and the plans never ask for a cluster.
+// other's mbarriers (attention's cluster combine uses only that direction).
+// KILN_CLUSTERS is defined where a kernel may be launched with a cluster
+// dimension; elsewhere (sm_80, HIP) no kernel uses these, and the plans
+// never ask for a cluster.
 #if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define KILN_CLUSTERS 1
 // Split arrive / wait of the same cluster barrier (the non-aligned forms:
