@@ -142,6 +142,15 @@ pub struct CompileOptions {
     /// `FuseRule::GRAPH_QUANT`). The CPU target always runs the full pass
     /// (its reference is the unfused sequence).
     pub fused_gemv: bool,
+    /// GPU targets, graph schedule: run `fuse-matmul-qkv-rope` where it is
+    /// in `passes` (`kiln compile --matmul-qkv-rope`): the packed q/k/v
+    /// GEMV whose last blocks rope the heads and write the KV row, one
+    /// launch per layer fewer. Opt-in until its kernels have run on a GPU
+    /// (written and checked here without one: the CUDA tests that compare
+    /// them with the unfused pair bit for bit are in
+    /// `runtime/tests/cuda_quant.rs` and `runtime/tests/cuda_backend.rs`).
+    /// The CPU target always runs the pass (its reference is the pair).
+    pub matmul_qkv_rope: bool,
     /// Tensor-parallel ranks (`kiln compile --tp N`; 1: none). The shard
     /// pass (`passes::shard`) rewrites every traced key for one rank before
     /// the fusions; the plan holds every rank (SPMD).
@@ -178,6 +187,7 @@ impl Default for CompileOptions {
             no_attn_clusters: false,
             tuning: None,
             fused_gemv: false,
+            matmul_qkv_rope: false,
             tp: 1,
             device_memory: None,
             quantize: None,
@@ -557,13 +567,16 @@ pub fn compile_traced<E: Display>(
     // (bench/results/gpu-2026-12-02-s14/).
     let tape_rule = opts.schedule == passes::megakernel::ScheduleKind::Megakernel
         && !matches!(opts.target, Target::Cpu);
-    // `fuse-rope-attention` is a graph-schedule fusion: the interpreter
-    // runs the two ops as tasks.
+    // `fuse-rope-attention` and `fuse-matmul-qkv-rope` are graph-schedule
+    // fusions: the interpreter runs their parts as tasks. The latter runs
+    // on GPU targets only when asked for (`CompileOptions::matmul_qkv_rope`).
+    let gpu = !matches!(opts.target, Target::Cpu);
     let pipeline: Vec<Pass> = opts
         .passes
         .iter()
         .copied()
-        .filter(|p| *p != Pass::FuseRopeAttention || !tape_rule)
+        .filter(|p| !tape_rule || !matches!(p, Pass::FuseRopeAttention | Pass::FuseMatMulQkvRope))
+        .filter(|p| *p != Pass::FuseMatMulQkvRope || !gpu || opts.matmul_qkv_rope)
         .map(|p| match p {
             Pass::FuseMatMul if tape_rule => Pass::FuseMatMulTape,
             Pass::FuseMatMul if !opts.fused_gemv && !matches!(opts.target, Target::Cpu) => {
@@ -903,6 +916,13 @@ pub struct CompileArgs {
     /// 5-19% slower than the pair on an H100, so opt-in.
     #[arg(long)]
     pub rope_attention: bool,
+    /// GPU targets, graph schedule: one-token keys run the packed q/k/v
+    /// projection and `qkv_rope_kv_write` as one `matmul_qkv_rope` launch
+    /// (kiln's GEMV, dense or over a weight kept quantized, whose last
+    /// blocks rope the heads and write the KV row). Opt-in until its
+    /// kernels have run on a GPU (see `CompileOptions::matmul_qkv_rope`).
+    #[arg(long)]
+    pub matmul_qkv_rope: bool,
     /// Tensor parallelism: shard the plan over N ranks (one GPU each, or N
     /// CPU threads), Megatron-style; N must divide the attention heads and
     /// the KV heads. One plan file holds every rank.
@@ -988,6 +1008,7 @@ impl CompileArgs {
             no_attn_clusters: self.no_attn_clusters,
             tuning: None,
             fused_gemv: self.fused_gemv,
+            matmul_qkv_rope: self.matmul_qkv_rope,
             tp: self.tp,
             device_memory: self.device_memory,
             quantize: self.quantize.map(|_| kiln_ir::QuantType::Fp8E4M3),

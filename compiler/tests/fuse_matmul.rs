@@ -395,3 +395,145 @@ fn the_quantized_fusion_override_takes_one_epi_all_or_a_width_and_refuses_the_re
         "{e}"
     );
 }
+
+/// Marks the q/k/v projections (and, with `all`, every projection) as
+/// stored `q` in the graph and the manifest.
+fn quantize_projections(g: &mut Graph, m: &mut WeightManifest, q: kiln_ir::QuantType, all: bool) {
+    let pick = |n: &str| {
+        ["q_proj.weight", "k_proj.weight", "v_proj.weight"]
+            .iter()
+            .any(|s| n.ends_with(s))
+            || (all && n.ends_with("_proj.weight"))
+    };
+    for &w in &g.weights.clone() {
+        if matches!(&g.value(w).def, kiln_ir::ValueDef::Weight(n) if pick(n)) {
+            g.values[w.0 as usize].ty.storage = Some(q);
+        }
+    }
+    for e in &mut m.entries {
+        if pick(&e.name) {
+            e.storage = Some(q);
+        }
+    }
+}
+
+/// `fuse-matmul-qkv-rope` joins the packed q/k/v projection (with its
+/// RMSNorm prologue) and `qkv_rope_kv_write` into `matmul_qkv_rope` on
+/// every layer where the target runs it: one-token CUDA keys over Q8_0 /
+/// Q4_K weights (the integer-dot GEMV's types) or a dense bf16 weight
+/// (kiln's GEMV), and the CPU for weights kept quantized; never a dense
+/// CPU projection, a multi-token GPU key, an FP8 weight (no integer-dot
+/// kernel) or HIP.
+#[test]
+fn the_packed_qkv_projection_and_its_rope_become_one_op_where_the_target_runs_it() {
+    let cuda = Target::Cuda { sm: 90 };
+    let hip = Target::Hip {
+        gfx: "gfx90a".into(),
+    };
+    let spec = SynthSpec {
+        hidden: 256,
+        intermediate: 64,
+        head_dim: 32,
+        ..SynthSpec::tiny(SynthFamily::Qwen3)
+    };
+    let layers = spec.layers as usize;
+    for (target, key, q, want) in [
+        (&cuda, "b1q1s0", Some(kiln_ir::QuantType::Q8_0), layers),
+        (&cuda, "b1q1s0", Some(kiln_ir::QuantType::Q4K), layers),
+        (&cuda, "b8q1s0", Some(kiln_ir::QuantType::Q8_0), 0),
+        (&cuda, "b1q1s0", Some(kiln_ir::QuantType::Fp8E4M3), 0),
+        // Dense bf16: kiln's one-token GEMV has the rope entries too.
+        (&cuda, "b1q1s0", None, layers),
+        (&hip, "b1q1s0", Some(kiln_ir::QuantType::Q8_0), 0),
+        (
+            &Target::Cpu,
+            "b1q1s0",
+            Some(kiln_ir::QuantType::Q8_0),
+            layers,
+        ),
+        (
+            &Target::Cpu,
+            "b3q1s0",
+            Some(kiln_ir::QuantType::Q4_0),
+            layers,
+        ),
+        (&Target::Cpu, "b1q1s0", None, 0),
+    ] {
+        let key: Key = key.parse().unwrap();
+        let mut g = spec.graph(key, &kv_for(&spec, key), false);
+        let mut m = spec.manifest();
+        if let Some(q) = q {
+            quantize_projections(&mut g, &mut m, q, false);
+        }
+        let passes: Vec<Pass> = DEFAULT_PIPELINE
+            .iter()
+            .map(|&p| match p {
+                Pass::FuseMatMul if !matches!(target, Target::Cpu) => Pass::FuseMatMulQuant,
+                p => p,
+            })
+            .collect();
+        let (g, _, s) =
+            run_pipeline_for(g, &mut m, &passes, true, target).unwrap_or_else(|e| panic!("{e}"));
+        let what = format!("{target:?} {key} {q:?}");
+        let fused = count(&g, |o| matches!(o, Op::MatMulQkvRope { .. }));
+        assert_eq!(fused, want, "{what}");
+        assert_eq!(s.matmul_qkv_rope as usize, want, "{what}");
+        let left = count(&g, |o| matches!(o, Op::QkvRopeKvWrite { .. }));
+        assert_eq!(left, layers - want, "{what}");
+        if matches!(target, Target::Cpu) {
+            // The CPU fuses every norm, so each fused op keeps its prologue
+            // (on the GPU only where the norm before it is fusable: here the
+            // dense o/down projections keep layer 1's add_rms_norm).
+            assert_eq!(
+                count(&g, |o| matches!(o, Op::MatMulQkvRope { pre: Some(_), .. })),
+                want,
+                "{what}"
+            );
+        }
+        // The text form round-trips the fused op.
+        let text = kiln_ir::print(&g);
+        assert_eq!(text.matches("matmul_qkv_rope {").count(), want, "{what}");
+        let back = kiln_ir::parse(&text).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(kiln_ir::print(&back), text, "{what}");
+    }
+}
+
+/// The fused op computes exactly what the projection and
+/// `qkv_rope_kv_write` compute: the step evaluated by the reference
+/// interpreter (the fused op through its definition) with and without the
+/// pass, quantized projections read as their f32 values (the interpreter
+/// ignores storage, so only the graph's structure differs).
+#[test]
+fn the_matmul_qkv_rope_step_computes_exactly_what_the_pair_computes() {
+    let mut rng = Rng::new(1616);
+    for fam in FAMILIES {
+        let spec = SynthSpec::tiny(fam);
+        for key in keys("b1q1s0,b2q3s2") {
+            let kv = kv_for(&spec, key);
+            let mut plain = spec.graph(key, &kv, true);
+            let mut m0 = spec.manifest();
+            quantize_projections(&mut plain, &mut m0, kiln_ir::QuantType::Q8_0, false);
+            let without: Vec<Pass> = DEFAULT_PIPELINE
+                .iter()
+                .copied()
+                .filter(|p| *p != Pass::FuseMatMulQkvRope)
+                .collect();
+            let run = |passes: &[Pass]| {
+                let mut m = m0.clone();
+                let (g, _, s) = run_pipeline_for(plain.clone(), &mut m, passes, true, &Target::Cpu)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                kiln_compiler::passes::weights::prune(&mut m, &[&g]);
+                (g, m, s)
+            };
+            let (a, ma, _) = run(&without);
+            let (b, mb, s) = run(&DEFAULT_PIPELINE);
+            assert_eq!(s.matmul_qkv_rope, spec.layers, "{fam:?} {key}");
+            let ck = random_checkpoint(&spec.manifest(), &mut rng);
+            let inp = random_inputs(key, &kv, spec.vocab, 64, &mut rng);
+            let want = eval_graph(&a, &ma, &ck, &inp);
+            let got = eval_graph(&b, &mb, &ck, &inp);
+            assert_eq!(got.outputs, want.outputs, "{fam:?} {key}");
+            assert!(got.caches == want.caches, "{fam:?} {key}: caches differ");
+        }
+    }
+}

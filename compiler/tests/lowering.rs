@@ -333,3 +333,67 @@ fn a_rope_attention_plan_lowers_one_attention_launch_per_layer_and_validates() {
         }
     }
 }
+
+#[test]
+fn a_gpu_plan_forms_matmul_qkv_rope_only_when_asked_and_then_lowers_one_launch_per_layer() {
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    let compile = |target: &str, asked: bool| {
+        let opts = CompileOptions {
+            keys: keys("b1q1s0,b3q1s0"),
+            target: target.parse().unwrap(),
+            matmul_qkv_rope: asked,
+            ..CompileOptions::default()
+        };
+        let c = compile_traced(
+            synth_meta(&spec),
+            spec.manifest(),
+            &opts,
+            |k, kv| Ok::<_, String>(spec.graph(k, kv, false)),
+            &mut |_, _| {},
+        )
+        .unwrap_or_else(|e| panic!("{target}: {e}"));
+        check_plan(&c.plan).unwrap_or_else(|e| panic!("{target}: {e:#?}"));
+        validate(&c.plan).unwrap_or_else(|e| panic!("{target}: {e}"));
+        c.plan
+    };
+    fn fused(kp: &KeyPlan) -> Vec<&kiln_ir::plan::PlanOp> {
+        kp.ops
+            .iter()
+            .filter(|o| matches!(o.op, Op::MatMulQkvRope { .. }))
+            .collect()
+    }
+    // Not asked: the pair, on every GPU target.
+    for target in ["cuda:sm_90", "hip:gfx1100"] {
+        for kp in &compile(target, false).keys {
+            assert!(fused(kp).is_empty(), "{target} {}", kp.key);
+        }
+    }
+    // Asked: CUDA's one-token key runs one GEMV launch per layer with the
+    // rope tail (and no qkv_rope_kv_write); three tokens and HIP keep the pair.
+    let plan = compile("cuda:sm_90", true);
+    for kp in &plan.keys {
+        let ops = fused(kp);
+        let pairs = kp
+            .ops
+            .iter()
+            .filter(|o| matches!(o.op, Op::QkvRopeKvWrite { .. }))
+            .count() as u32;
+        if kp.key.batch * kp.key.query == 1 {
+            assert_eq!(ops.len() as u32, spec.layers, "{}", kp.key);
+            assert_eq!(pairs, 0, "{}", kp.key);
+            for o in ops {
+                let Lowering::Kernels(ls) = &o.lowering else {
+                    panic!("matmul_qkv_rope lowers to kernels")
+                };
+                assert_eq!(ls.len(), 1, "{}", kp.key);
+                assert!(ls[0].entry.contains("rope_t1"), "{}", ls[0].entry);
+            }
+        } else {
+            assert!(ops.is_empty(), "{}", kp.key);
+            assert_eq!(pairs, spec.layers, "{}", kp.key);
+        }
+    }
+    for kp in &compile("hip:gfx1100", true).keys {
+        assert!(fused(kp).is_empty(), "hip {}", kp.key);
+    }
+}

@@ -10,8 +10,8 @@
 //! frequencies). Nothing that changes from step to step is an attribute: such
 //! values are graph inputs read from device memory.
 //!
-//! Fused variants (`QkvRopeKvWrite`, `RopeAttention`, `AddRmsNorm`, `FusedMatMul`, the
-//! one-argument forms of `SiluMul`/`GeluTanhMul`) are produced by compiler passes; frontends emit the
+//! Fused variants (`QkvRopeKvWrite`, `RopeAttention`, `MatMulQkvRope`, `AddRmsNorm`,
+//! `FusedMatMul`, the one-argument forms of `SiluMul`/`GeluTanhMul`) are produced by compiler passes; frontends emit the
 //! plain ones. They are in the same enum so the verifier, the printer and the
 //! backends see one closed set.
 
@@ -343,6 +343,29 @@ pub enum Op {
         parts: u32,
         out: DType,
     },
+    /// The packed q/k/v projection (a `fused_matmul` without an epilogue)
+    /// feeding `qkv_rope_kv_write`, as one op:
+    /// `matmul_qkv_rope(x: D[T, K], w: D[N, K] [, bias: D[N]] [, norm_w: D[K]],
+    ///   pos: i32[T], slots: i32[T], kc: D[S, kvh*hd], vc: D[S, kvh*hd]
+    ///   [, q_norm: D[hd], k_norm: D[hd]]) -> (q: D[T, heads*hd], kc', vc')`
+    /// with `N = (heads + 2*kvh)*hd`. Defined as exactly
+    /// `qkv = fused_matmul{bias, out: D, pre, epilogue: none}(x, w [, bias]
+    /// [, norm_w])` then `(q, kc', vc') = qkv_rope_kv_write(qkv, pos, slots,
+    /// kc, vc [, q_norm, k_norm])` with the attributes of both (qkv rounded to
+    /// `D` between them, as the unfused matmul stores it). The packed qkv is
+    /// no value of the graph: on a GPU the GEMV's blocks write it to the op's
+    /// scratch and the last block to finish each head's rows ropes and
+    /// stores that head, so the step has one launch fewer per layer.
+    MatMulQkvRope {
+        bias: bool,
+        pre: Option<PreNorm>,
+        heads: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        rope: Rope,
+        qk_norm: Option<f32>,
+        unit_offset: bool,
+    },
 }
 
 /// Why an op's operands do not type-check. The verifier adds the location.
@@ -375,11 +398,12 @@ impl Op {
             Op::ShardedArgmax { .. } => "sharded_argmax",
             Op::AttentionPartials { .. } => "attention_partials",
             Op::AttentionCombine { .. } => "attention_combine",
+            Op::MatMulQkvRope { .. } => "matmul_qkv_rope",
         }
     }
 
     /// All mnemonics, for error messages ("expected one of ...").
-    pub const MNEMONICS: [&'static str; 23] = [
+    pub const MNEMONICS: [&'static str; 24] = [
         "embedding",
         "rms_norm",
         "add_rms_norm",
@@ -403,6 +427,7 @@ impl Op {
         "sharded_argmax",
         "attention_partials",
         "attention_combine",
+        "matmul_qkv_rope",
     ];
 
     /// Accepted argument counts.
@@ -441,6 +466,15 @@ impl Op {
                 4 => &[4],
                 _ => &[5],
             },
+            Op::MatMulQkvRope { qk_norm, .. } => {
+                match self.fused_arg_count() + 4 + 2 * qk_norm.is_some() as usize {
+                    6 => &[6],
+                    7 => &[7],
+                    8 => &[8],
+                    9 => &[9],
+                    _ => &[10],
+                }
+            }
         }
     }
 
@@ -453,8 +487,85 @@ impl Op {
             } => {
                 2 + *bias as usize + pre.is_some() as usize + (*post == Epilogue::Residual) as usize
             }
+            // Its matmul's: x, w, then bias and norm weight when present.
+            Op::MatMulQkvRope { bias, pre, .. } => 2 + *bias as usize + pre.is_some() as usize,
             _ => 2,
         }
+    }
+
+    /// The inverse of [`Op::split_matmul_qkv_rope`]: the `matmul_qkv_rope`
+    /// of a projection (a `matmul`, or a `fused_matmul` without an
+    /// epilogue) whose result dtype is `act` and a `qkv_rope_kv_write`;
+    /// None for any other pair. The fusion pass, the parser and the printer
+    /// all go through this pair, so the fused op's attributes are the
+    /// parts' and nothing else.
+    pub fn join_matmul_qkv_rope(mm: &Op, rope: &Op, act: DType) -> Option<Op> {
+        let (bias, pre) = match mm {
+            Op::MatMul { bias, out } if *out == act => (*bias, None),
+            Op::FusedMatMul {
+                bias,
+                out,
+                pre,
+                post: Epilogue::None,
+            } if *out == act => (*bias, *pre),
+            _ => return None,
+        };
+        let Op::QkvRopeKvWrite {
+            heads,
+            kv_heads,
+            head_dim,
+            rope,
+            qk_norm,
+            unit_offset,
+        } = rope
+        else {
+            return None;
+        };
+        Some(Op::MatMulQkvRope {
+            bias,
+            pre,
+            heads: *heads,
+            kv_heads: *kv_heads,
+            head_dim: *head_dim,
+            rope: rope.clone(),
+            qk_norm: *qk_norm,
+            unit_offset: *unit_offset,
+        })
+    }
+
+    /// A `matmul_qkv_rope`'s two parts for activations of dtype `act`: the
+    /// `fused_matmul` (no epilogue, result `act`) and the
+    /// `qkv_rope_kv_write` it is defined as (None for any other op).
+    pub fn split_matmul_qkv_rope(&self, act: DType) -> Option<(Op, Op)> {
+        let Op::MatMulQkvRope {
+            bias,
+            pre,
+            heads,
+            kv_heads,
+            head_dim,
+            rope,
+            qk_norm,
+            unit_offset,
+        } = self
+        else {
+            return None;
+        };
+        Some((
+            Op::FusedMatMul {
+                bias: *bias,
+                out: act,
+                pre: *pre,
+                post: Epilogue::None,
+            },
+            Op::QkvRopeKvWrite {
+                heads: *heads,
+                kv_heads: *kv_heads,
+                head_dim: *head_dim,
+                rope: rope.clone(),
+                qk_norm: *qk_norm,
+                unit_offset: *unit_offset,
+            },
+        ))
     }
 
     /// The inverse of [`Op::split_rope_attention`]: the `rope_attention` of
@@ -518,6 +629,12 @@ impl Op {
         match self {
             Op::KvWrite => &[(0, 3), (1, 4)],
             Op::QkvRopeKvWrite { .. } | Op::RopeAttention { .. } => &[(1, 3), (2, 4)],
+            // The caches follow the matmul's operands and pos, slots.
+            Op::MatMulQkvRope { .. } => match self.fused_arg_count() {
+                2 => &[(1, 4), (2, 5)],
+                3 => &[(1, 5), (2, 6)],
+                _ => &[(1, 6), (2, 7)],
+            },
             _ => &[],
         }
     }
@@ -873,6 +990,16 @@ impl Op {
                     args[6].clone(),
                 ])?;
                 Ok(r)
+            }
+            Op::MatMulQkvRope { .. } => {
+                // Exactly the two ops it stands for: each typing rule in one place.
+                let m = self.fused_arg_count();
+                let act = args[0].dtype;
+                let (mm, rope) = self.split_matmul_qkv_rope(act).expect("matmul_qkv_rope");
+                let qkv = mm.infer(&args[..m])?;
+                let mut ra = qkv;
+                ra.extend_from_slice(&args[m..]);
+                rope.infer(&ra)
             }
             Op::SiluMul | Op::GeluTanhMul => {
                 float(0, "gate")?;

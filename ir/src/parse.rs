@@ -1041,6 +1041,28 @@ impl<'a> Parser<'a> {
                 let rope = qkv_rope_kv_write(&mut a, heads)?;
                 Op::join_rope_attention(&rope, &attn).expect("both parts have the same heads")
             }
+            "matmul_qkv_rope" => {
+                let bias = a.bool("bias")?;
+                let eps = a.opt_f32("norm")?;
+                let norm_unit_offset = a.bool_only_with(
+                    "norm_unit_offset",
+                    eps.is_some(),
+                    "false (true needs `norm` set)",
+                )?;
+                let mm = Op::FusedMatMul {
+                    bias,
+                    out: DType::BF16,
+                    pre: eps.map(|eps| PreNorm {
+                        eps,
+                        unit_offset: norm_unit_offset,
+                    }),
+                    post: Epilogue::None,
+                };
+                let heads = head_attrs(&mut a)?;
+                let rope = qkv_rope_kv_write(&mut a, heads)?;
+                Op::join_matmul_qkv_rope(&mm, &rope, DType::BF16)
+                    .expect("a fused_matmul without an epilogue and a qkv_rope_kv_write")
+            }
             "silu_mul" => Op::SiluMul,
             "gelu_tanh_mul" => Op::GeluTanhMul,
             "add" => Op::Add,

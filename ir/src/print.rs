@@ -360,6 +360,23 @@ fn attr_pairs(op: &Op) -> Vec<(&'static str, String)> {
             v.extend(rest);
             v
         }
+        // The projection's attributes (its result dtype is the
+        // activations'), then the rope's.
+        Op::MatMulQkvRope { bias, pre, .. } => {
+            let mut v = vec![
+                ("bias", bias.to_string()),
+                ("norm", fmt_opt_f32(pre.map(|p| p.eps))),
+                (
+                    "norm_unit_offset",
+                    pre.is_some_and(|p| p.unit_offset).to_string(),
+                ),
+            ];
+            let (_, rope) = op
+                .split_matmul_qkv_rope(crate::types::DType::BF16)
+                .expect("a matmul_qkv_rope has two parts");
+            v.extend(attr_pairs(&rope));
+            v
+        }
         Op::GatherLast { group } => vec![("group", group.to_string())],
         Op::AcceptGreedy { spec } => vec![("spec", spec.to_string())],
         Op::FusedMatMul {

@@ -155,7 +155,9 @@ fn cycle_text(nodes: &[NodeId]) -> String {
 pub fn quantized_operand(op: &crate::op::Op) -> Option<usize> {
     use crate::op::Op;
     match op {
-        Op::MatMul { .. } | Op::FusedMatMul { .. } | Op::Embedding => Some(1),
+        Op::MatMul { .. } | Op::FusedMatMul { .. } | Op::MatMulQkvRope { .. } | Op::Embedding => {
+            Some(1)
+        }
         _ => None,
     }
 }

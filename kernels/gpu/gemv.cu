@@ -350,6 +350,38 @@ KILN_GEMV_STAGED_ALL(kbf16, bf16, float, f32)
 KILN_GEMV_STAGED_ALL(kf16, f16, kf16, f16)
 KILN_GEMV_STAGED_ALL(kf16, f16, float, f32)
 
+// The rope entries (matmul_qkv_rope over a dense weight, one token):
+// gemv_[staged_][k2_|k4_]rope_t1_S_S, the GEMV above (register or staged,
+// the split the lowering picks as for the plain matmul) writing the packed
+// qkv row to `out` (the op's scratch), then kiln_port.h's kiln_rope_tail on
+// the block's 16 / KS rows; qkv_rope_kv_write's parameters after the
+// GEMV's (stems gemv_rope_, gemv_staged_rope_).
+#define KILN_GEMV_ROPE_KS(T, S, KS, PFX, BODY)                                                  \
+  KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP) gemv_##PFX##rope_t1_##S##_##S( \
+      const T* x, const T* w, const T* bias, T* out, int tokens, int n, int k, int w_const,     \
+      const int* pos, const int* slots, T* kc, T* vc, const T* qn, const T* kn, T* q_out,       \
+      unsigned int* counters, int heads, int kvh, int hd, float qk_eps, int has_norm,           \
+      int unit_offset, i64 num_slots, RopeFreqs fr) {                                           \
+    BODY<T, T, 1, KS>(x, w, bias, out, tokens, n, k, w_const);                                  \
+    kiln_rope_tail<T>(out, n, KILN_GEMV_WARPS * KILN_GEMV_ROWS / KS, pos, slots, kc, vc, qn, kn,   \
+                      q_out, counters, heads, kvh, hd, qk_eps, has_norm, unit_offset, num_slots, \
+                      fr);                                                                      \
+  }
+#if defined(KILN_GEMV_STAGED)
+#define KILN_GEMV_ROPE_STAGED_BODY gemv_staged_rows
+#else
+#define KILN_GEMV_ROPE_STAGED_BODY gemv_rows
+#endif
+#define KILN_GEMV_ROPE_ALL(T, S)                                                                \
+  KILN_GEMV_ROPE_KS(T, S, 1, , gemv_rows)                                                       \
+  KILN_GEMV_ROPE_KS(T, S, 2, k2_, gemv_rows)                                                    \
+  KILN_GEMV_ROPE_KS(T, S, 4, k4_, gemv_rows)                                                    \
+  KILN_GEMV_ROPE_KS(T, S, 1, staged_, KILN_GEMV_ROPE_STAGED_BODY)                               \
+  KILN_GEMV_ROPE_KS(T, S, 2, staged_k2_, KILN_GEMV_ROPE_STAGED_BODY)                            \
+  KILN_GEMV_ROPE_KS(T, S, 4, staged_k4_, KILN_GEMV_ROPE_STAGED_BODY)
+KILN_GEMV_ROPE_ALL(kbf16, bf16)
+KILN_GEMV_ROPE_ALL(kf16, f16)
+
 // ---- fused_matmul: the GEMV above with an RMSNorm prologue and an epilogue ----
 //
 // Same weight stream as gemv_rows (one warp, two weight rows, 16-byte loads,

@@ -385,8 +385,8 @@ struct RopeFreqs {
 // unfused head_rms_norm stores it) needs one warp sum. Every element's
 // final value, rounded to T once, goes to store(i, value). Every lane of
 // the warp must call it (the norm's warp sum).
-template <typename T, typename Store>
-KILN_DEV void kiln_rope_head(const T* src, int hd, const T* nw, int has_norm, float eps,
+template <typename T, typename Load, typename Store>
+KILN_DEV void kiln_rope_head_with(Load load, int hd, const T* nw, int has_norm, float eps,
                              int unit_offset, float p, const RopeFreqs& fr, Store store) {
   const int lane = threadIdx.x % KILN_WARP;
   const int half = hd / 2;
@@ -396,8 +396,8 @@ KILN_DEV void kiln_rope_head(const T* src, int hd, const T* nw, int has_norm, fl
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
     const int i = lane + j * KILN_WARP;
-    a[j] = i < half ? ld(src[i]) : 0.0f;
-    b[j] = i < half ? ld(src[i + half]) : 0.0f;
+    a[j] = i < half ? load(i) : 0.0f;
+    b[j] = i < half ? load(i + half) : 0.0f;
     ss += a[j] * a[j] + b[j] * b[j];
   }
   if (has_norm) {
@@ -425,6 +425,100 @@ KILN_DEV void kiln_rope_head(const T* src, int hd, const T* nw, int has_norm, fl
       const float c = cosf(ang), s = sinf(ang);
       store(i, st<T>(a[j] * c - b[j] * s));
       store(i + half, st<T>(b[j] * c + a[j] * s));
+    }
+  }
+}
+template <typename T, typename Store>
+KILN_DEV void kiln_rope_head(const T* src, int hd, const T* nw, int has_norm, float eps,
+                             int unit_offset, float p, const RopeFreqs& fr, Store store) {
+  kiln_rope_head_with<T>([&](int i) { return ld(src[i]); }, hd, nw, has_norm, eps, unit_offset, p,
+                         fr, store);
+}
+
+// ---- The rope tail of the packed q/k/v GEMV (matmul_qkv_rope) ----
+//
+// What qkv_rope_kv_write does for one token, done by the GEMV's own blocks
+// (qgemv.cu's integer-dot entries and gemv.cu's dense ones). Every thread
+// of a block calls it after the GEMV has stored the block's rows
+// [rpb * b, rpb * (b + 1)) of the packed row `qkv` (the op's scratch). Unit
+// u of that row (the q heads, then the k heads, then the v heads, hd rows
+// each) is finished by the last block to store any of its rows: every
+// thread fences its stores (device scope) and the block meets at a
+// barrier; then the units the block's rows touch are dealt to its warps,
+// and a warp's lane 0 counts the block in on the unit's completion
+// counter. The warp that brings a counter to the number of blocks over
+// that unit resets it to zero for the next launch and finishes the unit:
+// its elements read back through L2 (other blocks stored them during this
+// launch; an SM's L1 is not coherent) straight into the lanes that need
+// them, then qkv_rope_kv_write_units' arithmetic (kiln_rope_head_with for
+// a q or k head, a copy for a v head, the same slot check), so the
+// results are that kernel's bit for bit. No shared memory (the staged
+// GEMV uses all of the static 48 KiB) and no barrier after the first.
+KILN_DEV unsigned short kiln_ld_cg16(const unsigned short* p) {
+#if defined(KILN_CUDA)
+  return __ldcg(p);
+#else
+  return __builtin_nontemporal_load(p);
+#endif
+}
+
+KILN_DEV int kiln_shfl_int(int v, int src) {
+#if defined(KILN_CUDA)
+  return __shfl_sync(0xffffffffu, v, src, KILN_WARP);
+#else
+  return __shfl(v, src, KILN_WARP);
+#endif
+}
+
+template <typename T>
+KILN_DEV void kiln_rope_tail(const T* qkv, int n, int rpb, const int* __restrict__ pos,
+                             const int* __restrict__ slots, T* kc, T* vc,
+                             const T* __restrict__ qn, const T* __restrict__ kn,
+                             T* __restrict__ q_out, unsigned int* counters, int heads, int kvh,
+                             int hd, float eps, int has_norm, int unit_offset, i64 num_slots,
+                             const RopeFreqs& fr) {
+  static_assert(sizeof(T) == 2, "the rope tail reads 16-bit activations");
+  __threadfence();
+  __syncthreads();
+  const i64 r0 = (i64)blockIdx.x * rpb;
+  const i64 r1 = r0 + rpb < (i64)n ? r0 + rpb : (i64)n;
+  if (r0 >= r1) return;
+  const int lane = threadIdx.x % KILN_WARP;
+  const int warp = threadIdx.x / KILN_WARP;
+  const int warps = (int)(blockDim.x / KILN_WARP);
+  const i64 kvrow = (i64)kvh * hd;
+  // Warp-uniform loop: every lane of a warp takes the same units.
+  for (i64 u = r0 / hd + warp; u <= (r1 - 1) / hd; u += warps) {
+    int last = 0;
+    if (lane == 0) {
+      const i64 b0 = u * hd / rpb, b1 = ((u + 1) * hd - 1) / rpb;
+      if (atomicAdd(&counters[u], 1u) + 1u == (unsigned int)(b1 - b0 + 1)) {
+        counters[u] = 0u;  // ready for the next launch
+        last = 1;
+      }
+    }
+    if (!kiln_shfl_int(last, 0)) continue;
+    __threadfence();
+    const unsigned short* src = reinterpret_cast<const unsigned short*>(qkv + u * hd);
+    auto load = [&](int e) {
+      T v;
+      v.bits = kiln_ld_cg16(src + e);
+      return ld(v);
+    };
+    if (u >= heads + kvh) {  // v head: plain copy into the cache
+      const i64 slot = slots[0];
+      if (slot >= 0 && slot < num_slots) {
+        T* dst = vc + slot * kvrow + (u - heads - kvh) * hd;
+        for (int e = lane; e < hd; e += KILN_WARP) dst[e].bits = kiln_ld_cg16(src + e);
+      }
+    } else {
+      const bool is_q = u < heads;
+      const i64 slot = is_q ? 0 : slots[0];
+      if (is_q || (slot >= 0 && slot < num_slots)) {
+        T* dst = is_q ? q_out + u * hd : kc + slot * kvrow + (u - heads) * hd;
+        kiln_rope_head_with<T>(load, hd, is_q ? qn : kn, has_norm, eps, unit_offset,
+                               (float)pos[0], fr, [&](int e, T v) { dst[e] = v; });
+      }
     }
   }
 }

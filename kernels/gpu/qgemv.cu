@@ -525,7 +525,11 @@ KILN_DEV void qgemv_rows(const kbf16* __restrict__ x, const unsigned char* __res
 // (qgemv_i8_q4k_, qgemv_i8_q6k_, qgemv_i8_q8_0_, qgemv_i8_fused_q4k_,
 // qgemv_i8_fused_q6k_, qgemv_i8_fused_q8_0_, qgemv_i8_fused_norm_q4k_,
 // qgemv_i8_fused_norm_q6k_, qgemv_i8_fused_norm_q8_0_), with qgemv's
-// parameters; a warp owns KILN_QD_ROWS rows (KILN_QD_ROWS / 2 gate and as
+// parameters, and the rope entries of matmul_qkv_rope
+// (qgemv_i8_rope_S_t1_bf16_bf16, qgemv_i8_rope_norm_S_t1_bf16_bf16: see
+// kiln_rope_tail in kiln_port.h; stems qgemv_i8_rope_q4k_, qgemv_i8_rope_q6k_,
+// qgemv_i8_rope_q8_0_, qgemv_i8_rope_norm_q4k_, qgemv_i8_rope_norm_q6k_,
+// qgemv_i8_rope_norm_q8_0_); a warp owns KILN_QD_ROWS rows (KILN_QD_ROWS / 2 gate and as
 // many up rows under an activation), K <= KILN_QD_MAXK.
 #define KILN_QD_MAXK 16384
 #ifndef KILN_QD_ROWS
@@ -973,14 +977,42 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
     qdot_rows<Q, O, PRE, 1, R, U, KS, PIPE>(x, w, bias, norm_w, res, out, n, k, w_const, off1,  \
                                             off2, off3, eps, unit_offset, mode);               \
   }
+// The rope entries below end in kiln_port.h's kiln_rope_tail (the GEMV's
+// last block over each head runs qkv_rope_kv_write's arithmetic on it).
+// The rope entries (matmul_qkv_rope): qgemv_i8<G>_rope_S_t1_bf16_bf16 (no
+// prologue) and qgemv_i8<G>_rope_norm_S_t1_bf16_bf16 (the RMSNorm
+// prologue): the fused entries' parameters (mode 0; out is the packed qkv
+// row in scratch), then qkv_rope_kv_write's (pos, slots, kc, vc, q_norm,
+// k_norm, q_out), the units' completion counters, heads, kvh, hd, the q/k
+// norm's eps, has_norm and unit_offset, the caches' slot count and the
+// frequencies.
+#define KILN_QDOT_ROPE(S, Q, PRE, NAME, R, U, KS, PIPE, MINB)                                  \
+  KILN_GLOBAL void KILN_QDOT_LB(MINB)                                                          \
+      NAME(const kbf16* x, const unsigned char* w, const float* scale, const kbf16* bias,      \
+           const kbf16* norm_w, const kbf16* res, kbf16* out, int tokens, int n, int k,        \
+           int w_const, i64 off1, i64 off2, i64 off3, float eps, int unit_offset, int mode,    \
+           const int* pos, const int* slots, kbf16* kc, kbf16* vc, const kbf16* qn,            \
+           const kbf16* kn, kbf16* q_out, unsigned int* counters, int heads, int kvh, int hd,  \
+           float qk_eps, int has_norm, int qk_unit_offset, i64 num_slots, RopeFreqs fr) {      \
+    qdot_rows<Q, kbf16, PRE, 1, R, U, KS, PIPE>(x, w, bias, norm_w, res, out, n, k, w_const,   \
+                                                off1, off2, off3, eps, unit_offset, mode);     \
+    kiln_rope_tail<kbf16>(out, n, (KILN_QWARPS / KS) * R, pos, slots, kc, vc, qn, kn, q_out,     \
+                          counters, heads, kvh, hd, qk_eps, has_norm, qk_unit_offset, num_slots, \
+                          fr);                                                                 \
+  }
+#define KILN_QDOT_ROPE_G(S, Q, G, R, U, KS, PIPE, MINB)                                        \
+  KILN_QDOT_ROPE(S, Q, 0, qgemv_i8##G##_rope_##S##_t1_bf16_bf16, R, U, KS, PIPE, MINB)         \
+  KILN_QDOT_ROPE(S, Q, 1, qgemv_i8##G##_rope_norm_##S##_t1_bf16_bf16, R, U, KS, PIPE, MINB)
+
 // The geometries the lowering may pick (kiln_kernels::quant_gpu::QDOT_GEOMS,
 // the same list in the same order).
-#define KILN_QDOT(S, Q)                                                    \
-  KILN_QDOT_G(S, Q, , KILN_QD_ROWS, KILN_QD_UNROLL, 1, 0, 2)               \
-  KILN_QDOT_G(S, Q, _r4u2k2, 4, 2, 2, 0, 2)                                \
-  KILN_QDOT_G(S, Q, _r2u2k1p, 2, 2, 1, 1, 2)                               \
-  KILN_QDOT_G(S, Q, _r2u2k2p, 2, 2, 2, 1, 2)                               \
-  KILN_QDOT_G(S, Q, _r4u1k1p, 4, 1, 1, 1, 2)
+#define KILN_QDOT_GEOMS(M, S, Q)                                           \
+  M(S, Q, , KILN_QD_ROWS, KILN_QD_UNROLL, 1, 0, 2)                         \
+  M(S, Q, _r4u2k2, 4, 2, 2, 0, 2)                                          \
+  M(S, Q, _r2u2k1p, 2, 2, 1, 1, 2)                                         \
+  M(S, Q, _r2u2k2p, 2, 2, 2, 1, 2)                                         \
+  M(S, Q, _r4u1k1p, 4, 1, 1, 1, 2)
+#define KILN_QDOT(S, Q) KILN_QDOT_GEOMS(KILN_QDOT_G, S, Q) KILN_QDOT_GEOMS(KILN_QDOT_ROPE_G, S, Q)
 KILN_QDOT(q4k, KQ_Q4K)
 KILN_QDOT(q6k, KQ_Q6K)
 KILN_QDOT(q8_0, KQ_Q8_0)

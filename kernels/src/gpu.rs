@@ -254,6 +254,19 @@ pub fn gemv_staged_applies(t: u32, n: u32, k: u32) -> Option<u32> {
     })
 }
 
+/// Whether kiln's GEMV of `t` tokens over `n` rows of `k` runs staged, and
+/// its split factor (16 / split rows per block): what [`gemv_call`] and the
+/// dense `matmul_qkv_rope` launch both take.
+fn gemv_split(t: u32, n: u32, k: u32) -> (bool, u32) {
+    let staged = gemv_staged_enabled()
+        .then(|| gemv_staged_applies(t, n, k))
+        .flatten();
+    (
+        staged.is_some(),
+        staged.unwrap_or_else(|| gemv_ksplit(n, k, gemv_min_blocks())),
+    )
+}
+
 /// kiln's GEMV kernel (`gemv.cu`) for `g` when it applies (T <= 8, bf16/f16
 /// inputs, K a multiple of 8): a decode-shaped GEMM that is one pass over
 /// the weights; used where [`choose_gemm`] records `gemv`. `w_const`: the weight operand is a weight whose
@@ -274,11 +287,8 @@ pub fn gemv_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
     if g.k == 0 || !g.k.is_multiple_of(8) || g.n == 0 || i32::try_from(g.n).is_err() {
         return None;
     }
-    let staged = gemv_staged_enabled()
-        .then(|| gemv_staged_applies(g.t, g.n, g.k))
-        .flatten();
-    let ks = staged.unwrap_or_else(|| gemv_ksplit(g.n, g.k, gemv_min_blocks()));
-    let kind = if staged.is_some() { "staged_" } else { "" };
+    let (staged, ks) = gemv_split(g.t, g.n, g.k);
+    let kind = if staged { "staged_" } else { "" };
     Some(KernelCall {
         module: "gemv",
         entry: format!("gemv_{kind}{}t{tt}_{i}_{o}", ksplit_prefix(ks)),
@@ -749,6 +759,13 @@ pub fn entry_points(module: &str) -> Vec<String> {
             for (i, o) in GEMV_TYPES {
                 for ks in GEMV_KSPLITS {
                     v.push(format!("gemv_staged_{}t1_{i}_{o}", ksplit_prefix(ks)));
+                }
+            }
+            for s in ["bf16", "f16"] {
+                for staged in ["", "staged_"] {
+                    for ks in GEMV_KSPLITS {
+                        v.push(format!("gemv_{staged}{}rope_t1_{s}_{s}", ksplit_prefix(ks)));
+                    }
                 }
             }
             for (i, o) in GEMV_TYPES {
@@ -1279,6 +1296,12 @@ pub fn lower_symbolic(
         counters: 0,
     };
     Ok(match op {
+        Op::MatMulQkvRope { .. } => {
+            return Err(unsupported(
+                "its one launch is the quantized GEMV's, lowered over planned buffers (lower_op)"
+                    .into(),
+            ))
+        }
         // NCCL sums bf16/f16 in the dtype (not f32 once), so a GPU rank's
         // bits may differ from the CPU reference in the last place; the
         // ranks still agree with each other (NCCL's ring order is fixed).
@@ -2000,6 +2023,10 @@ pub fn op_needs(
         fused_matmul_runs(op, args, &opts.target)?;
         return Ok(OpNeeds::default());
     }
+    if matches!(op, Op::MatMulQkvRope { .. }) {
+        matmul_qkv_rope_runs(op, args, &opts.target)?;
+        return matmul_qkv_rope_needs(op, args);
+    }
     let l = lower_symbolic(
         op,
         args,
@@ -2162,6 +2189,266 @@ pub fn fused_matmul_runs(
     lower_quantized_fused(op, &ops, &out, true, target, false).map(|_| ())
 }
 
+/// The scratch and completion counters of a `matmul_qkv_rope`: the packed
+/// qkv rows (`T x N` elements of the activation dtype; the op's projection
+/// writes them there instead of to a planned value) and one counter per
+/// head of the packed row per token.
+fn matmul_qkv_rope_needs(op: &Op, args: &[TensorType]) -> Result<OpNeeds, CatalogError> {
+    let m = "matmul_qkv_rope";
+    let Op::MatMulQkvRope {
+        heads, kv_heads, ..
+    } = op
+    else {
+        return Err(CatalogError::Unsupported {
+            op: m,
+            why: format!("not a matmul_qkv_rope: `{}`", op.mnemonic()),
+        });
+    };
+    let t = args
+        .first()
+        .map_or(0, |x| x.shape.dims().first().copied().unwrap_or(0));
+    let n = args
+        .get(1)
+        .map_or(0, |w| w.shape.dims().first().copied().unwrap_or(0));
+    let elem = args.first().map_or(2, |x| x.dtype.size() as u64);
+    let units = u64::from(t) * (u64::from(*heads) + 2 * u64::from(*kv_heads));
+    let counters = u32::try_from(units).map_err(|_| CatalogError::Unsupported {
+        op: m,
+        why: format!("{units} completion counters exceed the 32-bit range"),
+    })?;
+    Ok(OpNeeds {
+        scratch_bytes: u64::from(t) * u64::from(n) * elem,
+        counters,
+    })
+}
+
+/// Whether `target`'s kernels run a `matmul_qkv_rope` with operand types
+/// `args` in one launch, and if not, why: the one-token integer-dot GEMV
+/// over a weight kept quantized (Q4_K, Q6_K, Q8_0) on CUDA, with the rope
+/// tail in its last blocks ([`crate::quant_gpu::lower_qgemv_rope`]),
+/// checked by running that very lowering over placeholder buffers (so the
+/// fusion pass, which asks this before it fuses, and [`lower_op`] never
+/// disagree). There is no multi-launch form: a GPU plan has the op only
+/// where this holds.
+pub fn matmul_qkv_rope_runs(
+    op: &Op,
+    args: &[TensorType],
+    target: &Target,
+) -> Result<(), CatalogError> {
+    let m = "matmul_qkv_rope";
+    let results = op
+        .infer(args)
+        .map_err(|why| CatalogError::Unsupported { op: m, why })?;
+    let place = |i: usize, ty: &TensorType| Operand {
+        buf: BufRef {
+            region: Region::Arena,
+            offset: (i as u64 + 1) << 40,
+            bytes: 1 << 39,
+        },
+        ty: ty.clone(),
+    };
+    let ops: Vec<Operand> = args.iter().enumerate().map(|(i, t)| place(i, t)).collect();
+    let res: Vec<Operand> = results
+        .iter()
+        .enumerate()
+        .map(|(i, t)| place(args.len() + i, t))
+        .collect();
+    let scratch = place(args.len() + results.len(), &results[0]).buf;
+    let counters = place(args.len() + results.len() + 1, &results[0]).buf;
+    lower_matmul_qkv_rope(op, &ops, &res, (scratch, counters), true, target, false).map(|_| ())
+}
+
+/// The launch of a `matmul_qkv_rope` (see [`matmul_qkv_rope_runs`] for
+/// where it exists): operands x, w, [bias], [norm], pos, slots, kc, vc,
+/// [q_norm, k_norm] as the op orders them; the packed qkv row goes to
+/// `scratch`, the units' counters are `counters`.
+fn lower_matmul_qkv_rope(
+    op: &Op,
+    args: &[Operand],
+    results: &[Operand],
+    (scratch, counters): (BufRef, BufRef),
+    w_const: bool,
+    target: &Target,
+    pdl: bool,
+) -> Result<Vec<KernelLaunch>, CatalogError> {
+    use crate::quant_gpu as qg;
+    let m = "matmul_qkv_rope";
+    let refuse = |why: String| CatalogError::Unsupported { op: m, why };
+    let Op::MatMulQkvRope {
+        bias,
+        pre,
+        heads,
+        kv_heads,
+        head_dim,
+        rope,
+        qk_norm,
+        unit_offset,
+    } = op
+    else {
+        return Err(refuse(format!(
+            "not a matmul_qkv_rope: `{}`",
+            op.mnemonic()
+        )));
+    };
+    if !op.arity().contains(&args.len()) || results.len() != 3 {
+        return Err(refuse(format!(
+            "got {} argument(s) and {} result(s)",
+            args.len(),
+            results.len()
+        )));
+    }
+    if !is_cuda(target) {
+        return Err(refuse(
+            "the GEMV with the rope tail is CUDA's (HIP keeps the matmul and qkv_rope_kv_write)"
+                .into(),
+        ));
+    }
+    let mut next = 2;
+    let mut optional = |present: bool| {
+        let b = present.then(|| args[next].buf);
+        next += present as usize;
+        b
+    };
+    let bias_b = optional(*bias);
+    let norm_b = optional(pre.is_some());
+    let a = next;
+    let num_slots = match args[a + 2].ty.shape.dims() {
+        [s, _] => *s as u64,
+        d => return Err(refuse(format!("the k cache must be rank 2, got {d:?}"))),
+    };
+    let r = qg::QRope {
+        pos: args[a].buf,
+        slots: args[a + 1].buf,
+        kc: results[1].buf,
+        vc: results[2].buf,
+        norms: qk_norm.map(|eps| (args[a + 4].buf, args[a + 5].buf, eps)),
+        unit_offset: *unit_offset,
+        q_out: results[0].buf,
+        counters,
+        heads: *heads,
+        kv_heads: *kv_heads,
+        head_dim: *head_dim,
+        num_slots,
+        freqs: rope_freqs_blob(rope, *head_dim),
+    };
+    let Some(q) = args[1].ty.storage else {
+        if pre.is_some() {
+            return Err(refuse(
+                "a dense projection with the rope tail takes no RMSNorm prologue".into(),
+            ));
+        }
+        return lower_dense_qkv_rope(args, bias_b, &r, scratch, w_const, pdl).map_err(refuse);
+    };
+    if args[0].ty.dtype != DType::BF16 {
+        return Err(refuse(format!(
+            "quantized weights take bf16 activations, got {}",
+            args[0].ty.dtype
+        )));
+    }
+    let (n, k) = match args[1].ty.shape.dims() {
+        [n, k] => (*n as u64, *k as u64),
+        d => {
+            return Err(refuse(format!(
+                "a quantized weight must be rank 2, got {d:?}"
+            )))
+        }
+    };
+    let t = args[0].ty.numel() / k.max(1);
+    if t != 1 {
+        return Err(refuse(format!(
+            "the GEMV with the rope tail takes one token, got {t}"
+        )));
+    }
+    let bufs = qg::QGemvBufs {
+        x: args[0].buf,
+        w: args[1].buf,
+        scale: fp8_scales(q, args[1].buf, n, k),
+        bias: bias_b,
+        residual: None,
+        out: scratch,
+    };
+    let norm = pre.zip(norm_b).map(|(p, weight)| qg::QNorm {
+        weight,
+        eps: p.eps,
+        unit_offset: p.unit_offset,
+    });
+    let kern = qg::QGemvKernel::choose(q, t, k, true);
+    qg::lower_qgemv_rope(kern, q, (n, k), &bufs, norm, &r, w_const, pdl)
+        .map(|l| vec![l])
+        .map_err(|e| refuse(e.to_string()))
+}
+
+/// [`lower_matmul_qkv_rope`] over a dense weight: kiln's one-token GEMV
+/// (`gemv.cu`, register or staged with the split a plain matmul of the
+/// shape gets from [`gemv_call`]) writing the packed row to `scratch`,
+/// its `rope` entry finishing each head in its last block. No RMSNorm
+/// prologue (the dense GEMVs that take one are the fused ones, which stay
+/// opt-in), bf16/f16 activations, the weight's dtype. Errors are the
+/// refusal's reason.
+fn lower_dense_qkv_rope(
+    args: &[Operand],
+    bias: Option<BufRef>,
+    r: &crate::quant_gpu::QRope,
+    scratch: BufRef,
+    w_const: bool,
+    pdl: bool,
+) -> Result<Vec<KernelLaunch>, String> {
+    let d = args[0].ty.dtype;
+    if !matches!(d, DType::BF16 | DType::F16) || args[1].ty.dtype != d {
+        return Err(format!(
+            "the dense GEMV with the rope tail takes bf16 or f16 activations and weights, got {d} and {}",
+            args[1].ty.dtype
+        ));
+    }
+    let (n, k) = match args[1].ty.shape.dims() {
+        [n, k] => (*n, *k),
+        d => return Err(format!("the weight must be rank 2, got {d:?}")),
+    };
+    let t = args[0].ty.shape.dims().first().copied().unwrap_or(0);
+    if t != 1 {
+        return Err(format!(
+            "the GEMV with the rope tail takes one token, got {t}"
+        ));
+    }
+    r.check(u64::from(n))?;
+    if k == 0 || !k.is_multiple_of(8) || i32::try_from(n).is_err() || i32::try_from(k).is_err() {
+        return Err(format!(
+            "kiln's GEMV does not take a [{n}, {k}] weight (K a multiple of 8, sizes in i32)"
+        ));
+    }
+    if scratch.bytes < u64::from(n) * d.size() as u64 {
+        return Err("its scratch was planned too small".into());
+    }
+    let (staged, ks) = gemv_split(1, n, k);
+    let rpb = GEMV_ROWS_PER_BLOCK / ks;
+    let s = if d == DType::BF16 { "bf16" } else { "f16" };
+    let mut params = vec![
+        LaunchParam::Buf(args[0].buf),
+        LaunchParam::Buf(args[1].buf),
+        bias.map_or(LaunchParam::Null, LaunchParam::Buf),
+        LaunchParam::Buf(scratch),
+        LaunchParam::I32(1),
+        LaunchParam::I32(n as i32),
+        LaunchParam::I32(k as i32),
+        LaunchParam::I32(w_const as i32),
+    ];
+    params.extend(r.params()?);
+    Ok(vec![KernelLaunch {
+        module: "gemv".into(),
+        entry: format!(
+            "gemv_{}{}rope_t1_{s}_{s}",
+            if staged { "staged_" } else { "" },
+            ksplit_prefix(ks)
+        ),
+        grid: [n.div_ceil(rpb), 1, 1],
+        block: [256, 1, 1],
+        shared_bytes: 0,
+        cluster: 1,
+        params,
+        pdl,
+    }])
+}
+
 /// The launches of a `fused_matmul` whose weight (argument 1) is kept
 /// quantized: operands x, w, [bias], [norm], [residual] as the op orders
 /// them, lowered to [`crate::quant_gpu::lower_qskinny_fused`] where
@@ -2274,6 +2561,23 @@ pub fn lower_op(
     opts: &LowerOptions,
 ) -> Result<Lowering, CatalogError> {
     let m = op.mnemonic();
+    if matches!(op, Op::MatMulQkvRope { .. }) {
+        let (Some(scratch), Some(counters)) = (scratch, counters) else {
+            return Err(CatalogError::Unsupported {
+                op: m,
+                why: "its scratch and completion counters were not planned".into(),
+            });
+        };
+        return Ok(Lowering::Kernels(lower_matmul_qkv_rope(
+            op,
+            args,
+            results,
+            (scratch, counters),
+            weight_args & 2 != 0,
+            &opts.target,
+            opts.pdl,
+        )?));
+    }
     if let Some(l) = lower_quantized(op, args, results, weight_args, opts)? {
         return Ok(l);
     }

@@ -529,6 +529,10 @@ pub fn supported(op: &PlanOp) -> Result<(), String> {
             "is the graph schedule's fused rope + attention (the interpreter runs qkv_rope_kv_write and paged_attention as separate tasks; --schedule megakernel does not form it)"
                 .into(),
         ),
+        Op::MatMulQkvRope { .. } => Err(
+            "is the graph schedule's QKV GEMV with the rope in its last blocks (the interpreter runs the fused_matmul and qkv_rope_kv_write as separate tasks; --schedule megakernel does not form it)"
+                .into(),
+        ),
         Op::Sample => Err("is the in-graph sampler, which the interpreter does not run".into()),
         Op::AcceptGreedy { .. } => {
             Err("is speculative acceptance, which the interpreter does not run".into())

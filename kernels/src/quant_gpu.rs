@@ -741,6 +741,8 @@ pub fn entry_points() -> Vec<String> {
                 v.push(format!("{p}_fused_norm_{}_t1_bf16_{o}", stem(q)));
             }
             v.push(format!("{p}_fused_{}_t1_bf16_bf16", stem(q)));
+            v.push(format!("{p}_rope_{}_t1_bf16_bf16", stem(q)));
+            v.push(format!("{p}_rope_norm_{}_t1_bf16_bf16", stem(q)));
         }
     }
     v
@@ -1612,6 +1614,147 @@ pub fn lower_qgemv_fused_with(
         t0 += tokens;
     }
     Ok(launches)
+}
+
+/// The rope tail of a `matmul_qkv_rope` launch ([`lower_qgemv_rope`]):
+/// what `qkv_rope_kv_write` takes besides the packed qkv row, and the
+/// units' completion counters (u32, zero on entry, left zero; one per
+/// head of the packed row).
+#[derive(Clone, Debug, PartialEq)]
+pub struct QRope {
+    pub pos: BufRef,
+    pub slots: BufRef,
+    pub kc: BufRef,
+    pub vc: BufRef,
+    /// The q and k norm weights (bf16 `[head_dim]`), with their eps.
+    pub norms: Option<(BufRef, BufRef, f32)>,
+    pub unit_offset: bool,
+    /// The roped q, bf16 `[heads * head_dim]`.
+    pub q_out: BufRef,
+    pub counters: BufRef,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    /// Rows of each cache.
+    pub num_slots: u64,
+    /// The RoPE frequencies as the rope kernels take them
+    /// (`crate::gpu::rope_freqs_blob`).
+    pub freqs: Vec<u8>,
+}
+
+impl QRope {
+    /// Refuses (naming the limit) what the rope tail cannot take for a
+    /// packed row of `n` rows: rows other than `(heads + 2 * kv_heads) *
+    /// head_dim`, an odd head_dim or one over 256, too few counters.
+    pub fn check(&self, n: u64) -> Result<(), String> {
+        let units = u64::from(self.heads) + 2 * u64::from(self.kv_heads);
+        let hd = u64::from(self.head_dim);
+        if hd == 0 || !hd.is_multiple_of(2) || hd > 256 {
+            return Err(format!("head_dim must be even and at most 256, got {hd}"));
+        }
+        if units * hd != n {
+            return Err(format!(
+                "the weight has {n} rows, not (heads {} + 2 x kv_heads {}) x head_dim {hd}",
+                self.heads, self.kv_heads
+            ));
+        }
+        if self.counters.bytes < units * 4 {
+            return Err(format!(
+                "needs {units} completion counters but {} bytes were planned",
+                self.counters.bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// The rope tail's launch parameters (`kiln_rope_tail`'s, after the
+    /// GEMV's): the same in the quantized and the dense entries.
+    pub fn params(&self) -> Result<Vec<LaunchParam>, String> {
+        let i32_of = |what: &str, v: u32| {
+            i32::try_from(v).map_err(|_| format!("{what} exceeds the 32-bit range"))
+        };
+        let opt = |b: Option<BufRef>| b.map_or(LaunchParam::Null, LaunchParam::Buf);
+        Ok(vec![
+            LaunchParam::Buf(self.pos),
+            LaunchParam::Buf(self.slots),
+            LaunchParam::Buf(self.kc),
+            LaunchParam::Buf(self.vc),
+            opt(self.norms.map(|n| n.0)),
+            opt(self.norms.map(|n| n.1)),
+            LaunchParam::Buf(self.q_out),
+            LaunchParam::Buf(self.counters),
+            LaunchParam::I32(i32_of("heads", self.heads)?),
+            LaunchParam::I32(i32_of("kv_heads", self.kv_heads)?),
+            LaunchParam::I32(i32_of("head_dim", self.head_dim)?),
+            LaunchParam::F32(self.norms.map_or(0.0, |n| n.2)),
+            LaunchParam::I32(self.norms.is_some() as i32),
+            LaunchParam::I32(self.unit_offset as i32),
+            LaunchParam::I64(
+                i64::try_from(self.num_slots).map_err(|_| "too many cache slots".to_string())?,
+            ),
+            LaunchParam::Blob(self.freqs.clone()),
+        ])
+    }
+}
+
+/// The one launch of a one-token `matmul_qkv_rope` over a weight kept
+/// quantized (`qgemv.cu`'s `qgemv_i8<geometry>_rope[_norm]_<type>_t1_bf16_bf16`):
+/// the integer-dot GEMV of [`lower_qgemv_fused_with`] writing the packed
+/// qkv row to `bufs.out` (the op's scratch), whose last block over each
+/// head finishes that head as `qkv_rope_kv_write` does (the kernel's
+/// header says how). Refuses (naming the limit) what the fused GEMV
+/// refuses and: another kernel than the integer-dot one, more than one
+/// token, a residual, a weight whose rows are not `(heads + 2 * kv_heads)
+/// * head_dim`, an odd head_dim or one over 256, and too few counters.
+#[allow(clippy::too_many_arguments)]
+pub fn lower_qgemv_rope(
+    kern: QGemvKernel,
+    q: QuantType,
+    (n, k): (u64, u64),
+    bufs: &QGemvBufs,
+    norm: Option<QNorm>,
+    r: &QRope,
+    w_const: bool,
+    pdl: bool,
+) -> Result<KernelLaunch, QLowerError> {
+    const OP: &str = "matmul_qkv_rope";
+    let refuse = |why: String| QLowerError::Unsupported {
+        op: OP,
+        q,
+        n,
+        k,
+        why,
+    };
+    let f = QFusion { norm, act: None };
+    let (c, _) = check_fused(q, n, k, 1, DType::BF16, bufs, &f)?;
+    if !kern.is_int8() || !QGemvKernel::int8_dot_exists(q, 1, k) {
+        return Err(refuse(format!(
+            "the rope tail exists in the one-token integer-dot GEMV only (Q4_K, Q6_K or Q8_0, K <= {QDOT_MAX_K})"
+        )));
+    }
+    if bufs.residual.is_some() {
+        return Err(refuse(
+            "the packed q/k/v projection takes no residual".into(),
+        ));
+    }
+    r.check(n).map_err(refuse)?;
+    let kern = kern.resolve(n, k).map_err(refuse)?;
+    let grid = i32::try_from(n.div_ceil(kern.rows_per_block()))
+        .map_err(|_| refuse("the block count exceeds the 32-bit range".into()))?
+        as u32;
+    let mut params = c.fused_params(bufs, &f, (n, k, n), 0, 1, w_const);
+    params.extend(r.params().map_err(refuse)?);
+    let name = if norm.is_some() { "rope_norm" } else { "rope" };
+    Ok(KernelLaunch {
+        module: MODULE.into(),
+        entry: format!("{}_{name}_{}_t1_bf16_bf16", kern.prefix(), stem(q)),
+        grid: [grid, 1, 1],
+        block: [QGEMV_THREADS, 1, 1],
+        shared_bytes: 0,
+        cluster: 1,
+        params,
+        pdl,
+    })
 }
 
 /// The launches of a fused quantized GEMM on tensor cores
@@ -2611,11 +2754,11 @@ mod tests {
             assert_eq!(set.len(), list.len());
         }
         // Plain, fused and gather entries of qgemv, the integer-dot entries
-        // in every geometry; plain and fused of qskinny, and every type's
-        // ring entries.
+        // in every geometry (plain, fused and rope); plain and fused of
+        // qskinny, and every type's ring entries.
         assert_eq!(
             entry_points().len(),
-            8 * (8 + 12 + 1) + QDOT_GEOMS.len() * 3 * 5
+            8 * (8 + 12 + 1) + QDOT_GEOMS.len() * 3 * (5 + 2)
         );
         assert_eq!(
             qskinny_entry_points().len(),

@@ -2108,3 +2108,173 @@ fn rope_attention_replays_what_the_unfused_pair_computes_with_fresh_inputs() {
         let _ = b.free(p);
     }
 }
+
+/// A dense `matmul_qkv_rope` case: x, w, [bias], pos, slots, caches,
+/// [q_norm, k_norm] as host tensors, the op, and its unfused pair's ops.
+fn dense_qkv_rope_case(
+    r: &mut Rng,
+    d: DType,
+    (heads, kvh, hd): (u32, u32, u32),
+    k: u32,
+    bias: bool,
+    norm: bool,
+    slot: i32,
+) -> (Op, Vec<HT>) {
+    let n = (heads + 2 * kvh) * hd;
+    let slots = 7u32;
+    let mut args = vec![
+        HT::random(r, d, &[1, k], 2.0),
+        HT::random(r, d, &[n, k], 0.1),
+    ];
+    if bias {
+        args.push(HT::random(r, d, &[n], 0.5));
+    }
+    args.push(HT::ints(&[1], vec![(r.next_u64() % 3000) as i32]));
+    args.push(HT::ints(&[1], vec![slot]));
+    args.push(HT::random(r, d, &[slots, kvh * hd], 1.0));
+    args.push(HT::random(r, d, &[slots, kvh * hd], 1.0));
+    if norm {
+        args.push(HT::random(r, d, &[hd], 1.0));
+        args.push(HT::random(r, d, &[hd], 1.0));
+    }
+    let op = Op::MatMulQkvRope {
+        bias,
+        pre: None,
+        heads,
+        kv_heads: kvh,
+        head_dim: hd,
+        rope: rope(1_000_000.0),
+        qk_norm: norm.then_some(1e-6),
+        unit_offset: norm && hd == 64,
+    };
+    (op, args)
+}
+
+/// The unfused pair on the device: the matmul through kiln's GEMV (the
+/// kernel the fused op's launch runs), then `qkv_rope_kv_write`.
+fn unfused_qkv_rope(b: &mut CudaBackend, op: &Op, args: &[HT]) -> Vec<HT> {
+    let d = args[0].ty.dtype;
+    let (mm, rope_op) = op.split_matmul_qkv_rope(d).unwrap();
+    let Op::FusedMatMul { bias, out, .. } = mm else {
+        unreachable!()
+    };
+    let m = 2 + bias as usize;
+    let qkv = run_op_as(
+        b,
+        &Op::MatMul { bias, out },
+        &args[..m],
+        Some(GemmKind::Gemv),
+    );
+    let mut rargs = qkv;
+    rargs.extend_from_slice(&args[m..]);
+    run_op(b, &rope_op, &rargs)
+}
+
+/// The dense packed q/k/v GEMV with the rope tail (`gemv_[staged_]
+/// [kN_]rope_t1_*`, what `matmul_qkv_rope` lowers to over a dense weight)
+/// against the unfused GEMV and `qkv_rope_kv_write`, bit for bit, and
+/// against the host reference: bf16 and f16, the register and the staged
+/// GEMV at every split (Qwen3-0.6B's qkv shape runs the register kernel,
+/// Llama-3.2-1B's and SmolLM2's the staged one), blocks covering part of
+/// a head, one head and several, bias, q/k norm, a slot out of range (the
+/// caches untouched, q still written); q poisoned.
+#[test]
+fn dense_qkv_gemv_with_the_rope_tail_matches_the_unfused_pair_bit_for_bit() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(77);
+    let cases = [
+        (DType::BF16, (16u32, 8u32, 128u32), 1024u32, false, true, 3),
+        (DType::BF16, (32, 8, 64), 2048, false, false, 0),
+        (DType::BF16, (9, 3, 64), 576, true, false, 6),
+        (DType::F16, (4, 1, 256), 640, true, true, 2),
+        (DType::BF16, (6, 3, 16), 64, false, true, 9),
+        (DType::F16, (2, 1, 8), 256, true, false, 1),
+        (DType::BF16, (16, 8, 128), 4104, true, true, 5),
+    ];
+    for (d, heads, k, bias, norm, slot) in cases {
+        let (op, args) = dense_qkv_rope_case(&mut r, d, heads, k, bias, norm, slot);
+        let what =
+            format!("matmul_qkv_rope {d} {heads:?} k={k} bias={bias} norm={norm} slot={slot}");
+        check_op(&mut b, &what, &op, &args);
+        let fused = run_op(&mut b, &op, &args);
+        let pair = unfused_qkv_rope(&mut b, &op, &args);
+        for (i, name) in ["q", "k cache", "v cache"].iter().enumerate() {
+            assert_eq!(
+                fused[i].bytes(),
+                pair[i].bytes(),
+                "{what}: {name} differs from the unfused pair's"
+            );
+        }
+        let kc_at = 2 + bias as usize + 2;
+        if slot < 7 {
+            assert_ne!(
+                fused[1].bytes(),
+                args[kc_at].bytes(),
+                "{what}: no key written"
+            );
+        } else {
+            assert_eq!(
+                fused[1].bytes(),
+                args[kc_at].bytes(),
+                "{what}: a bad slot was written"
+            );
+        }
+    }
+}
+
+/// The dense rope GEMV captured once and replayed with a new x, position
+/// and slot every step: each replay equals the unfused pair on that step's
+/// inputs (so its completion counters were back at zero), and the replay
+/// counter moves.
+#[test]
+fn dense_qkv_gemv_with_the_rope_tail_replays_what_the_unfused_pair_computes() {
+    let Some(mut b) = device() else { return };
+    let mut r = Rng::new(78);
+    let (op, mut host) =
+        dense_qkv_rope_case(&mut r, DType::BF16, (16, 8, 128), 1024, false, true, 0);
+    let dev: Vec<DevOperand> = host.iter().map(|a| put(&mut b, a)).collect();
+    let q = poisoned(&mut b, &TensorType::new(DType::BF16, vec![1, 16 * 128]));
+    let mut launch = Launch {
+        const_args: 2,
+        body: kiln_runtime::backend::LaunchBody::Reference,
+        kernel: "test:matmul_qkv_rope".into(),
+        op: op.clone(),
+        args: dev.clone(),
+        results: vec![q.clone(), dev[4].clone(), dev[5].clone()],
+        workspace: None,
+    };
+    let pdl = b.pdl();
+    let owned = gpu_bodies::lower(&mut b, &mut launch, pdl);
+    b.prepare(&launch).unwrap();
+    b.begin_capture(Key::new(1, 1, 0)).unwrap();
+    b.launch(&launch).unwrap();
+    let g = b.end_capture().unwrap();
+    let before = b.counters().graphs.replays();
+    for step in 0..5 {
+        host[0] = HT::random(&mut r, DType::BF16, &[1, 1024], 1.0 + step as f32);
+        host[2] = HT::ints(&[1], vec![200 + 3 * step]);
+        host[3] = HT::ints(&[1], vec![step % 7]);
+        for i in [0, 2, 3] {
+            b.upload(dev[i].ptr, &host[i].bytes()).unwrap();
+        }
+        b.upload(q.ptr, &vec![0xFF; q.ty.size_bytes() as usize])
+            .unwrap();
+        let want = unfused_qkv_rope(&mut b, &op, &host);
+        b.replay(g).unwrap();
+        b.synchronize().unwrap();
+        assert_eq!(get(&mut b, &q).bytes(), want[0].bytes(), "step {step}: q");
+        let (kc, vc) = (get(&mut b, &dev[4]), get(&mut b, &dev[5]));
+        assert_eq!(kc.bytes(), want[1].bytes(), "step {step}: k cache");
+        assert_eq!(vc.bytes(), want[2].bytes(), "step {step}: v cache");
+        host[4] = kc;
+        host[5] = vc;
+    }
+    assert_eq!(b.counters().graphs.replays() - before, 5);
+    b.destroy_graph(g).unwrap();
+    for o in dev.iter().chain([&q]) {
+        let _ = b.free(o.ptr);
+    }
+    for p in owned {
+        let _ = b.free(p);
+    }
+}

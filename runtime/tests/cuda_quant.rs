@@ -10,8 +10,10 @@
 //! prologue, SiLU/GELU*up and residual epilogues) against the unfused
 //! sequence on the host (the tests named `quantized_fused_*`); the
 //! integer-dot GEMV (one token through int8 x and dp4a, `qgemv_i8_*`) in the
-//! same cases with x's rounding added to the bound; and an ignored
-//! benchmark at Llama-3-8B shapes.
+//! same cases with x's rounding added to the bound; the packed q/k/v GEMV
+//! whose last blocks rope the heads (`matmul_qkv_rope`, the `qgemv_i8_*_rope*`
+//! entries) bit for bit against the unfused GEMV + `qkv_rope_kv_write`, also
+//! under capture and replay; and an ignored benchmark at Llama-3-8B shapes.
 //!
 //! Every test skips without a CUDA device unless `KILN_REQUIRE_CUDA=1`.
 #![cfg(feature = "cuda")]
@@ -25,9 +27,9 @@ use kiln_compiler::gguf::types::GgmlType;
 use kiln_ir::plan::{BufRef, KernelLaunch, LaunchParam, Region};
 use kiln_ir::{DType, Key, Op, TensorType};
 use kiln_kernels::quant_gpu::{
-    dequantize_repacked, lower_qgather, lower_qgemv_fused_with, lower_qgemv_with,
+    dequantize_repacked, lower_qgather, lower_qgemv_fused_with, lower_qgemv_rope, lower_qgemv_with,
     lower_qskinny_fused, lower_qskinny_with, repack, QAct, QFusion, QGemvBufs, QGemvKernel, QNorm,
-    QdotGeom, QuantType, QDOT_GEOMS, QSKINNY_PREFETCH, QUANT_TYPES,
+    QRope, QdotGeom, QuantType, QDOT_GEOMS, QDOT_TYPES, QSKINNY_PREFETCH, QUANT_TYPES,
 };
 use kiln_runtime::backend::{
     Backend, DevOperand, DevPtr, Launch, LaunchBody, ResolvedKernel, ResolvedParam,
@@ -1210,4 +1212,346 @@ fn bench_quantized_gemv_on_llama3_8b_shapes() {
             }
         }
     }
+}
+
+/// One `matmul_qkv_rope` case on the device: the GEMV's operands, the rope
+/// tail's, and the unfused pair's own copies of the caches.
+struct RopeCase {
+    heads: u32,
+    kvh: u32,
+    hd: u32,
+    norm: bool,
+    qk_norm: bool,
+    unit_offset: bool,
+    x: DevOperand,
+    norm_w: DevOperand,
+    bias: Option<DevOperand>,
+    /// pos, slots, kc, vc, q_norm, k_norm as host tensors (the unfused
+    /// qkv_rope_kv_write's arguments after qkv).
+    host: Vec<HT>,
+    pos: DevOperand,
+    slots: DevOperand,
+    kc: DevOperand,
+    vc: DevOperand,
+    qn: DevOperand,
+    kn: DevOperand,
+    q_out: DevOperand,
+    scratch: DevOperand,
+    counters: DevOperand,
+}
+
+const ROPE_SLOTS: u32 = 9;
+
+#[allow(clippy::too_many_arguments)]
+fn rope_case(
+    b: &mut CudaBackend,
+    r: &mut Rng,
+    (heads, kvh, hd): (u32, u32, u32),
+    k: u64,
+    norm: bool,
+    qk_norm: bool,
+    bias: bool,
+    slot: i32,
+) -> RopeCase {
+    let n = (heads + 2 * kvh) * hd;
+    let unit_offset = qk_norm && hd % 128 == 64;
+    let x = put(b, &HT::random(r, DType::BF16, &[1, k as u32], 3.0));
+    let nw: Vec<f32> = (0..k).map(|_| 1.0 + r.uniform() * 0.5).collect();
+    let norm_w = put(b, &HT::floats(DType::BF16, &[k as u32], nw));
+    let bias = bias.then(|| put(b, &HT::random(r, DType::BF16, &[n], 0.5)));
+    let row = kvh * hd;
+    let host = vec![
+        HT::ints(&[1], vec![(r.next_u64() % 4000) as i32]),
+        HT::ints(&[1], vec![slot]),
+        HT::random(r, DType::BF16, &[ROPE_SLOTS, row], 1.0),
+        HT::random(r, DType::BF16, &[ROPE_SLOTS, row], 1.0),
+        HT::random(r, DType::BF16, &[hd], 1.0),
+        HT::random(r, DType::BF16, &[hd], 1.0),
+    ];
+    let dev: Vec<DevOperand> = host.iter().map(|h| put(b, h)).collect();
+    let q_out = poisoned(b, &TensorType::new(DType::BF16, vec![1, heads * hd]));
+    let scratch = poisoned(b, &TensorType::new(DType::BF16, vec![1, n]));
+    let units = heads + 2 * kvh;
+    let counters = put(b, &HT::ints(&[units], vec![0; units as usize]));
+    RopeCase {
+        heads,
+        kvh,
+        hd,
+        norm,
+        qk_norm,
+        unit_offset,
+        x,
+        norm_w,
+        bias,
+        host,
+        pos: dev[0].clone(),
+        slots: dev[1].clone(),
+        kc: dev[2].clone(),
+        vc: dev[3].clone(),
+        qn: dev[4].clone(),
+        kn: dev[5].clone(),
+        q_out,
+        scratch,
+        counters,
+    }
+}
+
+fn rope_op_of(c: &RopeCase) -> Op {
+    Op::QkvRopeKvWrite {
+        heads: c.heads,
+        kv_heads: c.kvh,
+        head_dim: c.hd,
+        rope: kiln_ir::Rope {
+            theta: 10000.0,
+            scaling: kiln_ir::RopeScaling::None,
+        },
+        qk_norm: c.qk_norm.then_some(1e-6),
+        unit_offset: c.unit_offset,
+    }
+}
+
+fn rope_bufs(w: &DevWeight, c: &RopeCase, out: &DevOperand) -> (QGemvBufs, Option<QNorm>) {
+    (
+        QGemvBufs {
+            x: abs(&c.x),
+            w: abs(&w.w),
+            scale: None,
+            bias: c.bias.as_ref().map(abs),
+            residual: None,
+            out: abs(out),
+        },
+        c.norm.then(|| QNorm {
+            weight: abs(&c.norm_w),
+            eps: 1e-5,
+            unit_offset: false,
+        }),
+    )
+}
+
+/// The fused launch of `c` in geometry `geom`.
+fn rope_launch(b: &CudaBackend, w: &DevWeight, c: &RopeCase, geom: QdotGeom) -> Launch {
+    let (bufs, norm) = rope_bufs(w, c, &c.scratch);
+    let Op::QkvRopeKvWrite { rope, .. } = rope_op_of(c) else {
+        unreachable!()
+    };
+    let rope_args = QRope {
+        pos: abs(&c.pos),
+        slots: abs(&c.slots),
+        kc: abs(&c.kc),
+        vc: abs(&c.vc),
+        norms: c.qk_norm.then(|| (abs(&c.qn), abs(&c.kn), 1e-6)),
+        unit_offset: c.unit_offset,
+        q_out: abs(&c.q_out),
+        counters: abs(&c.counters),
+        heads: c.heads,
+        kv_heads: c.kvh,
+        head_dim: c.hd,
+        num_slots: u64::from(ROPE_SLOTS),
+        freqs: kiln_kernels::gpu::rope_freqs_blob(&rope, c.hd),
+    };
+    let l = lower_qgemv_rope(
+        QGemvKernel::Int8DotAt(geom),
+        w.q,
+        (w.n, w.k),
+        &bufs,
+        norm,
+        &rope_args,
+        true,
+        b.pdl(),
+    )
+    .unwrap();
+    assert!(l.entry.contains("_rope"), "{}", l.entry);
+    assert_eq!(l.entry.contains("_rope_norm_"), c.norm, "{}", l.entry);
+    let mut args = vec![c.x.clone(), w.w.clone()];
+    args.extend(c.bias.clone());
+    args.extend([
+        c.norm_w.clone(),
+        c.pos.clone(),
+        c.slots.clone(),
+        c.kc.clone(),
+    ]);
+    args.extend([c.vc.clone(), c.qn.clone(), c.kn.clone(), c.counters.clone()]);
+    let mut launch = launch_of("qgemv_rope", &[l], args, c.q_out.clone());
+    launch
+        .results
+        .extend([c.scratch.clone(), c.kc.clone(), c.vc.clone()]);
+    launch
+}
+
+/// The unfused pair on the device: the integer-dot GEMV (same geometry)
+/// into a fresh qkv buffer, then `qkv_rope_kv_write` on the host copies of
+/// pos, slots, caches and norms. Returns (q, k cache, v cache).
+fn rope_unfused(b: &mut CudaBackend, w: &DevWeight, c: &RopeCase, geom: QdotGeom) -> Vec<HT> {
+    let qkv = poisoned(b, &TensorType::new(DType::BF16, vec![1, w.n as u32]));
+    let (bufs, norm) = rope_bufs(w, c, &qkv);
+    let f = QFusion { norm, act: None };
+    let kern = QGemvKernel::Int8DotAt(geom);
+    let ks = lower_qgemv_fused_with(
+        kern,
+        w.q,
+        w.n,
+        w.k,
+        1,
+        DType::BF16,
+        &bufs,
+        &f,
+        true,
+        b.pdl(),
+    )
+    .unwrap();
+    let l = launch_of("qgemv_i8", &ks, vec![c.x.clone(), w.w.clone()], qkv.clone());
+    b.prepare(&l).unwrap();
+    b.launch(&l).unwrap();
+    b.synchronize().unwrap();
+    let mut args = vec![download(b, &qkv)];
+    let _ = b.free(qkv.ptr);
+    args.extend(c.host[..4].iter().cloned());
+    if c.qk_norm {
+        args.extend(c.host[4..].iter().cloned());
+    }
+    run_op(b, &rope_op_of(c), &args)
+}
+
+fn rope_free(b: &mut CudaBackend, c: RopeCase) {
+    for d in [
+        c.x, c.norm_w, c.pos, c.slots, c.kc, c.vc, c.qn, c.kn, c.q_out,
+    ]
+    .into_iter()
+    .chain([c.scratch, c.counters])
+    .chain(c.bias)
+    {
+        let _ = b.free(d.ptr);
+    }
+}
+
+/// Runs the fused launch and compares it with the unfused pair bit for
+/// bit: the roped q, both caches (the new row at the slot, every other row
+/// untouched), and the completion counters back at zero.
+fn check_rope(
+    b: &mut CudaBackend,
+    what: &str,
+    w: &DevWeight,
+    c: &RopeCase,
+    l: &Launch,
+    want: &[HT],
+) {
+    let got_q = download(b, &c.q_out);
+    assert_eq!(
+        got_q.bytes(),
+        want[0].bytes(),
+        "{what}: q differs from the unfused pair's"
+    );
+    let kc = download(b, &c.kc);
+    let vc = download(b, &c.vc);
+    assert_eq!(kc.bytes(), want[1].bytes(), "{what}: k cache differs");
+    assert_eq!(vc.bytes(), want[2].bytes(), "{what}: v cache differs");
+    let counters = download(b, &c.counters);
+    assert!(
+        counters.i.iter().all(|&v| v == 0),
+        "{what}: completion counters not reset: {:?}",
+        counters.i
+    );
+    let _ = (w, l);
+}
+
+/// The packed q/k/v GEMV with the rope tail (`qgemv_i8<geometry>_rope*`,
+/// what `matmul_qkv_rope` lowers to) against the unfused integer-dot GEMV
+/// followed by `qkv_rope_kv_write`, bit for bit, for each integer-dot type, every
+/// geometry, head layouts where a block covers part of a head, one head,
+/// and several heads (head_dim 128, 64, 256, 16), with and without the
+/// RMSNorm prologue, q/k norm (Gemma's unit offset too), bias, and a slot
+/// out of range (the caches untouched, q still written); q poisoned.
+#[test]
+fn qkv_gemv_with_the_rope_tail_matches_the_unfused_pair_bit_for_bit() {
+    let Some(mut b) = gpu() else { return };
+    let mut r = Rng::new(41);
+    let layouts = [(16u32, 8u32, 128u32), (8, 2, 64), (4, 1, 256), (6, 3, 16)];
+    let mut cases = 0;
+    for (qi, q) in QDOT_TYPES.into_iter().enumerate() {
+        for (li, &(heads, kvh, hd)) in layouts.iter().enumerate() {
+            let k = ks(q)[1 + (li % 2)];
+            let n = u64::from((heads + 2 * kvh) * hd);
+            let w = weight_as(&mut b, q, n, k, 7100 + 10 * qi as u64 + li as u64, false);
+            for (gi, geom) in QDOT_GEOMS.into_iter().enumerate() {
+                let v = qi + li + gi;
+                let norm = v % 2 == 0;
+                let qk_norm = v % 3 != 0;
+                let bias = v % 4 == 1;
+                let slot = if v % 5 == 4 {
+                    ROPE_SLOTS as i32 + 2
+                } else {
+                    (v % 9) as i32
+                };
+                let c = rope_case(
+                    &mut b,
+                    &mut r,
+                    (heads, kvh, hd),
+                    k,
+                    norm,
+                    qk_norm,
+                    bias,
+                    slot,
+                );
+                let what = format!(
+                    "{q:?} {geom:?} {heads}/{kvh}x{hd} k={k} norm={norm} qk_norm={qk_norm} bias={bias} slot={slot}"
+                );
+                let want = rope_unfused(&mut b, &w, &c, geom);
+                let l = rope_launch(&b, &w, &c, geom);
+                b.prepare(&l).unwrap();
+                b.launch(&l).unwrap();
+                b.synchronize().unwrap();
+                check_rope(&mut b, &what, &w, &c, &l, &want);
+                if (0..ROPE_SLOTS as i32).contains(&slot) {
+                    assert_ne!(want[1].bytes(), c.host[2].bytes(), "{what}: no key written");
+                }
+                rope_free(&mut b, c);
+                cases += 1;
+            }
+            let _ = b.free(w.w.ptr);
+        }
+    }
+    assert_eq!(cases, QDOT_TYPES.len() * 4 * QDOT_GEOMS.len());
+}
+
+/// The rope GEMV captured once and replayed with a new x, position and
+/// slot every step (and fresh poison in q): each replay equals the unfused
+/// pair on that step's inputs, so the completion counters are back at zero
+/// for every replay, and the replay counter moves.
+#[test]
+fn qkv_gemv_with_the_rope_tail_replays_what_the_unfused_pair_computes() {
+    let Some(mut b) = gpu() else { return };
+    let mut r = Rng::new(42);
+    let (heads, kvh, hd) = (16u32, 8u32, 128u32);
+    let q = QuantType::Q4K;
+    let k = 1024u64;
+    let n = u64::from((heads + 2 * kvh) * hd);
+    let w = weight_as(&mut b, q, n, k, 7300, false);
+    let geom = QdotGeom::R4U1K1P;
+    let mut c = rope_case(&mut b, &mut r, (heads, kvh, hd), k, true, true, false, 0);
+    let l = rope_launch(&b, &w, &c, geom);
+    b.prepare(&l).unwrap();
+    b.begin_capture(Key::new(1, 1, 0)).unwrap();
+    b.launch(&l).unwrap();
+    let graph = b.end_capture().unwrap();
+    let before = b.counters().graphs.replays();
+    for step in 0..5 {
+        let x = HT::random(&mut r, DType::BF16, &[1, k as u32], 1.0 + step as f32);
+        b.upload(c.x.ptr, &x.bytes()).unwrap();
+        c.host[0] = HT::ints(&[1], vec![100 + 7 * step]);
+        c.host[1] = HT::ints(&[1], vec![step % ROPE_SLOTS as i32]);
+        b.upload(c.pos.ptr, &c.host[0].bytes()).unwrap();
+        b.upload(c.slots.ptr, &c.host[1].bytes()).unwrap();
+        b.upload(c.q_out.ptr, &vec![0xff; c.q_out.ty.size_bytes() as usize])
+            .unwrap();
+        let want = rope_unfused(&mut b, &w, &c, geom);
+        b.replay(graph).unwrap();
+        b.synchronize().unwrap();
+        check_rope(&mut b, &format!("replay step {step}"), &w, &c, &l, &want);
+        c.host[2] = want[1].clone();
+        c.host[3] = want[2].clone();
+    }
+    assert_eq!(b.counters().graphs.replays() - before, 5);
+    b.destroy_graph(graph).unwrap();
+    rope_free(&mut b, c);
+    let _ = b.free(w.w.ptr);
 }

@@ -407,6 +407,69 @@ pub(crate) fn rope_attention(ed: &mut Editor) -> Result<FuseCount, String> {
     Ok(FuseCount(count))
 }
 
+/// The packed q/k/v projection feeding `qkv_rope_kv_write` becomes
+/// `matmul_qkv_rope`: a `matmul` or a `fused_matmul` without an epilogue
+/// (after `fuse-matmul`, with its RMSNorm prologue) whose result has no
+/// other reader, is no output and has the activations' dtype. The fused op
+/// takes the `qkv_rope_kv_write`'s place (everything it reads exists there).
+///
+/// Formed only where the packed row would otherwise go to memory for a
+/// second launch to read: on a GPU target where
+/// [`kiln_kernels::gpu::matmul_qkv_rope_runs`] accepts it (the one-token
+/// integer-dot GEMV over a weight kept quantized, whose last blocks rope
+/// the heads), and on the CPU for weights kept quantized too, so the CPU
+/// reference runs the ops a GPU plan runs (its definition, step by step).
+pub(crate) fn matmul_qkv_rope(ed: &mut Editor, target: &Target) -> Result<FuseCount, String> {
+    let mut count = 0;
+    for i in 0..ed.node_count() {
+        let rn = NodeId(i as u32);
+        if ed.is_removed(rn) {
+            continue;
+        }
+        let rope_node = ed.g.node(rn).clone();
+        if !matches!(rope_node.op, Op::QkvRopeKvWrite { .. }) {
+            continue;
+        }
+        let qkv = rope_node.args[0];
+        let Some((mn, 0)) = ed.producer(qkv) else {
+            continue;
+        };
+        let users = ed.users();
+        if sole_reader(ed, &users, qkv) != Some(rn) {
+            continue;
+        }
+        let mm = ed.g.node(mn).clone();
+        let act = ed.g.ty(qkv).dtype;
+        let Some(fused) = Op::join_matmul_qkv_rope(&mm.op, &rope_node.op, act) else {
+            continue;
+        };
+        let mut args = mm.args.clone();
+        args.extend_from_slice(&rope_node.args[1..]);
+        let tys: Vec<TensorType> = args.iter().map(|&v| ed.g.ty(v).clone()).collect();
+        if fused.infer(&tys).is_err() {
+            continue;
+        }
+        let quantized = tys[1].storage.is_some();
+        let runs = match target {
+            Target::Cpu => quantized,
+            Target::Cuda { .. } | Target::Hip { .. } => {
+                kiln_kernels::gpu::matmul_qkv_rope_runs(&fused, &tys, target).is_ok()
+            }
+        };
+        if !runs {
+            continue;
+        }
+        let r = ed.add_node(fused, &args, rn)?;
+        for (k, &v) in rope_node.results.iter().enumerate() {
+            ed.replace_uses(v, r[k]);
+        }
+        ed.remove(mn);
+        ed.remove(rn);
+        count += 1;
+    }
+    Ok(FuseCount(count))
+}
+
 /// `silu_mul(gate(x), up(x))` (or `gelu_tanh_mul`) becomes one matmul over
 /// the stacked gate/up weight (gate rows first) and the one-argument form.
 pub(crate) fn gate_up(ed: &mut Editor, manifest: &mut WeightManifest) -> Result<FuseCount, String> {

@@ -6,7 +6,9 @@
 //! `qkv_rope_kv_write`; gate/up projections + `silu_mul` into one stacked
 //! matmul and the one-argument `silu_mul`; then the GEMV prologues and
 //! epilogues: RMSNorm, SiLU/GELU*up and the residual add folded into the
-//! matmuls as `fused_matmul`). Every pass ends with the
+//! matmuls as `fused_matmul`; then, where the target runs it, the packed
+//! q/k/v projection and its `qkv_rope_kv_write` as one `matmul_qkv_rope`).
+//! Every pass ends with the
 //! canonical rebuild of [`editor::Editor::finish`] (schedule, dead-code
 //! removal, dense renumbering), so each pass's output is deterministic and
 //! prints densely.
@@ -74,6 +76,16 @@ pub enum Pass {
     /// one-token keys: what the graph schedule runs on GPU targets without
     /// `--fused-gemv` (see `FuseRule::GRAPH_QUANT` for the measurements).
     FuseMatMulQuant,
+    /// The packed q/k/v projection + `qkv_rope_kv_write` ->
+    /// `matmul_qkv_rope` (the GEMV's last blocks rope the heads), where the
+    /// target's kernels run it: one-token keys on CUDA through kiln's GEMV
+    /// (dense, or over a weight kept quantized in an integer-dot type), and
+    /// (so the CPU reference runs what a GPU plan runs) weights kept
+    /// quantized on the CPU. It runs after `fuse-matmul`, whose RMSNorm
+    /// prologue the fused op keeps. In [`DEFAULT_PIPELINE`], but
+    /// `compile` runs it for GPU targets only with
+    /// `CompileOptions::matmul_qkv_rope` (`kiln compile --matmul-qkv-rope`).
+    FuseMatMulQkvRope,
 }
 
 impl Pass {
@@ -87,6 +99,7 @@ impl Pass {
             Pass::FuseMatMul => "fuse-matmul",
             Pass::FuseMatMulTape => "fuse-matmul-tape",
             Pass::FuseMatMulQuant => "fuse-matmul-quant",
+            Pass::FuseMatMulQkvRope => "fuse-matmul-qkv-rope",
         }
     }
 }
@@ -103,12 +116,13 @@ impl fmt::Display for Pass {
 /// adds it (after `fuse-qkv-rope-kv-write`). Its kernels are correct on an
 /// H100 but the fused step measured 5-19% slower than the pair there
 /// (bench/results/gpu-2026-12-05-s20/).
-pub const DEFAULT_PIPELINE: [Pass; 5] = [
+pub const DEFAULT_PIPELINE: [Pass; 6] = [
     Pass::Dce,
     Pass::FuseAddRmsNorm,
     Pass::FuseQkvRopeKvWrite,
     Pass::FuseGateUp,
     Pass::FuseMatMul,
+    Pass::FuseMatMulQkvRope,
 ];
 
 /// Why the pipeline stopped.
@@ -146,6 +160,8 @@ pub struct PassStats {
     pub matmul_epilogues: u32,
     /// RMSNorm prologues `fuse-matmul` joined to a matmul.
     pub matmul_prologues: u32,
+    /// `matmul_qkv_rope` ops formed.
+    pub matmul_qkv_rope: u32,
 }
 
 /// Runs one pass for the CPU target.
@@ -205,6 +221,9 @@ pub fn run_pass_for(
                 .map_err(failed)?;
             stats.matmul_epilogues += c.epilogues;
             stats.matmul_prologues += c.prologues;
+        }
+        Pass::FuseMatMulQkvRope => {
+            stats.matmul_qkv_rope += fuse::matmul_qkv_rope(&mut ed, target).map_err(failed)?.0
         }
     }
     ed.finish().map_err(failed)

@@ -11,7 +11,8 @@
 //!   live lengths; elementwise ops a small per-element count (add 1, RMSNorm
 //!   4, add+RMSNorm 5, RoPE 3, SiLU*mul 5, GELU*mul 10, argmax 1, sample 10: its exp over a few
 //!   passes); a `fused_matmul` its GEMM plus the counts of its prologue and epilogue;
-//!   a `rope_attention` its RoPE and its attention.
+//!   a `rope_attention` its RoPE and its attention; a `matmul_qkv_rope` its
+//!   GEMM (with its prologue) and its RoPE.
 //! * bytes moved: every weight once at full size (a weight read only by an
 //!   `embedding` gather counts only the gathered rows); each attention reads
 //!   every sequence's K and V at `max_context`; each KV write writes its
@@ -71,6 +72,26 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
             let roped = tokens * (a.heads + a.kv_heads) as u64 * a.head_dim as u64;
             roped * (3 + if qk_norm.is_some() { 4 } else { 0 })
                 + tokens * a.heads as u64 * 4 * a.head_dim as u64 * max_context
+        }
+        Op::MatMulQkvRope {
+            bias,
+            pre,
+            heads,
+            kv_heads,
+            head_dim,
+            qk_norm,
+            ..
+        } => {
+            let (m, k) = (
+                op.args[0].ty.shape.dims()[0] as u64,
+                op.args[0].ty.shape.dims()[1] as u64,
+            );
+            let n = op.args[1].ty.shape.dims()[0] as u64;
+            let roped = m * (*heads + *kv_heads) as u64 * *head_dim as u64;
+            2 * m * n * k
+                + if *bias { m * n } else { 0 }
+                + if pre.is_some() { 4 * m * k } else { 0 }
+                + roped * (3 + if qk_norm.is_some() { 4 } else { 0 })
         }
         Op::SiluMul => 5 * out(0),
         Op::GeluTanhMul => 10 * out(0),
@@ -144,7 +165,7 @@ pub fn step_bytes(graph: &Graph, ops: &[PlanOp], kv_row_bytes: u64, max_context:
                 total += op.args[3].ty.size_bytes() + op.args[4].ty.size_bytes();
                 continue;
             }
-            Op::KvWrite | Op::QkvRopeKvWrite { .. } => {
+            Op::KvWrite | Op::QkvRopeKvWrite { .. } | Op::MatMulQkvRope { .. } => {
                 let tokens = op.args[0].ty.shape.dims()[0] as u64;
                 total += 2 * tokens * kv_row_bytes;
             }

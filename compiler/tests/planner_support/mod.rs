@@ -339,6 +339,22 @@ pub fn apply(
             write_rows(&mut vc, &args[1], w, &args[2]);
             vec![kc, vc]
         }
+        Op::MatMulQkvRope { .. } => {
+            // Its definition: the projection, then the rope + KV write.
+            let (mm, r) = op
+                .split_matmul_qkv_rope(tys[0].dtype)
+                .expect("matmul_qkv_rope");
+            let m = 2
+                + usize::from(matches!(op, Op::MatMulQkvRope { bias: true, .. }))
+                + usize::from(matches!(op, Op::MatMulQkvRope { pre: Some(_), .. }));
+            let qkv_ty = mm.infer(&tys[..m]).expect("typed")[0].clone();
+            let qkv = apply(&mm, &args[..m], &tys[..m], std::slice::from_ref(&qkv_ty));
+            let mut rargs = vec![qkv[0].clone()];
+            rargs.extend_from_slice(&args[m..]);
+            let mut rtys = vec![qkv_ty];
+            rtys.extend_from_slice(&tys[m..]);
+            apply(&r, &rargs, &rtys, res_tys)
+        }
         Op::RopeAttention { .. } => {
             // Its definition: the rope + KV write, then the attention.
             let (r, a) = op.split_rope_attention().expect("rope_attention");

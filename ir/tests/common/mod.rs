@@ -468,7 +468,8 @@ impl<'a> Gen<'a> {
                 }
                 let rope = self.rope();
                 let unit_offset = self.rng.coin();
-                let op = if self.rng.coin() {
+                let form = self.rng.range(0, 3);
+                let op = if form == 0 {
                     Op::QkvRopeKvWrite {
                         heads,
                         kv_heads: kvh,
@@ -477,6 +478,42 @@ impl<'a> Gen<'a> {
                         qk_norm,
                         unit_offset,
                     }
+                } else if form == 1 {
+                    // The projection that makes qkv, in the same op: x, w,
+                    // [bias], [norm weight] go before pos.
+                    let x = self.any_act();
+                    let k = self.cols(x);
+                    let n = (heads + 2 * kvh) * hd;
+                    let d = self.d;
+                    let w = self.weight(&[n, k]);
+                    let bias = self.rng.coin();
+                    let pre = self.rng.coin().then(|| PreNorm {
+                        eps: self.float(),
+                        unit_offset: self.rng.coin(),
+                    });
+                    let mut front = vec![x, w];
+                    if bias {
+                        front.push(self.weight(&[n]));
+                    }
+                    if pre.is_some() {
+                        front.push(self.weight(&[k]));
+                    }
+                    args.splice(0..1, front);
+                    let mm = Op::FusedMatMul {
+                        bias,
+                        out: d,
+                        pre,
+                        post: Epilogue::None,
+                    };
+                    let rope_op = Op::QkvRopeKvWrite {
+                        heads,
+                        kv_heads: kvh,
+                        head_dim: hd,
+                        rope,
+                        qk_norm,
+                        unit_offset,
+                    };
+                    Op::join_matmul_qkv_rope(&mm, &rope_op, d).expect("the two parts join")
                 } else {
                     // The fused rope + attention: tables and lengths go
                     // after the caches, before the norm weights.

@@ -267,6 +267,53 @@ pub unsafe fn execute_prechecked(
             let (b, m) = d2(5);
             attention::paged_attention(&attn_op, q, r[0], r[1], r[2], a[5], a[6], b, m, slots)
         }
+        Op::MatMulQkvRope {
+            bias, pre, qk_norm, ..
+        } => {
+            // The definition, step by step: the packed qkv goes to a host
+            // buffer of this call (the GPU kernel keeps it in scratch).
+            let dtype = args[0].ty.dtype;
+            let (mm, rope_op) = op.split_matmul_qkv_rope(dtype).expect("matmul_qkv_rope");
+            let (t, k) = d2(0);
+            let (n, _) = d2(1);
+            let len = t * n;
+            // u64 words: aligned for every float dtype.
+            let mut qkv_mem = vec![0u64; (len * dtype.size()).div_ceil(8)];
+            let qkv = Buf {
+                ptr: qkv_mem.as_mut_ptr() as *mut u8,
+                dtype,
+                len,
+            };
+            let mut i = 2;
+            let mut next = |present: bool| {
+                let b = present.then(|| a[i]);
+                i += present as usize;
+                b
+            };
+            let o = fused::Operands {
+                x: a[0],
+                w: a[1],
+                wq,
+                bias: next(*bias),
+                norm: next(pre.is_some()).zip(*pre),
+                residual: None,
+            };
+            fused::fused_matmul(&mm, o, kiln_ir::Epilogue::None, (t, k, n), qkv)?;
+            let m = 2 + *bias as usize + pre.is_some() as usize;
+            let norms = qk_norm.map(|_| (a[m + 4], a[m + 5]));
+            let slots = d2(m + 2).0;
+            kv::qkv_rope_kv_write(
+                &rope_op,
+                qkv,
+                a[m],
+                a[m + 1],
+                norms,
+                r[0],
+                r[1],
+                r[2],
+                slots,
+            )
+        }
         Op::SiluMul | Op::GeluTanhMul => {
             let kind = if matches!(op, Op::SiluMul) {
                 elementwise::Gate::Silu

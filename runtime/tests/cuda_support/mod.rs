@@ -303,6 +303,17 @@ pub fn reference(op: &Op, args: &[HT], result_tys: &[TensorType]) -> Vec<HT> {
             }
             vec![kc, vc]
         }
+        Op::MatMulQkvRope { bias, pre, .. } => {
+            // Its definition: the projection, then the rope + KV write.
+            let (mm, r) = op.split_matmul_qkv_rope(d).expect("matmul_qkv_rope");
+            let m = 2 + *bias as usize + pre.is_some() as usize;
+            let tys: Vec<TensorType> = args[..m].iter().map(|a| a.ty.clone()).collect();
+            let qkv_ty = mm.infer(&tys).expect("typed");
+            let qkv = reference(&mm, &args[..m], &qkv_ty);
+            let mut rargs = qkv;
+            rargs.extend_from_slice(&args[m..]);
+            reference(&r, &rargs, &[])
+        }
         Op::RopeAttention { .. } => {
             // Its definition: the rope + KV write, then the attention.
             let (r, a) = op.split_rope_attention().expect("rope_attention");
@@ -704,7 +715,10 @@ pub fn run_op_as(
     let mut launch = Launch {
         // As the engine marks a matmul's weight operand: the GEMV kernel
         // then loads it before its dependency wait.
-        const_args: if matches!(op, Op::MatMul { .. } | Op::FusedMatMul { .. }) {
+        const_args: if matches!(
+            op,
+            Op::MatMul { .. } | Op::FusedMatMul { .. } | Op::MatMulQkvRope { .. }
+        ) {
             2
         } else {
             0
