@@ -55,8 +55,9 @@ fn gpu() -> Option<u32> {
     Some(CudaBackend::new(0).expect("open CUDA device 0").sm())
 }
 
-fn opts(target: Target) -> CompileOptions {
+fn opts(target: Target, matmul_qkv_rope: bool) -> CompileOptions {
     CompileOptions {
+        matmul_qkv_rope,
         keys: vec![Key::new(1, 1, 0), Key::new(1, 8, 0)],
         target,
         kv: KvOptions {
@@ -137,7 +138,9 @@ fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
-fn check(matrix: GgmlType, embed: GgmlType) -> Result<String, String> {
+/// `rope`: compile the GPU plan with `matmul_qkv_rope` (the packed q/k/v
+/// GEMV with the rope tail) and require its launches in the plan.
+fn check(matrix: GgmlType, embed: GgmlType, rope: bool) -> Result<String, String> {
     let sm = gpu().expect("checked by the caller");
     let model = TinyLlama {
         hidden: 256,
@@ -156,7 +159,7 @@ fn check(matrix: GgmlType, embed: GgmlType) -> Result<String, String> {
         ..ImportOptions::default()
     };
     import_gguf(&gguf, &kept, &keep).unwrap();
-    let gpu_plan = compile_dir(&kept, &opts(Target::Cuda { sm }), &mut |_, _| {})
+    let gpu_plan = compile_dir(&kept, &opts(Target::Cuda { sm }, rope), &mut |_, _| {})
         .unwrap()
         .plan;
     // The kept plan really runs quantized kernels.
@@ -175,6 +178,15 @@ fn check(matrix: GgmlType, embed: GgmlType) -> Result<String, String> {
         return Err(format!("{matrix}/{embed}: no qgemv launch in the plan"));
     }
     let qlaunches = launches.len();
+    let rope_launches = launches
+        .iter()
+        .filter(|l| l.entry.contains("_rope_"))
+        .count();
+    if rope != (rope_launches > 0) {
+        return Err(format!(
+            "{matrix}/{embed}: {rope_launches} rope-tail GEMV launch(es) in a plan compiled with matmul_qkv_rope {rope}"
+        ));
+    }
     // int8 activations in most of the GPU's matmuls (the layers'; the
     // lm_head's type can differ from theirs): the CPU reference quantizes
     // them too. With the layers on the float kernels, an integer-dot
@@ -195,7 +207,7 @@ fn check(matrix: GgmlType, embed: GgmlType) -> Result<String, String> {
     } else {
         (&dense, "the bf16 import")
     };
-    let cpu_plan = compile_dir(ref_dir, &opts(Target::Cpu), &mut |_, _| {})
+    let cpu_plan = compile_dir(ref_dir, &opts(Target::Cpu, false), &mut |_, _| {})
         .unwrap()
         .plan;
     let mut worst = 0f32;
@@ -248,7 +260,7 @@ fn check(matrix: GgmlType, embed: GgmlType) -> Result<String, String> {
         return Err(format!("{matrix}/{embed}: no graph replays"));
     }
     Ok(format!(
-        "{matrix}/{embed}: worst relative logit difference {worst:.2e} against the CPU engine on {reference}, {ties} near-tie(s), {qlaunches} qgemv launches, {replays} replays"
+        "{matrix}/{embed}: worst relative logit difference {worst:.2e} against the CPU engine on {reference}, {ties} near-tie(s), {qlaunches} qgemv launches ({rope_launches} with the rope tail), {replays} replays"
     ))
 }
 
@@ -264,7 +276,33 @@ fn kept_quantized_weights_on_cuda_decode_what_the_bf16_import_decodes_on_the_cpu
         (GgmlType::Q5K, GgmlType::Q5_0),
         (GgmlType::Q6K, GgmlType::Q4_0),
     ] {
-        match check(matrix, embed) {
+        match check(matrix, embed, false) {
+            Ok(m) => eprintln!("{m}"),
+            Err(e) => errs.push(e),
+        }
+    }
+    assert!(errs.is_empty(), "{}", errs.join("\n"));
+}
+
+/// The same engine check with the GPU plan compiled `--matmul-qkv-rope`:
+/// each layer's packed q/k/v projection over an integer-dot type is one
+/// GEMV launch whose last blocks rope the heads and write the KV row
+/// (the CPU reference runs the op as the projection, then
+/// `qkv_rope_kv_write`). Every step's positions and slots change, so a
+/// head finished from a stale row or a counter left non-zero by the
+/// previous replay shows in the logits.
+#[test]
+fn the_qkv_gemv_with_the_rope_tail_decodes_on_cuda_what_the_cpu_engine_decodes() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut errs = Vec::new();
+    for (matrix, embed) in [
+        (GgmlType::Q4K, GgmlType::Q8_0),
+        (GgmlType::Q6K, GgmlType::Q4_0),
+        (GgmlType::Q8_0, GgmlType::Q4K),
+    ] {
+        match check(matrix, embed, true) {
             Ok(m) => eprintln!("{m}"),
             Err(e) => errs.push(e),
         }

@@ -71,14 +71,16 @@ fn gpu() -> Option<u32> {
 fn compile(family: Family, target: Target) -> (TempDir, Plan) {
     let dir = tempfile::tempdir().unwrap();
     write_tiny_model(dir.path(), family, &TinySpec::for_family(family)).unwrap();
-    let plan = compile_in(dir.path(), target);
+    let plan = compile_in(dir.path(), target, false);
     (dir, plan)
 }
 
 /// The model in `dir` compiled for `target` with the tests' keys and KV
-/// options.
-fn compile_in(dir: &Path, target: Target) -> Plan {
+/// options (`matmul_qkv_rope`: GPU plans fuse the packed q/k/v GEMV with
+/// the rope tail).
+fn compile_in(dir: &Path, target: Target, matmul_qkv_rope: bool) -> Plan {
     let opts = CompileOptions {
+        matmul_qkv_rope,
         keys: KEYS.split(',').map(|k| k.parse::<Key>().unwrap()).collect(),
         target,
         logits: true,
@@ -149,7 +151,34 @@ fn the_cuda_engine_generates_the_cpu_engines_tokens_on_compiled_models() {
     for family in [Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3] {
         let dir = tempfile::tempdir().unwrap();
         write_tiny_model(dir.path(), family, &TinySpec::for_family(family)).unwrap();
-        match cuda_against_cpu(&format!("{family:?}"), dir.path(), sm, CPU_LOGIT_REL) {
+        match cuda_against_cpu(&format!("{family:?}"), dir.path(), sm, CPU_LOGIT_REL, false) {
+            Ok(line) => eprintln!("{line}"),
+            Err(e) => {
+                eprintln!("FAILED {e}");
+                failures.push(e);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The same with the CUDA plans compiled `--matmul-qkv-rope`: the one-token
+/// key's packed q/k/v GEMV ropes the heads and writes the KV row in its
+/// last blocks (kiln's dense GEMV); the CPU engine runs the unfused pair.
+#[test]
+fn the_cuda_engine_with_the_rope_tail_gemv_generates_the_cpu_engines_tokens() {
+    let Some(sm) = gpu() else { return };
+    let mut failures = Vec::new();
+    for family in [
+        Family::Llama,
+        Family::Mistral,
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Gemma3,
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        write_tiny_model(dir.path(), family, &TinySpec::for_family(family)).unwrap();
+        match cuda_against_cpu(&format!("{family:?}"), dir.path(), sm, CPU_LOGIT_REL, true) {
             Ok(line) => eprintln!("{line}"),
             Err(e) => {
                 eprintln!("FAILED {e}");
@@ -166,7 +195,7 @@ fn the_cuda_engine_generates_the_cpu_engines_tokens_on_a_tiny_gemma3() {
     let dir = tempfile::tempdir().unwrap();
     let spec = TinySpec::for_family(Family::Gemma3);
     write_tiny_model(dir.path(), Family::Gemma3, &spec).unwrap();
-    let line = cuda_against_cpu("Gemma3 (tiny)", dir.path(), sm, CPU_LOGIT_REL)
+    let line = cuda_against_cpu("Gemma3 (tiny)", dir.path(), sm, CPU_LOGIT_REL, false)
         .unwrap_or_else(|e| panic!("{e}"));
     eprintln!("{line}");
 }
@@ -176,8 +205,14 @@ fn the_cuda_engine_generates_the_cpu_engines_tokens_on_gemma3_270m_shaped_random
     let Some(sm) = gpu() else { return };
     let dir = tempfile::tempdir().unwrap();
     write_gemma3_270m_shape(dir.path());
-    let line = cuda_against_cpu("Gemma3-270M shape", dir.path(), sm, GEMMA3_270M_LOGIT_REL)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let line = cuda_against_cpu(
+        "Gemma3-270M shape",
+        dir.path(),
+        sm,
+        GEMMA3_270M_LOGIT_REL,
+        false,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     eprintln!("{line}");
 }
 
@@ -303,9 +338,24 @@ fn compare_row(
 /// row's largest logit; a differing token is allowed only where the CPU's
 /// top-2 margin is below twice the measured logit difference (no rounding
 /// error smaller than that can swap them), and the comparison stops there.
-fn cuda_against_cpu(family: &str, dir: &Path, sm: u32, rel: f32) -> Result<String, String> {
-    let cplan = compile_in(dir, Target::Cpu);
-    let gplan = compile_in(dir, Target::Cuda { sm });
+fn cuda_against_cpu(
+    family: &str,
+    dir: &Path,
+    sm: u32,
+    rel: f32,
+    matmul_qkv_rope: bool,
+) -> Result<String, String> {
+    let cplan = compile_in(dir, Target::Cpu, false);
+    let gplan = compile_in(dir, Target::Cuda { sm }, matmul_qkv_rope);
+    if matmul_qkv_rope
+        && !gplan
+            .keys
+            .iter()
+            .flat_map(|k| &k.ops)
+            .any(|o| matches!(o.op, kiln_ir::Op::MatMulQkvRope { .. }))
+    {
+        return Err(format!("{family}: no matmul_qkv_rope in the CUDA plan"));
+    }
     let vocab = cplan.meta.info.vocab_size;
     let mut cpu = Engine::new(
         cplan.clone(),
