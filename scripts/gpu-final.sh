@@ -113,11 +113,13 @@ if [[ " $stages " == *" tests "* ]]; then
     [[ -z "$t" ]] && continue
     [[ -x "$B/$t" ]] || { echo "test $t: binary missing" >> "$S"; continue; }
     start=$(date +%s)
+    # One log per line of tests.txt (a binary may appear with several filters).
+    log="$OUT/logs/test-$t${targs:+-$(printf '%s' "$targs" | tr -c 'A-Za-z0-9_' '_' | cut -c1-48)}.txt"
     KILN_REQUIRE_CUDA=1 KILN_CUBIN_DIR="$cubins" timeout "${KILN_TEST_TIMEOUT:-200}" "$B/$t" ${targs:-} \
-      --test-threads=1 > "$OUT/logs/test-$t.txt" 2>&1
+      --test-threads=1 > "$log" 2>&1
     rc=$?
-    echo "test $t: rc=$rc $(grep -E '^test result' "$OUT/logs/test-$t.txt" | tail -1) ($(( $(date +%s) - start )) s)" >> "$S"
-    grep -E "FAILED|panicked" "$OUT/logs/test-$t.txt" | head -20 >> "$S"
+    echo "test $t${targs:+ ($targs)}: rc=$rc $(grep -E '^test result' "$log" | tail -1) ($(( $(date +%s) - start )) s)" >> "$S"
+    grep -E "FAILED|panicked" "$log" | head -20 >> "$S"
   done < "$C/tests.txt"
 fi
 
@@ -285,8 +287,7 @@ if [[ " $stages " == *" sanitize "* ]]; then
     [[ -x "$B/$t" ]] || { echo "sanitize $t: binary missing" >> "$S"; continue; }
     for tool in ${KILN_SANITIZE_TOOLS:-memcheck}; do
       start=$(date +%s)
-      log="$OUT/logs/sanitize-$t.txt"
-      [[ "$tool" == memcheck ]] || log="$OUT/logs/sanitize-$tool-$t.txt"
+      log="$OUT/logs/sanitize-$tool-$t${filt:+-$(printf '%s' "$filt" | tr -c 'A-Za-z0-9_' '_' | cut -c1-48)}.txt"
       KILN_REQUIRE_CUDA=1 KILN_GEMM_AUTOTUNE=0 KILN_CUBIN_DIR="$cubins" timeout "${KILN_SANITIZE_TIMEOUT:-200}" \
         compute-sanitizer --tool "$tool" --error-exitcode 9 "$B/$t" $filt --test-threads=1 \
         > "$log" 2>&1
