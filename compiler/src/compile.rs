@@ -145,11 +145,11 @@ pub struct CompileOptions {
     /// GPU targets, graph schedule: run `fuse-matmul-qkv-rope` where it is
     /// in `passes` (`kiln compile --matmul-qkv-rope`): the packed q/k/v
     /// GEMV whose last blocks rope the heads and write the KV row, one
-    /// launch per layer fewer. Opt-in until its kernels have run on a GPU
-    /// (written and checked here without one: the CUDA tests that compare
-    /// them with the unfused pair bit for bit are in
-    /// `runtime/tests/cuda_quant.rs` and `runtime/tests/cuda_backend.rs`).
-    /// The CPU target always runs the pass (its reference is the pair).
+    /// launch per layer fewer, the same bits as the pair on an H100
+    /// (`runtime/tests/cuda_quant.rs`, `runtime/tests/cuda_backend.rs`). Opt-in:
+    /// measured 3-10% slower per step than the pair there
+    /// (bench/results/gpu-2026-12-06-s29/). The CPU target always runs the
+    /// pass (its reference is the pair).
     pub matmul_qkv_rope: bool,
     /// Tensor-parallel ranks (`kiln compile --tp N`; 1: none). The shard
     /// pass (`passes::shard`) rewrites every traced key for one rank before
@@ -919,8 +919,8 @@ pub struct CompileArgs {
     /// GPU targets, graph schedule: one-token keys run the packed q/k/v
     /// projection and `qkv_rope_kv_write` as one `matmul_qkv_rope` launch
     /// (kiln's GEMV, dense or over a weight kept quantized, whose last
-    /// blocks rope the heads and write the KV row). Opt-in until its
-    /// kernels have run on a GPU (see `CompileOptions::matmul_qkv_rope`).
+    /// blocks rope the heads and write the KV row). Opt-in: 3-10% slower
+    /// than the pair on an H100 (see `CompileOptions::matmul_qkv_rope`).
     #[arg(long)]
     pub matmul_qkv_rope: bool,
     /// Tensor parallelism: shard the plan over N ranks (one GPU each, or N

@@ -84,7 +84,9 @@ pub enum Pass {
     /// quantized on the CPU. It runs after `fuse-matmul`, whose RMSNorm
     /// prologue the fused op keeps. In [`DEFAULT_PIPELINE`], but
     /// `compile` runs it for GPU targets only with
-    /// `CompileOptions::matmul_qkv_rope` (`kiln compile --matmul-qkv-rope`).
+    /// `CompileOptions::matmul_qkv_rope` (`kiln compile --matmul-qkv-rope`):
+    /// bit-exact on an H100, but the step measured 3-10% slower than with
+    /// the pair (bench/results/gpu-2026-12-06-s29/).
     FuseMatMulQkvRope,
 }
 

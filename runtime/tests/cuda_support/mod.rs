@@ -345,11 +345,19 @@ pub fn reference(op: &Op, args: &[HT], result_tys: &[TensorType]) -> Vec<HT> {
             let t_n = dims(&args[0])[0] as usize;
             let mut q = vec![0.0f32; t_n * h * hd];
             let (mut kc, mut vc) = (args[3].clone(), args[4].clone());
+            // Rows of each cache: a slot outside them writes no K/V (q is
+            // still written), as the kernels check.
+            let num_slots = kc.f.len() / (kvh * hd).max(1);
             for t in 0..t_n {
                 let p = args[1].i[t];
-                let slot = args[2].i[t] as usize;
+                let slot = args[2].i[t];
+                let slot_ok = slot >= 0 && (slot as usize) < num_slots;
+                let slot = slot.max(0) as usize;
                 for u in 0..units {
                     let src = &args[0].f[(t * units + u) * hd..(t * units + u + 1) * hd];
+                    if u >= h && !slot_ok {
+                        continue;
+                    }
                     if u >= h + kvh {
                         let dst = slot * kvh * hd + (u - h - kvh) * hd;
                         vc.f[dst..dst + hd].copy_from_slice(src);
