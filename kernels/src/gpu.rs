@@ -2155,6 +2155,20 @@ fn fp8_scales(q: kiln_ir::QuantType, w: BufRef, n: u64, k: u64) -> Option<BufRef
     })
 }
 
+/// Operand `i` of a lowering run only to ask whether it succeeds: each at
+/// its own 16-byte aligned offset, sized generously (buffer sizes are the
+/// planner's, not a kernel limit).
+fn placeholder(i: usize, ty: &TensorType) -> Operand {
+    Operand {
+        buf: BufRef {
+            region: Region::Arena,
+            offset: (i as u64 + 1) << 40,
+            bytes: 1 << 39,
+        },
+        ty: ty.clone(),
+    }
+}
+
 /// Whether `target`'s kernels run a `fused_matmul` with operand types
 /// `args`, and if not, why: the dense fused GEMV ([`fused_matmul_call`])
 /// for dense weights; for a weight kept quantized, the qgemv / qskinny
@@ -2174,18 +2188,12 @@ pub fn fused_matmul_runs(
     let results = op
         .infer(args)
         .map_err(|why| CatalogError::Unsupported { op: m, why })?;
-    // Placeholders: each operand at its own 16-byte aligned offset, sized
-    // generously (buffer sizes are the planner's, not a kernel limit).
-    let place = |i: usize, ty: &TensorType| Operand {
-        buf: BufRef {
-            region: Region::Arena,
-            offset: (i as u64 + 1) << 40,
-            bytes: 1 << 39,
-        },
-        ty: ty.clone(),
-    };
-    let ops: Vec<Operand> = args.iter().enumerate().map(|(i, t)| place(i, t)).collect();
-    let out = place(args.len(), &results[0]);
+    let ops: Vec<Operand> = args
+        .iter()
+        .enumerate()
+        .map(|(i, t)| placeholder(i, t))
+        .collect();
+    let out = placeholder(args.len(), &results[0]);
     lower_quantized_fused(op, &ops, &out, true, target, false).map(|_| ())
 }
 
@@ -2223,9 +2231,9 @@ fn matmul_qkv_rope_needs(op: &Op, args: &[TensorType]) -> Result<OpNeeds, Catalo
 }
 
 /// Whether `target`'s kernels run a `matmul_qkv_rope` with operand types
-/// `args` in one launch, and if not, why: the one-token integer-dot GEMV
-/// over a weight kept quantized (Q4_K, Q6_K, Q8_0) on CUDA, with the rope
-/// tail in its last blocks ([`crate::quant_gpu::lower_qgemv_rope`]),
+/// `args` in one launch, and if not, why: kiln's one-token GEMV on CUDA,
+/// dense or integer-dot over a weight kept quantized (Q4_K, Q6_K, Q8_0),
+/// with the rope tail in its last blocks,
 /// checked by running that very lowering over placeholder buffers (so the
 /// fusion pass, which asks this before it fuses, and [`lower_op`] never
 /// disagree). There is no multi-launch form: a GPU plan has the op only
@@ -2239,22 +2247,18 @@ pub fn matmul_qkv_rope_runs(
     let results = op
         .infer(args)
         .map_err(|why| CatalogError::Unsupported { op: m, why })?;
-    let place = |i: usize, ty: &TensorType| Operand {
-        buf: BufRef {
-            region: Region::Arena,
-            offset: (i as u64 + 1) << 40,
-            bytes: 1 << 39,
-        },
-        ty: ty.clone(),
-    };
-    let ops: Vec<Operand> = args.iter().enumerate().map(|(i, t)| place(i, t)).collect();
+    let ops: Vec<Operand> = args
+        .iter()
+        .enumerate()
+        .map(|(i, t)| placeholder(i, t))
+        .collect();
     let res: Vec<Operand> = results
         .iter()
         .enumerate()
-        .map(|(i, t)| place(args.len() + i, t))
+        .map(|(i, t)| placeholder(args.len() + i, t))
         .collect();
-    let scratch = place(args.len() + results.len(), &results[0]).buf;
-    let counters = place(args.len() + results.len() + 1, &results[0]).buf;
+    let scratch = placeholder(args.len() + results.len(), &results[0]).buf;
+    let counters = placeholder(args.len() + results.len() + 1, &results[0]).buf;
     lower_matmul_qkv_rope(op, &ops, &res, (scratch, counters), true, target, false).map(|_| ())
 }
 
