@@ -147,11 +147,22 @@ fn workload(
 #[test]
 fn the_cuda_engine_generates_the_cpu_engines_tokens_on_compiled_models() {
     let Some(sm) = gpu() else { return };
+    tiny_families_against_cpu(
+        sm,
+        &[Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3],
+        false,
+    );
+}
+
+/// [`cuda_against_cpu`] on each family's tiny model; every failure is
+/// reported before the test fails.
+fn tiny_families_against_cpu(sm: u32, families: &[Family], matmul_qkv_rope: bool) {
     let mut failures = Vec::new();
-    for family in [Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3] {
+    for &family in families {
         let dir = tempfile::tempdir().unwrap();
         write_tiny_model(dir.path(), family, &TinySpec::for_family(family)).unwrap();
-        match cuda_against_cpu(&format!("{family:?}"), dir.path(), sm, CPU_LOGIT_REL, false) {
+        let name = format!("{family:?}");
+        match cuda_against_cpu(&name, dir.path(), sm, CPU_LOGIT_REL, matmul_qkv_rope) {
             Ok(line) => eprintln!("{line}"),
             Err(e) => {
                 eprintln!("FAILED {e}");
@@ -168,25 +179,17 @@ fn the_cuda_engine_generates_the_cpu_engines_tokens_on_compiled_models() {
 #[test]
 fn the_cuda_engine_with_the_rope_tail_gemv_generates_the_cpu_engines_tokens() {
     let Some(sm) = gpu() else { return };
-    let mut failures = Vec::new();
-    for family in [
-        Family::Llama,
-        Family::Mistral,
-        Family::Qwen2,
-        Family::Qwen3,
-        Family::Gemma3,
-    ] {
-        let dir = tempfile::tempdir().unwrap();
-        write_tiny_model(dir.path(), family, &TinySpec::for_family(family)).unwrap();
-        match cuda_against_cpu(&format!("{family:?}"), dir.path(), sm, CPU_LOGIT_REL, true) {
-            Ok(line) => eprintln!("{line}"),
-            Err(e) => {
-                eprintln!("FAILED {e}");
-                failures.push(e);
-            }
-        }
-    }
-    assert!(failures.is_empty(), "{failures:#?}");
+    tiny_families_against_cpu(
+        sm,
+        &[
+            Family::Llama,
+            Family::Mistral,
+            Family::Qwen2,
+            Family::Qwen3,
+            Family::Gemma3,
+        ],
+        true,
+    );
 }
 
 #[test]
