@@ -19,10 +19,13 @@
 // lane of a KS*32-lane warp, so each lane still keeps the same loads in
 // flight; a block covers 16 / KS rows and the KS partial sums meet in
 // shared memory, added in slice order (deterministic).
-template <typename T, typename O, int TT, int KS>
+// Map (kiln_port.h): KilnRows, or the rope entries' KilnRopePairs (rows in
+// rotate-half pairs, each warp's two results roped and stored by it).
+template <typename T, typename O, int TT, int KS, typename Map = KilnRows>
 KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
                         const T* __restrict__ bias, O* __restrict__ out, int tokens, int n, int k,
-                        int w_const) {
+                        int w_const, const Map& map = Map{}) {
+  static_assert(!Map::may_pair || (TT == 1 && KILN_GEMV_ROWS == 2), "a warp's rows are one pair");
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
   const int pair = warp / KS, slice = warp % KS;
@@ -40,7 +43,7 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
     // A warp past the last row re-reads row 0 (its results are dropped), so
     // every warp reaches the dependency wait below.
     const i64 row = row0 + r < n ? row0 + r : (row0 < n ? row0 : 0);
-    wv[r] = reinterpret_cast<const uint4*>(w + row * k);
+    wv[r] = reinterpret_cast<const uint4*>(w + map.row(row) * k);
   }
   const uint4* xv = reinterpret_cast<const uint4*>(x);
   constexpr int UNROLL = 4;
@@ -136,7 +139,13 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
         acc[r][t] = s2;
       }
   }
-  if (lane == 0) {
+  if (lane == 0 && Map::may_pair && map.on()) {
+    if (row0 < n) {
+      const float b0 = bias ? ld(bias[map.row(row0)]) : 0.0f;
+      const float b1 = bias ? ld(bias[map.row(row0 + 1)]) : 0.0f;
+      map.store(row0, round_to<O>(acc[0][0] + b0), round_to<O>(acc[1][0] + b1));
+    }
+  } else if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
       const i64 row = row0 + r;
@@ -185,10 +194,11 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
 #if defined(KILN_CUDA)
 #define KILN_GEMV_STAGED 1
 
-template <typename T, typename O, int TT, int KS>
+template <typename T, typename O, int TT, int KS, typename Map = KilnRows>
 KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
                                const T* __restrict__ bias, O* __restrict__ out, int tokens, int n,
-                               int k, int w_const) {
+                               int k, int w_const, const Map& map = Map{}) {
+  static_assert(!Map::may_pair || (TT == 1 && KILN_GEMV_ROWS == 2), "a warp's rows are one pair");
   constexpr int RB = 16 / KS;                       // rows per block
   constexpr int CV = KILN_GEMV_STAGE_VECS / RB;     // vectors per row per stage
   constexpr int STRIDE = KILN_WARP * KS;            // as gemv_rows
@@ -213,7 +223,7 @@ KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
   for (int j = 0; j < COPIES; ++j) {
     const int i = threadIdx.x + j * THREADS;
     const i64 r = tile0 + i / CV;
-    src[j] = reinterpret_cast<const uint4*>(w + (r < n ? r : n - 1) * (i64)k);
+    src[j] = reinterpret_cast<const uint4*>(w + map.row(r < n ? r : n - 1) * (i64)k);
     col[j] = i % CV;
   }
   auto issue = [&](int ch) {
@@ -297,7 +307,11 @@ KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
         acc[r][t] = s2;
       }
   }
-  if (lane == 0 && row0 < n) {
+  if (lane == 0 && row0 < n && Map::may_pair && map.on()) {
+    const float b0 = bias ? ld(bias[map.row(row0)]) : 0.0f;
+    const float b1 = bias ? ld(bias[map.row(row0 + 1)]) : 0.0f;
+    map.store(row0, round_to<O>(acc[0][0] + b0), round_to<O>(acc[1][0] + b1));
+  } else if (lane == 0 && row0 < n) {
 #pragma unroll
     for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
       const i64 row = row0 + r;
@@ -352,17 +366,22 @@ KILN_GEMV_STAGED_ALL(kf16, f16, float, f32)
 
 // The rope entries (matmul_qkv_rope over a dense weight, one token):
 // gemv_[staged_][k2_|k4_]rope_t1_S_S, the GEMV above (register or staged,
-// the split the lowering picks as for the plain matmul) writing the packed
-// qkv row to `out` (the op's scratch), then kiln_port.h's kiln_rope_tail on
-// the block's 16 / KS rows; qkv_rope_kv_write's parameters after the
-// GEMV's (stems gemv_rope_, gemv_staged_rope_).
+// the split the lowering picks as for the plain matmul). With a q/k norm it
+// writes the packed qkv row to `out` (the op's scratch), then kiln_port.h's
+// kiln_rope_tail runs on the block's 16 / KS rows; without one its warps
+// take the rows in rotate-half pairs and rope and store them themselves
+// (KilnRopePairs, no tail, `out` untouched). qkv_rope_kv_write's parameters
+// after the GEMV's (stems gemv_rope_, gemv_staged_rope_).
 #define KILN_GEMV_ROPE_KS(T, S, KS, PFX, BODY)                                                  \
   KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP) gemv_##PFX##rope_t1_##S##_##S( \
       const T* x, const T* w, const T* bias, T* out, int tokens, int n, int k, int w_const,     \
       const int* pos, const int* slots, T* kc, T* vc, const T* qn, const T* kn, T* q_out,       \
       unsigned int* counters, int heads, int kvh, int hd, float qk_eps, int has_norm,           \
       int unit_offset, i64 num_slots, RopeFreqs fr) {                                           \
-    BODY<T, T, 1, KS>(x, w, bias, out, tokens, n, k, w_const);                                  \
+    const KilnRopePairs<T> map{!has_norm, kc,    vc,   q_out, fr, pos,                         \
+                               slots,     num_slots, heads, kvh, hd};                           \
+    BODY<T, T, 1, KS>(x, w, bias, out, tokens, n, k, w_const, map);                             \
+    if (!has_norm) return;                                                                      \
     kiln_rope_tail<T>(out, n, KILN_GEMV_WARPS * KILN_GEMV_ROWS / KS, pos, slots, kc, vc, qn, kn,   \
                       q_out, counters, heads, kvh, hd, qk_eps, has_norm, unit_offset, num_slots, \
                       fr);                                                                      \

@@ -379,15 +379,37 @@ struct RopeFreqs {
   float f[KILN_ROPE_MAX_HALF];
 };
 
+// The pieces of a rotate-half rope every kernel that ropes runs, so their
+// results agree bit for bit: the angle's cos/sin, the q/k norm's weight
+// and its rounded product, and the rotation of one pair (x_i, x_{i+hd/2}),
+// each result rounded to T once.
+KILN_DEV void kiln_rope_cs(float p, const RopeFreqs& fr, int i, float& c, float& s) {
+  const float ang = p * fr.f[i];
+  c = cosf(ang);
+  s = sinf(ang);
+}
+template <typename T> KILN_DEV float kiln_rope_nw(const T* nw, int i, int unit_offset) {
+  float w = ld(nw[i]);
+  if (unit_offset) w += 1.0f;
+  return w;
+}
+template <typename T> KILN_DEV float kiln_rope_normed(float x, float inv, float w) {
+  return round_to<T>(x * inv * w);
+}
+template <typename T> KILN_DEV void kiln_rope_rot(float a, float b, float c, float s, T& o1, T& o2) {
+  o1 = st<T>(a * c - b * s);
+  o2 = st<T>(b * c + a * s);
+}
+
 // One warp ropes the head at `src` (hd elements, hd even, <= 256): lane l
 // holds the pairs (i, i + hd/2) for i = l, l + 32, ..., so the optional
 // RMSNorm (weights nw, +1 with unit_offset; its result rounded to T, as the
 // unfused head_rms_norm stores it) needs one warp sum. Every element's
 // final value, rounded to T once, goes to store(i, value). Every lane of
 // the warp must call it (the norm's warp sum).
-template <typename T, typename Load, typename Store>
-KILN_DEV void kiln_rope_head_with(Load load, int hd, const T* nw, int has_norm, float eps,
-                             int unit_offset, float p, const RopeFreqs& fr, Store store) {
+template <typename T, typename Load, typename Wts, typename Cs, typename Store>
+KILN_DEV void kiln_rope_head_core(Load load, int hd, int has_norm, float eps, Wts wts, Cs cs,
+                                  Store store) {
   const int lane = threadIdx.x % KILN_WARP;
   const int half = hd / 2;
   constexpr int PER = KILN_ROPE_MAX_HALF / KILN_WARP;
@@ -407,13 +429,10 @@ KILN_DEV void kiln_rope_head_with(Load load, int hd, const T* nw, int has_norm, 
     for (int j = 0; j < PER; ++j) {
       const int i = lane + j * KILN_WARP;
       if (i < half) {
-        float w1 = ld(nw[i]), w2 = ld(nw[i + half]);
-        if (unit_offset) {
-          w1 += 1.0f;
-          w2 += 1.0f;
-        }
-        a[j] = round_to<T>(a[j] * inv * w1);
-        b[j] = round_to<T>(b[j] * inv * w2);
+        float w1, w2;
+        wts(j, i, w1, w2);
+        a[j] = kiln_rope_normed<T>(a[j], inv, w1);
+        b[j] = kiln_rope_normed<T>(b[j], inv, w2);
       }
     }
   }
@@ -421,12 +440,28 @@ KILN_DEV void kiln_rope_head_with(Load load, int hd, const T* nw, int has_norm, 
   for (int j = 0; j < PER; ++j) {
     const int i = lane + j * KILN_WARP;
     if (i < half) {
-      const float ang = p * fr.f[i];
-      const float c = cosf(ang), s = sinf(ang);
-      store(i, st<T>(a[j] * c - b[j] * s));
-      store(i + half, st<T>(b[j] * c + a[j] * s));
+      float c, s;
+      cs(j, i, c, s);
+      T o1, o2;
+      kiln_rope_rot<T>(a[j], b[j], c, s, o1, o2);
+      store(i, o1);
+      store(i + half, o2);
     }
   }
+}
+// kiln_rope_head_core with the norm weights and the angles read and
+// computed where they are used (rope.cu, attention.cu's prologue).
+template <typename T, typename Load, typename Store>
+KILN_DEV void kiln_rope_head_with(Load load, int hd, const T* nw, int has_norm, float eps,
+                                  int unit_offset, float p, const RopeFreqs& fr, Store store) {
+  const int half = hd / 2;
+  kiln_rope_head_core<T>(
+      load, hd, has_norm, eps,
+      [&](int, int i, float& w1, float& w2) {
+        w1 = kiln_rope_nw(nw, i, unit_offset);
+        w2 = kiln_rope_nw(nw, i + half, unit_offset);
+      },
+      [&](int, int i, float& c, float& s) { kiln_rope_cs(p, fr, i, c, s); }, store);
 }
 template <typename T, typename Store>
 KILN_DEV void kiln_rope_head(const T* src, int hd, const T* nw, int has_norm, float eps,
@@ -435,6 +470,79 @@ KILN_DEV void kiln_rope_head(const T* src, int hd, const T* nw, int has_norm, fl
                          fr, store);
 }
 
+// ---- The rope pair epilogue of the packed q/k/v GEMV (matmul_qkv_rope without q/k norm) ----
+//
+// Without a q/k RMSNorm no value of a head depends on more of the head than
+// its rotate-half partner: element i pairs with i + hd/2 and nothing else.
+// So the rope GEMV entries (gemv.cu, qgemv.cu) order the rows their warps
+// own in pairs: logical rows 2p and 2p + 1 are the physical rows u*hd + i
+// and u*hd + i + hd/2 of the packed q/k/v weight, with p = u*hd/2 + i. The
+// lane that holds a warp's results then holds whole pairs; it rounds them
+// to T (the values the unfused GEMV stores), ropes a q or k pair as
+// qkv_rope_kv_write does (kiln_rope_cs / kiln_rope_rot), and stores it to
+// q or to the K cache row at the slot, or copies a v pair to the V cache:
+// no completion counter, no fence, no read back, and the packed row never
+// goes to memory. `pos` and `slot` are read once per launch, after the
+// dependency wait (the GEMV body's KILN_PROLOGUE()).
+struct KilnRows {  // the identity order: row l is physical row l
+  static constexpr bool may_pair = false;
+  KILN_DEV bool on() const { return false; }
+  KILN_DEV i64 row(i64 l) const { return l; }
+  KILN_DEV void store(i64, float, float) const {}
+};
+// One instantiation of the GEMV body serves both forms of a rope entry
+// (the staged GEMV's static shared memory is per instantiation and a
+// second copy would not fit): `pairs` is the launch's choice, false with a
+// q/k norm (rows in order, the counted tail after the body).
+template <typename T> struct KilnRopePairs {
+  static constexpr bool may_pair = true;
+  bool pairs;
+  T* kc;
+  T* vc;
+  T* q_out;
+  const RopeFreqs& fr;
+  const int* pos;
+  const int* slots;
+  i64 num_slots;
+  int heads, kvh, hd;
+  KILN_DEV bool on() const { return pairs; }
+  KILN_DEV i64 row(i64 l) const {
+    if (!pairs) return l;
+    const int half = hd / 2;
+    const i64 p = l >> 1;
+    const i64 u = p / half;
+    return u * hd + (p - u * half) + (l & 1) * half;
+  }
+  // Logical rows l0 (even) and l0 + 1: y0, y1 already rounded to T.
+  KILN_DEV void store(i64 l0, float y0, float y1) const {
+    const int half = hd / 2;
+    const i64 p = l0 >> 1;
+    const i64 u = p / half;
+    const int i = (int)(p - u * half);
+    const i64 kvrow = (i64)kvh * hd;
+    if (u >= heads + kvh) {  // v head: copied into the cache
+      const i64 slot = slots[0];
+      if (slot < 0 || slot >= num_slots) return;
+      T* dst = vc + slot * kvrow + (u - heads - kvh) * hd;
+      dst[i] = st<T>(y0);
+      dst[i + half] = st<T>(y1);
+      return;
+    }
+    const bool is_q = u < heads;
+    T* dst;
+    if (is_q) {
+      dst = q_out + u * hd;
+    } else {
+      const i64 slot = slots[0];
+      if (slot < 0 || slot >= num_slots) return;
+      dst = kc + slot * kvrow + (u - heads) * hd;
+    }
+    float c, s;
+    kiln_rope_cs((float)pos[0], fr, i, c, s);
+    kiln_rope_rot<T>(y0, y1, c, s, dst[i], dst[i + half]);
+  }
+};
+
 // ---- The rope tail of the packed q/k/v GEMV (matmul_qkv_rope) ----
 //
 // What qkv_rope_kv_write does for one token, done by the GEMV's own blocks
@@ -442,18 +550,24 @@ KILN_DEV void kiln_rope_head(const T* src, int hd, const T* nw, int has_norm, fl
 // of a block calls it after the GEMV has stored the block's rows
 // [rpb * b, rpb * (b + 1)) of the packed row `qkv` (the op's scratch). Unit
 // u of that row (the q heads, then the k heads, then the v heads, hd rows
-// each) is finished by the last block to store any of its rows: every
-// thread fences its stores (device scope) and the block meets at a
-// barrier; then the units the block's rows touch are dealt to its warps,
-// and a warp's lane 0 counts the block in on the unit's completion
-// counter. The warp that brings a counter to the number of blocks over
-// that unit resets it to zero for the next launch and finishes the unit:
-// its elements read back through L2 (other blocks stored them during this
-// launch; an SM's L1 is not coherent) straight into the lanes that need
-// them, then qkv_rope_kv_write_units' arithmetic (kiln_rope_head_with for
-// a q or k head, a copy for a v head, the same slot check), so the
-// results are that kernel's bit for bit. No shared memory (the staged
-// GEMV uses all of the static 48 KiB) and no barrier after the first.
+// each) is finished by the last block to store any of its rows: the block
+// meets at a barrier, the units its rows touch are dealt to its warps, and
+// a warp's lane 0 counts the block in on the unit's completion counter
+// with one acquire-release add (kiln_count_in). While the count travels,
+// every lane computes its pairs' angles and loads its norm weights. The
+// warp that brings a counter to the number of blocks over that unit resets
+// it to zero for the next launch and finishes the unit: its elements read
+// back through L2 (other blocks stored them during this launch; an SM's L1
+// is not coherent) straight into the lanes that need them, then
+// qkv_rope_kv_write_units' arithmetic (kiln_rope_head_core for a q or k
+// head, a copy for a v head, the same slot check), so the results are that
+// kernel's bit for bit. No shared memory (the staged GEMV uses all of the
+// static 48 KiB) and no barrier after the first. The GPU lowering reaches
+// it only for heads with a q/k norm: without one the entries take the pair
+// epilogue above instead. The finishing warp's chain after its block's
+// stores is the add's round trip (its release waits for those stores),
+// one L2 read and the arithmetic; the position and slot are read before
+// the barrier.
 KILN_DEV unsigned short kiln_ld_cg16(const unsigned short* p) {
 #if defined(KILN_CUDA)
   return __ldcg(p);
@@ -470,6 +584,36 @@ KILN_DEV int kiln_shfl_int(int v, int src) {
 #endif
 }
 
+// Lane 0 counts its block in on a unit: an acquire-release add at device
+// scope. The release half publishes the block's stores (the barrier before
+// it made them this thread's, and release is cumulative), the acquire half
+// orders the finishing warp's reads after every other block's. It replaces
+// a full fence (membar.gl, sequentially consistent) before the add and
+// another after it.
+KILN_DEV unsigned int kiln_count_in(unsigned int* p) {
+#if defined(KILN_CUDA)
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+  return old;
+#else
+  __threadfence();
+  const unsigned int old = atomicAdd(p, 1u);
+  __threadfence();
+  return old;
+#endif
+}
+
+// After lane 0's kiln_count_in: the other lanes' reads ordered after its
+// acquire (a warp barrier orders memory among its lanes on CUDA; HIP
+// fences each lane).
+KILN_DEV void kiln_warp_acquire() {
+#if defined(KILN_CUDA)
+  __syncwarp();
+#else
+  __threadfence();
+#endif
+}
+
 template <typename T>
 KILN_DEV void kiln_rope_tail(const T* qkv, int n, int rpb, const int* __restrict__ pos,
                              const int* __restrict__ slots, T* kc, T* vc,
@@ -478,7 +622,10 @@ KILN_DEV void kiln_rope_tail(const T* qkv, int n, int rpb, const int* __restrict
                              int hd, float eps, int has_norm, int unit_offset, i64 num_slots,
                              const RopeFreqs& fr) {
   static_assert(sizeof(T) == 2, "the rope tail reads 16-bit activations");
-  __threadfence();
+  constexpr int PER = KILN_ROPE_MAX_HALF / KILN_WARP;
+  // Read before the barrier: their round trip overlaps the stores'.
+  const float p = (float)pos[0];
+  const i64 slot = slots[0];
   __syncthreads();
   const i64 r0 = (i64)blockIdx.x * rpb;
   const i64 r1 = r0 + rpb < (i64)n ? r0 + rpb : (i64)n;
@@ -486,39 +633,59 @@ KILN_DEV void kiln_rope_tail(const T* qkv, int n, int rpb, const int* __restrict
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
   const int warps = (int)(blockDim.x / KILN_WARP);
+  const int half = hd / 2;
   const i64 kvrow = (i64)kvh * hd;
+  const bool slot_ok = slot >= 0 && slot < num_slots;
   // Warp-uniform loop: every lane of a warp takes the same units.
   for (i64 u = r0 / hd + warp; u <= (r1 - 1) / hd; u += warps) {
-    int last = 0;
-    if (lane == 0) {
-      const i64 b0 = u * hd / rpb, b1 = ((u + 1) * hd - 1) / rpb;
-      if (atomicAdd(&counters[u], 1u) + 1u == (unsigned int)(b1 - b0 + 1)) {
-        counters[u] = 0u;  // ready for the next launch
-        last = 1;
+    const i64 b0 = u * hd / rpb, b1 = ((u + 1) * hd - 1) / rpb;
+    unsigned int old = 0u;
+    if (lane == 0) old = kiln_count_in(&counters[u]);
+    // While the count travels: this lane's angles and norm weights.
+    const bool is_q = u < heads;
+    const bool rot = u < heads + kvh && (is_q || slot_ok);
+    float c[PER], s[PER], w1[PER], w2[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = lane + j * KILN_WARP;
+      c[j] = s[j] = w1[j] = w2[j] = 0.0f;
+      if (rot && i < half) {
+        kiln_rope_cs(p, fr, i, c[j], s[j]);
+        if (has_norm) {
+          w1[j] = kiln_rope_nw(is_q ? qn : kn, i, unit_offset);
+          w2[j] = kiln_rope_nw(is_q ? qn : kn, i + half, unit_offset);
+        }
       }
     }
-    if (!kiln_shfl_int(last, 0)) continue;
-    __threadfence();
+    const int last =
+        kiln_shfl_int(lane == 0 && old + 1u == (unsigned int)(b1 - b0 + 1) ? 1 : 0, 0);
+    if (!last) continue;
+    if (lane == 0) counters[u] = 0u;  // ready for the next launch
+    kiln_warp_acquire();
     const unsigned short* src = reinterpret_cast<const unsigned short*>(qkv + u * hd);
-    auto load = [&](int e) {
-      T v;
-      v.bits = kiln_ld_cg16(src + e);
-      return ld(v);
-    };
     if (u >= heads + kvh) {  // v head: plain copy into the cache
-      const i64 slot = slots[0];
-      if (slot >= 0 && slot < num_slots) {
+      if (slot_ok) {
         T* dst = vc + slot * kvrow + (u - heads - kvh) * hd;
         for (int e = lane; e < hd; e += KILN_WARP) dst[e].bits = kiln_ld_cg16(src + e);
       }
-    } else {
-      const bool is_q = u < heads;
-      const i64 slot = is_q ? 0 : slots[0];
-      if (is_q || (slot >= 0 && slot < num_slots)) {
-        T* dst = is_q ? q_out + u * hd : kc + slot * kvrow + (u - heads) * hd;
-        kiln_rope_head_with<T>(load, hd, is_q ? qn : kn, has_norm, eps, unit_offset,
-                               (float)pos[0], fr, [&](int e, T v) { dst[e] = v; });
-      }
+    } else if (rot) {
+      T* dst = is_q ? q_out + u * hd : kc + slot * kvrow + (u - heads) * hd;
+      kiln_rope_head_core<T>(
+          [&](int e) {
+            T v;
+            v.bits = kiln_ld_cg16(src + e);
+            return ld(v);
+          },
+          hd, has_norm, eps,
+          [&](int j, int, float& x1, float& x2) {
+            x1 = w1[j];
+            x2 = w2[j];
+          },
+          [&](int j, int, float& cc, float& sn) {
+            cc = c[j];
+            sn = s[j];
+          },
+          [&](int e, T v) { dst[e] = v; });
     }
   }
 }

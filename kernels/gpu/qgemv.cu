@@ -701,13 +701,16 @@ KILN_DEV void qd_prep_x_normed(const kbf16* __restrict__ x, const kbf16* __restr
 // Every geometry is bounded to two blocks per SM (128 registers): the
 // RMSNorm prologue took the plain entry to 152 registers unbounded, one
 // block per SM.
+// Map (kiln_port.h): KilnRows, or the rope entries' KilnRopePairs (rows in
+// rotate-half pairs, roped and stored by the lane holding the results).
 template <int Q, typename O, int PRE, int FUSED, int R = KILN_QD_ROWS, int U = KILN_QD_UNROLL,
-          int KS = 1, int PIPE = 0>
+          int KS = 1, int PIPE = 0, typename Map = KilnRows>
 KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __restrict__ w,
                         const kbf16* __restrict__ bias, const kbf16* __restrict__ norm_w,
                         const kbf16* __restrict__ res, O* __restrict__ out, int n, int k,
                         int w_const, i64 off1, i64 off2, i64 off3, float eps, int unit_offset,
-                        int mode) {
+                        int mode, const Map& map = Map{}) {
+  static_assert(!Map::may_pair || R % 2 == 0, "a warp's rows are whole pairs");
   constexpr int EPV = QElems<Q>::n;
   constexpr int WPB = KILN_QWARPS / KS;  // row groups per block
   constexpr int STRIDE = U * KILN_WARP * KS;
@@ -735,7 +738,7 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
     const i64 o = r < P ? out0 + r : out0 + (r - P);
     const i64 base = r < P ? 0 : outs;
     // Rows past the end re-read the group's first row (results dropped).
-    rows[r] = live ? base + (o < outs ? o : out0) : 0;
+    rows[r] = live ? map.row(base + (o < outs ? o : out0)) : 0;
     wv[r] = reinterpret_cast<const uint4*>(w) + rows[r] * nv;
   }
   uint4 qr[R][U];
@@ -933,6 +936,23 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
     }
     return;
   }
+  if (Map::may_pair && map.on()) {
+#pragma unroll
+    for (int r = 0; r < R; r += 2) {
+      const i64 row = out0 + r;
+      if (row >= n) continue;
+      float y[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const i64 pr = rows[r + h];
+        y[h] = acc[r + h] + (bias ? ld(bias[pr]) : 0.0f);
+        if (res) y[h] = round_to<kbf16>(y[h]) + ld(res[pr]);
+        y[h] = round_to<O>(y[h]);
+      }
+      map.store(row, y[0], y[1]);
+    }
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const i64 row = out0 + r;
@@ -978,7 +998,9 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
                                             off2, off3, eps, unit_offset, mode);               \
   }
 // The rope entries below end in kiln_port.h's kiln_rope_tail (the GEMV's
-// last block over each head runs qkv_rope_kv_write's arithmetic on it).
+// last block over each head runs qkv_rope_kv_write's arithmetic on it)
+// when the heads have a q/k norm; without one their warps own the rows in
+// rotate-half pairs and rope them as they store them (KilnRopePairs).
 // The rope entries (matmul_qkv_rope): qgemv_i8<G>_rope_S_t1_bf16_bf16 (no
 // prologue) and qgemv_i8<G>_rope_norm_S_t1_bf16_bf16 (the RMSNorm
 // prologue): the fused entries' parameters (mode 0; out is the packed qkv
@@ -994,8 +1016,11 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
            const int* pos, const int* slots, kbf16* kc, kbf16* vc, const kbf16* qn,            \
            const kbf16* kn, kbf16* q_out, unsigned int* counters, int heads, int kvh, int hd,  \
            float qk_eps, int has_norm, int qk_unit_offset, i64 num_slots, RopeFreqs fr) {      \
+    const KilnRopePairs<kbf16> map{!has_norm, kc,    vc,   q_out, fr, pos,                     \
+                                   slots,     num_slots, heads, kvh, hd};                       \
     qdot_rows<Q, kbf16, PRE, 1, R, U, KS, PIPE>(x, w, bias, norm_w, res, out, n, k, w_const,   \
-                                                off1, off2, off3, eps, unit_offset, mode);     \
+                                                off1, off2, off3, eps, unit_offset, mode, map); \
+    if (!has_norm) return;                                                                     \
     kiln_rope_tail<kbf16>(out, n, (KILN_QWARPS / KS) * R, pos, slots, kc, vc, qn, kn, q_out,     \
                           counters, heads, kvh, hd, qk_eps, has_norm, qk_unit_offset, num_slots, \
                           fr);                                                                 \

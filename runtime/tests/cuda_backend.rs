@@ -2225,56 +2225,68 @@ fn dense_qkv_gemv_with_the_rope_tail_matches_the_unfused_pair_bit_for_bit() {
 /// The dense rope GEMV captured once and replayed with a new x, position
 /// and slot every step: each replay equals the unfused pair on that step's
 /// inputs (so its completion counters were back at zero), and the replay
-/// counter moves.
+/// counter moves. With the q/k norm (the counted tail) and without it (the
+/// pair epilogue), on the register (Qwen3-0.6B's qkv shape) and the staged
+/// GEMV (Llama-3.2-1B's).
 #[test]
 fn dense_qkv_gemv_with_the_rope_tail_replays_what_the_unfused_pair_computes() {
     let Some(mut b) = device() else { return };
     let mut r = Rng::new(78);
-    let (op, mut host) =
-        dense_qkv_rope_case(&mut r, DType::BF16, (16, 8, 128), 1024, false, true, 0);
-    let dev: Vec<DevOperand> = host.iter().map(|a| put(&mut b, a)).collect();
-    let q = poisoned(&mut b, &TensorType::new(DType::BF16, vec![1, 16 * 128]));
-    let mut launch = Launch {
-        const_args: 2,
-        body: kiln_runtime::backend::LaunchBody::Reference,
-        kernel: "test:matmul_qkv_rope".into(),
-        op: op.clone(),
-        args: dev.clone(),
-        results: vec![q.clone(), dev[4].clone(), dev[5].clone()],
-        workspace: None,
-    };
-    let pdl = b.pdl();
-    let owned = gpu_bodies::lower(&mut b, &mut launch, pdl);
-    b.prepare(&launch).unwrap();
-    b.begin_capture(Key::new(1, 1, 0)).unwrap();
-    b.launch(&launch).unwrap();
-    let g = b.end_capture().unwrap();
-    let before = b.counters().graphs.replays();
-    for step in 0..5 {
-        host[0] = HT::random(&mut r, DType::BF16, &[1, 1024], 1.0 + step as f32);
-        host[2] = HT::ints(&[1], vec![200 + 3 * step]);
-        host[3] = HT::ints(&[1], vec![step % 7]);
-        for i in [0, 2, 3] {
-            b.upload(dev[i].ptr, &host[i].bytes()).unwrap();
+    let qwen3 = (16u32, 8u32, 128u32);
+    for (heads, norm, k) in [
+        (qwen3, true, 1024u32),
+        (qwen3, false, 1024),
+        ((32, 8, 64), false, 2048),
+    ] {
+        let (op, mut host) = dense_qkv_rope_case(&mut r, DType::BF16, heads, k, false, norm, 0);
+        let dev: Vec<DevOperand> = host.iter().map(|a| put(&mut b, a)).collect();
+        let q = poisoned(
+            &mut b,
+            &TensorType::new(DType::BF16, vec![1, heads.0 * heads.2]),
+        );
+        let mut launch = Launch {
+            const_args: 2,
+            body: kiln_runtime::backend::LaunchBody::Reference,
+            kernel: "test:matmul_qkv_rope".into(),
+            op: op.clone(),
+            args: dev.clone(),
+            results: vec![q.clone(), dev[4].clone(), dev[5].clone()],
+            workspace: None,
+        };
+        let pdl = b.pdl();
+        let owned = gpu_bodies::lower(&mut b, &mut launch, pdl);
+        b.prepare(&launch).unwrap();
+        b.begin_capture(Key::new(1, 1, 0)).unwrap();
+        b.launch(&launch).unwrap();
+        let g = b.end_capture().unwrap();
+        let before = b.counters().graphs.replays();
+        for step in 0..5 {
+            let what = format!("norm={norm} k={k} step {step}");
+            host[0] = HT::random(&mut r, DType::BF16, &[1, k], 1.0 + step as f32);
+            host[2] = HT::ints(&[1], vec![200 + 3 * step]);
+            host[3] = HT::ints(&[1], vec![step % 7]);
+            for i in [0, 2, 3] {
+                b.upload(dev[i].ptr, &host[i].bytes()).unwrap();
+            }
+            b.upload(q.ptr, &vec![0xFF; q.ty.size_bytes() as usize])
+                .unwrap();
+            let want = unfused_qkv_rope(&mut b, &op, &host);
+            b.replay(g).unwrap();
+            b.synchronize().unwrap();
+            assert_eq!(get(&mut b, &q).bytes(), want[0].bytes(), "{what}: q");
+            let (kc, vc) = (get(&mut b, &dev[4]), get(&mut b, &dev[5]));
+            assert_eq!(kc.bytes(), want[1].bytes(), "{what}: k cache");
+            assert_eq!(vc.bytes(), want[2].bytes(), "{what}: v cache");
+            host[4] = kc;
+            host[5] = vc;
         }
-        b.upload(q.ptr, &vec![0xFF; q.ty.size_bytes() as usize])
-            .unwrap();
-        let want = unfused_qkv_rope(&mut b, &op, &host);
-        b.replay(g).unwrap();
-        b.synchronize().unwrap();
-        assert_eq!(get(&mut b, &q).bytes(), want[0].bytes(), "step {step}: q");
-        let (kc, vc) = (get(&mut b, &dev[4]), get(&mut b, &dev[5]));
-        assert_eq!(kc.bytes(), want[1].bytes(), "step {step}: k cache");
-        assert_eq!(vc.bytes(), want[2].bytes(), "step {step}: v cache");
-        host[4] = kc;
-        host[5] = vc;
-    }
-    assert_eq!(b.counters().graphs.replays() - before, 5);
-    b.destroy_graph(g).unwrap();
-    for o in dev.iter().chain([&q]) {
-        let _ = b.free(o.ptr);
-    }
-    for p in owned {
-        let _ = b.free(p);
+        assert_eq!(b.counters().graphs.replays() - before, 5);
+        b.destroy_graph(g).unwrap();
+        for o in dev.iter().chain([&q]) {
+            let _ = b.free(o.ptr);
+        }
+        for p in owned {
+            let _ = b.free(p);
+        }
     }
 }

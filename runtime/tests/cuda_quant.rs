@@ -1516,7 +1516,8 @@ fn qkv_gemv_with_the_rope_tail_matches_the_unfused_pair_bit_for_bit() {
 /// The rope GEMV captured once and replayed with a new x, position and
 /// slot every step (and fresh poison in q): each replay equals the unfused
 /// pair on that step's inputs, so the completion counters are back at zero
-/// for every replay, and the replay counter moves.
+/// for every replay, and the replay counter moves. With the q/k norm (the
+/// counted tail) and without it (the pair epilogue).
 #[test]
 fn qkv_gemv_with_the_rope_tail_replays_what_the_unfused_pair_computes() {
     let Some(mut b) = gpu() else { return };
@@ -1527,31 +1528,34 @@ fn qkv_gemv_with_the_rope_tail_replays_what_the_unfused_pair_computes() {
     let n = u64::from((heads + 2 * kvh) * hd);
     let w = weight_as(&mut b, q, n, k, 7300, false);
     let geom = QdotGeom::R4U1K1P;
-    let mut c = rope_case(&mut b, &mut r, (heads, kvh, hd), k, true, true, false, 0);
-    let l = rope_launch(&b, &w, &c, geom);
-    b.prepare(&l).unwrap();
-    b.begin_capture(Key::new(1, 1, 0)).unwrap();
-    b.launch(&l).unwrap();
-    let graph = b.end_capture().unwrap();
-    let before = b.counters().graphs.replays();
-    for step in 0..5 {
-        let x = HT::random(&mut r, DType::BF16, &[1, k as u32], 1.0 + step as f32);
-        b.upload(c.x.ptr, &x.bytes()).unwrap();
-        c.host[0] = HT::ints(&[1], vec![100 + 7 * step]);
-        c.host[1] = HT::ints(&[1], vec![step % ROPE_SLOTS as i32]);
-        b.upload(c.pos.ptr, &c.host[0].bytes()).unwrap();
-        b.upload(c.slots.ptr, &c.host[1].bytes()).unwrap();
-        b.upload(c.q_out.ptr, &vec![0xff; c.q_out.ty.size_bytes() as usize])
-            .unwrap();
-        let want = rope_unfused(&mut b, &w, &c, geom);
-        b.replay(graph).unwrap();
-        b.synchronize().unwrap();
-        check_rope(&mut b, &format!("replay step {step}"), &w, &c, &l, &want);
-        c.host[2] = want[1].clone();
-        c.host[3] = want[2].clone();
+    for qk_norm in [true, false] {
+        let mut c = rope_case(&mut b, &mut r, (heads, kvh, hd), k, true, qk_norm, false, 0);
+        let l = rope_launch(&b, &w, &c, geom);
+        b.prepare(&l).unwrap();
+        b.begin_capture(Key::new(1, 1, 0)).unwrap();
+        b.launch(&l).unwrap();
+        let graph = b.end_capture().unwrap();
+        let before = b.counters().graphs.replays();
+        for step in 0..5 {
+            let x = HT::random(&mut r, DType::BF16, &[1, k as u32], 1.0 + step as f32);
+            b.upload(c.x.ptr, &x.bytes()).unwrap();
+            c.host[0] = HT::ints(&[1], vec![100 + 7 * step]);
+            c.host[1] = HT::ints(&[1], vec![step % ROPE_SLOTS as i32]);
+            b.upload(c.pos.ptr, &c.host[0].bytes()).unwrap();
+            b.upload(c.slots.ptr, &c.host[1].bytes()).unwrap();
+            b.upload(c.q_out.ptr, &vec![0xff; c.q_out.ty.size_bytes() as usize])
+                .unwrap();
+            let want = rope_unfused(&mut b, &w, &c, geom);
+            b.replay(graph).unwrap();
+            b.synchronize().unwrap();
+            let what = format!("qk_norm={qk_norm} replay step {step}");
+            check_rope(&mut b, &what, &w, &c, &l, &want);
+            c.host[2] = want[1].clone();
+            c.host[3] = want[2].clone();
+        }
+        assert_eq!(b.counters().graphs.replays() - before, 5);
+        b.destroy_graph(graph).unwrap();
+        rope_free(&mut b, c);
     }
-    assert_eq!(b.counters().graphs.replays() - before, 5);
-    b.destroy_graph(graph).unwrap();
-    rope_free(&mut b, c);
     let _ = b.free(w.w.ptr);
 }
