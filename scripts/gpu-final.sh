@@ -18,7 +18,7 @@
 #   bench   `kiln bench` of every variant's plans, variants interleaved per
 #           model so all see the same machine state; a comparison table
 #           (KILN_BENCH_MODELS, KILN_BENCH_KEYS; KILN_BENCH_ARGS: extra `kiln bench`
-#           arguments, e.g. "--profile")
+#           arguments, e.g. "--profile"; KILN_BENCH_ROUNDS: repeat the pass)
 #   oracle  tests/oracle/run_oracle.sh on CUDA with the carried kiln/oracle_run
 #           (KILN_ORACLE_MODELS: battery models to run, default all of them;
 #           e.g. "gemma-3-270m-window16"; KILN_ORACLE_ARGS: more arguments)
@@ -143,18 +143,26 @@ for v in "$C"/bench/*/; do
 done
 
 if [[ " $stages " == *" bench "* ]]; then
+  # KILN_BENCH_ROUNDS (default 1): the whole interleaved pass repeated, one
+  # table per round (logs bench-<variant>-<model>[-r<round>].*), so a
+  # difference between variants can be told from the spread between rounds.
+  rounds=${KILN_BENCH_ROUNDS:-1}
+  for round in $(seq 1 "$rounds"); do
+  sfx=""
+  [[ "$rounds" -gt 1 ]] && sfx="-r$round"
   for m in $models; do
     for v in $variants; do
       plan=/tmp/plans-$v/$m.kiln
       [[ -f "$plan" ]] || { echo "bench $v $m: no plan" >> "$S"; continue; }
       timeout 150 "$B/kiln-$v" bench "$plan" --device cuda --steps 200 --context 512 ${KILN_BENCH_KEYS:+--keys $KILN_BENCH_KEYS} ${KILN_BENCH_ARGS:-} \
-        --json "$OUT/logs/bench-$v-$m.json" > "$OUT/logs/bench-$v-$m.txt" 2>&1
-      echo "bench $v $m: rc=$?" >> "$S"
+        --json "$OUT/logs/bench-$v-$m$sfx.json" > "$OUT/logs/bench-$v-$m$sfx.txt" 2>&1
+      echo "bench $v $m$sfx: rc=$?" >> "$S"
     done
   done
-  python3 - "$OUT/logs" "$models" $variants >> "$S" 2>&1 <<'PY'
+  [[ -n "$sfx" ]] && echo "round $round:" >> "$S"
+  python3 - "$OUT/logs" "$models" "$sfx" $variants >> "$S" 2>&1 <<'PY'
 import json, sys, os
-d, models, variants = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
+d, models, sfx, variants = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4:]
 def rows(p):
     try:
         j = json.load(open(p))
@@ -169,7 +177,7 @@ if len(variants) > 1:
 head += f" {'floor ms':>9} {'last/floor':>10}"
 print(head)
 for m in models:
-    r = {v: rows(os.path.join(d, f"bench-{v}-{m}.json")) for v in variants}
+    r = {v: rows(os.path.join(d, f"bench-{v}-{m}{sfx}.json")) for v in variants}
     keys = sorted(set().union(*[set(x) for x in r.values()]))
     for key in keys:
         line = f"{m:14} {key:8}"
@@ -184,6 +192,7 @@ for m in models:
         line += f" {f(last.get('hbm_floor_ms')):>9} {f(last.get('replay_over_floor')):>10}"
         print(line)
 PY
+  done
 fi
 
 last=""

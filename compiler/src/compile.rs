@@ -142,15 +142,13 @@ pub struct CompileOptions {
     /// `FuseRule::GRAPH_QUANT`). The CPU target always runs the full pass
     /// (its reference is the unfused sequence).
     pub fused_gemv: bool,
-    /// GPU targets, graph schedule: run `fuse-matmul-qkv-rope` where it is
-    /// in `passes` (`kiln compile --matmul-qkv-rope`): the packed q/k/v
-    /// GEMV whose last blocks rope the heads and write the KV row, one
-    /// launch per layer fewer, the same bits as the pair on an H100
-    /// (`runtime/tests/cuda_quant.rs`, `runtime/tests/cuda_backend.rs`). Opt-in:
-    /// measured 3-10% slower per step than the pair there
-    /// (bench/results/gpu-2026-12-06-s29/). The CPU target always runs the
-    /// pass (its reference is the pair).
-    pub matmul_qkv_rope: bool,
+    /// GPU targets, graph schedule: where `fuse-matmul-qkv-rope` (in
+    /// `passes`) forms `matmul_qkv_rope`, the packed q/k/v GEMV that ropes
+    /// the heads and writes the KV row itself, one launch per layer fewer
+    /// (`kiln compile --matmul-qkv-rope`; see [`QkvRopeFusion`] for what
+    /// each setting measured). The CPU target always runs the pass (its
+    /// reference is the pair).
+    pub matmul_qkv_rope: QkvRopeFusion,
     /// Tensor-parallel ranks (`kiln compile --tp N`; 1: none). The shard
     /// pass (`passes::shard`) rewrites every traced key for one rank before
     /// the fusions; the plan holds every rank (SPMD).
@@ -187,7 +185,7 @@ impl Default for CompileOptions {
             no_attn_clusters: false,
             tuning: None,
             fused_gemv: false,
-            matmul_qkv_rope: false,
+            matmul_qkv_rope: QkvRopeFusion::default(),
             tp: 1,
             device_memory: None,
             quantize: None,
@@ -568,16 +566,21 @@ pub fn compile_traced<E: Display>(
     let tape_rule = opts.schedule == passes::megakernel::ScheduleKind::Megakernel
         && !matches!(opts.target, Target::Cpu);
     // `fuse-rope-attention` and `fuse-matmul-qkv-rope` are graph-schedule
-    // fusions: the interpreter runs their parts as tasks. The latter runs
-    // on GPU targets only when asked for (`CompileOptions::matmul_qkv_rope`).
+    // fusions: the interpreter runs their parts as tasks. On GPU targets the
+    // latter forms the op where `CompileOptions::matmul_qkv_rope` says.
     let gpu = !matches!(opts.target, Target::Cpu);
     let pipeline: Vec<Pass> = opts
         .passes
         .iter()
         .copied()
         .filter(|p| !tape_rule || !matches!(p, Pass::FuseRopeAttention | Pass::FuseMatMulQkvRope))
-        .filter(|p| *p != Pass::FuseMatMulQkvRope || !gpu || opts.matmul_qkv_rope)
+        .filter(|p| {
+            *p != Pass::FuseMatMulQkvRope || !gpu || opts.matmul_qkv_rope != QkvRopeFusion::Off
+        })
         .map(|p| match p {
+            Pass::FuseMatMulQkvRope if gpu && opts.matmul_qkv_rope == QkvRopeFusion::Pairs => {
+                Pass::FuseMatMulQkvRopePairs
+            }
             Pass::FuseMatMul if tape_rule => Pass::FuseMatMulTape,
             Pass::FuseMatMul if !opts.fused_gemv && !matches!(opts.target, Target::Cpu) => {
                 Pass::FuseMatMulQuant
@@ -916,13 +919,13 @@ pub struct CompileArgs {
     /// 5-19% slower than the pair on an H100, so opt-in.
     #[arg(long)]
     pub rope_attention: bool,
-    /// GPU targets, graph schedule: one-token keys run the packed q/k/v
-    /// projection and `qkv_rope_kv_write` as one `matmul_qkv_rope` launch
-    /// (kiln's GEMV, dense or over a weight kept quantized, whose last
-    /// blocks rope the heads and write the KV row). Opt-in: 3-10% slower
-    /// than the pair on an H100 (see `CompileOptions::matmul_qkv_rope`).
-    #[arg(long)]
-    pub matmul_qkv_rope: bool,
+    /// GPU targets, graph schedule: where one-token keys run the packed
+    /// q/k/v projection and `qkv_rope_kv_write` as one `matmul_qkv_rope`
+    /// launch: `off`, `pairs` (heads without a q/k norm) or `all`; the flag
+    /// alone means `all`.
+    #[arg(long, value_enum, default_value_t = QkvRopeFusion::default(),
+          num_args = 0..=1, default_missing_value = "all")]
+    pub matmul_qkv_rope: QkvRopeFusion,
     /// Tensor parallelism: shard the plan over N ranks (one GPU each, or N
     /// CPU threads), Megatron-style; N must divide the attention heads and
     /// the KV heads. One plan file holds every rank.
@@ -1020,6 +1023,27 @@ impl CompileArgs {
             },
         }
     }
+}
+
+/// Where a GPU graph plan runs the packed q/k/v projection and
+/// `qkv_rope_kv_write` as one `matmul_qkv_rope` launch (one-token keys,
+/// kiln's GEMV dense or over a weight kept quantized; HIP keeps the pair).
+/// The two forms of the kernel differ in what follows the GEMV
+/// (`kernels/gpu/kiln_port.h`): heads without a q/k norm are roped pair by
+/// pair by the warps that computed them (no cross-block step), heads with
+/// one need the whole head, so the last block over each head finishes it
+/// after a completion count.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum QkvRopeFusion {
+    /// Never: the GEMV and `qkv_rope_kv_write` stay two launches.
+    #[default]
+    Off,
+    /// Only layers whose heads have no q/k norm (Llama, Mistral, Qwen2,
+    /// SmolLM2): the pair epilogue.
+    Pairs,
+    /// Every layer the kernels run, q/k-norm heads (Qwen3, Gemma-3) with
+    /// the counted tail.
+    All,
 }
 
 /// What `kiln compile --quantize` can store weights as.

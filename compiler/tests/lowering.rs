@@ -6,7 +6,7 @@
 
 mod planner_support;
 
-use kiln_compiler::compile::{compile_traced, CompileError, CompileOptions};
+use kiln_compiler::compile::{compile_traced, CompileError, CompileOptions, QkvRopeFusion};
 use kiln_compiler::inspect::{render, Format};
 use kiln_compiler::passes::synth::{SynthFamily, SynthSpec};
 use kiln_compiler::passes::Pass;
@@ -334,18 +334,22 @@ fn a_rope_attention_plan_lowers_one_attention_launch_per_layer_and_validates() {
     }
 }
 
+/// `--matmul-qkv-rope` decides where a GPU plan forms `matmul_qkv_rope`:
+/// `off` nowhere, `pairs` only over heads without a q/k norm (Llama, not
+/// Qwen3), `all` over both; where formed, CUDA's one-token key runs one
+/// GEMV launch per layer (no `qkv_rope_kv_write`), while three tokens and
+/// HIP keep the pair under every setting.
 #[test]
-fn a_gpu_plan_forms_matmul_qkv_rope_only_when_asked_and_then_lowers_one_launch_per_layer() {
-    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
-    let compile = |target: &str, asked: bool| {
+fn a_gpu_plan_forms_matmul_qkv_rope_where_the_setting_says_and_lowers_one_launch_per_layer() {
+    let compile = |spec: &SynthSpec, target: &str, mode: QkvRopeFusion| {
         let opts = CompileOptions {
             keys: keys("b1q1s0,b3q1s0"),
             target: target.parse().unwrap(),
-            matmul_qkv_rope: asked,
+            matmul_qkv_rope: mode,
             ..CompileOptions::default()
         };
         let c = compile_traced(
-            synth_meta(&spec),
+            synth_meta(spec),
             spec.manifest(),
             &opts,
             |k, kv| Ok::<_, String>(spec.graph(k, kv, false)),
@@ -362,38 +366,41 @@ fn a_gpu_plan_forms_matmul_qkv_rope_only_when_asked_and_then_lowers_one_launch_p
             .filter(|o| matches!(o.op, Op::MatMulQkvRope { .. }))
             .collect()
     }
-    // Not asked: the pair, on every GPU target.
-    for target in ["cuda:sm_90", "hip:gfx1100"] {
-        for kp in &compile(target, false).keys {
-            assert!(fused(kp).is_empty(), "{target} {}", kp.key);
+    use QkvRopeFusion::{All, Off, Pairs};
+    for (family, mode, formed) in [
+        (SynthFamily::Qwen3, Off, false),
+        (SynthFamily::Qwen3, Pairs, false),
+        (SynthFamily::Qwen3, All, true),
+        (SynthFamily::Llama, Off, false),
+        (SynthFamily::Llama, Pairs, true),
+        (SynthFamily::Llama, All, true),
+    ] {
+        let spec = SynthSpec::tiny(family);
+        let what = format!("{family:?} {mode:?}");
+        for kp in &compile(&spec, "hip:gfx1100", mode).keys {
+            assert!(fused(kp).is_empty(), "{what} hip {}", kp.key);
         }
-    }
-    // Asked: CUDA's one-token key runs one GEMV launch per layer with the
-    // rope tail (and no qkv_rope_kv_write); three tokens and HIP keep the pair.
-    let plan = compile("cuda:sm_90", true);
-    for kp in &plan.keys {
-        let ops = fused(kp);
-        let pairs = kp
-            .ops
-            .iter()
-            .filter(|o| matches!(o.op, Op::QkvRopeKvWrite { .. }))
-            .count() as u32;
-        if kp.key.batch * kp.key.query == 1 {
-            assert_eq!(ops.len() as u32, spec.layers, "{}", kp.key);
-            assert_eq!(pairs, 0, "{}", kp.key);
-            for o in ops {
-                let Lowering::Kernels(ls) = &o.lowering else {
-                    panic!("matmul_qkv_rope lowers to kernels")
-                };
-                assert_eq!(ls.len(), 1, "{}", kp.key);
-                assert!(ls[0].entry.contains("rope_t1"), "{}", ls[0].entry);
+        for kp in &compile(&spec, "cuda:sm_90", mode).keys {
+            let ops = fused(kp);
+            let pairs = kp
+                .ops
+                .iter()
+                .filter(|o| matches!(o.op, Op::QkvRopeKvWrite { .. }))
+                .count() as u32;
+            if formed && kp.key.batch * kp.key.query == 1 {
+                assert_eq!(ops.len() as u32, spec.layers, "{what} {}", kp.key);
+                assert_eq!(pairs, 0, "{what} {}", kp.key);
+                for o in ops {
+                    let Lowering::Kernels(ls) = &o.lowering else {
+                        panic!("matmul_qkv_rope lowers to kernels")
+                    };
+                    assert_eq!(ls.len(), 1, "{what} {}", kp.key);
+                    assert!(ls[0].entry.contains("rope_t1"), "{}", ls[0].entry);
+                }
+            } else {
+                assert!(ops.is_empty(), "{what} {}", kp.key);
+                assert_eq!(pairs, spec.layers, "{what} {}", kp.key);
             }
-        } else {
-            assert!(ops.is_empty(), "{}", kp.key);
-            assert_eq!(pairs, spec.layers, "{}", kp.key);
         }
-    }
-    for kp in &compile("hip:gfx1100", true).keys {
-        assert!(fused(kp).is_empty(), "hip {}", kp.key);
     }
 }

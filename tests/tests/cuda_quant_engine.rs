@@ -24,7 +24,7 @@
 //! `KILN_REQUIRE_CUDA=1` (the GPU machine's runs) makes that a failure.
 #![cfg(feature = "cuda")]
 
-use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
+use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions, QkvRopeFusion};
 use kiln_compiler::gguf::fixture::TinyLlama;
 use kiln_compiler::gguf::GgmlType;
 use kiln_compiler::import::{import_gguf, ImportOptions};
@@ -57,7 +57,11 @@ fn gpu() -> Option<u32> {
 
 fn opts(target: Target, matmul_qkv_rope: bool) -> CompileOptions {
     CompileOptions {
-        matmul_qkv_rope,
+        matmul_qkv_rope: if matmul_qkv_rope {
+            QkvRopeFusion::All
+        } else {
+            QkvRopeFusion::Off
+        },
         keys: vec![Key::new(1, 1, 0), Key::new(1, 8, 0)],
         target,
         kv: KvOptions {

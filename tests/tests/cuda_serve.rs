@@ -20,7 +20,7 @@
 
 mod serve_common;
 
-use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions};
+use kiln_compiler::compile::{compile_dir, CompileOptions, KvOptions, QkvRopeFusion};
 use kiln_compiler::testing::{write_tiny_model, Family, TinySpec};
 use kiln_ir::plan::{Plan, Target};
 use kiln_ir::DType;
@@ -77,10 +77,15 @@ fn compile(family: Family, target: Target) -> (TempDir, Plan) {
 
 /// The model in `dir` compiled for `target` with the tests' keys and KV
 /// options (`matmul_qkv_rope`: GPU plans fuse the packed q/k/v GEMV with
-/// the rope tail).
+/// the rope everywhere the kernels run it, `QkvRopeFusion::All`; else
+/// never, so the pair is tested whatever the default).
 fn compile_in(dir: &Path, target: Target, matmul_qkv_rope: bool) -> Plan {
     let opts = CompileOptions {
-        matmul_qkv_rope,
+        matmul_qkv_rope: if matmul_qkv_rope {
+            QkvRopeFusion::All
+        } else {
+            QkvRopeFusion::Off
+        },
         keys: KEYS.split(',').map(|k| k.parse::<Key>().unwrap()).collect(),
         target,
         logits: true,

@@ -419,7 +419,13 @@ pub(crate) fn rope_attention(ed: &mut Editor) -> Result<FuseCount, String> {
 /// integer-dot GEMV over a weight kept quantized, whose last blocks rope
 /// the heads), and on the CPU for weights kept quantized too, so the CPU
 /// reference runs the ops a GPU plan runs (its definition, step by step).
-pub(crate) fn matmul_qkv_rope(ed: &mut Editor, target: &Target) -> Result<FuseCount, String> {
+/// Without `qk_norm_too`, layers whose heads have a q/k norm keep the pair
+/// (`fuse-matmul-qkv-rope-pairs`).
+pub(crate) fn matmul_qkv_rope(
+    ed: &mut Editor,
+    target: &Target,
+    qk_norm_too: bool,
+) -> Result<FuseCount, String> {
     let mut count = 0;
     for i in 0..ed.node_count() {
         let rn = NodeId(i as u32);
@@ -427,7 +433,10 @@ pub(crate) fn matmul_qkv_rope(ed: &mut Editor, target: &Target) -> Result<FuseCo
             continue;
         }
         let rope_node = ed.g.node(rn).clone();
-        if !matches!(rope_node.op, Op::QkvRopeKvWrite { .. }) {
+        let Op::QkvRopeKvWrite { qk_norm, .. } = &rope_node.op else {
+            continue;
+        };
+        if qk_norm.is_some() && !qk_norm_too {
             continue;
         }
         let qkv = rope_node.args[0];

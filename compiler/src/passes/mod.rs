@@ -77,17 +77,18 @@ pub enum Pass {
     /// `--fused-gemv` (see `FuseRule::GRAPH_QUANT` for the measurements).
     FuseMatMulQuant,
     /// The packed q/k/v projection + `qkv_rope_kv_write` ->
-    /// `matmul_qkv_rope` (the GEMV's last blocks rope the heads), where the
-    /// target's kernels run it: one-token keys on CUDA through kiln's GEMV
-    /// (dense, or over a weight kept quantized in an integer-dot type), and
-    /// (so the CPU reference runs what a GPU plan runs) weights kept
-    /// quantized on the CPU. It runs after `fuse-matmul`, whose RMSNorm
-    /// prologue the fused op keeps. In [`DEFAULT_PIPELINE`], but
-    /// `compile` runs it for GPU targets only with
-    /// `CompileOptions::matmul_qkv_rope` (`kiln compile --matmul-qkv-rope`):
-    /// bit-exact on an H100, but the step measured 3-10% slower than with
-    /// the pair (bench/results/gpu-2026-12-06-s29/).
+    /// `matmul_qkv_rope`, where the target's kernels run it: one-token
+    /// keys on CUDA through kiln's GEMV (dense, or over a weight kept
+    /// quantized in an integer-dot type), and (so the CPU reference runs
+    /// what a GPU plan runs) weights kept quantized on the CPU. It runs
+    /// after `fuse-matmul`, whose RMSNorm prologue the fused op keeps. In
+    /// [`DEFAULT_PIPELINE`]; on GPU targets `compile` keeps it, swaps it
+    /// for `fuse-matmul-qkv-rope-pairs` or drops it as
+    /// `CompileOptions::matmul_qkv_rope` says.
     FuseMatMulQkvRope,
+    /// `fuse-matmul-qkv-rope` for layers whose heads have no q/k norm only
+    /// (the kernels' pair epilogue; `QkvRopeFusion::Pairs`).
+    FuseMatMulQkvRopePairs,
 }
 
 impl Pass {
@@ -102,6 +103,7 @@ impl Pass {
             Pass::FuseMatMulTape => "fuse-matmul-tape",
             Pass::FuseMatMulQuant => "fuse-matmul-quant",
             Pass::FuseMatMulQkvRope => "fuse-matmul-qkv-rope",
+            Pass::FuseMatMulQkvRopePairs => "fuse-matmul-qkv-rope-pairs",
         }
     }
 }
@@ -225,7 +227,14 @@ pub fn run_pass_for(
             stats.matmul_prologues += c.prologues;
         }
         Pass::FuseMatMulQkvRope => {
-            stats.matmul_qkv_rope += fuse::matmul_qkv_rope(&mut ed, target).map_err(failed)?.0
+            stats.matmul_qkv_rope += fuse::matmul_qkv_rope(&mut ed, target, true)
+                .map_err(failed)?
+                .0
+        }
+        Pass::FuseMatMulQkvRopePairs => {
+            stats.matmul_qkv_rope += fuse::matmul_qkv_rope(&mut ed, target, false)
+                .map_err(failed)?
+                .0
         }
     }
     ed.finish().map_err(failed)
