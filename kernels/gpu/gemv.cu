@@ -24,7 +24,7 @@
 template <typename T, typename O, int TT, int KS, typename Map = KilnRows>
 KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
                         const T* __restrict__ bias, O* __restrict__ out, int tokens, int n, int k,
-                        int w_const, const Map& map = Map{}) {
+                        int w_const, Map map = Map{}) {
   static_assert(!Map::may_pair || (TT == 1 && KILN_GEMV_ROWS == 2), "a warp's rows are one pair");
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
@@ -63,6 +63,7 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
       for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * STRIDE];
   }
   KILN_PROLOGUE();
+  map.after_wait();
   // Without a split no barrier follows: a warp past the last row leaves.
   if (KS == 1 && row0 >= n) return;
   if (full && !w_const) {
@@ -197,7 +198,7 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
 template <typename T, typename O, int TT, int KS, typename Map = KilnRows>
 KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
                                const T* __restrict__ bias, O* __restrict__ out, int tokens, int n,
-                               int k, int w_const, const Map& map = Map{}) {
+                               int k, int w_const, Map map = Map{}) {
   static_assert(!Map::may_pair || (TT == 1 && KILN_GEMV_ROWS == 2), "a warp's rows are one pair");
   constexpr int RB = 16 / KS;                       // rows per block
   constexpr int CV = KILN_GEMV_STAGE_VECS / RB;     // vectors per row per stage
@@ -242,6 +243,7 @@ KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
     for (int s = 0; s < KILN_GEMV_STAGES - 1; ++s) issue(s);
   }
   KILN_PROLOGUE();
+  map.after_wait();
   if (!w_const) {
 #pragma unroll
     for (int s = 0; s < KILN_GEMV_STAGES - 1; ++s) issue(s);

@@ -482,11 +482,12 @@ KILN_DEV void kiln_rope_head(const T* src, int hd, const T* nw, int has_norm, fl
 // qkv_rope_kv_write does (kiln_rope_cs / kiln_rope_rot), and stores it to
 // q or to the K cache row at the slot, or copies a v pair to the V cache:
 // no completion counter, no fence, no read back, and the packed row never
-// goes to memory. `pos` and `slot` are read once per launch, after the
-// dependency wait (the GEMV body's KILN_PROLOGUE()).
+// goes to memory. `pos` and `slot` are read once per thread, right after
+// the dependency wait (the GEMV body's KILN_PROLOGUE() calls after_wait()).
 struct KilnRows {  // the identity order: row l is physical row l
   static constexpr bool may_pair = false;
   KILN_DEV bool on() const { return false; }
+  KILN_DEV void after_wait() {}
   KILN_DEV i64 row(i64 l) const { return l; }
   KILN_DEV void store(i64, float, float) const {}
 };
@@ -505,23 +506,33 @@ template <typename T> struct KilnRopePairs {
   const int* slots;
   i64 num_slots;
   int heads, kvh, hd;
+  float pos0 = 0.0f;  // pos[0] and slots[0], read by after_wait()
+  i64 slot = -1;
   KILN_DEV bool on() const { return pairs; }
+  // Right after the GEMV body's dependency wait: the position and slot are
+  // in registers by the time the results are (their round trip hides
+  // behind the weight loop instead of following it).
+  KILN_DEV void after_wait() {
+    if (pairs) {
+      pos0 = (float)pos[0];
+      slot = slots[0];
+    }
+  }
   KILN_DEV i64 row(i64 l) const {
     if (!pairs) return l;
     const int half = hd / 2;
-    const i64 p = l >> 1;
-    const i64 u = p / half;
-    return u * hd + (p - u * half) + (l & 1) * half;
+    const i64 pr = l >> 1;
+    const i64 u = pr / half;
+    return u * hd + (pr - u * half) + (l & 1) * half;
   }
   // Logical rows l0 (even) and l0 + 1: y0, y1 already rounded to T.
   KILN_DEV void store(i64 l0, float y0, float y1) const {
     const int half = hd / 2;
-    const i64 p = l0 >> 1;
-    const i64 u = p / half;
-    const int i = (int)(p - u * half);
+    const i64 pr = l0 >> 1;
+    const i64 u = pr / half;
+    const int i = (int)(pr - u * half);
     const i64 kvrow = (i64)kvh * hd;
     if (u >= heads + kvh) {  // v head: copied into the cache
-      const i64 slot = slots[0];
       if (slot < 0 || slot >= num_slots) return;
       T* dst = vc + slot * kvrow + (u - heads - kvh) * hd;
       dst[i] = st<T>(y0);
@@ -533,12 +544,11 @@ template <typename T> struct KilnRopePairs {
     if (is_q) {
       dst = q_out + u * hd;
     } else {
-      const i64 slot = slots[0];
       if (slot < 0 || slot >= num_slots) return;
       dst = kc + slot * kvrow + (u - heads) * hd;
     }
     float c, s;
-    kiln_rope_cs((float)pos[0], fr, i, c, s);
+    kiln_rope_cs(pos0, fr, i, c, s);
     kiln_rope_rot<T>(y0, y1, c, s, dst[i], dst[i + half]);
   }
 };

@@ -709,7 +709,7 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
                         const kbf16* __restrict__ bias, const kbf16* __restrict__ norm_w,
                         const kbf16* __restrict__ res, O* __restrict__ out, int n, int k,
                         int w_const, i64 off1, i64 off2, i64 off3, float eps, int unit_offset,
-                        int mode, const Map& map = Map{}) {
+                        int mode, Map map = Map{}) {
   static_assert(!Map::may_pair || R % 2 == 0, "a warp's rows are whole pairs");
   constexpr int EPV = QElems<Q>::n;
   constexpr int WPB = KILN_QWARPS / KS;  // row groups per block
@@ -757,6 +757,7 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
       }
   }
   KILN_PROLOGUE();
+  map.after_wait();
   if (PRE && qd_one_pass(k)) {
     qd_prep_x_normed(x, norm_w, k, eps, unit_offset, xq, xd, xi);
   } else {
@@ -921,7 +922,10 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
       acc[r] = s;
     }
   }
-  if (!live || lane != 0) return;
+  // The pair epilogue spreads a warp's pairs over its first lanes (every
+  // lane holds every sum: warp_sum is a butterfly, the split's merge runs
+  // in every lane of slice 0).
+  if (!live || lane >= ((Map::may_pair && map.on()) ? R / 2 : 1)) return;
   if (act) {
 #pragma unroll
     for (int o = 0; o < R / 2; ++o) {
@@ -940,7 +944,7 @@ KILN_DEV void qdot_rows(const kbf16* __restrict__ x, const unsigned char* __rest
 #pragma unroll
     for (int r = 0; r < R; r += 2) {
       const i64 row = out0 + r;
-      if (row >= n) continue;
+      if (r != 2 * lane || row >= n) continue;
       float y[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

@@ -109,6 +109,43 @@ fn cuda_engine(dir: &Path, plan: &Plan, graphs: GraphMode) -> Engine {
 
 /// Drives `engines` through the same changing workload; `check` compares
 /// each step's tokens and logits.
+/// One sequence decoding `tokens` tokens alone (a three-token prompt, then
+/// one token a step: the one-token key), `check` after every step; it is
+/// removed at the end. Returns the number of tokens compared.
+fn one_sequence(
+    engines: &mut [&mut Engine],
+    vocab: u32,
+    tokens: u32,
+    mut check: impl FnMut(usize, &[Vec<(SeqId, Vec<u32>)>], &[&mut Engine]) -> Result<(), String>,
+) -> Result<usize, String> {
+    let p = Rng::new(0x0e5e).prompt(vocab, 3);
+    let o = SeqOptions {
+        max_new_tokens: tokens,
+        stop_on_eos: false,
+    };
+    let ids: Vec<SeqId> = engines
+        .iter_mut()
+        .map(|e| e.add_sequence_with(&p, o).unwrap())
+        .collect();
+    assert!(ids.windows(2).all(|w| w[0] == w[1]));
+    let mut compared = 0;
+    for step in 0..tokens as usize + 4 {
+        let outs: Vec<Vec<(SeqId, Vec<u32>)>> = engines
+            .iter_mut()
+            .map(|e| e.step().map_err(|err| format!("step {step}: {err}")))
+            .collect::<Result<_, _>>()?;
+        compared += outs[0].iter().map(|(_, t)| t.len()).sum::<usize>();
+        check(step, &outs, engines)?;
+        if engines[0].sequence(ids[0]).unwrap().finished.is_some() {
+            break;
+        }
+    }
+    for e in engines.iter_mut() {
+        e.remove_sequence(ids[0]).unwrap();
+    }
+    Ok(compared)
+}
+
 fn workload(
     engines: &mut [&mut Engine],
     vocab: u32,
@@ -376,7 +413,7 @@ fn cuda_against_cpu(
     let mut worst = (0.0f32, 0.0f32);
     let mut scale = 0.0f32;
     let mut diverged = None;
-    let compared = workload(&mut [&mut cpu, &mut cuda], vocab, 30, |step, outs, e| {
+    let mut check = |step: usize, outs: &[Vec<(SeqId, Vec<u32>)>], e: &[&mut Engine]| {
         if diverged.is_some() {
             return Ok(());
         }
@@ -396,11 +433,23 @@ fn cuda_against_cpu(
             }
         }
         Ok(())
-    })
-    .map_err(|e| format!("{family}: {e}"))?;
+    };
+    // The mixed workload keeps two or more sequences live nearly always, so
+    // its steps take the multi-sequence keys; `matmul_qkv_rope` forms in
+    // the one-token key only, which one sequence decoding alone runs.
+    let alone = if matmul_qkv_rope {
+        one_sequence(&mut [&mut cpu, &mut cuda], vocab, 24, &mut check)
+            .map_err(|e| format!("{family} (one sequence): {e}"))?
+    } else {
+        0
+    };
+    let compared = workload(&mut [&mut cpu, &mut cuda], vocab, 30, &mut check)
+        .map_err(|e| format!("{family}: {e}"))?;
     let c = cuda.total_counters();
-    if compared < 30 {
-        return Err(format!("{family}: only {compared} tokens compared"));
+    if compared < 30 || (matmul_qkv_rope && alone < 24) {
+        return Err(format!(
+            "{family}: only {compared} tokens compared ({alone} of one sequence alone)"
+        ));
     }
     if c.replays == 0 {
         return Err(format!("{family}: no replays: {c:?}"));
