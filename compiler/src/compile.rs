@@ -1033,6 +1033,16 @@ impl CompileArgs {
 /// pair by the warps that computed them (no cross-block step), heads with
 /// one need the whole head, so the last block over each head finishes it
 /// after a completion count.
+///
+/// `Off` is the default because neither form made a step faster on an
+/// H100 (bench/results/gpu-2026-12-06-s30/, b1, ctx 512, fused / pair):
+/// Llama-3.2-1B Q4_K 1.04, bf16 1.00, SmolLM2-135M bf16 0.985 (pairs);
+/// Qwen3-0.6B Q4_K 1.15, bf16 1.035 (counted tail). The likely reason,
+/// not yet profiled: under programmatic dependent launch the separate
+/// `qkv_rope_kv_write` is a small grid that attention's blocks can sit
+/// beside while they launch and prefetch their cache rows; behind the
+/// fused GEMV (two 128-register blocks fill an SM's registers) they wait
+/// for its blocks to retire.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum QkvRopeFusion {
     /// Never: the GEMV and `qkv_rope_kv_write` stay two launches.

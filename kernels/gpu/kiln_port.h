@@ -396,9 +396,13 @@ template <typename T> KILN_DEV float kiln_rope_nw(const T* nw, int i, int unit_o
 template <typename T> KILN_DEV float kiln_rope_normed(float x, float inv, float w) {
   return round_to<T>(x * inv * w);
 }
+// The products and sums are rounded one by one (no contraction into an
+// FMA): the compiler contracts `a * c - b * s` differently in different
+// kernels, and the fused GEMVs must give the unfused pair's bits (an H100
+// run found one element a bf16 ulp apart before this).
 template <typename T> KILN_DEV void kiln_rope_rot(float a, float b, float c, float s, T& o1, T& o2) {
-  o1 = st<T>(a * c - b * s);
-  o2 = st<T>(b * c + a * s);
+  o1 = st<T>(__fadd_rn(__fmul_rn(a, c), -__fmul_rn(b, s)));
+  o2 = st<T>(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
 }
 
 // One warp ropes the head at `src` (hd elements, hd even, <= 256): lane l
@@ -420,7 +424,7 @@ KILN_DEV void kiln_rope_head_core(Load load, int hd, int has_norm, float eps, Wt
     const int i = lane + j * KILN_WARP;
     a[j] = i < half ? load(i) : 0.0f;
     b[j] = i < half ? load(i + half) : 0.0f;
-    ss += a[j] * a[j] + b[j] * b[j];
+    ss = __fadd_rn(ss, __fadd_rn(__fmul_rn(a[j], a[j]), __fmul_rn(b[j], b[j])));  // as kiln_rope_rot
   }
   if (has_norm) {
     ss = warp_sum(ss);

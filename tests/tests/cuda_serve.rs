@@ -123,27 +123,41 @@ fn one_sequence(
         max_new_tokens: tokens,
         stop_on_eos: false,
     };
-    let ids: Vec<SeqId> = engines
-        .iter_mut()
-        .map(|e| e.add_sequence_with(&p, o).unwrap())
-        .collect();
-    assert!(ids.windows(2).all(|w| w[0] == w[1]));
+    let id = add_everywhere(engines, &p, o);
     let mut compared = 0;
     for step in 0..tokens as usize + 4 {
-        let outs: Vec<Vec<(SeqId, Vec<u32>)>> = engines
-            .iter_mut()
-            .map(|e| e.step().map_err(|err| format!("step {step}: {err}")))
-            .collect::<Result<_, _>>()?;
+        let outs = step_all(engines, step)?;
         compared += outs[0].iter().map(|(_, t)| t.len()).sum::<usize>();
         check(step, &outs, engines)?;
-        if engines[0].sequence(ids[0]).unwrap().finished.is_some() {
+        if engines[0].sequence(id).unwrap().finished.is_some() {
             break;
         }
     }
     for e in engines.iter_mut() {
-        e.remove_sequence(ids[0]).unwrap();
+        e.remove_sequence(id).unwrap();
     }
     Ok(compared)
+}
+
+/// Adds the same sequence to every engine; they must give it the same id.
+fn add_everywhere(engines: &mut [&mut Engine], prompt: &[u32], o: SeqOptions) -> SeqId {
+    let ids: Vec<SeqId> = engines
+        .iter_mut()
+        .map(|e| e.add_sequence_with(prompt, o).unwrap())
+        .collect();
+    assert!(ids.windows(2).all(|w| w[0] == w[1]));
+    ids[0]
+}
+
+/// What one engine's step produced: (sequence, new tokens) per sequence.
+type StepOut = Vec<(SeqId, Vec<u32>)>;
+
+/// One step of every engine.
+fn step_all(engines: &mut [&mut Engine], step: usize) -> Result<Vec<StepOut>, String> {
+    engines
+        .iter_mut()
+        .map(|e| e.step().map_err(|err| format!("step {step}: {err}")))
+        .collect()
 }
 
 fn workload(
@@ -163,22 +177,14 @@ fn workload(
                 max_new_tokens: 6 + rng.below(20),
                 stop_on_eos: false,
             };
-            let ids: Vec<SeqId> = engines
-                .iter_mut()
-                .map(|e| e.add_sequence_with(&p, o).unwrap())
-                .collect();
-            assert!(ids.windows(2).all(|w| w[0] == w[1]));
-            live.push(ids[0]);
+            live.push(add_everywhere(engines, &p, o));
         } else if rng.below(4) == 0 {
             let id = live.remove(rng.below(live.len() as u32) as usize);
             for e in engines.iter_mut() {
                 e.remove_sequence(id).unwrap();
             }
         }
-        let outs: Vec<Vec<(SeqId, Vec<u32>)>> = engines
-            .iter_mut()
-            .map(|e| e.step().map_err(|err| format!("step {step}: {err}")))
-            .collect::<Result<_, _>>()?;
+        let outs = step_all(engines, step)?;
         compared += outs[0].iter().map(|(_, t)| t.len()).sum::<usize>();
         check(step, &outs, engines)?;
         live.retain(|id| engines[0].sequence(*id).unwrap().finished.is_none());
