@@ -2169,6 +2169,14 @@ fn placeholder(i: usize, ty: &TensorType) -> Operand {
     }
 }
 
+/// [`placeholder`]s for `tys`, numbered from `first`.
+fn placeholders(first: usize, tys: &[TensorType]) -> Vec<Operand> {
+    tys.iter()
+        .enumerate()
+        .map(|(i, t)| placeholder(first + i, t))
+        .collect()
+}
+
 /// Whether `target`'s kernels run a `fused_matmul` with operand types
 /// `args`, and if not, why: the dense fused GEMV ([`fused_matmul_call`])
 /// for dense weights; for a weight kept quantized, the qgemv / qskinny
@@ -2188,11 +2196,7 @@ pub fn fused_matmul_runs(
     let results = op
         .infer(args)
         .map_err(|why| CatalogError::Unsupported { op: m, why })?;
-    let ops: Vec<Operand> = args
-        .iter()
-        .enumerate()
-        .map(|(i, t)| placeholder(i, t))
-        .collect();
+    let ops = placeholders(0, args);
     let out = placeholder(args.len(), &results[0]);
     lower_quantized_fused(op, &ops, &out, true, target, false).map(|_| ())
 }
@@ -2233,8 +2237,8 @@ fn matmul_qkv_rope_needs(op: &Op, args: &[TensorType]) -> Result<OpNeeds, Catalo
 /// Whether `target`'s kernels run a `matmul_qkv_rope` with operand types
 /// `args` in one launch, and if not, why: kiln's one-token GEMV on CUDA,
 /// dense or integer-dot over a weight kept quantized (Q4_K, Q6_K, Q8_0),
-/// with the rope tail in its last blocks,
-/// checked by running that very lowering over placeholder buffers (so the
+/// roping in its epilogue (heads without a q/k norm) or in its last blocks
+/// (with one; see `kernels/gpu/kiln_port.h`), checked by running that very lowering over placeholder buffers (so the
 /// fusion pass, which asks this before it fuses, and [`lower_op`] never
 /// disagree). There is no multi-launch form: a GPU plan has the op only
 /// where this holds.
@@ -2247,16 +2251,8 @@ pub fn matmul_qkv_rope_runs(
     let results = op
         .infer(args)
         .map_err(|why| CatalogError::Unsupported { op: m, why })?;
-    let ops: Vec<Operand> = args
-        .iter()
-        .enumerate()
-        .map(|(i, t)| placeholder(i, t))
-        .collect();
-    let res: Vec<Operand> = results
-        .iter()
-        .enumerate()
-        .map(|(i, t)| placeholder(args.len() + i, t))
-        .collect();
+    let ops = placeholders(0, args);
+    let res = placeholders(args.len(), &results);
     let scratch = placeholder(args.len() + results.len(), &results[0]).buf;
     let counters = placeholder(args.len() + results.len() + 1, &results[0]).buf;
     lower_matmul_qkv_rope(op, &ops, &res, (scratch, counters), true, target, false).map(|_| ())
