@@ -109,6 +109,12 @@ if [[ -f "$C/cubins.tar.xz" ]]; then
 fi
 
 if [[ " $stages " == *" tests "* ]]; then
+  # kernels/tests/megakernel_gpu.rs runs only with KILN_MK_GPU=1, and loads
+  # the interpreter from KILN_MK_CUBIN when the dump carried one (the
+  # interpreter's compile test writes megakernel.sm_<sm>.cubin beside the
+  # catalog's), else compiles it with NVRTC here.
+  export KILN_MK_GPU=1
+  [[ -f "$cubins/megakernel.sm_90.cubin" && -z "${KILN_MK_CUBIN:-}" ]] && export KILN_MK_CUBIN="$cubins/megakernel.sm_90.cubin"
   while read -r t targs; do
     [[ -z "$t" ]] && continue
     [[ -x "$B/$t" ]] || { echo "test $t: binary missing" >> "$S"; continue; }

@@ -1610,6 +1610,12 @@ mod tests {
             let cubin = crate::nvrtc::compile_module(&MEGAKERNEL_MODULE, sm)
                 .unwrap_or_else(|e| panic!("sm_{sm}: {e}"));
             assert_eq!(&cubin[..4], b"\x7fELF");
+            // KILN_DUMP_CUBINS=<dir>: also written there, for
+            // kernels/tests/megakernel_gpu.rs's KILN_MK_CUBIN on a GPU
+            // machine (the catalog's dump does not hold the interpreter).
+            if let Ok(dir) = std::env::var("KILN_DUMP_CUBINS") {
+                std::fs::write(format!("{dir}/megakernel.sm_{sm}.cubin"), &cubin).unwrap();
+            }
             for entry in [ENTRY, RESET_ENTRY] {
                 let needle = format!("{entry}\0");
                 assert!(
