@@ -107,8 +107,6 @@ fn cuda_engine(dir: &Path, plan: &Plan, graphs: GraphMode) -> Engine {
     Engine::new(plan.clone(), dir, Box::new(be), options(graphs)).unwrap()
 }
 
-/// Drives `engines` through the same changing workload; `check` compares
-/// each step's tokens and logits.
 /// One sequence decoding `tokens` tokens alone (a three-token prompt, then
 /// one token a step: the one-token key), `check` after every step; it is
 /// removed at the end. Returns the number of tokens compared.
@@ -116,7 +114,7 @@ fn one_sequence(
     engines: &mut [&mut Engine],
     vocab: u32,
     tokens: u32,
-    mut check: impl FnMut(usize, &[Vec<(SeqId, Vec<u32>)>], &[&mut Engine]) -> Result<(), String>,
+    mut check: impl FnMut(usize, &[StepOut], &[&mut Engine]) -> Result<(), String>,
 ) -> Result<usize, String> {
     let p = Rng::new(0x0e5e).prompt(vocab, 3);
     let o = SeqOptions {
@@ -160,11 +158,13 @@ fn step_all(engines: &mut [&mut Engine], step: usize) -> Result<Vec<StepOut>, St
         .collect()
 }
 
+/// Drives `engines` through the same changing workload; `check` compares
+/// each step's tokens and logits.
 fn workload(
     engines: &mut [&mut Engine],
     vocab: u32,
     steps: usize,
-    mut check: impl FnMut(usize, &[Vec<(SeqId, Vec<u32>)>], &[&mut Engine]) -> Result<(), String>,
+    mut check: impl FnMut(usize, &[StepOut], &[&mut Engine]) -> Result<(), String>,
 ) -> Result<usize, String> {
     let mut rng = Rng::new(0xc0da);
     let mut live: Vec<SeqId> = Vec::new();
