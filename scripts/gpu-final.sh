@@ -25,7 +25,8 @@
 #   serve   `kiln serve --device cuda` on the new Qwen3-0.6B plan driven by
 #           scripts/bench-serve.py at concurrency 1, 8, 32
 #   ncu     Nsight Compute summary of one step per model (KILN_NCU_MODEL, a
-#           list, default qwen3-0.6b), variant and key (see the stage)
+#           list, default qwen3-0.6b), variant and key (see the stage);
+#           KILN_NCU_SECTIONS adds whole sections (e.g. WarpStateStats)
 #   sanitize (opt-in) compute-sanitizer (KILN_SANITIZE_TOOLS, default memcheck;
 #           e.g. "memcheck racecheck") over carried test binaries:
 #           KILN_SANITIZE="BINARY[:FILTER] ..." (e.g. "cuda_quant cuda_backend:fused")
@@ -261,6 +262,20 @@ if [[ " $stages " == *" ncu "* && -n "$last" ]]; then
         "$B/kiln-$v" bench "$plan" --device cuda --keys "$key" --steps 1 --context 512 \
         > "$csv" 2> "$OUT/logs/ncu-stderr-$nm-$v-$key.txt"
       echo "ncu $nm $v $key: rc=$?" >> "$S"
+      # KILN_NCU_SECTIONS (e.g. "WarpStateStats SchedulerStats"): those
+      # Nsight Compute sections too, as text, for the kernels KILN_NCU_FILTER
+      # names (the stall reasons of one long kernel such as megakernel_run).
+      if [[ -n "${KILN_NCU_SECTIONS:-}" ]]; then
+        secs=()
+        for sec in $KILN_NCU_SECTIONS; do secs+=(--section "$sec"); done
+        txt="$OUT/logs/ncu-sections-$nm-$v-$key.txt"
+        timeout 300 ncu --launch-count "${KILN_NCU_KERNELS:-600}" "${secs[@]}" \
+          ${KILN_NCU_FILTER:+--kernel-name "$KILN_NCU_FILTER"} \
+          "$B/kiln-$v" bench "$plan" --device cuda --keys "$key" --steps 1 --context 512 \
+          > "$txt" 2>&1
+        echo "ncu sections $nm $v $key: rc=$?" >> "$S"
+        grep -E "Stall|Warp Cycles|Issued Warp|No Eligible|Active Warps|Eligible Warps|Duration" "$txt" | head -40 >> "$S"
+      fi
       python3 - "$csv" >> "$S" 2>&1 <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
