@@ -956,6 +956,10 @@ KILN_DEV void mk_qkv_rope_kv_write(const MkTask& t) {
 // definition of kiln_ir::Op::AttentionPartials.
 #define KILN_MK_ATTN_RT 4
 #define KILN_MK_ATTN_KU 4
+// The warps' rescaled accumulators ([warps][RT][head_dim] f32) go in the
+// GEMV's activation stage.
+static_assert(KILN_MK_WARPS * KILN_MK_ATTN_RT * KILN_MK_MAX_HEAD_DIM * 4 <= KILN_MK_X_STAGE * 2,
+              "the attention merge scratch must fit the activation stage");
 
 // Asks L2 for the K and V rows a paged_attention task's units will read:
 // each position the unit's rows can see (the last window positions with a
@@ -1000,7 +1004,7 @@ KILN_DEV void mk_prefetch_attention(const MkTask& t) {
 #endif
 }
 template <int RT, int KU>
-KILN_DEV void mk_attention(const MkTask& t, float* smem) {
+KILN_DEV void mk_attention(const MkTask& t, float* smem, float* wred) {
   const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
   const int batch = t.i[0], Q = t.i[1], heads = t.i[2], kvh = t.i[3], hd = t.i[4];
   const int bs = t.i[5], M = t.i[6], window = t.i[7];
@@ -1020,8 +1024,8 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem) {
   const bool has = lig < nch;
   const KilnDiv bsd = kiln_div(bs), hdd = kiln_div(hd);
   const i64 kvrow = (i64)kvh * hd;
-  float* red = smem;                                       // [RT][hd]
-  float* ml = smem + RT * KILN_MK_MAX_HEAD_DIM;            // [warps][RT][2]
+  // wred ([warps][RT][hd] f32) is the GEMV's activation stage, unused here.
+  float* ml = smem;                                        // [warps][RT][2]
   float* fin = ml + KILN_MK_WARPS * RT * 2;                // [RT][2]: max, 1 / sum
   float* fsum = fin + RT * 2;                              // [RT]: sum
   const int step = KILN_MK_WARPS * kpw * KU;
@@ -1150,53 +1154,54 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem) {
           }
         }
         __syncthreads();
-        if (threadIdx.x < RT) {
-          const int j = threadIdx.x;
+        // Every thread takes the rows' maximum and sum over the warps
+        // itself (the same loops, so every thread gets the same values),
+        // each warp stores its rescaled accumulators in its own slice of
+        // wred, and one barrier later each output element is the warps'
+        // slices added in warp order: two barriers, not one per warp.
+#pragma unroll
+        for (int j = 0; j < RT; ++j) {
           float mx = -KILN_INF;
           for (int v = 0; v < KILN_MK_WARPS; ++v)
             if (ml[(v * RT + j) * 2 + 1] > 0.0f) mx = fmaxf(mx, ml[(v * RT + j) * 2]);
-          float ls = 0.0f;
-          for (int v = 0; v < KILN_MK_WARPS; ++v) {
-            const float lv = ml[(v * RT + j) * 2 + 1];
-            ls += lv > 0.0f ? expf(ml[(v * RT + j) * 2] - mx) * lv : 0.0f;
+          if (lane < nch) {
+            const float wv = l[j] > 0.0f ? expf(m[j] - mx) : 0.0f;
+            float* o = wred + ((i64)warp * RT + j) * hd + lane * 8;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = acc[j][e] * wv;
           }
-          fin[2 * j] = mx;
-          fin[2 * j + 1] = ls > 0.0f ? 1.0f / ls : 0.0f;
-          fsum[j] = ls;
+          if (threadIdx.x == 0) {
+            float ls = 0.0f;
+            for (int v = 0; v < KILN_MK_WARPS; ++v) {
+              const float lv = ml[(v * RT + j) * 2 + 1];
+              ls += lv > 0.0f ? expf(ml[(v * RT + j) * 2] - mx) * lv : 0.0f;
+            }
+            fin[2 * j] = mx;
+            fin[2 * j + 1] = ls > 0.0f ? 1.0f / ls : 0.0f;
+            fsum[j] = ls;
+          }
         }
         __syncthreads();
-        // Warps add their rescaled accumulators in warp order.
-        for (int v = 0; v < KILN_MK_WARPS; ++v) {
-          if (warp == v && lane < nch) {
-#pragma unroll
-            for (int j = 0; j < RT; ++j) {
-              const float wv = l[j] > 0.0f ? expf(m[j] - fin[2 * j]) : 0.0f;
-#pragma unroll
-              for (int e = 0; e < 8; ++e) {
-                float* o = red + j * hd + lane * 8 + e;
-                *o = (v == 0 ? 0.0f : *o) + acc[j][e] * wv;
-              }
-            }
-          }
-          __syncthreads();
-        }
         for (int x = threadIdx.x; x < RT * hd; x += KILN_MK_THREADS) {
           const int j = x / hdd, d = x % hdd;
           const int r = r0 + j;
           if (r >= rows) continue;
+          float sum = 0.0f;
+#pragma unroll
+          for (int v = 0; v < KILN_MK_WARPS; ++v) sum += wred[(i64)v * RT * hd + x];
           const int row = (b * Q + r) * heads + h;
           if (partial) {
             float* e = part_out + ((i64)row * runs + run) * (hd + 2);
-            e[d] = red[x];
+            e[d] = sum;
             if (d == 0) {
               e[hd] = fin[2 * j];
               e[hd + 1] = fsum[j];
             }
           } else {
-            out[(i64)row * hd + d] = st<kbf16>(red[x] * fin[2 * j + 1]);
+            out[(i64)row * hd + d] = st<kbf16>(sum * fin[2 * j + 1]);
           }
         }
-        __syncthreads();  // red and fin are reused by the next tile
+        __syncthreads();  // wred, ml and fin are reused by the next tile
       }
     }
   }
@@ -1526,11 +1531,13 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
         mk_qkv_rope_kv_write(t);
         break;
       case KILN_MK_PAGED_ATTENTION:
-        // Decode (one row per unit) keeps twice the positions in flight.
+        // Decode (one row per unit): KU 4, so a run of 64 positions
+        // (ctx 512 in 8 runs) keeps all eight warps busy (KU 8 left half
+        // of them idle).
         if (t.i[1] == 1)
-          mk_attention<1, 2 * KILN_MK_ATTN_KU>(t, smem);
+          mk_attention<1, KILN_MK_ATTN_KU>(t, smem, reinterpret_cast<float*>(xs));
         else
-          mk_attention<KILN_MK_ATTN_RT, KILN_MK_ATTN_KU>(t, smem);
+          mk_attention<KILN_MK_ATTN_RT, KILN_MK_ATTN_KU>(t, smem, reinterpret_cast<float*>(xs));
         break;
       case KILN_MK_SILU_MUL:
         mk_act_mul<0>(t);
