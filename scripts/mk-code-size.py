@@ -24,19 +24,20 @@ import sys
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 GPU = os.path.join(ROOT, "kernels", "gpu")
 
-# The dispatch cases of megakernel_run: (name, the call as written there).
+# The dispatch cases of megakernel_run: (name, the start of the call as
+# written in the dispatch switch; the call runs to the next ';').
 CASES = [
-    ("gemv T=1", "mk_gemv<1>(t, smem, xs, stage, ring, ahead.rows != 0);"),
-    ("gemv T=8", "mk_gemv<8>(t, smem, xs, stage, ring, ahead.rows != 0);"),
-    ("attention decode", "mk_attention<1, KILN_MK_ATTN_KU>("),
-    ("attention rows", "mk_attention<KILN_MK_ATTN_RT, KILN_MK_ATTN_KU>("),
-    ("attention combine", "mk_attention_combine(t);"),
-    ("qkv rope kv write", "mk_qkv_rope_kv_write(t);"),
-    ("rms_norm", "mk_rms_norm<0>(t, smem);"),
-    ("add_rms_norm", "mk_rms_norm<1>(t, smem);"),
-    ("argmax", "mk_argmax(t, smem);"),
-    ("silu_mul", "mk_act_mul<0>(t);"),
-    ("gelu_tanh_mul", "mk_act_mul<1>(t);"),
+    ("gemv T=1", "mk_gemv<1>("),
+    ("gemv T=8", "mk_gemv<8>("),
+    ("attention decode", "mk_attention<1, "),
+    ("attention rows", "mk_attention<KILN_MK_ATTN_RT, "),
+    ("attention combine", "mk_attention_combine(t)"),
+    ("qkv rope kv write", "mk_qkv_rope_kv_write(t)"),
+    ("rms_norm", "mk_rms_norm<0>(t"),
+    ("add_rms_norm", "mk_rms_norm<1>(t"),
+    ("argmax", "mk_argmax(t"),
+    ("silu_mul", "mk_act_mul<0>(t"),
+    ("gelu_tanh_mul", "mk_act_mul<1>(t"),
 ]
 
 
@@ -131,8 +132,9 @@ def main():
         if call not in base:
             print(f"{name:20} {'(not in this source)':>15}")
             continue
-        # The call up to its closing ';' becomes a trap.
-        i = base.index(call)
+        # The call (in the dispatch switch: the last occurrence) up to its
+        # closing ';' becomes a trap.
+        i = base.rindex(call)
         j = base.index(";", i)
         c, _ = compile_cubin(lib, base[:i] + "__trap()" + base[j:], a.sm)
         if c is None:
