@@ -53,9 +53,10 @@ def nvrtc():
     cands += ["/usr/local/cuda/lib64/libnvrtc.so"]
     for c in cands:
         if c and os.path.exists(c) and "builtins" not in c and ".alt." not in c:
-            # libnvrtc loads its builtins library from its own directory.
-            os.environ["LD_LIBRARY_PATH"] = os.path.dirname(c) + ":" + os.environ.get("LD_LIBRARY_PATH", "")
-            ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(c), "libnvrtc-builtins.so*"))[0])
+            # libnvrtc dlopens its builtins library by name; loading it
+            # first from the same directory makes that name resolve.
+            for b in glob.glob(os.path.join(os.path.dirname(c), "libnvrtc-builtins.so*"))[:1]:
+                ctypes.CDLL(b)
             return ctypes.CDLL(c)
     sys.exit("libnvrtc not found (set KILN_NVRTC_LIB)")
 
