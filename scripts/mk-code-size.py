@@ -123,8 +123,13 @@ def main():
         sys.exit(log)
     total = text_sizes(cubin)["megakernel_run"]
     print(f"megakernel_run sm_{a.sm}: {total} bytes of SASS")
+    # ptxas reports each entry function after "Compiling entry function
+    # 'NAME'"; only megakernel_run's registers are of interest.
+    fn = None
     for line in log.splitlines():
-        if "registers" in line and "Used 8 registers" not in line:
+        if "Compiling entry function" in line:
+            fn = line.split("'")[1] if "'" in line else None
+        elif fn == "megakernel_run" and "registers" in line:
             print(" ", line.strip())
     if a.total_only:
         return
