@@ -876,31 +876,40 @@ KILN_DEV void mk_qkv_rope_kv_write(const MkTask& t) {
       for (int i = lane; i < hd; i += KILN_WARP) dst[i].bits = mk_ld_cg_u16(&src[i].bits);
       continue;
     }
-    float a[PER], b[PER];
-    float ss = 0.0f;
+    // Every load the head needs is issued before any is used (the
+    // position, the norm weights and the frequencies do not depend on the
+    // head's values): one round trip to L2 instead of one per kind.
+    const bool is_q = u < heads;
+    const kbf16* nwp = is_q ? qn : kn;
+    const float p = (float)mk_ld_cg_int(pos + tok);
+    float a[PER], b[PER], w1[PER], w2[PER], fq[PER];
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
       const int i = lane + j * KILN_WARP;
-      a[j] = i < half ? mk_ld_bf(src + i) : 0.0f;
-      b[j] = i < half ? mk_ld_bf(src + i + half) : 0.0f;
-      ss += a[j] * a[j] + b[j] * b[j];
+      const bool in = i < half;
+      a[j] = in ? mk_ld_bf(src + i) : 0.0f;
+      b[j] = in ? mk_ld_bf(src + i + half) : 0.0f;
+      w1[j] = in && has_norm ? ld(nwp[i]) : 0.0f;
+      w2[j] = in && has_norm ? ld(nwp[i + half]) : 0.0f;
+      fq[j] = in ? fr[i] : 0.0f;
     }
-    const bool is_q = u < heads;
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) ss += a[j] * a[j] + b[j] * b[j];
     if (has_norm) {
       ss = warp_sum(ss);
       const float inv = 1.0f / sqrtf(ss / (float)hd + eps);
-      const kbf16* nwp = is_q ? qn : kn;
 #pragma unroll
       for (int j = 0; j < PER; ++j) {
         const int i = lane + j * KILN_WARP;
         if (i < half) {
-          float w1 = ld(nwp[i]), w2 = ld(nwp[i + half]);
+          float x1 = w1[j], x2 = w2[j];
           if (unit_offset) {
-            w1 += 1.0f;
-            w2 += 1.0f;
+            x1 += 1.0f;
+            x2 += 1.0f;
           }
-          a[j] = round_to<kbf16>(a[j] * inv * w1);
-          b[j] = round_to<kbf16>(b[j] * inv * w2);
+          a[j] = round_to<kbf16>(a[j] * inv * x1);
+          b[j] = round_to<kbf16>(b[j] * inv * x2);
         }
       }
     }
@@ -911,12 +920,11 @@ KILN_DEV void mk_qkv_rope_kv_write(const MkTask& t) {
       if (!slot_ok) continue;
       dst = kc + slot * kvrow + (i64)(u - heads) * hd;
     }
-    const float p = (float)mk_ld_cg_int(pos + tok);
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
       const int i = lane + j * KILN_WARP;
       if (i < half) {
-        const float ang = p * fr[i];
+        const float ang = p * fq[j];
         const float c = cosf(ang), s = sinf(ang);
         dst[i] = st<kbf16>(a[j] * c - b[j] * s);
         dst[i + half] = st<kbf16>(b[j] * c + a[j] * s);
