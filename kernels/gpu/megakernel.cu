@@ -25,15 +25,19 @@
 // read with L1-bypassing loads (ld.global.cg), because an SM's L1 is not
 // coherent and the arena reuses addresses within a step. Weights, norm
 // weights, biases, the RoPE tables and the block tables are read plainly.
-// Before it waits, a GEMV tile copies the first of its weight rows that fit
-// the launch's dynamic shared memory there with cp.async (mk_stage_w: those
-// bytes in flight at once, arriving while the block waits, so after the
-// waits only the activations and any rows beyond the stage are loaded);
-// the rest of the tile, and any other task's weights, L2 is asked to
-// prefetch (weights never depend on a wait). Once the waits
-// are met, the block asks L2 for the next task's first
-// KILN_MK_PREFETCH_NEXT bytes, which then stream in while this task
-// computes.
+// A GEMV tile copies the first of its weight rows that fit the launch's
+// dynamic shared memory there with cp.async (mk_stage_w), and it does so
+// one task early: when a block starts a task it issues the copies for the
+// next task on its queue into the bytes the current task's stage leaves
+// free (mk_stage_next: a two-ended ring, consecutive stages at opposite
+// ends), so those weights arrive while the current task waits and
+// computes; a tile the look-ahead could not place stages itself when it
+// starts, with the whole buffer. Weights never depend on a wait, so either
+// is correct; after the waits only the activations and any rows beyond the
+// stage are loaded. The rest of a tile, and any other task's weights, L2
+// is asked to prefetch. Once the waits are met, the block asks L2 for what
+// the next task's stage does not hold (its first KILN_MK_PREFETCH_NEXT
+// bytes), which then stream in while this task computes.
 //
 // Deadlock freedom is the tape's (verified at load): a task waits only on
 // tasks earlier on the tape, each queue is in tape order, and every block of
@@ -287,42 +291,188 @@ KILN_DEV int mk_stage_rows(const MkTask& t, unsigned int cap) {
   return gated ? (int)fit : (int)fit & ~1;
 }
 
-// Issues the cp.async copies of the first rows of tile t's weight (see
-// mk_stage_rows) into mk_ws and returns how many rows it staged (0: none;
-// mk_gemv then waits for them before its first product). Called before the
-// task's waits: weights never change within a step.
-KILN_DEV int mk_stage_w(const MkTask& t, unsigned int cap) {
-#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+// The bytes of the stage mk_stage_rows' `srows` rows of tile t fill.
+KILN_DEV unsigned int mk_stage_bytes(const MkTask& t, int srows) {
+  const bool gated = t.i[3] == 1 || t.i[3] == 2;
+  return (unsigned int)srows * (unsigned int)t.i[1] * 2u * (gated ? 2u : 1u);
+}
+
+// How the stage's copies travel. On sm_90 (KILN_MK_TMA) thread 0 issues one
+// bulk copy (cp.async.bulk, the TMA engine) per contiguous block of rows
+// and the block waits on an mbarrier per end of the ring: two instructions
+// instead of one cp.async per 16 bytes on every thread, which on the
+// H200 held the block's other loads (its task record, counter polls and
+// activations) behind the stage in the SM's load pipeline. On sm_80 every
+// thread issues cp.async, waited for by commit group. Elsewhere (HIP)
+// nothing is staged. KILN_MK_LOOKAHEAD: stage the next task's tile while
+// the current one runs (mk_stage_next); on by default where the copies
+// travel by TMA.
+#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && !defined(KILN_MK_NO_TMA)
+#define KILN_MK_TMA 1
+#else
+#define KILN_MK_TMA 0
+#endif
+#ifndef KILN_MK_LOOKAHEAD
+#define KILN_MK_LOOKAHEAD KILN_MK_TMA
+#endif
+
+// Where a staged tile sits in mk_ws. The stage is a two-ended ring: a
+// tile staged while the block's previous stage (if any) is still being
+// read goes at the other end of the buffer, in the bytes that stage left
+// free, so the next GEMV tile's weights stream in while the current one
+// computes (mk_stage_next). `top` places the rows against the buffer's
+// end, `off` is their first 16-byte vector. Each end has its own mbarrier
+// (TMA): two stages in flight are never at the same end.
+struct MkStage {
+  int rows;          // rows (row pairs, gated) staged; 0: none
+  unsigned int off;  // first uint4 of mk_ws they occupy
+  unsigned int bytes;
+  bool top;
+};
+
+// The two ends' mbarriers and the parity each one's next completion has
+// (bit e for end e): every thread keeps the same copy.
+struct MkRing {
+  unsigned long long* bar;  // [2] in shared memory
+  unsigned int parity;
+};
+
+#if KILN_MK_TMA
+KILN_DEV unsigned int mk_smem_addr(const void* p) {
+  return (unsigned int)__cvta_generic_to_shared(p);
+}
+KILN_DEV bool mk_bar_try(unsigned int bar, unsigned int parity) {
+  unsigned int ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+// One bulk copy of `bytes` (a multiple of 16) global -> shared, completing
+// on `bar`'s transaction count.
+KILN_DEV void mk_bulk(void* dst, const void* src, unsigned int bytes, unsigned int bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          mk_smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+#endif
+
+// Sets up the ring's mbarriers (thread 0; the caller's barrier publishes
+// them). A no-op without TMA.
+KILN_DEV void mk_ring_init(const MkRing& ring) {
+#if KILN_MK_TMA
+  if (threadIdx.x == 0) {
+    for (int e = 0; e < 2; ++e)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mk_smem_addr(&ring.bar[e]))
+                   : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+#else
+  (void)ring;
+#endif
+}
+
+// Issues the copies of the first rows of tile t's weight (see
+// mk_stage_rows) into mk_ws, `cap` bytes at most, from the buffer's start
+// (top = false) or against its end at `end` bytes (top = true), and says
+// where they went (rows 0: none, nothing issued). Weights never change
+// within a step, so this may run before the task's waits and even before
+// the previous task has computed; the stage is then waited for with
+// mk_stage_wait. Every thread calls it (the placement is computed by all).
+KILN_DEV MkStage mk_stage_w(const MkTask& t, unsigned int cap, bool top, unsigned int end,
+                            const MkRing& ring) {
+  MkStage st0{0, 0u, 0u, top};
+#if KILN_MK_TMA || (defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800))
   const int srows = mk_stage_rows(t, cap);
-  if (srows == 0) return 0;
+  if (srows == 0) return st0;
+  const unsigned int bytes = mk_stage_bytes(t, srows);
+  st0.rows = srows;
+  st0.bytes = bytes;
+  st0.off = top ? (end - bytes) / 16u : 0u;
   const i64 rowv = t.i[1] / 8;  // 16-byte vectors per weight row
   const i64 n = (i64)srows * rowv;
   const bool gated = t.i[3] == 1 || t.i[3] == 2;
   const uint4* w = reinterpret_cast<const uint4*>(t.p[1]);
   const uint4* g0 = w + (i64)t.tile_begin * rowv;
   const uint4* u0 = w + ((i64)t.tile_begin + t.i[6]) * rowv;
+  uint4* base = mk_ws + st0.off;
+#if KILN_MK_TMA
+  if (threadIdx.x == 0) {
+    const unsigned int bar = mk_smem_addr(&ring.bar[top ? 1 : 0]);
+    // Earlier generic-proxy reads of these bytes come before the copy's
+    // writes.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    unsigned long long state;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
+                 : "=l"(state)
+                 : "r"(bar), "r"(bytes)
+                 : "memory");
+    (void)state;
+    const unsigned int part = (unsigned int)(n * 16);
+    mk_bulk(base, g0, part, bar);
+    if (gated) mk_bulk(base + n, u0, part, bar);
+  }
+#else
+  (void)ring;
   for (i64 c = threadIdx.x; c < n; c += KILN_MK_THREADS) {
-    const unsigned int s0 = (unsigned int)__cvta_generic_to_shared(&mk_ws[c]);
+    const unsigned int s0 = (unsigned int)__cvta_generic_to_shared(&base[c]);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s0), "l"(g0 + c) : "memory");
     if (gated) {
-      const unsigned int s1 = (unsigned int)__cvta_generic_to_shared(&mk_ws[n + c]);
+      const unsigned int s1 = (unsigned int)__cvta_generic_to_shared(&base[n + c]);
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s1), "l"(u0 + c) : "memory");
     }
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
-  return srows;
+#endif
 #else
   (void)t;
   (void)cap;
-  return 0;
+  (void)end;
+  (void)ring;
 #endif
+  return st0;
 }
 
-// This thread's staged copies have landed (a barrier then makes everyone's
-// visible to the block).
-KILN_DEV void mk_stage_wait() {
-#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
-  asm volatile("cp.async.wait_all;" ::: "memory");
+// Stages the next task's tile (`next`, read from the tape in global
+// memory) while the current stage `cur` is still in use: into the bytes
+// of the `ws` buffer `cur` leaves free, at the other end from it. Returns
+// the next task's stage (rows 0: it did not fit, or is no staged GEMV;
+// the next task then stages itself when it starts, with the whole buffer).
+KILN_DEV MkStage mk_stage_next(const MkTask& next, const MkStage& cur, unsigned int ws,
+                               const MkRing& ring) {
+  if (cur.rows == 0) return mk_stage_w(next, ws, false, ws, ring);
+  if (cur.top) return mk_stage_w(next, cur.off * 16u, false, ws, ring);
+  return mk_stage_w(next, ws - cur.bytes, true, ws, ring);
+}
+
+// The stage `st` has landed for this thread (a barrier then makes every
+// thread's copies visible to the block; with TMA every thread waits on the
+// end's mbarrier itself). `later`: a look-ahead stage was issued after it
+// and may still be in flight (cp.async groups complete in order, so
+// waiting for all but the newest group suffices).
+KILN_DEV void mk_stage_wait(const MkStage& stg, const MkRing& ring, bool later) {
+#if KILN_MK_TMA
+  (void)later;
+  const int e = stg.top ? 1 : 0;
+  const unsigned int bar = mk_smem_addr(&ring.bar[e]);
+  while (!mk_bar_try(bar, (ring.parity >> e) & 1u)) {
+  }
+#elif defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+  (void)stg;
+  (void)ring;
+  if (later)
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+  else
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#else
+  (void)stg;
+  (void)ring;
+  (void)later;
 #endif
 }
 
@@ -490,12 +640,17 @@ KILN_DEV void mk_argmax_block(float& best, int& bi, float* smem) {
 // 1 w, 2 bias, 3 norm weight, 5 out (i32).
 //
 // Lane q of a warp owns token q's outputs (stores, argmax candidates).
-// The first `staged` rows (row pairs, gated) of the tile are in mk_ws
-// (mk_stage_w issued their copies before the waits): their products read
+// The first `staged` rows (row pairs, gated) of the tile are at `wsb` in
+// mk_ws (mk_stage_w issued their copies before the waits, or during the
+// previous task: mk_stage_next; `later`: another stage was committed after
+// this one and may still be landing): their products read
 // them from there, in the same order, so the results are the unstaged ones
 // bit for bit; the rest stream from global memory as before.
 template <int TT>
-KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, int staged) {
+KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, const MkStage& stg,
+                      const MkRing& ring, bool later) {
+  const int staged = stg.rows;
+  const uint4* wsv = mk_ws + stg.off;
   constexpr int U = TT == 1 ? 8 : 4;
   const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
   const unsigned int kind = t.kind;
@@ -517,7 +672,7 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, int staged) {
   float* wbest = smem + 8;                                           // [warps][8]
   int* widx = reinterpret_cast<int*>(smem + 8 + 8 * KILN_MK_WARPS);  // [warps][8]
   const int rstep = gated ? 1 : 2;
-  const kbf16* wsb = reinterpret_cast<const kbf16*>(mk_ws);
+  const kbf16* wsb = reinterpret_cast<const kbf16*>(wsv);
 #if defined(KILN_CUDA)
   // Ask L1 for this warp's first two weight rows (already prefetched into
   // L2 while the block waited) so they stream in while the block stages x.
@@ -537,7 +692,7 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, int staged) {
     const int tc = T - t0 < tcap ? T - t0 : tcap;
     mk_stage_x(x, nw, pre, unit, eps, t0, tc, k, xs, smem);
     if (staged > 0 && t0 == 0) {
-      mk_stage_wait();
+      mk_stage_wait(stg, ring, later);
       __syncthreads();
     }
     float best = 0.0f;
@@ -721,31 +876,40 @@ KILN_DEV void mk_qkv_rope_kv_write(const MkTask& t) {
       for (int i = lane; i < hd; i += KILN_WARP) dst[i].bits = mk_ld_cg_u16(&src[i].bits);
       continue;
     }
-    float a[PER], b[PER];
-    float ss = 0.0f;
+    // Every load the head needs is issued before any is used (the
+    // position, the norm weights and the frequencies do not depend on the
+    // head's values): one round trip to L2 instead of one per kind.
+    const bool is_q = u < heads;
+    const kbf16* nwp = is_q ? qn : kn;
+    const float p = (float)mk_ld_cg_int(pos + tok);
+    float a[PER], b[PER], w1[PER], w2[PER], fq[PER];
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
       const int i = lane + j * KILN_WARP;
-      a[j] = i < half ? mk_ld_bf(src + i) : 0.0f;
-      b[j] = i < half ? mk_ld_bf(src + i + half) : 0.0f;
-      ss += a[j] * a[j] + b[j] * b[j];
+      const bool in = i < half;
+      a[j] = in ? mk_ld_bf(src + i) : 0.0f;
+      b[j] = in ? mk_ld_bf(src + i + half) : 0.0f;
+      w1[j] = in && has_norm ? ld(nwp[i]) : 0.0f;
+      w2[j] = in && has_norm ? ld(nwp[i + half]) : 0.0f;
+      fq[j] = in ? fr[i] : 0.0f;
     }
-    const bool is_q = u < heads;
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) ss += a[j] * a[j] + b[j] * b[j];
     if (has_norm) {
       ss = warp_sum(ss);
       const float inv = 1.0f / sqrtf(ss / (float)hd + eps);
-      const kbf16* nwp = is_q ? qn : kn;
 #pragma unroll
       for (int j = 0; j < PER; ++j) {
         const int i = lane + j * KILN_WARP;
         if (i < half) {
-          float w1 = ld(nwp[i]), w2 = ld(nwp[i + half]);
+          float x1 = w1[j], x2 = w2[j];
           if (unit_offset) {
-            w1 += 1.0f;
-            w2 += 1.0f;
+            x1 += 1.0f;
+            x2 += 1.0f;
           }
-          a[j] = round_to<kbf16>(a[j] * inv * w1);
-          b[j] = round_to<kbf16>(b[j] * inv * w2);
+          a[j] = round_to<kbf16>(a[j] * inv * x1);
+          b[j] = round_to<kbf16>(b[j] * inv * x2);
         }
       }
     }
@@ -756,12 +920,11 @@ KILN_DEV void mk_qkv_rope_kv_write(const MkTask& t) {
       if (!slot_ok) continue;
       dst = kc + slot * kvrow + (i64)(u - heads) * hd;
     }
-    const float p = (float)mk_ld_cg_int(pos + tok);
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
       const int i = lane + j * KILN_WARP;
       if (i < half) {
-        const float ang = p * fr[i];
+        const float ang = p * fq[j];
         const float c = cosf(ang), s = sinf(ang);
         dst[i] = st<kbf16>(a[j] * c - b[j] * s);
         dst[i + half] = st<kbf16>(b[j] * c + a[j] * s);
@@ -801,6 +964,10 @@ KILN_DEV void mk_qkv_rope_kv_write(const MkTask& t) {
 // definition of kiln_ir::Op::AttentionPartials.
 #define KILN_MK_ATTN_RT 4
 #define KILN_MK_ATTN_KU 4
+// The warps' rescaled accumulators ([warps][RT][head_dim] f32) go in the
+// GEMV's activation stage.
+static_assert(KILN_MK_WARPS * KILN_MK_ATTN_RT * KILN_MK_MAX_HEAD_DIM * 4 <= KILN_MK_X_STAGE * 2,
+              "the attention merge scratch must fit the activation stage");
 
 // Asks L2 for the K and V rows a paged_attention task's units will read:
 // each position the unit's rows can see (the last window positions with a
@@ -845,7 +1012,7 @@ KILN_DEV void mk_prefetch_attention(const MkTask& t) {
 #endif
 }
 template <int RT, int KU>
-KILN_DEV void mk_attention(const MkTask& t, float* smem) {
+KILN_DEV void mk_attention(const MkTask& t, float* smem, float* wred) {
   const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
   const int batch = t.i[0], Q = t.i[1], heads = t.i[2], kvh = t.i[3], hd = t.i[4];
   const int bs = t.i[5], M = t.i[6], window = t.i[7];
@@ -865,8 +1032,8 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem) {
   const bool has = lig < nch;
   const KilnDiv bsd = kiln_div(bs), hdd = kiln_div(hd);
   const i64 kvrow = (i64)kvh * hd;
-  float* red = smem;                                       // [RT][hd]
-  float* ml = smem + RT * KILN_MK_MAX_HEAD_DIM;            // [warps][RT][2]
+  // wred ([warps][RT][hd] f32) is the GEMV's activation stage, unused here.
+  float* ml = smem;                                        // [warps][RT][2]
   float* fin = ml + KILN_MK_WARPS * RT * 2;                // [RT][2]: max, 1 / sum
   float* fsum = fin + RT * 2;                              // [RT]: sum
   const int step = KILN_MK_WARPS * kpw * KU;
@@ -995,53 +1162,54 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem) {
           }
         }
         __syncthreads();
-        if (threadIdx.x < RT) {
-          const int j = threadIdx.x;
+        // Every thread takes the rows' maximum and sum over the warps
+        // itself (the same loops, so every thread gets the same values),
+        // each warp stores its rescaled accumulators in its own slice of
+        // wred, and one barrier later each output element is the warps'
+        // slices added in warp order: two barriers, not one per warp.
+#pragma unroll
+        for (int j = 0; j < RT; ++j) {
           float mx = -KILN_INF;
           for (int v = 0; v < KILN_MK_WARPS; ++v)
             if (ml[(v * RT + j) * 2 + 1] > 0.0f) mx = fmaxf(mx, ml[(v * RT + j) * 2]);
-          float ls = 0.0f;
-          for (int v = 0; v < KILN_MK_WARPS; ++v) {
-            const float lv = ml[(v * RT + j) * 2 + 1];
-            ls += lv > 0.0f ? expf(ml[(v * RT + j) * 2] - mx) * lv : 0.0f;
+          if (lane < nch) {
+            const float wv = l[j] > 0.0f ? expf(m[j] - mx) : 0.0f;
+            float* o = wred + ((i64)warp * RT + j) * hd + lane * 8;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = acc[j][e] * wv;
           }
-          fin[2 * j] = mx;
-          fin[2 * j + 1] = ls > 0.0f ? 1.0f / ls : 0.0f;
-          fsum[j] = ls;
+          if (threadIdx.x == 0) {
+            float ls = 0.0f;
+            for (int v = 0; v < KILN_MK_WARPS; ++v) {
+              const float lv = ml[(v * RT + j) * 2 + 1];
+              ls += lv > 0.0f ? expf(ml[(v * RT + j) * 2] - mx) * lv : 0.0f;
+            }
+            fin[2 * j] = mx;
+            fin[2 * j + 1] = ls > 0.0f ? 1.0f / ls : 0.0f;
+            fsum[j] = ls;
+          }
         }
         __syncthreads();
-        // Warps add their rescaled accumulators in warp order.
-        for (int v = 0; v < KILN_MK_WARPS; ++v) {
-          if (warp == v && lane < nch) {
-#pragma unroll
-            for (int j = 0; j < RT; ++j) {
-              const float wv = l[j] > 0.0f ? expf(m[j] - fin[2 * j]) : 0.0f;
-#pragma unroll
-              for (int e = 0; e < 8; ++e) {
-                float* o = red + j * hd + lane * 8 + e;
-                *o = (v == 0 ? 0.0f : *o) + acc[j][e] * wv;
-              }
-            }
-          }
-          __syncthreads();
-        }
         for (int x = threadIdx.x; x < RT * hd; x += KILN_MK_THREADS) {
           const int j = x / hdd, d = x % hdd;
           const int r = r0 + j;
           if (r >= rows) continue;
+          float sum = 0.0f;
+#pragma unroll
+          for (int v = 0; v < KILN_MK_WARPS; ++v) sum += wred[(i64)v * RT * hd + x];
           const int row = (b * Q + r) * heads + h;
           if (partial) {
             float* e = part_out + ((i64)row * runs + run) * (hd + 2);
-            e[d] = red[x];
+            e[d] = sum;
             if (d == 0) {
               e[hd] = fin[2 * j];
               e[hd + 1] = fsum[j];
             }
           } else {
-            out[(i64)row * hd + d] = st<kbf16>(red[x] * fin[2 * j + 1]);
+            out[(i64)row * hd + d] = st<kbf16>(sum * fin[2 * j + 1]);
           }
         }
-        __syncthreads();  // red and fin are reused by the next tile
+        __syncthreads();  // wred, ml and fin are reused by the next tile
       }
     }
   }
@@ -1055,34 +1223,73 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem) {
 // position). The partials were written by other blocks during this launch:
 // L1-bypassing loads. i: 0 rows, 1 heads, 2 head_dim, 3 runs. p: 0 partials
 // (f32), 1 out (bf16).
+//
+// Latency, not bytes, is this task's cost (a few KiB from L2), so no load
+// waits on another: lane r reads run r's (m, l) (runs 32 at a time), the
+// warp takes the maximum and each lane its run's weight, and the lanes
+// then add the runs in order with every run's elements loaded before the
+// first is added (the first form read the runs one after the other, two
+// dependent L2 round trips per run: 9-13 us per task on an H200's critical
+// path at 8-14 runs). The sums keep that form's order and expressions.
+#define KILN_MK_COMBINE_UNROLL 4
+KILN_DEV float mk_shfl(float v, int src) {
+  return __int_as_float(kiln_shfl_int(__float_as_int(v), src));
+}
 KILN_DEV void mk_attention_combine(const MkTask& t) {
   const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
   const int heads = t.i[1], hd = t.i[2], runs = t.i[3];
   const float* part = reinterpret_cast<const float*>(t.p[0]);
   kbf16* out = reinterpret_cast<kbf16*>(t.p[1]);
   constexpr int PER = KILN_MK_MAX_HEAD_DIM / KILN_WARP;
+  const i64 stride = hd + 2;
   for (int unit = (int)t.tile_begin + warp; unit < (int)t.tile_end; unit += KILN_MK_WARPS) {
     const int row = unit / heads, h = unit % heads;
-    const float* e0 = part + ((i64)row * heads + h) * runs * (hd + 2);
+    const float* e0 = part + ((i64)row * heads + h) * runs * stride;
     float mx = -KILN_INF;
-    for (int r = 0; r < runs; ++r) {
-      const float* e = e0 + (i64)r * (hd + 2);
-      if (mk_ld_cg_f32(e + hd + 1) > 0.0f) mx = fmaxf(mx, mk_ld_cg_f32(e + hd));
+    for (int r = lane; r < runs; r += KILN_WARP) {
+      const float mr = mk_ld_cg_f32(e0 + r * stride + hd);
+      const float lr = mk_ld_cg_f32(e0 + r * stride + hd + 1);
+      if (lr > 0.0f) mx = fmaxf(mx, mr);
     }
+    mx = warp_max(mx);
     float acc[PER];
 #pragma unroll
     for (int j = 0; j < PER; ++j) acc[j] = 0.0f;
     float l = 0.0f;
-    for (int r = 0; r < runs; ++r) {
-      const float* e = e0 + (i64)r * (hd + 2);
-      const float lr = mk_ld_cg_f32(e + hd + 1);
-      if (!(lr > 0.0f)) continue;
-      const float w = expf(mk_ld_cg_f32(e + hd) - mx);
-      l += w * lr;
+    for (int r0 = 0; r0 < runs; r0 += KILN_WARP) {
+      // This lane's run r0 + lane: its weight, its l, and whether it counts.
+      float w = 0.0f, lr = 0.0f;
+      int use = 0;
+      if (r0 + lane < runs) {
+        const float* e = e0 + (r0 + lane) * stride;
+        lr = mk_ld_cg_f32(e + hd + 1);
+        if (lr > 0.0f) {
+          w = expf(mk_ld_cg_f32(e + hd) - mx);
+          use = 1;
+        }
+      }
+      const int n = runs - r0 < KILN_WARP ? runs - r0 : KILN_WARP;
+      for (int k0 = 0; k0 < n; k0 += KILN_MK_COMBINE_UNROLL) {
+        float v[KILN_MK_COMBINE_UNROLL][PER];
 #pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int d = lane + j * KILN_WARP;
-        if (d < hd) acc[j] += w * mk_ld_cg_f32(e + d);
+        for (int u = 0; u < KILN_MK_COMBINE_UNROLL; ++u) {
+          const float* e = e0 + (r0 + k0 + u) * stride;
+#pragma unroll
+          for (int j = 0; j < PER; ++j) {
+            const int d = lane + j * KILN_WARP;
+            v[u][j] = k0 + u < n && d < hd ? mk_ld_cg_f32(e + d) : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < KILN_MK_COMBINE_UNROLL; ++u) {
+          const int src = (k0 + u) % KILN_WARP;
+          const float wk = mk_shfl(w, src), lk = mk_shfl(lr, src);
+          if (k0 + u < n && kiln_shfl_int(use, src)) {
+            l += wk * lk;
+#pragma unroll
+            for (int j = 0; j < PER; ++j) acc[j] += wk * v[u][j];
+          }
+        }
       }
     }
 #pragma unroll
@@ -1258,37 +1465,66 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
   // shared memory, not re-fetched from global memory after every barrier
   // and acquire (which the compiler may not move loads across).
   __shared__ MkTask cur;
+  __shared__ unsigned long long bars[2];
   const unsigned int ws_bytes = mk_ws_bytes();
   const unsigned int q = blockIdx.x;
-  const unsigned int end = queue_start[q + 1];
-  for (unsigned int i = queue_start[q]; i < end; ++i) {
-    const unsigned int ti = queue_tasks[i];
-    if (threadIdx.x < sizeof(MkTask) / 4)
-      reinterpret_cast<unsigned int*>(&cur)[threadIdx.x] =
-          reinterpret_cast<const unsigned int*>(tasks + ti)[threadIdx.x];
+  const unsigned int begin = queue_start[q], end = queue_start[q + 1];
+  MkRing ring{bars, 0u};
+  mk_ring_init(ring);
+  // The current task's weight stage when the previous task issued it
+  // (mk_stage_next; rows 0: it did not, and the task stages itself).
+  MkStage ahead{0, 0u, 0u, false};
+  // The next record's words (threads < 48 hold one each), loaded while
+  // the current task runs, so starting a task costs no L2 round trip.
+  constexpr unsigned int kWords = sizeof(MkTask) / 4;
+  unsigned int ti = begin < end ? queue_tasks[begin] : 0u;
+  unsigned int word = begin < end && threadIdx.x < kWords
+                          ? reinterpret_cast<const unsigned int*>(tasks + ti)[threadIdx.x]
+                          : 0u;
+  for (unsigned int i = begin; i < end; ++i) {
+    if (threadIdx.x < kWords) reinterpret_cast<unsigned int*>(&cur)[threadIdx.x] = word;
     __syncthreads();
     const MkTask& t = cur;
     const unsigned int counter = t.counter;
-    if (trace != nullptr && threadIdx.x == 0) trace[3 * (unsigned long long)ti] = mk_now();
-    const int staged = ws_bytes != 0 ? mk_stage_w(t, ws_bytes) : 0;
+    const unsigned int this_ti = ti;
+    if (trace != nullptr && threadIdx.x == 0) trace[3 * (unsigned long long)this_ti] = mk_now();
+    const MkTask* next = nullptr;
+    if (i + 1 < end) {
+      ti = queue_tasks[i + 1];
+      next = tasks + ti;
+      if (threadIdx.x < kWords) word = reinterpret_cast<const unsigned int*>(next)[threadIdx.x];
+    }
+    // Every earlier stage has been read (the previous task's barrier), so
+    // a task the look-ahead could not stage gets the whole buffer.
+    const MkStage stage = ahead.rows != 0
+                              ? ahead
+                              : (ws_bytes != 0 ? mk_stage_w(t, ws_bytes, false, ws_bytes, ring)
+                                               : ahead);
+    ahead = MkStage{0, 0u, 0u, false};
+#if KILN_MK_LOOKAHEAD
+    // The next task's weights into what this stage leaves free, so they
+    // land while this task waits and computes.
+    if (next != nullptr && ws_bytes != 0) ahead = mk_stage_next(*next, stage, ws_bytes, ring);
+#endif
     // L2 prefetch of what the stage does not hold (all of it when nothing
     // is staged; the whole tile when part is: a hint).
-    if (staged < (int)(t.tile_end - t.tile_begin)) mk_prefetch(t);
+    if (stage.rows < (int)(t.tile_end - t.tile_begin)) mk_prefetch(t);
     for (unsigned int n = threadIdx.x; n < t.wait_count; n += KILN_MK_THREADS) {
       const MkWait wt = waits[t.wait_begin + n];
       while (mk_load_acquire(&counters[wt.counter]) < wt.target) mk_pause();
     }
     __syncthreads();
-    if (trace != nullptr && threadIdx.x == 0) trace[3 * (unsigned long long)ti + 1] = mk_now();
-    if (i + 1 < end) mk_prefetch(tasks[queue_tasks[i + 1]], KILN_MK_PREFETCH_NEXT);
+    if (trace != nullptr && threadIdx.x == 0) trace[3 * (unsigned long long)this_ti + 1] = mk_now();
+    if (next != nullptr && ahead.rows < (int)(next->tile_end - next->tile_begin))
+      mk_prefetch(*next, KILN_MK_PREFETCH_NEXT);
     switch (t.kind) {
       case KILN_MK_GEMV_BF16:
       case KILN_MK_GEMV_BF16_F32:
       case KILN_MK_GEMV_ARGMAX:
         if (t.i[0] == 1)
-          mk_gemv<1>(t, smem, xs, staged);
+          mk_gemv<1>(t, smem, xs, stage, ring, ahead.rows != 0);
         else
-          mk_gemv<8>(t, smem, xs, staged);
+          mk_gemv<8>(t, smem, xs, stage, ring, ahead.rows != 0);
         break;
       case KILN_MK_EMBEDDING:
         mk_embedding(t);
@@ -1303,11 +1539,13 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
         mk_qkv_rope_kv_write(t);
         break;
       case KILN_MK_PAGED_ATTENTION:
-        // Decode (one row per unit) keeps twice the positions in flight.
+        // Decode (one row per unit): KU 4, so a run of 64 positions
+        // (ctx 512 in 8 runs) keeps all eight warps busy (KU 8 left half
+        // of them idle).
         if (t.i[1] == 1)
-          mk_attention<1, 2 * KILN_MK_ATTN_KU>(t, smem);
+          mk_attention<1, KILN_MK_ATTN_KU>(t, smem, reinterpret_cast<float*>(xs));
         else
-          mk_attention<KILN_MK_ATTN_RT, KILN_MK_ATTN_KU>(t, smem);
+          mk_attention<KILN_MK_ATTN_RT, KILN_MK_ATTN_KU>(t, smem, reinterpret_cast<float*>(xs));
         break;
       case KILN_MK_SILU_MUL:
         mk_act_mul<0>(t);
@@ -1343,8 +1581,11 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
     __syncthreads();
     if (threadIdx.x == 0) {
       mk_release_add(&counters[counter]);
-      if (trace != nullptr) trace[3 * (unsigned long long)ti + 2] = mk_now();
+      if (trace != nullptr) trace[3 * (unsigned long long)this_ti + 2] = mk_now();
     }
+    // mk_gemv waited for this stage's end once: its next completion has
+    // the other parity.
+    if (stage.rows != 0) ring.parity ^= stage.top ? 2u : 1u;
   }
 }
 

@@ -75,9 +75,10 @@ pub const TASK_BYTES: usize = 192;
 pub const WAIT_BYTES: usize = 8;
 
 /// Static shared memory the interpreter declares (bytes): the scratch
-/// floats, the GEMV's staged activations and the current task's record.
+/// floats, the GEMV's staged activations, the current task's record and
+/// the weight stage's two mbarriers.
 /// The dynamic part is the weight stage ([`WEIGHT_STAGE_BYTES`]).
-pub const SHARED_BYTES: u32 = 4 * SMEM_FLOATS + 2 * X_STAGE + TASK_BYTES as u32;
+pub const SHARED_BYTES: u32 = 4 * SMEM_FLOATS + 2 * X_STAGE + TASK_BYTES as u32 + 16;
 const SMEM_FLOATS: u32 = 1344;
 /// The bf16 activations a GEMV task stages in shared memory per pass
 /// (`KILN_MK_X_STAGE`): tokens of K elements go in chunks of
@@ -86,15 +87,19 @@ pub const X_STAGE: u32 = 16384;
 
 /// The dynamic shared memory the engine asks for the interpreter's GEMV
 /// weight stage: a GEMV tile copies as many of its first weight rows as
-/// fit there with `cp.async` before its waits (those bytes in flight at
-/// once, landing while the block waits), and streams only the rest from
-/// DRAM after them. 160 KiB takes every GEMV tile of Qwen3-0.6B and
-/// SmolLM2-135M at 132 queues whole (gate_up with its SiLU epilogue: 32 +
-/// 32 rows of 2 KiB) and leaves room for the static shared memory within
-/// an sm_90 block's 227 KiB. The backend grants less where the device has less (or none
-/// where the grant would cost the co-residency the tape needs);
-/// `KILN_MK_WSTAGE=<bytes>` overrides the request (0: no staging).
-pub const WEIGHT_STAGE_BYTES: u32 = 160 << 10;
+/// fit there with `cp.async`, issued while the block's previous task still
+/// runs (the stage is a two-ended ring: the next task's rows go into the
+/// bytes the current task's rows leave free), so those bytes are in flight
+/// while the block finishes one task and waits for the next; only the rest
+/// streams from DRAM after the waits. 184 KiB is what an sm_90 block's
+/// 227 KiB leaves beside the static shared memory ([`SHARED_BYTES`]) and
+/// the driver's reserve; it holds two consecutive GEMV tiles of Qwen3-0.6B
+/// and SmolLM2-135M at 132 queues whole or nearly (gate_up with its SiLU
+/// epilogue: 24 + 24 rows of 2 KiB, down 16 rows of 6 KiB). The backend
+/// grants less where the device has less (or none where the grant would
+/// cost the co-residency the tape needs); `KILN_MK_WSTAGE=<bytes>`
+/// overrides the request (0: no staging).
+pub const WEIGHT_STAGE_BYTES: u32 = 184 << 10;
 
 /// The widest head the attention and RoPE tasks take.
 pub const MAX_HEAD_DIM: u32 = 256;
@@ -1125,6 +1130,9 @@ mod tests {
         }
         assert!(src.contains(&format!("KILN_GLOBAL void {RESET_ENTRY}(")));
         const { assert!(SHARED_BYTES <= 48 * 1024) };
+        // Static plus the stage fit one sm_90 block (227 KiB) with the
+        // driver's 1 KiB reserve per block to spare.
+        const { assert!(SHARED_BYTES + WEIGHT_STAGE_BYTES + 1024 <= 227 * 1024) };
     }
 
     #[test]
