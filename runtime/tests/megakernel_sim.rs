@@ -189,7 +189,7 @@ fn the_weight_stage_is_granted_where_the_device_has_room_and_dropped_where_it_co
         (1, 189 << 10, 228 << 10, stage),
         // A smaller part (an sm_80-sized opt-in): what it has.
         (1, 120 << 10, 164 << 10, 120 << 10),
-        // Two blocks per SM would not fit beside a 160 KiB stage: none.
+        // Two blocks per SM would not fit beside a 184 KiB stage: none.
         (2, 189 << 10, 228 << 10, 0),
         // A driver that grants nothing: none.
         (1, 0, 228 << 10, 0),
