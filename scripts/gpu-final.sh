@@ -26,7 +26,8 @@
 #           scripts/bench-serve.py at concurrency 1, 8, 32
 #   ncu     Nsight Compute summary of one step per model (KILN_NCU_MODEL, a
 #           list, default qwen3-0.6b), variant and key (see the stage);
-#           KILN_NCU_SECTIONS adds whole sections (e.g. WarpStateStats)
+#           KILN_NCU_SECTIONS adds whole sections (e.g. WarpStateStats),
+#           KILN_NCU_RAW=1 all their metrics (stall reasons in the summary)
 #   sanitize (opt-in) compute-sanitizer (KILN_SANITIZE_TOOLS, default memcheck;
 #           e.g. "memcheck racecheck") over carried test binaries:
 #           KILN_SANITIZE="BINARY[:FILTER] ..." (e.g. "cuda_quant cuda_backend:fused")
@@ -269,12 +270,18 @@ if [[ " $stages " == *" ncu "* && -n "$last" ]]; then
         secs=()
         for sec in $KILN_NCU_SECTIONS; do secs+=(--section "$sec"); done
         txt="$OUT/logs/ncu-sections-$nm-$v-$key.txt"
+        # KILN_NCU_RAW=1: every metric the sections collect (`--page raw`),
+        # with the stall reasons per issued instruction, largest first, in
+        # the summary (the details page prints only the largest one).
         timeout 300 ncu --launch-count "${KILN_NCU_KERNELS:-600}" "${secs[@]}" \
+          ${KILN_NCU_RAW:+--page raw} \
           ${KILN_NCU_FILTER:+--kernel-name "$KILN_NCU_FILTER"} \
           "$B/kiln-$v" bench "$plan" --device cuda --keys "$key" --steps 1 --context 512 \
           > "$txt" 2>&1
         echo "ncu sections $nm $v $key: rc=$?" >> "$S"
         grep -E "Stall|Warp Cycles|Issued Warp|No Eligible|Active Warps|Eligible Warps|Duration" "$txt" | head -40 >> "$S"
+        grep -E "issue_stalled_[a-z_]+_per_issue_active\.ratio" "$txt" | grep -v "not_issued" \
+          | awk '{print $NF, $1}' | sort -g -r | head -16 >> "$S"
       fi
       python3 - "$csv" >> "$S" 2>&1 <<'PY'
 import csv, sys, collections
