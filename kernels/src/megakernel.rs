@@ -17,7 +17,9 @@
 //! context-split form, `attention_partials` as an attention task with runs
 //! plus `attention_combine`; both forms, the argmax row tiles and the GEMV
 //! weight stage passed `megakernel_gpu` and `cuda_serve` on an H100 in
-//! bench/results/gpu-2026-12-05-s22)
+//! bench/results/gpu-2026-12-05-s22; the two-ended TMA stage with
+//! look-ahead, the parallel combine and the two-barrier attention merge in
+//! bench/results/gpu-2026-12-07-s33)
 //! per (sequence, query head), the gated activations, add, scale, argmax, gather
 //! last). It compiles under NVRTC (tested here). Every task kind has run
 //! once on an H200 against the CPU reference over hand-built tapes
@@ -25,8 +27,9 @@
 //! whole compiled plans' tapes run through it on the engine
 //! (`tests/tests/cuda_serve.rs`: the graph schedule's tokens on every key of
 //! five families; bench/results/gpu-2026-12-02-s13). It is correct but
-//! not yet fast (4.7-20x the graph schedule's step: the tape's critical
-//! path, see those results). It is
+//! not yet fast: 1.4-1.5x the graph schedule's b1 step on an H100
+//! (bench/results/gpu-2026-12-07-s33, where the critical path is broken
+//! down). It is
 //! deliberately not in [`crate::gpu::MODULES`] (the compiler adds it to a
 //! plan's images only for megakernel keys). Known cost: `fused_matmul
 //! {argmax}` (and `argmax`) have one unit, so the whole lm_head runs on one
