@@ -188,6 +188,12 @@ pub struct CriticalPath {
     /// counters' round trip: release add, acquire polling, the barrier
     /// after it), summed over the hops.
     pub signal_us: f64,
+    /// The part of `signal_us` before the waiting block reached the task:
+    /// the producer was done before the waiter's own queue got there, so
+    /// that time is the waiter's queue running late (its earlier tasks, the
+    /// loop between them), not the counters. `signal_us - signal_late_us`
+    /// is the counters' round trip proper (the waiter was there, polling).
+    pub signal_late_us: f64,
     /// From the previous task of the same queue finishing to this one's
     /// waits being met, where the queue (not a wait) was the later: the
     /// interpreter's own time between tasks (the next record, its waits,
@@ -370,7 +376,8 @@ pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 3]]) -> Option<
     let last = (0..n).max_by_key(|&i| trace[i][2])?;
     let (mut i, mut first) = (last, last);
     let mut busy: std::collections::BTreeMap<String, f64> = Default::default();
-    let (mut signal, mut queue, mut tasks, mut hops) = (0.0f64, 0.0f64, 0u32, 0u32);
+    let (mut signal, mut late, mut queue, mut tasks, mut hops) =
+        (0.0f64, 0.0f64, 0.0f64, 0u32, 0u32);
     let gap = |a: u64, b: u64| a.saturating_sub(b) as f64 / 1e3;
     // Each step moves to a task that finished no later (ties broken by the
     // tape order), so the walk ends; the bound guards a corrupt trace.
@@ -393,6 +400,7 @@ pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 3]]) -> Option<
         match (producer, pred) {
             (Some(p), q) if q.is_none_or(|q| trace[p][2] >= trace[q][2]) => {
                 signal += gap(met, trace[p][2]);
+                late += gap(reach.min(met), trace[p][2]);
                 hops += 1;
                 i = p;
             }
@@ -414,6 +422,7 @@ pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 3]]) -> Option<
         span_us: gap(trace[last][2], trace[first][0]),
         busy_us,
         signal_us: signal,
+        signal_late_us: late,
         queue_us: queue,
     })
 }
@@ -522,7 +531,7 @@ fn critical_path_line(k: &KeyResult, c: &CriticalPath) -> String {
         .map(|(class, us)| format!("{} {us:.1}", class.trim_start_matches("task.")))
         .collect();
     format!(
-        "critical path {}: {} tasks, {} hops between queues, {:.1} us: busy {busy:.1} us ({}), signal {:.1} us ({:.2} us per hop), between tasks {:.1} us ({:.2} us per task)\n",
+        "critical path {}: {} tasks, {} hops between queues, {:.1} us: busy {busy:.1} us ({}), signal {:.1} us ({:.2} us per hop; {:.1} us of it before the waiter reached the task), between tasks {:.1} us ({:.2} us per task)\n",
         k.key,
         c.tasks,
         c.hops,
@@ -530,6 +539,7 @@ fn critical_path_line(k: &KeyResult, c: &CriticalPath) -> String {
         classes.join(", "),
         c.signal_us,
         c.signal_us / c.hops.max(1) as f64,
+        c.signal_late_us,
         c.queue_us,
         c.queue_us / c.tasks.saturating_sub(c.hops).max(1) as f64,
     )
@@ -1016,6 +1026,37 @@ mod tests {
         assert!(c.span_us <= trace[n as usize - 1][2] as f64 / 1e3);
         // A trace of the wrong length is not this tape's.
         assert!(critical_path(kp, &trace[1..]).is_none());
+    }
+
+    /// A hop's signal time splits in two: before the waiting block reached
+    /// the task (its own queue was late: the producer was already done),
+    /// and after (the counters' round trip while the block polled).
+    #[test]
+    fn a_hops_signal_separates_a_waiter_arriving_late_from_the_counter_round_trip() {
+        let plan = tiny_megakernel_plan();
+        let kp = &plan.keys[0];
+        let n = kp.schedule.tape().unwrap().tasks.len() as u64;
+        // Every block reached its tasks at once (time 0): nothing is late,
+        // the whole signal is the round trip.
+        let early: Vec<[u64; 3]> = (0..n)
+            .map(|i| [0, 1000 * i + 100, 1000 * i + 600])
+            .collect();
+        let c = critical_path(kp, &early).unwrap();
+        assert!(c.hops > 0 && c.signal_us > 0.0, "{c:#?}");
+        assert_eq!(c.signal_late_us, 0.0, "{c:#?}");
+        // Task i reached 1000 i, met 100 later: a hop from task p (done at
+        // 1000 p + 600) is late by 1000 (i - p) - 600 of its
+        // 1000 (i - p) - 500, so 100 ns per hop is the round trip.
+        let late: Vec<[u64; 3]> = (0..n)
+            .map(|i| [1000 * i, 1000 * i + 100, 1000 * i + 600])
+            .collect();
+        let c = critical_path(kp, &late).unwrap();
+        assert!(c.hops > 0, "{c:#?}");
+        let round_trip = c.signal_us - c.signal_late_us;
+        assert!(
+            (round_trip - 0.1 * c.hops as f64).abs() < 1e-9,
+            "{round_trip} {c:#?}"
+        );
     }
 
     /// `kiln bench PLAN --also PLAN2`: the second plan's rows follow the
