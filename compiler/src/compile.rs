@@ -623,7 +623,8 @@ pub fn compile_traced<E: Display>(
                 .megakernel
                 .sm_count
                 .saturating_mul(opts.megakernel.blocks_per_sm);
-            let (g, info, _) = passes::split_attention(g, &manifest, queues)?;
+            let (g, info, _) =
+                passes::split_attention(g, &manifest, queues, opts.megakernel.fold_combine)?;
             (g, info)
         } else {
             (g, info)
@@ -957,6 +958,11 @@ pub struct CompileArgs {
     /// task queue each).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=32))]
     pub megakernel_blocks_per_sm: u32,
+    /// With --schedule megakernel: keep each attention's combine a task of
+    /// its own instead of folding it into the output projection's tiles
+    /// (`combine_matmul`; an A/B knob).
+    #[arg(long)]
+    pub megakernel_no_fold_combine: bool,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -1019,6 +1025,7 @@ impl CompileArgs {
             megakernel: passes::megakernel::MegakernelOptions {
                 sm_count: self.megakernel_sms,
                 blocks_per_sm: self.megakernel_blocks_per_sm,
+                fold_combine: !self.megakernel_no_fold_combine,
                 ..Default::default()
             },
         }

@@ -541,6 +541,26 @@ KILN_DEV void mk_stage_x(const kbf16* __restrict__ x, const kbf16* __restrict__ 
   __syncthreads();
 }
 
+__device__ __noinline__ void mk_combine_unit(const float* e0, int runs, int hd, kbf16* dst);
+
+// The combine prologue (combine_matmul): tokens [t0, t0 + tc) of the
+// attention output, combined from the f32 partials (heads x runs entries
+// of hd + 2 floats per row, attention_combine's layout) straight into xs,
+// each (token, head) by one warp with the combine task's code, so xs holds
+// the bf16 rows that task would have stored. Ends with a barrier.
+KILN_DEV void mk_stage_combine(const float* __restrict__ part, int heads, int hd, int runs,
+                               int t0, int tc, int k, uint4* xs) {
+  const int warp = threadIdx.x / KILN_WARP;
+  kbf16* xh = reinterpret_cast<kbf16*>(xs);
+  const i64 stride = hd + 2;
+  for (int u = warp; u < tc * heads; u += KILN_MK_WARPS) {
+    const int q = u / heads, h = u - q * heads;
+    const i64 e = ((i64)(t0 + q) * heads + h) * runs * stride;
+    mk_combine_unit(part + e, runs, hd, xh + (i64)q * k + (i64)h * hd);
+  }
+  __syncthreads();
+}
+
 // This warp's two weight rows r0, r1 times the tc (<= TT) staged tokens.
 // Each lane accumulates the 8-element vectors lane, lane + 32, ... in
 // order (U of each row in flight, the tail predicated) and the warp sums
@@ -690,7 +710,11 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, const MkStage& st
 #endif
   for (int t0 = 0; t0 < T; t0 += tcap) {
     const int tc = T - t0 < tcap ? T - t0 : tcap;
-    mk_stage_x(x, nw, pre, unit, eps, t0, tc, k, xs, smem);
+    if (pre == 2)
+      mk_stage_combine(reinterpret_cast<const float*>(t.p[0]), t.i[8], t.i[9], t.i[10], t0, tc,
+                       k, xs);
+    else
+      mk_stage_x(x, nw, pre, unit, eps, t0, tc, k, xs, smem);
     if (staged > 0 && t0 == 0) {
       mk_stage_wait(stg, ring, later);
       __syncthreads();
@@ -1235,68 +1259,80 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem, float* wred) {
 KILN_DEV float mk_shfl(float v, int src) {
   return __int_as_float(kiln_shfl_int(__float_as_int(v), src));
 }
+// One (row, head) of the combine, by one warp: e0 is the unit's first run
+// entry (runs entries of hd + 2 floats), dst its hd results (global memory
+// for the combine task, the GEMV's staged activations for a combine_matmul
+// tile: a generic pointer, so one body serves both and their bits agree).
+// Out of line: one copy for the combine task and both GEMV instances (code
+// size is time here).
+__device__ __noinline__ void mk_combine_unit(const float* e0, int runs, int hd, kbf16* dst) {
+  const int lane = threadIdx.x % KILN_WARP;
+  constexpr int PER = KILN_MK_MAX_HEAD_DIM / KILN_WARP;
+  const i64 stride = hd + 2;
+  float mx = -KILN_INF;
+  for (int r = lane; r < runs; r += KILN_WARP) {
+    const float mr = mk_ld_cg_f32(e0 + r * stride + hd);
+    const float lr = mk_ld_cg_f32(e0 + r * stride + hd + 1);
+    if (lr > 0.0f) mx = fmaxf(mx, mr);
+  }
+  mx = warp_max(mx);
+  float acc[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) acc[j] = 0.0f;
+  float l = 0.0f;
+  for (int r0 = 0; r0 < runs; r0 += KILN_WARP) {
+    // This lane's run r0 + lane: its weight, its l, and whether it counts.
+    float w = 0.0f, lr = 0.0f;
+    int use = 0;
+    if (r0 + lane < runs) {
+      const float* e = e0 + (r0 + lane) * stride;
+      lr = mk_ld_cg_f32(e + hd + 1);
+      if (lr > 0.0f) {
+        w = expf(mk_ld_cg_f32(e + hd) - mx);
+        use = 1;
+      }
+    }
+    const int n = runs - r0 < KILN_WARP ? runs - r0 : KILN_WARP;
+    for (int k0 = 0; k0 < n; k0 += KILN_MK_COMBINE_UNROLL) {
+      float v[KILN_MK_COMBINE_UNROLL][PER];
+#pragma unroll
+      for (int u = 0; u < KILN_MK_COMBINE_UNROLL; ++u) {
+        const float* e = e0 + (r0 + k0 + u) * stride;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+          const int d = lane + j * KILN_WARP;
+          v[u][j] = k0 + u < n && d < hd ? mk_ld_cg_f32(e + d) : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < KILN_MK_COMBINE_UNROLL; ++u) {
+        const int src = (k0 + u) % KILN_WARP;
+        const float wk = mk_shfl(w, src), lk = mk_shfl(lr, src);
+        if (k0 + u < n && kiln_shfl_int(use, src)) {
+          l += wk * lk;
+#pragma unroll
+          for (int j = 0; j < PER; ++j) acc[j] += wk * v[u][j];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int d = lane + j * KILN_WARP;
+    if (d < hd) dst[d] = st<kbf16>(l > 0.0f ? acc[j] / l : 0.0f);
+  }
+}
+
 KILN_DEV void mk_attention_combine(const MkTask& t) {
-  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
+  const int warp = threadIdx.x / KILN_WARP;
   const int heads = t.i[1], hd = t.i[2], runs = t.i[3];
   const float* part = reinterpret_cast<const float*>(t.p[0]);
   kbf16* out = reinterpret_cast<kbf16*>(t.p[1]);
-  constexpr int PER = KILN_MK_MAX_HEAD_DIM / KILN_WARP;
   const i64 stride = hd + 2;
   for (int unit = (int)t.tile_begin + warp; unit < (int)t.tile_end; unit += KILN_MK_WARPS) {
     const int row = unit / heads, h = unit % heads;
-    const float* e0 = part + ((i64)row * heads + h) * runs * stride;
-    float mx = -KILN_INF;
-    for (int r = lane; r < runs; r += KILN_WARP) {
-      const float mr = mk_ld_cg_f32(e0 + r * stride + hd);
-      const float lr = mk_ld_cg_f32(e0 + r * stride + hd + 1);
-      if (lr > 0.0f) mx = fmaxf(mx, mr);
-    }
-    mx = warp_max(mx);
-    float acc[PER];
-#pragma unroll
-    for (int j = 0; j < PER; ++j) acc[j] = 0.0f;
-    float l = 0.0f;
-    for (int r0 = 0; r0 < runs; r0 += KILN_WARP) {
-      // This lane's run r0 + lane: its weight, its l, and whether it counts.
-      float w = 0.0f, lr = 0.0f;
-      int use = 0;
-      if (r0 + lane < runs) {
-        const float* e = e0 + (r0 + lane) * stride;
-        lr = mk_ld_cg_f32(e + hd + 1);
-        if (lr > 0.0f) {
-          w = expf(mk_ld_cg_f32(e + hd) - mx);
-          use = 1;
-        }
-      }
-      const int n = runs - r0 < KILN_WARP ? runs - r0 : KILN_WARP;
-      for (int k0 = 0; k0 < n; k0 += KILN_MK_COMBINE_UNROLL) {
-        float v[KILN_MK_COMBINE_UNROLL][PER];
-#pragma unroll
-        for (int u = 0; u < KILN_MK_COMBINE_UNROLL; ++u) {
-          const float* e = e0 + (r0 + k0 + u) * stride;
-#pragma unroll
-          for (int j = 0; j < PER; ++j) {
-            const int d = lane + j * KILN_WARP;
-            v[u][j] = k0 + u < n && d < hd ? mk_ld_cg_f32(e + d) : 0.0f;
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < KILN_MK_COMBINE_UNROLL; ++u) {
-          const int src = (k0 + u) % KILN_WARP;
-          const float wk = mk_shfl(w, src), lk = mk_shfl(lr, src);
-          if (k0 + u < n && kiln_shfl_int(use, src)) {
-            l += wk * lk;
-#pragma unroll
-            for (int j = 0; j < PER; ++j) acc[j] += wk * v[u][j];
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int d = lane + j * KILN_WARP;
-      if (d < hd) out[((i64)row * heads + h) * hd + d] = st<kbf16>(l > 0.0f ? acc[j] / l : 0.0f);
-    }
+    const i64 u = (i64)row * heads + h;
+    mk_combine_unit(part + u * runs * stride, runs, hd, out + u * hd);
   }
 }
 

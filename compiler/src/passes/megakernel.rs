@@ -80,6 +80,11 @@ pub struct MegakernelOptions {
     pub blocks_per_sm: u32,
     /// Narrowest matmul tile, in output columns.
     pub min_tile: u32,
+    /// Whether an `attention_combine` read only by a projection becomes
+    /// `combine_matmul` (`fuse::combine_matmul`): every output tile of the
+    /// projection combines the runs itself, so the combine's tasks and one
+    /// dependency hop per layer leave the critical path.
+    pub fold_combine: bool,
 }
 
 impl Default for MegakernelOptions {
@@ -88,6 +93,7 @@ impl Default for MegakernelOptions {
             sm_count: 132,
             blocks_per_sm: 1,
             min_tile: 16,
+            fold_combine: true,
         }
     }
 }
