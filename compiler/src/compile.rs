@@ -963,6 +963,11 @@ pub struct CompileArgs {
     /// (`combine_matmul`; an A/B knob).
     #[arg(long)]
     pub megakernel_no_fold_combine: bool,
+    /// With --schedule megakernel: what the task scheduler charges a
+    /// dependency between two queues, in ns (0: nothing), so consumers go
+    /// to their producer's queue when it is free early enough.
+    #[arg(long, default_value_t = passes::megakernel::MegakernelOptions::default().hop_ns)]
+    pub megakernel_hop_ns: u64,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -1026,6 +1031,7 @@ impl CompileArgs {
                 sm_count: self.megakernel_sms,
                 blocks_per_sm: self.megakernel_blocks_per_sm,
                 fold_combine: !self.megakernel_no_fold_combine,
+                hop_ns: self.megakernel_hop_ns,
                 ..Default::default()
             },
         }

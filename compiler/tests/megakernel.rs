@@ -703,3 +703,42 @@ fn scheduling_and_verifying_qwen3_0_6b_at_132_sms_takes_seconds_not_minutes() {
     }
     assert!((t2 - t1).as_secs() < 60);
 }
+
+/// Waits on a task of another queue, over the whole tape.
+fn cross_queue_waits(t: &Tape) -> usize {
+    let mut queue_of = vec![0usize; t.tasks.len()];
+    for (q, tasks) in t.queues.iter().enumerate() {
+        for &x in tasks {
+            queue_of[x as usize] = q;
+        }
+    }
+    t.tasks
+        .iter()
+        .enumerate()
+        .map(|(x, task)| {
+            task.waits
+                .iter()
+                .filter(|w| queue_of[w.counter as usize] != queue_of[x])
+                .count()
+        })
+        .sum()
+}
+
+#[test]
+fn charging_a_hop_between_queues_keeps_more_consumers_on_their_producers_queue() {
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    let mut free = options("cuda:sm_90", "b1q1s0", 8);
+    free.megakernel.hop_ns = 0;
+    let mut charged = free.clone();
+    charged.megakernel.hop_ns = 3000;
+    let a = compile_synth(&spec, &free).plan;
+    let b = compile_synth(&spec, &charged).plan;
+    validate(&b).unwrap_or_else(|e| panic!("{e}"));
+    let (wa, wb) = (
+        cross_queue_waits(tape(&a, 0)),
+        cross_queue_waits(tape(&b, 0)),
+    );
+    assert!(wb < wa, "cross-queue waits: {wa} free, {wb} charged");
+    // Same tasks, only placed differently.
+    assert_eq!(tape(&a, 0).tasks.len(), tape(&b, 0).tasks.len());
+}
