@@ -545,18 +545,102 @@ __device__ __noinline__ void mk_combine_unit(const float* e0, int runs, int hd, 
 
 // The combine prologue (combine_matmul): tokens [t0, t0 + tc) of the
 // attention output, combined from the f32 partials (heads x runs entries
-// of hd + 2 floats per row, attention_combine's layout) straight into xs,
-// each (token, head) by one warp with the combine task's code, so xs holds
-// the bf16 rows that task would have stored. Ends with a barrier.
-KILN_DEV void mk_stage_combine(const float* __restrict__ part, int heads, int hd, int runs,
-                               int t0, int tc, int k, uint4* xs) {
-  const int warp = threadIdx.x / KILN_WARP;
-  kbf16* xh = reinterpret_cast<kbf16*>(xs);
+// of hd + 2 floats per row, attention_combine's layout) straight into xs
+// ([tc][k] bf16, k = heads x hd), as the combine task would have stored
+// them. Every o_proj tile does this for all heads, so it is laid out for
+// latency: one thread per (token, head) loads all its runs' (m, l) at once
+// and leaves each run's weight exp(m - M) (-1: the run saw nothing) and
+// the weight sum L in smem; then each thread takes four elements and
+// loads eight runs of each at once, adding them in run order with
+// mk_combine_unit's expressions (so the bits are the combine task's): two
+// L2 round trips where a warp per (token, head) took three per head, one
+// head after another. Needs (units + 1) x runs floats of smem (units = tc
+// x heads) and at most KILN_MK_COMBINE_RUNS runs; otherwise a warp per
+// unit with mk_combine_unit. Ends with a barrier.
+#define KILN_MK_COMBINE_RUNS 16
+__device__ __noinline__ void mk_stage_combine(const float* __restrict__ part, int heads, int hd,
+                                              int runs, int t0, int tc, int k, uint4* xs,
+                                              float* smem) {
   const i64 stride = hd + 2;
-  for (int u = warp; u < tc * heads; u += KILN_MK_WARPS) {
-    const int q = u / heads, h = u - q * heads;
-    const i64 e = ((i64)(t0 + q) * heads + h) * runs * stride;
-    mk_combine_unit(part + e, runs, hd, xh + (i64)q * k + (i64)h * hd);
+  const int units = tc * heads;
+  kbf16* xh = reinterpret_cast<kbf16*>(xs);
+  const float* base = part + (i64)t0 * heads * runs * stride;
+  if (runs > KILN_MK_COMBINE_RUNS || units * runs + units > KILN_MK_SMEM_FLOATS) {
+    const int warp = threadIdx.x / KILN_WARP;
+    for (int u = warp; u < units; u += KILN_MK_WARPS) {
+      const int q = u / heads, h = u - q * heads;
+      mk_combine_unit(base + (i64)u * runs * stride, runs, hd, xh + (i64)q * k + (i64)h * hd);
+    }
+    __syncthreads();
+    return;
+  }
+  float* sw = smem;                 // [units][runs]: each run's weight, -1 when unused
+  float* sl = smem + units * runs;  // [units]: L
+  for (int u = threadIdx.x; u < units; u += KILN_MK_THREADS) {
+    const float* e0 = base + (i64)u * runs * stride + hd;
+    float m[KILN_MK_COMBINE_RUNS], l[KILN_MK_COMBINE_RUNS];
+#pragma unroll
+    for (int r = 0; r < KILN_MK_COMBINE_RUNS; ++r) {
+      m[r] = r < runs ? mk_ld_cg_f32(e0 + r * stride) : 0.0f;
+      l[r] = r < runs ? mk_ld_cg_f32(e0 + r * stride + 1) : 0.0f;
+    }
+    float mx = -KILN_INF;
+#pragma unroll
+    for (int r = 0; r < KILN_MK_COMBINE_RUNS; ++r)
+      if (r < runs && l[r] > 0.0f) mx = fmaxf(mx, m[r]);
+    float L = 0.0f;
+#pragma unroll
+    for (int r = 0; r < KILN_MK_COMBINE_RUNS; ++r) {
+      if (r < runs) {
+        float w = -1.0f;
+        if (l[r] > 0.0f) {
+          w = expf(m[r] - mx);
+          L += w * l[r];
+        }
+        sw[u * runs + r] = w;
+      }
+    }
+    sl[u] = L;
+  }
+  __syncthreads();
+  constexpr int E = 4, R = 8;
+  const int n = tc * k;
+  for (int c0 = threadIdx.x; c0 < n; c0 += E * KILN_MK_THREADS) {
+    int uu[E];
+    const float* src[E];
+    float acc[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int c = c0 + j * KILN_MK_THREADS;
+      const int q = c / k, cc = c - q * k, h = cc / hd, d = cc - h * hd;
+      uu[j] = c < n ? q * heads + h : -1;
+      src[j] = base + (i64)(c < n ? uu[j] : 0) * runs * stride + d;
+      acc[j] = 0.0f;
+    }
+    for (int r0 = 0; r0 < runs; r0 += R) {
+      float v[R][E];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < E; ++j)
+          v[r][j] = uu[j] >= 0 && r0 + r < runs ? mk_ld_cg_f32(src[j] + (r0 + r) * stride) : 0.0f;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+          if (uu[j] >= 0 && r0 + r < runs) {
+            const float w = sw[uu[j] * runs + r0 + r];
+            if (w >= 0.0f) acc[j] += w * v[r][j];
+          }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      if (uu[j] >= 0) {
+        const float L = sl[uu[j]];
+        xh[c0 + j * KILN_MK_THREADS] = st<kbf16>(L > 0.0f ? acc[j] / L : 0.0f);
+      }
+    }
   }
   __syncthreads();
 }
@@ -712,7 +796,7 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, const MkStage& st
     const int tc = T - t0 < tcap ? T - t0 : tcap;
     if (pre == 2)
       mk_stage_combine(reinterpret_cast<const float*>(t.p[0]), t.i[8], t.i[9], t.i[10], t0, tc,
-                       k, xs);
+                       k, xs, smem);
     else
       mk_stage_x(x, nw, pre, unit, eps, t0, tc, k, xs, smem);
     if (staged > 0 && t0 == 0) {
