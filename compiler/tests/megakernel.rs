@@ -742,3 +742,33 @@ fn charging_a_hop_between_queues_keeps_more_consumers_on_their_producers_queue()
     // Same tasks, only placed differently.
     assert_eq!(tape(&a, 0).tasks.len(), tape(&b, 0).tasks.len());
 }
+
+#[test]
+fn the_estimate_replays_the_tape_under_the_cost_model_and_charges_each_hop_on_its_path() {
+    use kiln_compiler::passes::megakernel::estimate;
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    let plan = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0", 8)).plan;
+    let (kp, t) = (&plan.keys[0], tape(&plan, 0));
+    let free = estimate(kp, t, 0).unwrap();
+    let hop = 5000;
+    let charged = estimate(kp, t, hop).unwrap();
+    // A step is at least as long as its path's tasks, and the path crosses
+    // queues (every GEMV tile reads the whole previous vector).
+    assert!(free.path_tasks > 1 && charged.path_hops > 0, "{charged:?}");
+    assert!(charged.path_hops < charged.path_tasks);
+    // Charging hops lengthens the step by at least one hop (the path
+    // crosses queues) and by at most one hop per link of the charged path.
+    assert!(charged.span_ns >= free.span_ns + hop);
+    assert!(
+        charged.span_ns <= free.span_ns + hop * u64::from(charged.path_tasks),
+        "{free:?} {charged:?}"
+    );
+    // A wait on a later task is no tape: refused, not looped on.
+    let mut bad = t.clone();
+    let last = bad.tasks.len() as u32 - 1;
+    bad.tasks[0].waits.push(kiln_ir::schedule::Wait {
+        counter: last,
+        target: 1,
+    });
+    assert!(estimate(kp, &bad, 0).is_err());
+}
