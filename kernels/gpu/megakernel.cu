@@ -479,7 +479,9 @@ KILN_DEV void mk_stage_wait(const MkStage& stg, const MkRing& ring, bool later) 
 // ---- GEMV tiles ----
 //
 // A GEMV task first stages its tokens' activations in shared memory
-// (mk_stage_x), normalized there once when it has the RMSNorm prologue;
+// (mk_stage_x), normalized there once when it has the RMSNorm prologue, or
+// combined there from attention partials (mk_stage_combine, prologue 2:
+// combine_matmul);
 // then each warp takes two weight rows at a time (mk_dot2) and reads x
 // from shared memory. One body serves the three GEMV kinds (bf16 or f32
 // products, the argmax lm_head), instantiated twice: for one token (TT 1,

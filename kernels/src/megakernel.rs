@@ -15,7 +15,8 @@
 //! the RMSNorm family, fused q/k-norm + RoPE + KV write (tiled by query
 //! head, plus a K-cache and a V-cache unit), paged attention (and its
 //! context-split form, `attention_partials` as an attention task with runs
-//! plus `attention_combine`; both forms, the argmax row tiles and the GEMV
+//! plus `attention_combine`, or `combine_matmul`: the combine folded into
+//! the output projection's GEMV tiles as their activation prologue; both forms, the argmax row tiles and the GEMV
 //! weight stage passed `megakernel_gpu` and `cuda_serve` on an H100 in
 //! bench/results/gpu-2026-12-05-s22; the two-ended TMA stage with
 //! look-ahead, the parallel combine and the two-barrier attention merge in
