@@ -958,16 +958,12 @@ pub struct CompileArgs {
     /// task queue each).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=32))]
     pub megakernel_blocks_per_sm: u32,
-    /// With --schedule megakernel: keep each attention's combine a task of
-    /// its own instead of folding it into the output projection's tiles
-    /// (`combine_matmul`; an A/B knob).
+    /// With --schedule megakernel: fold each split attention's combine into
+    /// the output projection that reads it (`combine_matmul`: every tile of
+    /// the projection combines the runs itself, one task and one dependency
+    /// hop fewer per layer). Opt-in until measured on a GPU.
     #[arg(long)]
-    pub megakernel_no_fold_combine: bool,
-    /// With --schedule megakernel: what the task scheduler charges a
-    /// dependency between two queues, in ns (0: nothing), so consumers go
-    /// to their producer's queue when it is free early enough.
-    #[arg(long, default_value_t = passes::megakernel::MegakernelOptions::default().hop_ns)]
-    pub megakernel_hop_ns: u64,
+    pub megakernel_fold_combine: bool,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -1030,8 +1026,7 @@ impl CompileArgs {
             megakernel: passes::megakernel::MegakernelOptions {
                 sm_count: self.megakernel_sms,
                 blocks_per_sm: self.megakernel_blocks_per_sm,
-                fold_combine: !self.megakernel_no_fold_combine,
-                hop_ns: self.megakernel_hop_ns,
+                fold_combine: self.megakernel_fold_combine,
                 ..Default::default()
             },
         }

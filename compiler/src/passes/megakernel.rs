@@ -83,14 +83,10 @@ pub struct MegakernelOptions {
     /// Whether an `attention_combine` read only by a projection becomes
     /// `combine_matmul` (`fuse::combine_matmul`): every output tile of the
     /// projection combines the runs itself, so the combine's tasks and one
-    /// dependency hop per layer leave the critical path.
+    /// dependency hop per layer leave the critical path. Off by default
+    /// until the interpreter's combine prologue has run on a GPU
+    /// (`kernels/tests/megakernel_gpu.rs` has the case).
     pub fold_combine: bool,
-    /// What the list schedule charges a dependency on another queue, in ns
-    /// (a counter's release, L2 round trip and the waiter's barrier: 2-3 us
-    /// per hop on an H100's critical path, bench/results/gpu-2026-12-07-s33),
-    /// so a consumer goes to its producer's queue when that queue is free
-    /// early enough. 0 charges nothing (the first cut's model).
-    pub hop_ns: u64,
 }
 
 impl Default for MegakernelOptions {
@@ -99,8 +95,7 @@ impl Default for MegakernelOptions {
             sm_count: 132,
             blocks_per_sm: 1,
             min_tile: 16,
-            fold_combine: true,
-            hop_ns: 0,
+            fold_combine: false,
         }
     }
 }
@@ -194,7 +189,6 @@ pub fn schedule_key(
     // tasks that the next op then waits for.
     let mut free = vec![0u64; nq];
     let mut finish: Vec<u64> = Vec::new();
-    let mut queue_of: Vec<usize> = Vec::new();
     let mut hazards = Hazards::new();
     let mut clocks = Clocks::new(nq);
     for (i, op) in kp.ops.iter().enumerate() {
@@ -209,36 +203,12 @@ pub fn schedule_key(
                 .collect();
             deps.sort_unstable_by(|a, b| b.cmp(a));
             deps.dedup();
-            // When each queue could start the task: a dependency on another
-            // queue counts `hop_ns` late. With `a` the queue of the latest
-            // dependency (finishing at `top`) and `other` the latest
-            // finish on any other queue, queue `a` may start at
-            // max(top, other + hop) and every other queue at top + hop.
-            let (top, a) = deps
-                .iter()
-                .map(|&d| (finish[d as usize], queue_of[d as usize]))
-                .max_by_key(|&(f, q)| (f, std::cmp::Reverse(q)))
-                .unwrap_or((0, usize::MAX));
-            let other = deps
-                .iter()
-                .filter(|&&d| queue_of[d as usize] != a)
-                .map(|&d| finish[d as usize] + opts.hop_ns)
-                .max();
-            let ready = |q: usize| {
-                if deps.is_empty() {
-                    0
-                } else if q == a {
-                    other.map_or(top, |o| o.max(top))
-                } else {
-                    top + opts.hop_ns
-                }
-            };
+            let ready = deps.iter().map(|&d| finish[d as usize]).max().unwrap_or(0);
             let q = (0..nq)
-                .min_by_key(|&q| (free[q].max(ready(q)), q))
+                .min_by_key(|&q| (free[q].max(ready), q))
                 .unwrap_or(0);
-            free[q] = free[q].max(ready(q)) + cost;
+            free[q] = free[q].max(ready) + cost;
             finish.push(free[q]);
-            queue_of.push(q);
             let prev = queues[q].last().copied();
             let mut after = Vec::new();
             for d in deps {
