@@ -39,7 +39,6 @@ fn compile_folding(spec: &SynthSpec, target: &str, keys: &str, sms: u32, fold: b
             blocks_per_sm: 2,
             min_tile: 8,
             fold_combine: fold,
-            ..Default::default()
         },
         ..CompileOptions::default()
     };
