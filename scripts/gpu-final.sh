@@ -18,7 +18,8 @@
 #   bench   `kiln bench` of every variant's plans, variants interleaved per
 #           model so all see the same machine state; a comparison table
 #           (KILN_BENCH_MODELS, KILN_BENCH_KEYS; KILN_BENCH_ARGS: extra `kiln bench`
-#           arguments, e.g. "--profile"; KILN_BENCH_ROUNDS: repeat the pass)
+#           arguments, e.g. "--profile"; KILN_BENCH_ROUNDS: repeat the pass;
+#           KILN_BENCH_VARIANTS: the carried variants to run, default all)
 #   oracle  tests/oracle/run_oracle.sh on CUDA with the carried kiln/oracle_run
 #           (KILN_ORACLE_MODELS: battery models to run, default all of them;
 #           e.g. "gemma-3-270m-window16"; KILN_ORACLE_ARGS: more arguments)
@@ -135,6 +136,8 @@ variants=""
 for v in "$C"/bench/*/; do
   [[ -d "$v" ]] || continue
   n=$(basename "$v")
+  # KILN_BENCH_VARIANTS: only these (space-separated), default every one.
+  if [[ -n "${KILN_BENCH_VARIANTS:-}" && " $KILN_BENCH_VARIANTS " != *" $n "* ]]; then continue; fi
   variants="$variants $n"
   mkdir -p "/tmp/plans-$n"
   if [[ -f "$v/plans.txz" ]]; then

@@ -623,7 +623,8 @@ pub fn compile_traced<E: Display>(
                 .megakernel
                 .sm_count
                 .saturating_mul(opts.megakernel.blocks_per_sm);
-            let (g, info, _) = passes::split_attention(g, &manifest, queues)?;
+            let (g, info, _) =
+                passes::split_attention(g, &manifest, queues, opts.megakernel.fold_combine)?;
             (g, info)
         } else {
             (g, info)
@@ -957,6 +958,17 @@ pub struct CompileArgs {
     /// task queue each).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=32))]
     pub megakernel_blocks_per_sm: u32,
+    /// With --schedule megakernel: the narrowest matmul tile in output
+    /// columns (a GEMV op is cut into about one tile per queue, no
+    /// narrower than this).
+    #[arg(long, default_value_t = passes::megakernel::MegakernelOptions::default().min_tile, value_parser = clap::value_parser!(u32).range(1..))]
+    pub megakernel_min_tile: u32,
+    /// With --schedule megakernel: fold each split attention's combine into
+    /// the output projection that reads it (`combine_matmul`: every tile of
+    /// the projection combines the runs itself, one task and one dependency
+    /// hop fewer per layer). Opt-in until measured on a GPU.
+    #[arg(long)]
+    pub megakernel_fold_combine: bool,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -1019,7 +1031,8 @@ impl CompileArgs {
             megakernel: passes::megakernel::MegakernelOptions {
                 sm_count: self.megakernel_sms,
                 blocks_per_sm: self.megakernel_blocks_per_sm,
-                ..Default::default()
+                min_tile: self.megakernel_min_tile,
+                fold_combine: self.megakernel_fold_combine,
             },
         }
     }
@@ -1192,6 +1205,36 @@ mod tests {
         let plain = options(&["m"]).unwrap();
         assert!(plain.keys.iter().all(|k| k.query == 1));
         assert!(!plain.logits && !plain.sampling);
+    }
+
+    #[test]
+    fn the_megakernel_flags_set_the_tape_options_and_the_fold_is_off_unless_asked() {
+        let plain = options(&["m", "--schedule", "megakernel"]).unwrap();
+        assert_eq!(
+            plain.megakernel,
+            passes::megakernel::MegakernelOptions::default()
+        );
+        assert!(!plain.megakernel.fold_combine);
+        let o = options(&[
+            "m",
+            "--schedule",
+            "megakernel",
+            "--megakernel-sms",
+            "66",
+            "--megakernel-min-tile",
+            "8",
+            "--megakernel-fold-combine",
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                o.megakernel.sm_count,
+                o.megakernel.min_tile,
+                o.megakernel.fold_combine
+            ),
+            (66, 8, true)
+        );
+        assert!(options(&["m", "--megakernel-min-tile", "0"]).is_err());
     }
 
     #[test]

@@ -393,6 +393,18 @@ fn tape_text(o: &mut String, kp: &KeyPlan, tape: &Tape) {
         c.offset,
         c.bytes
     );
+    // The scheduler's cost model, charging a hop what an H100 measured
+    // (bench/results/gpu-2026-12-07-s33: 2-3 us per hop on the critical path).
+    const HOP_NS: u64 = 2000;
+    if let Ok(e) = crate::passes::megakernel::estimate(kp, tape, HOP_NS) {
+        let _ = writeln!(
+            o,
+            "  estimate    {:.1} us by the scheduler's cost model at {HOP_NS} ns per hop between queues: critical path {} tasks, {} hops (a model to compare tapes by, not a measurement)",
+            e.span_ns as f64 / 1000.0,
+            e.path_tasks,
+            e.path_hops
+        );
+    }
     let _ = writeln!(o, "  tasks");
     let at = placement(tape);
     for (t, task) in tape.tasks.iter().enumerate() {

@@ -26,6 +26,7 @@ fn options(target: &str, keys_: &str, sms: u32) -> CompileOptions {
             sm_count: sms,
             blocks_per_sm: 2,
             min_tile: 8,
+            ..Default::default()
         },
         ..CompileOptions::default()
     }
@@ -309,8 +310,11 @@ fn attention_is_split_over_the_context_where_queues_outnumber_its_heads_and_each
 ) {
     let spec = SynthSpec::tiny(SynthFamily::Qwen3);
     // 8 SMs x 2 blocks = 16 queues: b1 (4 heads) splits into 4 runs, b2
-    // into 2, b4 (16 units) not at all.
-    let plan = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0,b2q1s0,b4q1s0", 8)).plan;
+    // into 2, b4 (16 units) not at all. The combines stay ops of their own
+    // (the default; the fold is the next test's).
+    let mut opts = options("cuda:sm_90", "b1q1s0,b2q1s0,b4q1s0", 8);
+    opts.megakernel.fold_combine = false;
+    let plan = compile_synth(&spec, &opts).plan;
     validate(&plan).unwrap_or_else(|e| panic!("{e}"));
     for (k, kp) in plan.keys.iter().enumerate() {
         let t = tape(&plan, k);
@@ -341,10 +345,12 @@ fn attention_is_split_over_the_context_where_queues_outnumber_its_heads_and_each
         }
         let Some(r) = want_runs else { continue };
         let deps = dependencies(t);
+        let mut combines = 0;
         for (i, op) in kp.ops.iter().enumerate() {
             let Op::AttentionCombine { heads, .. } = op.op else {
                 continue;
             };
+            combines += 1;
             let producer = i - 1;
             assert!(matches!(kp.ops[producer].op, Op::AttentionPartials { .. }));
             let partial_tasks: Vec<u32> = (0..t.tasks.len() as u32)
@@ -372,6 +378,60 @@ fn attention_is_split_over_the_context_where_queues_outnumber_its_heads_and_each
                 }
             }
         }
+        assert_eq!(combines, 2, "key {}: one combine per layer", kp.key);
+    }
+}
+
+#[test]
+fn with_the_fold_each_combine_becomes_the_output_projection_whose_tiles_wait_for_every_run() {
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    let mut opts = options("cuda:sm_90", "b1q1s0,b2q1s0", 8);
+    opts.megakernel.fold_combine = true;
+    let plan = compile_synth(&spec, &opts).plan;
+    validate(&plan).unwrap_or_else(|e| panic!("{e}"));
+    for (k, kp) in plan.keys.iter().enumerate() {
+        let t = tape(&plan, k);
+        assert!(!kp
+            .ops
+            .iter()
+            .any(|o| matches!(o.op, Op::AttentionCombine { .. })));
+        let deps = dependencies(t);
+        let mut folded = 0;
+        for (i, op) in kp.ops.iter().enumerate() {
+            let Op::CombineMatMul {
+                heads, head_dim, ..
+            } = op.op
+            else {
+                continue;
+            };
+            folded += 1;
+            // The output projection: heads * head_dim columns in, hidden out,
+            // the residual stream added.
+            assert_eq!(op.args[1].ty.shape.dims(), &[spec.hidden, heads * head_dim]);
+            assert!(matches!(
+                op.op,
+                Op::CombineMatMul {
+                    post: kiln_ir::Epilogue::Residual,
+                    ..
+                }
+            ));
+            let producer = i - 1;
+            assert!(matches!(kp.ops[producer].op, Op::AttentionPartials { .. }));
+            let partial_tasks: BTreeSet<u32> = (0..t.tasks.len() as u32)
+                .filter(|&x| t.tasks[x as usize].op as usize == producer)
+                .collect();
+            let tiles: Vec<usize> = (0..t.tasks.len())
+                .filter(|&x| t.tasks[x].op as usize == i)
+                .collect();
+            // Cut into output-column tiles like any GEMV, each reading every
+            // run of every head of its rows.
+            assert!(tiles.len() > 1, "key {}: {} tiles", kp.key, tiles.len());
+            for x in tiles {
+                let from: BTreeSet<u32> = deps[x].intersection(&partial_tasks).copied().collect();
+                assert_eq!(from, partial_tasks, "key {} task {x}", kp.key);
+            }
+        }
+        assert_eq!(folded, 2, "key {}: one fold per layer", kp.key);
     }
 }
 
@@ -644,4 +704,34 @@ fn scheduling_and_verifying_qwen3_0_6b_at_132_sms_takes_seconds_not_minutes() {
         println!("key {}: estimated span {:.1} us", kp.key, span as f64 / 1e3);
     }
     assert!((t2 - t1).as_secs() < 60);
+}
+
+#[test]
+fn the_estimate_replays_the_tape_under_the_cost_model_and_charges_each_hop_on_its_path() {
+    use kiln_compiler::passes::megakernel::estimate;
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    let plan = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0", 8)).plan;
+    let (kp, t) = (&plan.keys[0], tape(&plan, 0));
+    let free = estimate(kp, t, 0).unwrap();
+    let hop = 5000;
+    let charged = estimate(kp, t, hop).unwrap();
+    // A step is at least as long as its path's tasks, and the path crosses
+    // queues (every GEMV tile reads the whole previous vector).
+    assert!(free.path_tasks > 1 && charged.path_hops > 0, "{charged:?}");
+    assert!(charged.path_hops < charged.path_tasks);
+    // Charging hops lengthens the step by at least one hop (the path
+    // crosses queues) and by at most one hop per link of the charged path.
+    assert!(charged.span_ns >= free.span_ns + hop);
+    assert!(
+        charged.span_ns <= free.span_ns + hop * u64::from(charged.path_tasks),
+        "{free:?} {charged:?}"
+    );
+    // A wait on a later task is no tape: refused, not looped on.
+    let mut bad = t.clone();
+    let last = bad.tasks.len() as u32 - 1;
+    bad.tasks[0].waits.push(kiln_ir::schedule::Wait {
+        counter: last,
+        target: 1,
+    });
+    assert!(estimate(kp, &bad, 0).is_err());
 }

@@ -80,6 +80,13 @@ pub struct MegakernelOptions {
     pub blocks_per_sm: u32,
     /// Narrowest matmul tile, in output columns.
     pub min_tile: u32,
+    /// Whether an `attention_combine` read only by a projection becomes
+    /// `combine_matmul` (`fuse::combine_matmul`): every output tile of the
+    /// projection combines the runs itself, so the combine's tasks and one
+    /// dependency hop per layer leave the critical path. Off by default
+    /// until the interpreter's combine prologue has run on a GPU
+    /// (`kernels/tests/megakernel_gpu.rs` has the case).
+    pub fold_combine: bool,
 }
 
 impl Default for MegakernelOptions {
@@ -88,6 +95,7 @@ impl Default for MegakernelOptions {
             sm_count: 132,
             blocks_per_sm: 1,
             min_tile: 16,
+            fold_combine: false,
         }
     }
 }
@@ -237,6 +245,87 @@ pub fn schedule_key(
         },
         tasks,
         queues,
+    })
+}
+
+/// What a tape's step costs under the scheduler's own model
+/// ([`task_cost_ns`] per task, `hop_ns` per dependency between queues):
+/// an estimate to compare schedules by on a machine without a GPU, not a
+/// measurement (`kiln bench --profile` traces the real step).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Estimate {
+    /// When the last task finishes, in ns.
+    pub span_ns: u64,
+    /// Tasks on the critical path (the chain of waits and queue
+    /// predecessors that ends the step).
+    pub path_tasks: u32,
+    /// Of those links, how many are waits on another queue.
+    pub path_hops: u32,
+}
+
+/// Replays `tape` under the cost model: each queue runs its tasks in
+/// order, a task starting when its queue is free and its waits are met
+/// (`hop_ns` after a producer on another queue finished). Err when a task's
+/// footprint is not its op's (a tape the verifier would refuse).
+pub fn estimate(kp: &KeyPlan, tape: &Tape, hop_ns: u64) -> Result<Estimate, String> {
+    let n = tape.tasks.len();
+    let mut queue_of = vec![usize::MAX; n];
+    for (q, list) in tape.queues.iter().enumerate() {
+        for &t in list {
+            if let Some(slot) = queue_of.get_mut(t as usize) {
+                *slot = q;
+            }
+        }
+    }
+    let mut finish = vec![0u64; n];
+    // The link that decided each task's start: (task, across queues).
+    let mut cause: Vec<Option<(usize, bool)>> = vec![None; n];
+    // Waits name earlier tasks and queues are in tape order, so one pass in
+    // tape order sees every producer first.
+    let mut free = vec![(0u64, None::<usize>); tape.queues.len()];
+    for (t, task) in tape.tasks.iter().enumerate() {
+        let op = kp
+            .ops
+            .get(task.op as usize)
+            .ok_or_else(|| format!("task {t} names op {} of {}", task.op, kp.ops.len()))?;
+        let q = queue_of[t];
+        if q == usize::MAX {
+            return Err(format!("task {t} is on no queue"));
+        }
+        let (mut start, mut why) = (free[q].0, free[q].1.map(|p| (p, false)));
+        for w in &task.waits {
+            let d = w.counter as usize;
+            if d >= t {
+                return Err(format!("task {t} waits on task {d}, not an earlier one"));
+            }
+            let across = queue_of[d] != q;
+            let at = finish[d] + if across { hop_ns } else { 0 };
+            if at > start {
+                (start, why) = (at, Some((d, across)));
+            }
+        }
+        let cost = task_cost_ns(op, task.tile, &task.reads, &task.writes);
+        finish[t] = start + cost;
+        cause[t] = why;
+        free[q] = (finish[t], Some(t));
+    }
+    let Some(last) = (0..n).max_by_key(|&t| (finish[t], std::cmp::Reverse(t))) else {
+        return Ok(Estimate {
+            span_ns: 0,
+            path_tasks: 0,
+            path_hops: 0,
+        });
+    };
+    let (mut path_tasks, mut path_hops, mut at) = (1u32, 0u32, last);
+    while let Some((p, across)) = cause[at] {
+        path_tasks += 1;
+        path_hops += across as u32;
+        at = p;
+    }
+    Ok(Estimate {
+        span_ns: finish[last],
+        path_tasks,
+        path_hops,
     })
 }
 
