@@ -265,16 +265,27 @@ pub struct Estimate {
 
 /// Replays `tape` under the cost model: each queue runs its tasks in
 /// order, a task starting when its queue is free and its waits are met
-/// (`hop_ns` after a producer on another queue finished). Err when a task's
-/// footprint is not its op's (a tape the verifier would refuse).
+/// (`hop_ns` after a producer on another queue finished). Err, naming the
+/// task, for what a verified tape never has: a task naming no op, a task
+/// on no queue, a queue out of tape order, a wait on a counter no earlier
+/// task bumps.
 pub fn estimate(kp: &KeyPlan, tape: &Tape, hop_ns: u64) -> Result<Estimate, String> {
     let n = tape.tasks.len();
+    let mut by_counter = std::collections::HashMap::with_capacity(n);
+    for (t, task) in tape.tasks.iter().enumerate() {
+        by_counter.insert(task.counter, t);
+    }
     let mut queue_of = vec![usize::MAX; n];
     for (q, list) in tape.queues.iter().enumerate() {
         for &t in list {
             if let Some(slot) = queue_of.get_mut(t as usize) {
                 *slot = q;
             }
+        }
+    }
+    for list in &tape.queues {
+        if list.windows(2).any(|w| w[0] >= w[1]) {
+            return Err("a queue is not in tape order".into());
         }
     }
     let mut finish = vec![0u64; n];
@@ -294,10 +305,15 @@ pub fn estimate(kp: &KeyPlan, tape: &Tape, hop_ns: u64) -> Result<Estimate, Stri
         }
         let (mut start, mut why) = (free[q].0, free[q].1.map(|p| (p, false)));
         for w in &task.waits {
-            let d = w.counter as usize;
-            if d >= t {
-                return Err(format!("task {t} waits on task {d}, not an earlier one"));
-            }
+            let d = match by_counter.get(&w.counter) {
+                Some(&d) if d < t => d,
+                _ => {
+                    return Err(format!(
+                        "task {t} waits on counter {}, which no earlier task bumps",
+                        w.counter
+                    ))
+                }
+            };
             let across = queue_of[d] != q;
             let at = finish[d] + if across { hop_ns } else { 0 };
             if at > start {
