@@ -955,7 +955,6 @@ mod tests {
                 sm_count: 4,
                 blocks_per_sm: 1,
                 min_tile: 8,
-                ..Default::default()
             },
             kv: KvOptions {
                 max_context: Some(64),

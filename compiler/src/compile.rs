@@ -623,8 +623,7 @@ pub fn compile_traced<E: Display>(
                 .megakernel
                 .sm_count
                 .saturating_mul(opts.megakernel.blocks_per_sm);
-            let (g, info, _) =
-                passes::split_attention(g, &manifest, queues, opts.megakernel.fold_combine)?;
+            let (g, info, _) = passes::split_attention(g, &manifest, queues)?;
             (g, info)
         } else {
             (g, info)
@@ -963,12 +962,6 @@ pub struct CompileArgs {
     /// narrower than this).
     #[arg(long, default_value_t = passes::megakernel::MegakernelOptions::default().min_tile, value_parser = clap::value_parser!(u32).range(1..))]
     pub megakernel_min_tile: u32,
-    /// With --schedule megakernel: fold each split attention's combine into
-    /// the output projection that reads it (`combine_matmul`: every tile of
-    /// the projection combines the runs itself, one task and one dependency
-    /// hop fewer per layer). Opt-in until measured on a GPU.
-    #[arg(long)]
-    pub megakernel_fold_combine: bool,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -1032,7 +1025,6 @@ impl CompileArgs {
                 sm_count: self.megakernel_sms,
                 blocks_per_sm: self.megakernel_blocks_per_sm,
                 min_tile: self.megakernel_min_tile,
-                fold_combine: self.megakernel_fold_combine,
             },
         }
     }
@@ -1208,13 +1200,13 @@ mod tests {
     }
 
     #[test]
-    fn the_megakernel_flags_set_the_tape_options_and_the_fold_is_off_unless_asked() {
+    fn the_megakernel_flags_set_the_tape_options_and_the_default_tile_is_eight_columns() {
         let plain = options(&["m", "--schedule", "megakernel"]).unwrap();
         assert_eq!(
             plain.megakernel,
             passes::megakernel::MegakernelOptions::default()
         );
-        assert!(!plain.megakernel.fold_combine);
+        assert_eq!(plain.megakernel.min_tile, 8);
         let o = options(&[
             "m",
             "--schedule",
@@ -1222,18 +1214,10 @@ mod tests {
             "--megakernel-sms",
             "66",
             "--megakernel-min-tile",
-            "8",
-            "--megakernel-fold-combine",
+            "16",
         ])
         .unwrap();
-        assert_eq!(
-            (
-                o.megakernel.sm_count,
-                o.megakernel.min_tile,
-                o.megakernel.fold_combine
-            ),
-            (66, 8, true)
-        );
+        assert_eq!((o.megakernel.sm_count, o.megakernel.min_tile), (66, 16));
         assert!(options(&["m", "--megakernel-min-tile", "0"]).is_err());
     }
 

@@ -26,7 +26,6 @@ fn options(target: &str, keys_: &str, sms: u32) -> CompileOptions {
             sm_count: sms,
             blocks_per_sm: 2,
             min_tile: 8,
-            ..Default::default()
         },
         ..CompileOptions::default()
     }
@@ -310,10 +309,8 @@ fn attention_is_split_over_the_context_where_queues_outnumber_its_heads_and_each
 ) {
     let spec = SynthSpec::tiny(SynthFamily::Qwen3);
     // 8 SMs x 2 blocks = 16 queues: b1 (4 heads) splits into 4 runs, b2
-    // into 2, b4 (16 units) not at all. The combines stay ops of their own
-    // (the default; the fold is the next test's).
-    let mut opts = options("cuda:sm_90", "b1q1s0,b2q1s0,b4q1s0", 8);
-    opts.megakernel.fold_combine = false;
+    // into 2, b4 (16 units) not at all.
+    let opts = options("cuda:sm_90", "b1q1s0,b2q1s0,b4q1s0", 8);
     let plan = compile_synth(&spec, &opts).plan;
     validate(&plan).unwrap_or_else(|e| panic!("{e}"));
     for (k, kp) in plan.keys.iter().enumerate() {
@@ -379,59 +376,6 @@ fn attention_is_split_over_the_context_where_queues_outnumber_its_heads_and_each
             }
         }
         assert_eq!(combines, 2, "key {}: one combine per layer", kp.key);
-    }
-}
-
-#[test]
-fn with_the_fold_each_combine_becomes_the_output_projection_whose_tiles_wait_for_every_run() {
-    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
-    let mut opts = options("cuda:sm_90", "b1q1s0,b2q1s0", 8);
-    opts.megakernel.fold_combine = true;
-    let plan = compile_synth(&spec, &opts).plan;
-    validate(&plan).unwrap_or_else(|e| panic!("{e}"));
-    for (k, kp) in plan.keys.iter().enumerate() {
-        let t = tape(&plan, k);
-        assert!(!kp
-            .ops
-            .iter()
-            .any(|o| matches!(o.op, Op::AttentionCombine { .. })));
-        let deps = dependencies(t);
-        let mut folded = 0;
-        for (i, op) in kp.ops.iter().enumerate() {
-            let Op::CombineMatMul {
-                heads, head_dim, ..
-            } = op.op
-            else {
-                continue;
-            };
-            folded += 1;
-            // The output projection: heads * head_dim columns in, hidden out,
-            // the residual stream added.
-            assert_eq!(op.args[1].ty.shape.dims(), &[spec.hidden, heads * head_dim]);
-            assert!(matches!(
-                op.op,
-                Op::CombineMatMul {
-                    post: kiln_ir::Epilogue::Residual,
-                    ..
-                }
-            ));
-            let producer = i - 1;
-            assert!(matches!(kp.ops[producer].op, Op::AttentionPartials { .. }));
-            let partial_tasks: BTreeSet<u32> = (0..t.tasks.len() as u32)
-                .filter(|&x| t.tasks[x as usize].op as usize == producer)
-                .collect();
-            let tiles: Vec<usize> = (0..t.tasks.len())
-                .filter(|&x| t.tasks[x].op as usize == i)
-                .collect();
-            // Cut into output-column tiles like any GEMV, each reading every
-            // run of every head of its rows.
-            assert!(tiles.len() > 1, "key {}: {} tiles", kp.key, tiles.len());
-            for x in tiles {
-                let from: BTreeSet<u32> = deps[x].intersection(&partial_tasks).copied().collect();
-                assert_eq!(from, partial_tasks, "key {} task {x}", kp.key);
-            }
-        }
-        assert_eq!(folded, 2, "key {}: one fold per layer", kp.key);
     }
 }
 

@@ -366,29 +366,6 @@ pub enum Op {
         qk_norm: Option<f32>,
         unit_offset: bool,
     },
-    /// `attention_combine` feeding the projection that reads its rows (the
-    /// attention output projection, `o_proj`), as one op:
-    /// `combine_matmul(partials: f32[R, heads*parts*(head_dim+2)],
-    ///   w: D[N, heads*head_dim] [, bias: D[N]] [, residual: D[R, N]]) ->
-    ///   y` with `D = act`. Defined as exactly `x = attention_combine{heads,
-    /// head_dim, parts, out: act}(partials)` then `y = fused_matmul{bias,
-    /// out, pre: none, post}(x, w [, bias] [, residual])` with the
-    /// attributes of both: `x` is rounded to `act` between them, as the
-    /// combine stores it, so the result is the pair's bit for bit. `x` is
-    /// no value of the graph: in the megakernel each output tile of the
-    /// projection combines the runs into its shared-memory activations,
-    /// which saves a task and a dependency hop per layer on the critical
-    /// path. Only the megakernel schedule forms it (the graph schedule has
-    /// no kernel for it).
-    CombineMatMul {
-        heads: u32,
-        head_dim: u32,
-        parts: u32,
-        act: DType,
-        bias: bool,
-        out: DType,
-        post: Epilogue,
-    },
 }
 
 /// Why an op's operands do not type-check. The verifier adds the location.
@@ -422,12 +399,11 @@ impl Op {
             Op::AttentionPartials { .. } => "attention_partials",
             Op::AttentionCombine { .. } => "attention_combine",
             Op::MatMulQkvRope { .. } => "matmul_qkv_rope",
-            Op::CombineMatMul { .. } => "combine_matmul",
         }
     }
 
     /// All mnemonics, for error messages ("expected one of ...").
-    pub const MNEMONICS: [&'static str; 25] = [
+    pub const MNEMONICS: [&'static str; 24] = [
         "embedding",
         "rms_norm",
         "add_rms_norm",
@@ -452,7 +428,6 @@ impl Op {
         "attention_partials",
         "attention_combine",
         "matmul_qkv_rope",
-        "combine_matmul",
     ];
 
     /// Accepted argument counts.
@@ -485,7 +460,7 @@ impl Op {
             Op::AllReduce { .. } | Op::ShardedArgmax { .. } => &[1],
             Op::AttentionPartials { .. } => &[5],
             Op::AttentionCombine { .. } => &[1],
-            Op::FusedMatMul { .. } | Op::CombineMatMul { .. } => match self.fused_arg_count() {
+            Op::FusedMatMul { .. } => match self.fused_arg_count() {
                 2 => &[2],
                 3 => &[3],
                 4 => &[4],
@@ -514,10 +489,6 @@ impl Op {
             }
             // Its matmul's: x, w, then bias and norm weight when present.
             Op::MatMulQkvRope { bias, pre, .. } => 2 + *bias as usize + pre.is_some() as usize,
-            // Its matmul's: partials (for x), w, then bias and residual.
-            Op::CombineMatMul { bias, post, .. } => {
-                2 + *bias as usize + (*post == Epilogue::Residual) as usize
-            }
             _ => 2,
         }
     }
@@ -593,74 +564,6 @@ impl Op {
                 rope: rope.clone(),
                 qk_norm: *qk_norm,
                 unit_offset: *unit_offset,
-            },
-        ))
-    }
-
-    /// The inverse of [`Op::split_combine_matmul`]: the `combine_matmul` of
-    /// an `attention_combine` and the projection reading its result (a
-    /// `matmul`, or a `fused_matmul` without a norm prologue and with an
-    /// epilogue other than argmax); None for any other pair. The fusion
-    /// pass, the parser and the printer all go through this pair, so the
-    /// fused op's attributes are the parts' and nothing else.
-    pub fn join_combine_matmul(combine: &Op, mm: &Op) -> Option<Op> {
-        let Op::AttentionCombine {
-            heads,
-            head_dim,
-            parts,
-            out: act,
-        } = combine
-        else {
-            return None;
-        };
-        let (bias, out, post) = match mm {
-            Op::MatMul { bias, out } => (*bias, *out, Epilogue::None),
-            Op::FusedMatMul {
-                bias,
-                out,
-                pre: None,
-                post,
-            } if *post != Epilogue::Argmax => (*bias, *out, *post),
-            _ => return None,
-        };
-        Some(Op::CombineMatMul {
-            heads: *heads,
-            head_dim: *head_dim,
-            parts: *parts,
-            act: *act,
-            bias,
-            out,
-            post,
-        })
-    }
-
-    /// A `combine_matmul`'s two parts: the `attention_combine` and the
-    /// `fused_matmul` (no prologue) it is defined as (None for any other op).
-    pub fn split_combine_matmul(&self) -> Option<(Op, Op)> {
-        let Op::CombineMatMul {
-            heads,
-            head_dim,
-            parts,
-            act,
-            bias,
-            out,
-            post,
-        } = self
-        else {
-            return None;
-        };
-        Some((
-            Op::AttentionCombine {
-                heads: *heads,
-                head_dim: *head_dim,
-                parts: *parts,
-                out: *act,
-            },
-            Op::FusedMatMul {
-                bias: *bias,
-                out: *out,
-                pre: None,
-                post: *post,
             },
         ))
     }
@@ -1097,13 +1000,6 @@ impl Op {
                 let mut ra = qkv;
                 ra.extend_from_slice(&args[m..]);
                 rope.infer(&ra)
-            }
-            Op::CombineMatMul { .. } => {
-                // Exactly the two ops it stands for: each typing rule in one place.
-                let (combine, mm) = self.split_combine_matmul().expect("combine_matmul");
-                let mut ma = combine.infer(&args[..1])?;
-                ma.extend_from_slice(&args[1..]);
-                mm.infer(&ma)
             }
             Op::SiluMul | Op::GeluTanhMul => {
                 float(0, "gate")?;

@@ -1117,32 +1117,6 @@ impl<'a> Parser<'a> {
                 parts: a.u32("parts")?,
                 out: a.dtype("out")?,
             },
-            "combine_matmul" => {
-                let combine = Op::AttentionCombine {
-                    heads: a.u32("heads")?,
-                    head_dim: a.u32("head_dim")?,
-                    parts: a.u32("parts")?,
-                    out: a.dtype("act")?,
-                };
-                let bias = a.bool("bias")?;
-                let out = a.dtype("out")?;
-                let post = a.epilogue("epilogue")?;
-                let mm = Op::FusedMatMul {
-                    bias,
-                    out,
-                    pre: None,
-                    post,
-                };
-                Op::join_combine_matmul(&combine, &mm).ok_or_else(|| ParseError {
-                    pos: m_span.start,
-                    kind: ParseErrorKind::BadAttr {
-                        op: "combine_matmul".into(),
-                        name: "epilogue".into(),
-                        what: "none, silu_mul, gelu_tanh_mul or residual",
-                        got: post.name().into(),
-                    },
-                })?
-            }
             other => {
                 return Err(ParseError {
                     pos: m_span.start,

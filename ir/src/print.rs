@@ -419,23 +419,6 @@ fn attr_pairs(op: &Op) -> Vec<(&'static str, String)> {
             ("parts", parts.to_string()),
             ("out", out.to_string()),
         ],
-        Op::CombineMatMul {
-            heads,
-            head_dim,
-            parts,
-            act,
-            bias,
-            out,
-            post,
-        } => vec![
-            ("heads", heads.to_string()),
-            ("head_dim", head_dim.to_string()),
-            ("parts", parts.to_string()),
-            ("act", act.to_string()),
-            ("bias", bias.to_string()),
-            ("out", out.to_string()),
-            ("epilogue", post.name().to_string()),
-        ],
     };
     debug_assert_eq!(
         pairs.iter().map(|p| p.0).collect::<Vec<_>>(),

@@ -237,9 +237,7 @@ pub fn tile_units(op: &PlanOp) -> u32 {
     }
     let last = |o: &Operand| o.ty.shape.dims().last().copied().unwrap_or(1);
     match &op.op {
-        Op::MatMul { .. } | Op::FusedMatMul { .. } | Op::CombineMatMul { .. }
-            if op.results[0].ty.shape.rank() == 2 =>
-        {
+        Op::MatMul { .. } | Op::FusedMatMul { .. } if op.results[0].ty.shape.rank() == 2 => {
             last(&op.results[0]).max(1)
         }
         Op::PagedAttention(AttnAttrs { heads, .. }) => {
@@ -385,16 +383,9 @@ pub fn footprint(op: &PlanOp, tile: Tile) -> Result<(Vec<BufRef>, Vec<BufRef>), 
             }
             Ok((reads, columns(&op.results[0], b, e)))
         }
-        // The partials are read whole (every tile combines every head's
-        // runs into its activations), like a fused matmul's x.
-        Op::FusedMatMul { .. } | Op::CombineMatMul { .. } => {
-            let (bias, pre, post) = match &op.op {
-                Op::FusedMatMul {
-                    bias, pre, post, ..
-                } => (bias, pre.is_some(), post),
-                Op::CombineMatMul { bias, post, .. } => (bias, false, post),
-                _ => unreachable!("matched above"),
-            };
+        Op::FusedMatMul {
+            bias, pre, post, ..
+        } => {
             let gated = matches!(post, Epilogue::SiluMul | Epilogue::GeluTanhMul);
             let half = units;
             let weight_rows = |o: &Operand| {
@@ -411,7 +402,7 @@ pub fn footprint(op: &PlanOp, tile: Tile) -> Result<(Vec<BufRef>, Vec<BufRef>), 
                 reads.extend(weight_rows(&op.args[i]));
                 i += 1;
             }
-            if pre {
+            if pre.is_some() {
                 reads.push(extent(&op.args[i]));
                 i += 1;
             }

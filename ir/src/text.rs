@@ -185,9 +185,6 @@ pub(crate) fn attr_names(mnemonic: &str) -> &'static [&'static str] {
             "parts",
         ],
         "attention_combine" => &["heads", "head_dim", "parts", "out"],
-        "combine_matmul" => &[
-            "heads", "head_dim", "parts", "act", "bias", "out", "epilogue",
-        ],
         _ => &[],
     }
 }

@@ -854,6 +854,6 @@ fn validate_lowering(
 pub fn tape_only(op: &Op) -> bool {
     matches!(
         op,
-        Op::AttentionPartials { .. } | Op::AttentionCombine { .. } | Op::CombineMatMul { .. }
+        Op::AttentionPartials { .. } | Op::AttentionCombine { .. }
     )
 }

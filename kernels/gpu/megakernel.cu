@@ -297,17 +297,19 @@ KILN_DEV unsigned int mk_stage_bytes(const MkTask& t, int srows) {
   return (unsigned int)srows * (unsigned int)t.i[1] * 2u * (gated ? 2u : 1u);
 }
 
-// How the stage's copies travel. On sm_90 (KILN_MK_TMA) thread 0 issues one
-// bulk copy (cp.async.bulk, the TMA engine) per contiguous block of rows
-// and the block waits on an mbarrier per end of the ring: two instructions
-// instead of one cp.async per 16 bytes on every thread, which on the
-// H200 held the block's other loads (its task record, counter polls and
-// activations) behind the stage in the SM's load pipeline. On sm_80 every
-// thread issues cp.async, waited for by commit group. Elsewhere (HIP)
-// nothing is staged. KILN_MK_LOOKAHEAD: stage the next task's tile while
-// the current one runs (mk_stage_next); on by default where the copies
-// travel by TMA.
-#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && !defined(KILN_MK_NO_TMA)
+// How the stage's copies travel. On sm_80 and sm_90 every thread issues
+// cp.async when the tile starts, waited for by commit group. With
+// KILN_MK_USE_TMA defined (sm_90 only) thread 0 issues one bulk copy
+// (cp.async.bulk, the TMA engine) per contiguous block of rows instead,
+// the block waits on an mbarrier per end of the ring, and the next task's
+// tile is staged while the current one runs (KILN_MK_LOOKAHEAD,
+// mk_stage_next). That form is kept as an A/B knob, not the default: on an
+// H100 (bench/results/gpu-2026-12-07-s35, two calls, b1 step with / without)
+// Llama-3.2-1B 1.780 / 1.695 and 1.781 / 1.694 ms, SmolLM2-135M 1.181 /
+// 1.152 and 1.184 / 1.157, Qwen3-0.6B 1.508 / 1.499 and 1.476 / 1.519 (a
+// wash); session 33 had the look-ahead +0.17 ms on Qwen3-0.6B. Elsewhere
+// (HIP) nothing is staged.
+#if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(KILN_MK_USE_TMA)
 #define KILN_MK_TMA 1
 #else
 #define KILN_MK_TMA 0
@@ -479,9 +481,7 @@ KILN_DEV void mk_stage_wait(const MkStage& stg, const MkRing& ring, bool later) 
 // ---- GEMV tiles ----
 //
 // A GEMV task first stages its tokens' activations in shared memory
-// (mk_stage_x), normalized there once when it has the RMSNorm prologue, or
-// combined there from attention partials (mk_stage_combine, prologue 2:
-// combine_matmul);
+// (mk_stage_x), normalized there once when it has the RMSNorm prologue;
 // then each warp takes two weight rows at a time (mk_dot2) and reads x
 // from shared memory. One body serves the three GEMV kinds (bf16 or f32
 // products, the argmax lm_head), instantiated twice: for one token (TT 1,
@@ -539,110 +539,6 @@ KILN_DEV void mk_stage_x(const kbf16* __restrict__ x, const kbf16* __restrict__ 
 #pragma unroll
     for (int e = 0; e < 8; ++e) f[e] = f[e] * s * (unit ? nf[e] + 1.0f : nf[e]);
     xs[c] = mk_pack8(f);
-  }
-  __syncthreads();
-}
-
-__device__ __noinline__ void mk_combine_unit(const float* e0, int runs, int hd, kbf16* dst);
-
-// The combine prologue (combine_matmul): tokens [t0, t0 + tc) of the
-// attention output, combined from the f32 partials (heads x runs entries
-// of hd + 2 floats per row, attention_combine's layout) straight into xs
-// ([tc][k] bf16, k = heads x hd), as the combine task would have stored
-// them. Every o_proj tile does this for all heads, so it is laid out for
-// latency: one thread per (token, head) loads all its runs' (m, l) at once
-// and leaves each run's weight exp(m - M) (-1: the run saw nothing) and
-// the weight sum L in smem; then each thread takes four elements and
-// loads eight runs of each at once, adding them in run order with
-// mk_combine_unit's expressions (so the bits are the combine task's): two
-// L2 round trips where a warp per (token, head) took three per head, one
-// head after another. Needs (units + 1) x runs floats of smem (units = tc
-// x heads) and at most KILN_MK_COMBINE_RUNS runs; otherwise a warp per
-// unit with mk_combine_unit. Ends with a barrier.
-#define KILN_MK_COMBINE_RUNS 16
-__device__ __noinline__ void mk_stage_combine(const float* __restrict__ part, int heads, int hd,
-                                              int runs, int t0, int tc, int k, uint4* xs,
-                                              float* smem) {
-  const i64 stride = hd + 2;
-  const int units = tc * heads;
-  kbf16* xh = reinterpret_cast<kbf16*>(xs);
-  const float* base = part + (i64)t0 * heads * runs * stride;
-  if (runs > KILN_MK_COMBINE_RUNS || units * runs + units > KILN_MK_SMEM_FLOATS) {
-    const int warp = threadIdx.x / KILN_WARP;
-    for (int u = warp; u < units; u += KILN_MK_WARPS) {
-      const int q = u / heads, h = u - q * heads;
-      mk_combine_unit(base + (i64)u * runs * stride, runs, hd, xh + (i64)q * k + (i64)h * hd);
-    }
-    __syncthreads();
-    return;
-  }
-  float* sw = smem;                 // [units][runs]: each run's weight, -1 when unused
-  float* sl = smem + units * runs;  // [units]: L
-  for (int u = threadIdx.x; u < units; u += KILN_MK_THREADS) {
-    const float* e0 = base + (i64)u * runs * stride + hd;
-    float m[KILN_MK_COMBINE_RUNS], l[KILN_MK_COMBINE_RUNS];
-#pragma unroll
-    for (int r = 0; r < KILN_MK_COMBINE_RUNS; ++r) {
-      m[r] = r < runs ? mk_ld_cg_f32(e0 + r * stride) : 0.0f;
-      l[r] = r < runs ? mk_ld_cg_f32(e0 + r * stride + 1) : 0.0f;
-    }
-    float mx = -KILN_INF;
-#pragma unroll
-    for (int r = 0; r < KILN_MK_COMBINE_RUNS; ++r)
-      if (r < runs && l[r] > 0.0f) mx = fmaxf(mx, m[r]);
-    float L = 0.0f;
-#pragma unroll
-    for (int r = 0; r < KILN_MK_COMBINE_RUNS; ++r) {
-      if (r < runs) {
-        float w = -1.0f;
-        if (l[r] > 0.0f) {
-          w = expf(m[r] - mx);
-          L += w * l[r];
-        }
-        sw[u * runs + r] = w;
-      }
-    }
-    sl[u] = L;
-  }
-  __syncthreads();
-  constexpr int E = 4, R = 8;
-  const int n = tc * k;
-  for (int c0 = threadIdx.x; c0 < n; c0 += E * KILN_MK_THREADS) {
-    int uu[E];
-    const float* src[E];
-    float acc[E];
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const int c = c0 + j * KILN_MK_THREADS;
-      const int q = c / k, cc = c - q * k, h = cc / hd, d = cc - h * hd;
-      uu[j] = c < n ? q * heads + h : -1;
-      src[j] = base + (i64)(c < n ? uu[j] : 0) * runs * stride + d;
-      acc[j] = 0.0f;
-    }
-    for (int r0 = 0; r0 < runs; r0 += R) {
-      float v[R][E];
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int j = 0; j < E; ++j)
-          v[r][j] = uu[j] >= 0 && r0 + r < runs ? mk_ld_cg_f32(src[j] + (r0 + r) * stride) : 0.0f;
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int j = 0; j < E; ++j) {
-          if (uu[j] >= 0 && r0 + r < runs) {
-            const float w = sw[uu[j] * runs + r0 + r];
-            if (w >= 0.0f) acc[j] += w * v[r][j];
-          }
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      if (uu[j] >= 0) {
-        const float L = sl[uu[j]];
-        xh[c0 + j * KILN_MK_THREADS] = st<kbf16>(L > 0.0f ? acc[j] / L : 0.0f);
-      }
-    }
   }
   __syncthreads();
 }
@@ -796,11 +692,7 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, const MkStage& st
 #endif
   for (int t0 = 0; t0 < T; t0 += tcap) {
     const int tc = T - t0 < tcap ? T - t0 : tcap;
-    if (pre == 2)
-      mk_stage_combine(reinterpret_cast<const float*>(t.p[0]), t.i[8], t.i[9], t.i[10], t0, tc,
-                       k, xs, smem);
-    else
-      mk_stage_x(x, nw, pre, unit, eps, t0, tc, k, xs, smem);
+    mk_stage_x(x, nw, pre, unit, eps, t0, tc, k, xs, smem);
     if (staged > 0 && t0 == 0) {
       mk_stage_wait(stg, ring, later);
       __syncthreads();
@@ -1345,80 +1237,68 @@ KILN_DEV void mk_attention(const MkTask& t, float* smem, float* wred) {
 KILN_DEV float mk_shfl(float v, int src) {
   return __int_as_float(kiln_shfl_int(__float_as_int(v), src));
 }
-// One (row, head) of the combine, by one warp: e0 is the unit's first run
-// entry (runs entries of hd + 2 floats), dst its hd results (global memory
-// for the combine task, the GEMV's staged activations for a combine_matmul
-// tile: a generic pointer, so one body serves both and their bits agree).
-// Out of line: one copy for the combine task and both GEMV instances (code
-// size is time here).
-__device__ __noinline__ void mk_combine_unit(const float* e0, int runs, int hd, kbf16* dst) {
-  const int lane = threadIdx.x % KILN_WARP;
-  constexpr int PER = KILN_MK_MAX_HEAD_DIM / KILN_WARP;
-  const i64 stride = hd + 2;
-  float mx = -KILN_INF;
-  for (int r = lane; r < runs; r += KILN_WARP) {
-    const float mr = mk_ld_cg_f32(e0 + r * stride + hd);
-    const float lr = mk_ld_cg_f32(e0 + r * stride + hd + 1);
-    if (lr > 0.0f) mx = fmaxf(mx, mr);
-  }
-  mx = warp_max(mx);
-  float acc[PER];
-#pragma unroll
-  for (int j = 0; j < PER; ++j) acc[j] = 0.0f;
-  float l = 0.0f;
-  for (int r0 = 0; r0 < runs; r0 += KILN_WARP) {
-    // This lane's run r0 + lane: its weight, its l, and whether it counts.
-    float w = 0.0f, lr = 0.0f;
-    int use = 0;
-    if (r0 + lane < runs) {
-      const float* e = e0 + (r0 + lane) * stride;
-      lr = mk_ld_cg_f32(e + hd + 1);
-      if (lr > 0.0f) {
-        w = expf(mk_ld_cg_f32(e + hd) - mx);
-        use = 1;
-      }
-    }
-    const int n = runs - r0 < KILN_WARP ? runs - r0 : KILN_WARP;
-    for (int k0 = 0; k0 < n; k0 += KILN_MK_COMBINE_UNROLL) {
-      float v[KILN_MK_COMBINE_UNROLL][PER];
-#pragma unroll
-      for (int u = 0; u < KILN_MK_COMBINE_UNROLL; ++u) {
-        const float* e = e0 + (r0 + k0 + u) * stride;
-#pragma unroll
-        for (int j = 0; j < PER; ++j) {
-          const int d = lane + j * KILN_WARP;
-          v[u][j] = k0 + u < n && d < hd ? mk_ld_cg_f32(e + d) : 0.0f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < KILN_MK_COMBINE_UNROLL; ++u) {
-        const int src = (k0 + u) % KILN_WARP;
-        const float wk = mk_shfl(w, src), lk = mk_shfl(lr, src);
-        if (k0 + u < n && kiln_shfl_int(use, src)) {
-          l += wk * lk;
-#pragma unroll
-          for (int j = 0; j < PER; ++j) acc[j] += wk * v[u][j];
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int d = lane + j * KILN_WARP;
-    if (d < hd) dst[d] = st<kbf16>(l > 0.0f ? acc[j] / l : 0.0f);
-  }
-}
-
 KILN_DEV void mk_attention_combine(const MkTask& t) {
-  const int warp = threadIdx.x / KILN_WARP;
+  const int lane = threadIdx.x % KILN_WARP, warp = threadIdx.x / KILN_WARP;
   const int heads = t.i[1], hd = t.i[2], runs = t.i[3];
   const float* part = reinterpret_cast<const float*>(t.p[0]);
   kbf16* out = reinterpret_cast<kbf16*>(t.p[1]);
+  constexpr int PER = KILN_MK_MAX_HEAD_DIM / KILN_WARP;
   const i64 stride = hd + 2;
   for (int unit = (int)t.tile_begin + warp; unit < (int)t.tile_end; unit += KILN_MK_WARPS) {
     const int row = unit / heads, h = unit % heads;
-    const i64 u = (i64)row * heads + h;
-    mk_combine_unit(part + u * runs * stride, runs, hd, out + u * hd);
+    const float* e0 = part + ((i64)row * heads + h) * runs * stride;
+    float mx = -KILN_INF;
+    for (int r = lane; r < runs; r += KILN_WARP) {
+      const float mr = mk_ld_cg_f32(e0 + r * stride + hd);
+      const float lr = mk_ld_cg_f32(e0 + r * stride + hd + 1);
+      if (lr > 0.0f) mx = fmaxf(mx, mr);
+    }
+    mx = warp_max(mx);
+    float acc[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) acc[j] = 0.0f;
+    float l = 0.0f;
+    for (int r0 = 0; r0 < runs; r0 += KILN_WARP) {
+      // This lane's run r0 + lane: its weight, its l, and whether it counts.
+      float w = 0.0f, lr = 0.0f;
+      int use = 0;
+      if (r0 + lane < runs) {
+        const float* e = e0 + (r0 + lane) * stride;
+        lr = mk_ld_cg_f32(e + hd + 1);
+        if (lr > 0.0f) {
+          w = expf(mk_ld_cg_f32(e + hd) - mx);
+          use = 1;
+        }
+      }
+      const int n = runs - r0 < KILN_WARP ? runs - r0 : KILN_WARP;
+      for (int k0 = 0; k0 < n; k0 += KILN_MK_COMBINE_UNROLL) {
+        float v[KILN_MK_COMBINE_UNROLL][PER];
+#pragma unroll
+        for (int u = 0; u < KILN_MK_COMBINE_UNROLL; ++u) {
+          const float* e = e0 + (r0 + k0 + u) * stride;
+#pragma unroll
+          for (int j = 0; j < PER; ++j) {
+            const int d = lane + j * KILN_WARP;
+            v[u][j] = k0 + u < n && d < hd ? mk_ld_cg_f32(e + d) : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < KILN_MK_COMBINE_UNROLL; ++u) {
+          const int src = (k0 + u) % KILN_WARP;
+          const float wk = mk_shfl(w, src), lk = mk_shfl(lr, src);
+          if (k0 + u < n && kiln_shfl_int(use, src)) {
+            l += wk * lk;
+#pragma unroll
+            for (int j = 0; j < PER; ++j) acc[j] += wk * v[u][j];
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int d = lane + j * KILN_WARP;
+      if (d < hd) out[((i64)row * heads + h) * hd + d] = st<kbf16>(l > 0.0f ? acc[j] / l : 0.0f);
+    }
   }
 }
 

@@ -1320,9 +1320,7 @@ pub fn lower_symbolic(
         // scheduled as a megakernel tape, whose interpreter runs them as
         // tasks: no launch list (the plan validator refuses them in a
         // graph-schedule key).
-        Op::AttentionPartials { .. } | Op::AttentionCombine { .. } | Op::CombineMatMul { .. } => {
-            calls(vec![])
-        }
+        Op::AttentionPartials { .. } | Op::AttentionCombine { .. } => calls(vec![]),
         Op::Embedding => {
             let s = float_suffix(m, args[1].dtype)?;
             let (vocab, h) = two(&dims(&args[1]))?;

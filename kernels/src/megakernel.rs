@@ -15,12 +15,12 @@
 //! the RMSNorm family, fused q/k-norm + RoPE + KV write (tiled by query
 //! head, plus a K-cache and a V-cache unit), paged attention (and its
 //! context-split form, `attention_partials` as an attention task with runs
-//! plus `attention_combine`, or `combine_matmul`: the combine folded into
-//! the output projection's GEMV tiles as their activation prologue; both forms, the argmax row tiles and the GEMV
+//! plus `attention_combine`; both forms, the argmax row tiles and the GEMV
 //! weight stage passed `megakernel_gpu` and `cuda_serve` on an H100 in
 //! bench/results/gpu-2026-12-05-s22; the two-ended TMA stage with
 //! look-ahead, the parallel combine and the two-barrier attention merge in
-//! bench/results/gpu-2026-12-07-s33)
+//! bench/results/gpu-2026-12-07-s33; the per-thread `cp.async` stage on
+//! sm_90, now the default, in bench/results/gpu-2026-12-07-s35)
 //! per (sequence, query head), the gated activations, add, scale, argmax, gather
 //! last). It compiles under NVRTC (tested here). Every task kind has run
 //! once on an H200 against the CPU reference over hand-built tapes
@@ -131,10 +131,7 @@ pub enum TaskKind {
     /// weight (0/1: its rows may be staged in shared memory before the
     /// task's waits, see [`WEIGHT_STAGE_BYTES`]). f: 0 eps. p: 0 x, 1 w,
     /// 2 bias (0: none), 3 norm weight (0: none), 4 residual (0: none),
-    /// 5 out. `combine_matmul` is this kind with prologue 2: x (p 0) is
-    /// the f32 partials of `attention_combine`, which the tile combines
-    /// into its staged activations (i: 8 heads, 9 head_dim, 10 runs; K is
-    /// heads x head_dim).
+    /// 5 out.
     GemvBf16 = 1,
     /// As [`TaskKind::GemvBf16`] with an f32 result (logits).
     GemvBf16F32 = 2,
@@ -367,36 +364,11 @@ pub fn supported(op: &PlanOp) -> Result<(), String> {
         }
     };
     match &op.op {
-        Op::MatMul { bias, out }
-        | Op::FusedMatMul { bias, out, .. }
-        | Op::CombineMatMul { bias, out, .. } => {
+        Op::MatMul { bias, out } | Op::FusedMatMul { bias, out, .. } => {
             arity(2, 1)?;
-            let k = match &op.op {
-                Op::CombineMatMul {
-                    heads,
-                    head_dim,
-                    act,
-                    ..
-                } => {
-                    if a[0].ty.dtype != DType::F32 || *act != DType::BF16 {
-                        return Err(format!(
-                            "combines {} partials into {act} activations; the interpreter combines f32 into bf16",
-                            a[0].ty.dtype
-                        ));
-                    }
-                    if *head_dim > MAX_HEAD_DIM {
-                        return Err(format!(
-                            "has head_dim {head_dim}; the interpreter combines heads up to {MAX_HEAD_DIM}"
-                        ));
-                    }
-                    heads.saturating_mul(*head_dim)
-                }
-                _ => {
-                    need_bf16(&a[0], "input")?;
-                    two(&a[0])?.1
-                }
-            };
+            need_bf16(&a[0], "input")?;
             need_bf16(&a[1], "weight")?;
+            let (_, k) = two(&a[0])?;
             need_mult8(k, "K")?;
             if k > X_STAGE {
                 return Err(format!(
@@ -417,7 +389,6 @@ pub fn supported(op: &PlanOp) -> Result<(), String> {
                     }
                     *post
                 }
-                Op::CombineMatMul { post, .. } => *post,
                 _ => Epilogue::None,
             };
             match post {
@@ -622,28 +593,11 @@ fn op_record(
     let mut p = [0u64; PTRS];
     let addr = |o: &Operand| resolve(&o.buf);
     let kind = match &op.op {
-        Op::MatMul { bias, out }
-        | Op::FusedMatMul { bias, out, .. }
-        | Op::CombineMatMul { bias, out, .. } => {
-            let (t, mut k) = two(&a[0])?;
+        Op::MatMul { bias, out } | Op::FusedMatMul { bias, out, .. } => {
+            let (t, k) = two(&a[0])?;
             let (n, _) = two(&a[1])?;
             let (pre, post) = match &op.op {
                 Op::FusedMatMul { pre, post, .. } => (*pre, *post),
-                Op::CombineMatMul {
-                    heads,
-                    head_dim,
-                    parts,
-                    post,
-                    ..
-                } => {
-                    // The combine prologue: x is the partials.
-                    k = heads * head_dim;
-                    i[4] = 2;
-                    i[8] = *heads as i32;
-                    i[9] = *head_dim as i32;
-                    i[10] = (*parts).max(1) as i32;
-                    (None, *post)
-                }
                 _ => (None, Epilogue::None),
             };
             let mut next = 2;

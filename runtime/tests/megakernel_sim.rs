@@ -50,7 +50,6 @@ fn plan_with(sms: u32, blocks_per_sm: u32) -> (tempfile::TempDir, Plan) {
             sm_count: sms,
             blocks_per_sm,
             min_tile: 8,
-            ..Default::default()
         },
         ..CompileOptions::default()
     };

@@ -23,12 +23,6 @@ fn compile(spec: &SynthSpec, target: &str, keys: &str) -> Plan {
 /// [`compile`] for a tape of `sms` SMs x 2 blocks (more queues than a
 /// key's (sequence, head) pairs split its attention over the context).
 fn compile_on(spec: &SynthSpec, target: &str, keys: &str, sms: u32) -> Plan {
-    compile_folding(spec, target, keys, sms, true)
-}
-
-/// [`compile_on`] with the combine folded into the output projection
-/// (`combine_matmul`) or not.
-fn compile_folding(spec: &SynthSpec, target: &str, keys: &str, sms: u32, fold: bool) -> Plan {
     let opts = CompileOptions {
         keys: keys.split(',').map(|k| k.parse().unwrap()).collect(),
         target: target.parse().unwrap(),
@@ -38,7 +32,6 @@ fn compile_folding(spec: &SynthSpec, target: &str, keys: &str, sms: u32, fold: b
             sm_count: sms,
             blocks_per_sm: 2,
             min_tile: 8,
-            fold_combine: fold,
         },
         ..CompileOptions::default()
     };
@@ -228,69 +221,20 @@ fn cpu_plan_tapes_with_fused_matmuls_and_batches_equal_the_op_list_bitwise() {
 
 #[test]
 fn tapes_with_attention_split_over_the_context_equal_the_op_list_bitwise_in_every_order() {
-    for fold in [true, false] {
-        for (family, target, keys) in [
-            (SynthFamily::Llama, "cuda:sm_90", "b1q1s0,b2q1s0"),
-            (SynthFamily::Qwen3, "cuda:sm_90", "b1q1s0,b2q4s0"),
-        ] {
-            let plan = compile_folding(&SynthSpec::tiny(family), target, keys, 8, fold);
-            for kp in &plan.keys {
-                let has = |f: fn(&kiln_ir::Op) -> bool| kp.ops.iter().any(|o| f(&o.op));
-                assert!(
-                    has(|o| matches!(o, kiln_ir::Op::AttentionPartials { .. })),
-                    "{family:?} key {}: attention was not split",
-                    kp.key
-                );
-                // Folded, no combine is left on its own; unfolded, none is folded.
-                assert_eq!(
-                    has(|o| matches!(o, kiln_ir::Op::CombineMatMul { .. })),
-                    fold,
-                    "{family:?} key {}",
-                    kp.key
-                );
-                assert_eq!(
-                    has(|o| matches!(o, kiln_ir::Op::AttentionCombine { .. })),
-                    !fold,
-                    "{family:?} key {}",
-                    kp.key
-                );
-                check_key(&plan, kp, &orders(tape(kp)), 4);
-            }
-        }
-    }
-}
-
-#[test]
-fn folding_the_combine_into_the_output_projection_changes_no_bit_of_any_step() {
-    for (family, keys) in [
-        (SynthFamily::Llama, "b1q1s0,b2q1s0"),
-        (SynthFamily::Qwen3, "b1q1s0,b2q4s0"),
+    for (family, target, keys) in [
+        (SynthFamily::Llama, "cuda:sm_90", "b1q1s0,b2q1s0"),
+        (SynthFamily::Qwen3, "cuda:sm_90", "b1q1s0,b2q4s0"),
     ] {
-        let spec = SynthSpec::tiny(family);
-        let folded = compile_folding(&spec, "cuda:sm_90", keys, 8, true);
-        let split = compile_folding(&spec, "cuda:sm_90", keys, 8, false);
-        for (fk, sk) in folded.keys.iter().zip(&split.keys) {
-            assert_eq!(fk.key, sk.key);
-            let mut fm = KeyMemory::new(&folded, fk).unwrap();
-            let mut sm = KeyMemory::new(&split, sk).unwrap();
-            fill_state(&mut fm, 0x5eed);
-            fill_state(&mut sm, 0x5eed);
-            let mut rng = SplitMix64::new(23);
-            for step in 0..4 {
-                let seed = rng.next_u64();
-                stage(&folded, fk, &mut fm, step, &mut SplitMix64::new(seed));
-                stage(&split, sk, &mut sm, step, &mut SplitMix64::new(seed));
-                run_tape(fk, tape(fk), &mut fm, Order::Threads).unwrap_or_else(|e| panic!("{e}"));
-                run_tape(sk, tape(sk), &mut sm, Order::Threads).unwrap_or_else(|e| panic!("{e}"));
-                let (lf, ls) = (logits(fk, &fm), logits(sk, &sm));
-                assert!(lf.iter().all(|x| x.is_finite()));
-                let same = lf.iter().zip(&ls).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(
-                    same && lf.len() == ls.len(),
-                    "{family:?} key {} step {step}: the folded plan's logits differ",
-                    fk.key
-                );
-            }
+        let plan = compile_on(&SynthSpec::tiny(family), target, keys, 8);
+        for kp in &plan.keys {
+            assert!(
+                kp.ops
+                    .iter()
+                    .any(|o| matches!(o.op, kiln_ir::Op::AttentionPartials { .. })),
+                "{family:?} key {}: attention was not split",
+                kp.key
+            );
+            check_key(&plan, kp, &orders(tape(kp)), 4);
         }
     }
 }

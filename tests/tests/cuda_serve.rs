@@ -575,7 +575,6 @@ fn compile_schedule(
             sm_count: sms,
             blocks_per_sm: 1,
             min_tile: 16,
-            ..Default::default()
         },
         ..CompileOptions::default()
     };

@@ -78,15 +78,11 @@ pub struct MegakernelOptions {
     pub sm_count: u32,
     /// Co-resident blocks per SM (each walks its own queue).
     pub blocks_per_sm: u32,
-    /// Narrowest matmul tile, in output columns.
+    /// Narrowest matmul tile, in output columns. 8 by default: on an H100
+    /// (bench/results/gpu-2026-12-07-s35) 8 against 16 took Qwen3-0.6B's b1
+    /// step from 1.884 to 1.650 ms and Llama-3.2-1B's from 2.111 to 2.044
+    /// (N = 1024 projections fill 128 queues instead of 64).
     pub min_tile: u32,
-    /// Whether an `attention_combine` read only by a projection becomes
-    /// `combine_matmul` (`fuse::combine_matmul`): every output tile of the
-    /// projection combines the runs itself, so the combine's tasks and one
-    /// dependency hop per layer leave the critical path. Off by default
-    /// until the interpreter's combine prologue has run on a GPU
-    /// (`kernels/tests/megakernel_gpu.rs` has the case).
-    pub fold_combine: bool,
 }
 
 impl Default for MegakernelOptions {
@@ -94,8 +90,7 @@ impl Default for MegakernelOptions {
         MegakernelOptions {
             sm_count: 132,
             blocks_per_sm: 1,
-            min_tile: 16,
-            fold_combine: false,
+            min_tile: 8,
         }
     }
 }

@@ -242,41 +242,24 @@ pub fn run_pass_for(
 
 /// The megakernel schedule's context split of attention
 /// (`fuse::split_attention`) for a tape of `queues` queues, on a verified
-/// graph, then, with `fold_combine`, each combine folded into the
-/// projection that reads it (`fuse::combine_matmul`); the verifier runs
-/// after each rewrite (the last [`GraphInfo`] is what the planner takes).
-/// Returns how many attentions were split.
+/// graph; the result is verified again (its [`GraphInfo`] is what the
+/// planner takes). Returns how many attentions were split.
 pub fn split_attention(
     graph: Graph,
     manifest: &WeightManifest,
     queues: u32,
-    fold_combine: bool,
 ) -> Result<(Graph, GraphInfo, u32), PassError> {
     let name = graph.name.clone();
-    let failed = |what: &str, message: String| PassError::Failed {
+    let mut ed = editor::Editor::new(graph);
+    let failed = |message: String| PassError::Failed {
         pass: Pass::Dce,
         graph: name.clone(),
-        message: format!("{what}: {message}"),
+        message: format!("split-attention: {message}"),
     };
-    let mut ed = editor::Editor::new(graph);
-    let n = fuse::split_attention(&mut ed, queues)
-        .map_err(|m| failed("split-attention", m))?
-        .0;
-    let g = ed.finish().map_err(|m| failed("split-attention", m))?;
-    let info = kiln_ir::verify(&g, Some(manifest)).map_err(|e| {
-        failed(
-            "split-attention",
-            format!("produced a malformed graph: {e}"),
-        )
-    })?;
-    if !fold_combine || n == 0 {
-        return Ok((g, info, n));
-    }
-    let mut ed = editor::Editor::new(g);
-    fuse::combine_matmul(&mut ed).map_err(|m| failed("fold-combine", m))?;
-    let g = ed.finish().map_err(|m| failed("fold-combine", m))?;
+    let n = fuse::split_attention(&mut ed, queues).map_err(failed)?.0;
+    let g = ed.finish().map_err(failed)?;
     let info = kiln_ir::verify(&g, Some(manifest))
-        .map_err(|e| failed("fold-combine", format!("produced a malformed graph: {e}")))?;
+        .map_err(|e| failed(format!("produced a malformed graph: {e}")))?;
     Ok((g, info, n))
 }
 

@@ -12,8 +12,7 @@
 //!   4, add+RMSNorm 5, RoPE 3, SiLU*mul 5, GELU*mul 10, argmax 1, sample 10: its exp over a few
 //!   passes); a `fused_matmul` its GEMM plus the counts of its prologue and epilogue;
 //!   a `rope_attention` its RoPE and its attention; a `matmul_qkv_rope` its
-//!   GEMM (with its prologue) and its RoPE; a `combine_matmul` its combine
-//!   and its GEMM.
+//!   GEMM (with its prologue) and its RoPE.
 //! * bytes moved: every weight once at full size (a weight read only by an
 //!   `embedding` gather counts only the gathered rows); each attention reads
 //!   every sequence's K and V at `max_context`; each KV write writes its
@@ -124,24 +123,6 @@ pub fn op_flops(op: &PlanOp, max_context: u64) -> u64 {
         Op::AllReduce { ranks, .. } => numel(0) * (*ranks as u64).saturating_sub(1),
         Op::ShardedArgmax { .. } => numel(0),
         Op::AttentionCombine { .. } => 3 * numel(0),
-        Op::CombineMatMul {
-            heads,
-            head_dim,
-            bias,
-            post,
-            ..
-        } => {
-            let m = op.args[0].ty.shape.dims()[0] as u64;
-            let k = *heads as u64 * *head_dim as u64;
-            let n = op.args[1].ty.shape.dims()[0] as u64;
-            let epilogue = match post {
-                kiln_ir::Epilogue::SiluMul => 5 * out(0),
-                kiln_ir::Epilogue::GeluTanhMul => 10 * out(0),
-                kiln_ir::Epilogue::Residual => out(0),
-                kiln_ir::Epilogue::None | kiln_ir::Epilogue::Argmax => 0,
-            };
-            3 * numel(0) + 2 * m * n * k + if *bias { m * n } else { 0 } + epilogue
-        }
     }
 }
 

@@ -242,7 +242,7 @@ pub fn apply(
         }
         // Formed only for megakernel keys, after the passes these tests
         // evaluate; runtime/tests/tape_cpu.rs checks them.
-        Op::AttentionPartials { .. } | Op::AttentionCombine { .. } | Op::CombineMatMul { .. } => {
+        Op::AttentionPartials { .. } | Op::AttentionCombine { .. } => {
             panic!("the reference evaluator does not run the megakernel's split attention")
         }
         Op::Embedding => {

@@ -442,38 +442,15 @@ impl<'a> Gen<'a> {
                         .g
                         .push1(Op::AttentionPartials { attn, parts }, &[qv, kc, vc, bt, cl]);
                     let out = self.g.ty(qv).dtype;
-                    let combine = Op::AttentionCombine {
-                        heads,
-                        head_dim: hd,
-                        parts,
-                        out,
-                    };
-                    if self.rng.coin() {
-                        self.g.push1(combine, &[p])
-                    } else {
-                        // Folded into the projection that reads it.
-                        let n = self.rng.range(1, 5) * 8;
-                        let w = self.weight(&[n, heads * hd]);
-                        let bias = self.rng.coin();
-                        let mut args = vec![p, w];
-                        if bias {
-                            args.push(self.weight(&[n]));
-                        }
-                        let post = if self.rng.coin() {
-                            args.push(self.act_with_cols(n));
-                            Epilogue::Residual
-                        } else {
-                            Epilogue::None
-                        };
-                        let mm = Op::FusedMatMul {
-                            bias,
+                    self.g.push1(
+                        Op::AttentionCombine {
+                            heads,
+                            head_dim: hd,
+                            parts,
                             out,
-                            pre: None,
-                            post,
-                        };
-                        let op = Op::join_combine_matmul(&combine, &mm).expect("a projection");
-                        self.g.push1(op, &args)
-                    }
+                        },
+                        &[p],
+                    )
                 };
                 self.acts.push(y);
             }

@@ -376,45 +376,6 @@ pub unsafe fn execute_prechecked(
             };
             fused::fused_matmul(op, o, *post, (t, k, n), r[0])
         }
-        Op::CombineMatMul {
-            heads,
-            head_dim,
-            act,
-            bias,
-            post,
-            ..
-        } => {
-            // The definition, step by step: the combined rows go to a host
-            // buffer of this call (the megakernel keeps them in shared memory).
-            let (combine, mm) = op.split_combine_matmul().expect("combine_matmul");
-            let t = d2(0).0;
-            let k = (*heads as usize) * (*head_dim as usize);
-            let (n, _) = d2(1);
-            let len = t * k;
-            // u64 words: aligned for every float dtype.
-            let mut x_mem = vec![0u64; (len * act.size()).div_ceil(8)];
-            let x = Buf {
-                ptr: x_mem.as_mut_ptr() as *mut u8,
-                dtype: *act,
-                len,
-            };
-            attention::attention_combine(&combine, a[0], x, t);
-            let mut i = 2;
-            let mut next = |present: bool| {
-                let b = present.then(|| a[i]);
-                i += present as usize;
-                b
-            };
-            let o = fused::Operands {
-                x,
-                w: a[1],
-                wq,
-                bias: next(*bias),
-                norm: None,
-                residual: next(*post == kiln_ir::Epilogue::Residual),
-            };
-            fused::fused_matmul(&mm, o, *post, (t, k, n), r[0])
-        }
     }
 }
 
