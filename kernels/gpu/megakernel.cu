@@ -123,9 +123,15 @@ KILN_DEV void mk_release_add(unsigned int* p) {
 #endif
 }
 
+// Between two polls of a counter: a short sleep, so 256 polling threads
+// leave the SM's issue slots and load pipeline to the block's other work.
+// KILN_MK_PAUSE_NS 0 spins instead (an A/B knob, not yet measured).
+#ifndef KILN_MK_PAUSE_NS
+#define KILN_MK_PAUSE_NS 64
+#endif
 KILN_DEV void mk_pause() {
 #if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 700)
-  __nanosleep(64);
+  if (KILN_MK_PAUSE_NS > 0) __nanosleep(KILN_MK_PAUSE_NS);
 #endif
 }
 
