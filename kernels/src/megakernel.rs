@@ -1637,4 +1637,38 @@ mod tests {
             }
         }
     }
+
+    /// The interpreter's A/B knobs (defines that are off by default) must
+    /// still compile, or an A/B on the device fails at its first step:
+    /// the TMA stage with look-ahead, the look-ahead over per-thread
+    /// copies, and polls without a sleep.
+    #[test]
+    fn the_interpreter_compiles_for_sm_90_with_each_of_its_a_b_knobs() {
+        if let Err(e) = crate::nvrtc::locate() {
+            if std::env::var("KILN_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
+                panic!("KILN_REQUIRE_NVRTC=1 but {e}");
+            }
+            eprintln!("SKIPPED: NVRTC is not installed here ({e})");
+            return;
+        }
+        for knob in [
+            "#define KILN_MK_USE_TMA 1",
+            "#define KILN_MK_LOOKAHEAD 1",
+            "#define KILN_MK_PAUSE_NS 0",
+        ] {
+            let source: &'static str =
+                Box::leak(format!("{knob}\n{}", MEGAKERNEL_MODULE.raw_source).into_boxed_str());
+            let m = GpuModule {
+                raw_source: source,
+                ..MEGAKERNEL_MODULE
+            };
+            let cubin =
+                crate::nvrtc::compile_module(&m, 90).unwrap_or_else(|e| panic!("{knob}: {e}"));
+            let needle = format!("{ENTRY}\0");
+            assert!(
+                cubin.windows(needle.len()).any(|w| w == needle.as_bytes()),
+                "{knob}: {ENTRY} missing"
+            );
+        }
+    }
 }
