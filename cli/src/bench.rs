@@ -184,6 +184,9 @@ pub struct CriticalPath {
     /// Path tasks computing (waits met to counter bumped), per task class,
     /// largest first.
     pub busy_us: Vec<(String, f64)>,
+    /// How many path tasks each class of `busy_us` has, in its order (so
+    /// a class's time per task on the path is `busy_us / busy_tasks`).
+    pub busy_tasks: Vec<(String, u32)>,
     /// From a producer's counter bump to its waiter seeing it (the
     /// counters' round trip: release add, acquire polling, the barrier
     /// after it), summed over the hops.
@@ -375,7 +378,7 @@ pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 3]]) -> Option<
     };
     let last = (0..n).max_by_key(|&i| trace[i][2])?;
     let (mut i, mut first) = (last, last);
-    let mut busy: std::collections::BTreeMap<String, f64> = Default::default();
+    let mut busy: std::collections::BTreeMap<String, (f64, u32)> = Default::default();
     let (mut signal, mut late, mut queue, mut tasks, mut hops) =
         (0.0f64, 0.0f64, 0.0f64, 0u32, 0u32);
     let gap = |a: u64, b: u64| a.saturating_sub(b) as f64 / 1e3;
@@ -385,7 +388,9 @@ pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 3]]) -> Option<
         tasks += 1;
         first = i;
         let [reach, met, done] = trace[i];
-        *busy.entry(class(i)).or_default() += gap(done, met);
+        let b = busy.entry(class(i)).or_default();
+        b.0 += gap(done, met);
+        b.1 += 1;
         let producer = tape.tasks[i]
             .waits
             .iter()
@@ -414,13 +419,16 @@ pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 3]]) -> Option<
             }
         }
     }
-    let mut busy_us: Vec<(String, f64)> = busy.into_iter().collect();
-    busy_us.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let mut by_class: Vec<(String, (f64, u32))> = busy.into_iter().collect();
+    by_class.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0).then_with(|| a.0.cmp(&b.0)));
+    let busy_tasks = by_class.iter().map(|(c, (_, n))| (c.clone(), *n)).collect();
+    let busy_us = by_class.into_iter().map(|(c, (us, _))| (c, us)).collect();
     Some(CriticalPath {
         tasks,
         hops,
         span_us: gap(trace[last][2], trace[first][0]),
         busy_us,
+        busy_tasks,
         signal_us: signal,
         signal_late_us: late,
         queue_us: queue,
@@ -528,7 +536,14 @@ fn critical_path_line(k: &KeyResult, c: &CriticalPath) -> String {
     let classes: Vec<String> = c
         .busy_us
         .iter()
-        .map(|(class, us)| format!("{} {us:.1}", class.trim_start_matches("task.")))
+        .zip(&c.busy_tasks)
+        .map(|((class, us), (_, n))| {
+            format!(
+                "{} {us:.1} in {n}, {:.2} each",
+                class.trim_start_matches("task."),
+                us / (*n).max(1) as f64
+            )
+        })
         .collect();
     format!(
         "critical path {}: {} tasks, {} hops between queues, {:.1} us: busy {busy:.1} us ({}), signal {:.1} us ({:.2} us per hop; {:.1} us of it before the waiter reached the task), between tasks {:.1} us ({:.2} us per task)\n",
@@ -1022,6 +1037,12 @@ mod tests {
         assert!(c.hops > 0 && c.tasks > c.hops, "{c:#?}");
         assert!((busy - 0.5 * c.tasks as f64).abs() < 1e-9, "{c:#?}");
         assert!(c.busy_us.iter().any(|b| b.0.ends_with("matmul")), "{c:#?}");
+        // Every path task is counted once, under its own class.
+        assert_eq!(c.busy_tasks.iter().map(|b| b.1).sum::<u32>(), c.tasks);
+        for ((class, us), (same, n)) in c.busy_us.iter().zip(&c.busy_tasks) {
+            assert_eq!(class, same);
+            assert!((us - 0.5 * *n as f64).abs() < 1e-9, "{class}: {c:#?}");
+        }
         // The path ends at the task that finished last (the tape's last).
         assert!(c.span_us <= trace[n as usize - 1][2] as f64 / 1e3);
         // A trace of the wrong length is not this tape's.
