@@ -32,9 +32,10 @@
 //! trace of one replayed step instead ([`tape_rows`]: busy time per task
 //! class, waiting on counters, idle) and walks its critical path
 //! ([`critical_path`]: the chain of tasks that decided the step's length,
-//! split into busy time per class, counter signalling and the
+//! split into busy time per class (and how much of it GEMV tiles spent
+//! before their inputs were in shared memory), counter signalling and the
 //! interpreter's time between tasks), the `critical_path` object in the
-//! JSON. Marks are not needed there: the trace costs three timer stamps
+//! JSON. Marks are not needed there: the trace costs four timer stamps
 //! per task, so the profiled step is the replayed one.
 //!
 //! A tensor-parallel plan runs on its ranks (CPU ranks, or GPUs from the
@@ -187,6 +188,10 @@ pub struct CriticalPath {
     /// How many path tasks each class of `busy_us` has, in its order (so
     /// a class's time per task on the path is `busy_us / busy_tasks`).
     pub busy_tasks: Vec<(String, u32)>,
+    /// The part of the busy time before the tasks' inputs were in shared
+    /// memory (a GEMV's activations and staged weights; the trace's
+    /// inputs-ready stamp): the rest is computing and storing.
+    pub inputs_us: f64,
     /// From a producer's counter bump to its waiter seeing it (the
     /// counters' round trip: release add, acquire polling, the barrier
     /// after it), summed over the hops.
@@ -273,7 +278,7 @@ pub fn class_rows(profile: &StepProfile, copy_gbs: Option<f64>) -> Vec<ClassRow>
 }
 
 /// A megakernel step's profile from its tape trace (one `[reached, waits
-/// met, done]` per task, ns): one row per task class (`task.<op mnemonic>`)
+/// met, inputs ready, done]` per task, ns): one row per task class (`task.<op mnemonic>`)
 /// whose `us` is the blocks' busy time summed over the class's tasks and
 /// divided by the queues (the share of every SM's step the class takes),
 /// then `wait (counters)`, the time blocks spent with a task whose waits
@@ -285,7 +290,7 @@ pub fn class_rows(profile: &StepProfile, copy_gbs: Option<f64>) -> Vec<ClassRow>
 pub fn tape_rows(
     plan: &kiln_ir::plan::Plan,
     kp: &kiln_ir::plan::KeyPlan,
-    trace: &[[u64; 3]],
+    trace: &[[u64; 4]],
     context: u32,
     copy_gbs: Option<f64>,
 ) -> (Vec<ClassRow>, f64) {
@@ -294,7 +299,7 @@ pub fn tape_rows(
     };
     let queues = tape.queues.len().max(1) as f64;
     let t0 = trace.iter().map(|t| t[0]).min().unwrap_or(0);
-    let t1 = trace.iter().map(|t| t[2]).max().unwrap_or(0);
+    let t1 = trace.iter().map(|t| t[3]).max().unwrap_or(0);
     let span_ns = t1.saturating_sub(t0) as f64;
     let mut by: std::collections::BTreeMap<String, (u32, f64, u64)> = Default::default();
     let mut wait_ns = 0.0;
@@ -302,7 +307,7 @@ pub fn tape_rows(
         let op = &kp.ops[task.op as usize];
         let e = by.entry(format!("task.{}", op.op.mnemonic())).or_default();
         e.0 += 1;
-        e.1 += t[2].saturating_sub(t[1]) as f64;
+        e.1 += t[3].saturating_sub(t[1]) as f64;
         let units = kiln_ir::schedule::tile_units(op).max(1) as u64;
         e.2 += kiln_runtime::op_bytes(op, &plan.kv, context)
             * (task.tile.end - task.tile.begin) as u64
@@ -350,7 +355,7 @@ pub fn tape_rows(
 /// producer of a wait `(counter, n)` is the n-th task to bump the counter,
 /// by finish time), until a queue's first task. `None` for a key without a
 /// tape or a trace that does not match it.
-pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 3]]) -> Option<CriticalPath> {
+pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 4]]) -> Option<CriticalPath> {
     let tape = kp.schedule.tape()?;
     let n = tape.tasks.len();
     if n == 0 || trace.len() != n {
@@ -367,7 +372,7 @@ pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 3]]) -> Option<
         bumpers.entry(t.counter).or_default().push(i);
     }
     for v in bumpers.values_mut() {
-        v.sort_by_key(|&i| trace[i][2]);
+        v.sort_by_key(|&i| trace[i][3]);
     }
     let class = |i: usize| {
         kp.ops
@@ -376,21 +381,22 @@ pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 3]]) -> Option<
                 format!("task.{}", o.op.mnemonic())
             })
     };
-    let last = (0..n).max_by_key(|&i| trace[i][2])?;
+    let last = (0..n).max_by_key(|&i| trace[i][3])?;
     let (mut i, mut first) = (last, last);
     let mut busy: std::collections::BTreeMap<String, (f64, u32)> = Default::default();
-    let (mut signal, mut late, mut queue, mut tasks, mut hops) =
-        (0.0f64, 0.0f64, 0.0f64, 0u32, 0u32);
+    let (mut signal, mut late, mut queue, mut inputs, mut tasks, mut hops) =
+        (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0u32, 0u32);
     let gap = |a: u64, b: u64| a.saturating_sub(b) as f64 / 1e3;
     // Each step moves to a task that finished no later (ties broken by the
     // tape order), so the walk ends; the bound guards a corrupt trace.
     for _ in 0..=n {
         tasks += 1;
         first = i;
-        let [reach, met, done] = trace[i];
+        let [reach, met, ready, done] = trace[i];
         let b = busy.entry(class(i)).or_default();
         b.0 += gap(done, met);
         b.1 += 1;
+        inputs += gap(ready.min(done), met);
         let producer = tape.tasks[i]
             .waits
             .iter()
@@ -399,18 +405,18 @@ pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 3]]) -> Option<
                 let k = (w.target as usize).clamp(1, b.len());
                 Some(b[k - 1])
             })
-            .filter(|&p| p != i && (trace[p][2], p) < (done, i))
-            .max_by_key(|&p| (trace[p][2], p));
-        let pred = prev[i].filter(|&p| (trace[p][2], p) < (done, i));
+            .filter(|&p| p != i && (trace[p][3], p) < (done, i))
+            .max_by_key(|&p| (trace[p][3], p));
+        let pred = prev[i].filter(|&p| (trace[p][3], p) < (done, i));
         match (producer, pred) {
-            (Some(p), q) if q.is_none_or(|q| trace[p][2] >= trace[q][2]) => {
-                signal += gap(met, trace[p][2]);
-                late += gap(reach.min(met), trace[p][2]);
+            (Some(p), q) if q.is_none_or(|q| trace[p][3] >= trace[q][3]) => {
+                signal += gap(met, trace[p][3]);
+                late += gap(reach.min(met), trace[p][3]);
                 hops += 1;
                 i = p;
             }
             (_, Some(q)) => {
-                queue += gap(met, trace[q][2]);
+                queue += gap(met, trace[q][3]);
                 i = q;
             }
             _ => {
@@ -426,9 +432,10 @@ pub fn critical_path(kp: &kiln_ir::plan::KeyPlan, trace: &[[u64; 3]]) -> Option<
     Some(CriticalPath {
         tasks,
         hops,
-        span_us: gap(trace[last][2], trace[first][0]),
+        span_us: gap(trace[last][3], trace[first][0]),
         busy_us,
         busy_tasks,
+        inputs_us: inputs,
         signal_us: signal,
         signal_late_us: late,
         queue_us: queue,
@@ -546,12 +553,13 @@ fn critical_path_line(k: &KeyResult, c: &CriticalPath) -> String {
         })
         .collect();
     format!(
-        "critical path {}: {} tasks, {} hops between queues, {:.1} us: busy {busy:.1} us ({}), signal {:.1} us ({:.2} us per hop; {:.1} us of it before the waiter reached the task), between tasks {:.1} us ({:.2} us per task)\n",
+        "critical path {}: {} tasks, {} hops between queues, {:.1} us: busy {busy:.1} us ({}; {:.1} us of it before the inputs were in shared memory), signal {:.1} us ({:.2} us per hop; {:.1} us of it before the waiter reached the task), between tasks {:.1} us ({:.2} us per task)\n",
         k.key,
         c.tasks,
         c.hops,
         c.span_us,
         classes.join(", "),
+        c.inputs_us,
         c.signal_us,
         c.signal_us / c.hops.max(1) as f64,
         c.signal_late_us,
@@ -989,8 +997,8 @@ mod tests {
         let kp = &plan.keys[0];
         let tape = kp.schedule.tape().unwrap();
         // Task i: reached at 100 i, waits met 10 later, done 50 after that.
-        let trace: Vec<[u64; 3]> = (0..tape.tasks.len() as u64)
-            .map(|i| [100 * i, 100 * i + 10, 100 * i + 60])
+        let trace: Vec<[u64; 4]> = (0..tape.tasks.len() as u64)
+            .map(|i| [100 * i, 100 * i + 10, 100 * i + 10, 100 * i + 60])
             .collect();
         let (rows, span) = tape_rows(&plan, kp, &trace, 20, Some(100.0));
         let n = tape.tasks.len() as f64;
@@ -1025,8 +1033,8 @@ mod tests {
         let tape = kp.schedule.tape().unwrap();
         // Task i: reached at 1000 i, waits met 100 later, done 500 after that.
         let n = tape.tasks.len() as u64;
-        let trace: Vec<[u64; 3]> = (0..n)
-            .map(|i| [1000 * i, 1000 * i + 100, 1000 * i + 600])
+        let trace: Vec<[u64; 4]> = (0..n)
+            .map(|i| [1000 * i, 1000 * i + 100, 1000 * i + 300, 1000 * i + 600])
             .collect();
         let c = critical_path(kp, &trace).unwrap();
         let busy: f64 = c.busy_us.iter().map(|b| b.1).sum();
@@ -1044,7 +1052,9 @@ mod tests {
             assert!((us - 0.5 * *n as f64).abs() < 1e-9, "{class}: {c:#?}");
         }
         // The path ends at the task that finished last (the tape's last).
-        assert!(c.span_us <= trace[n as usize - 1][2] as f64 / 1e3);
+        assert!(c.span_us <= trace[n as usize - 1][3] as f64 / 1e3);
+        // Inputs were ready 200 ns after the waits were met, on every task.
+        assert!((c.inputs_us - 0.2 * c.tasks as f64).abs() < 1e-9, "{c:#?}");
         // A trace of the wrong length is not this tape's.
         assert!(critical_path(kp, &trace[1..]).is_none());
     }
@@ -1059,8 +1069,8 @@ mod tests {
         let n = kp.schedule.tape().unwrap().tasks.len() as u64;
         // Every block reached its tasks at once (time 0): nothing is late,
         // the whole signal is the round trip.
-        let early: Vec<[u64; 3]> = (0..n)
-            .map(|i| [0, 1000 * i + 100, 1000 * i + 600])
+        let early: Vec<[u64; 4]> = (0..n)
+            .map(|i| [0, 1000 * i + 100, 1000 * i + 100, 1000 * i + 600])
             .collect();
         let c = critical_path(kp, &early).unwrap();
         assert!(c.hops > 0 && c.signal_us > 0.0, "{c:#?}");
@@ -1068,8 +1078,8 @@ mod tests {
         // Task i reached 1000 i, met 100 later: a hop from task p (done at
         // 1000 p + 600) is late by 1000 (i - p) - 600 of its
         // 1000 (i - p) - 500, so 100 ns per hop is the round trip.
-        let late: Vec<[u64; 3]> = (0..n)
-            .map(|i| [1000 * i, 1000 * i + 100, 1000 * i + 600])
+        let late: Vec<[u64; 4]> = (0..n)
+            .map(|i| [1000 * i, 1000 * i + 100, 1000 * i + 100, 1000 * i + 600])
             .collect();
         let c = critical_path(kp, &late).unwrap();
         assert!(c.hops > 0, "{c:#?}");

@@ -129,6 +129,17 @@ KILN_DEV void mk_release_add(unsigned int* p) {
 #ifndef KILN_MK_PAUSE_NS
 #define KILN_MK_PAUSE_NS 64
 #endif
+// The device's global timer, ns (0 off CUDA): the trace's clock.
+KILN_DEV unsigned long long mk_now() {
+#if defined(KILN_CUDA)
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#else
+  return 0;
+#endif
+}
+
 KILN_DEV void mk_pause() {
 #if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 700)
   if (KILN_MK_PAUSE_NS > 0) __nanosleep(KILN_MK_PAUSE_NS);
@@ -654,6 +665,12 @@ KILN_DEV void mk_argmax_block(float& best, int& bi, float* smem) {
 // this one and may still be landing): their products read
 // them from there, in the same order, so the results are the unstaged ones
 // bit for bit; the rest stream from global memory as before.
+// When the current task's inputs were in shared memory (thread 0 writes
+// and reads it): the trace's fourth stamp, no effect on results. A GEMV
+// notes it after its first chunk's activations and staged weights landed;
+// the loop sets it to the waits-met time before every task.
+__shared__ unsigned long long mk_ready_at;
+
 template <int TT>
 KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, const MkStage& stg,
                       const MkRing& ring, bool later) {
@@ -703,6 +720,7 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, const MkStage& st
       mk_stage_wait(stg, ring, later);
       __syncthreads();
     }
+    if (t0 == 0 && threadIdx.x == 0) mk_ready_at = mk_now();
     float best = 0.0f;
     int bi = KILN_MK_NO_INDEX;
     for (int j = j0 + rstep * warp; j < j1; j += rstep * KILN_MK_WARPS) {
@@ -1449,19 +1467,14 @@ KILN_DEV void mk_gather_last(const MkTask& t) {
 
 // grid = one block per queue; queue q's tasks are
 // queue_tasks[queue_start[q] .. queue_start[q + 1]).
-// trace: null, or 3 u64 per task (the device's global timer in ns when the
-// block reached the task, when its waits were met, when its counter was
-// bumped), for
-// `kiln bench --profile`; written by thread 0, no effect on results.
-KILN_DEV unsigned long long mk_now() {
-#if defined(KILN_CUDA)
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-#else
-  return 0;
-#endif
-}
+// trace: null, or 4 u64 per task for `kiln bench --profile`, the device's
+// global timer in ns, written by thread 0, no effect on results: at
+// trace[3 ti ..] when the block reached task ti, when its waits were met,
+// when its counter was bumped; then, after the n = queue_start[gridDim.x]
+// tasks' triples, at trace[3 n + ti] when its inputs were in shared memory
+// (a GEMV's activations and staged weights; the waits-met time for the
+// other kinds). The fourth stamp sits apart so that a runtime reading an
+// older interpreter's trace (three stamps) finds zeros there, not garbage.
 
 KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
     megakernel_run(const MkTask* __restrict__ tasks, const unsigned int* __restrict__ queue_start,
@@ -1522,7 +1535,10 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
       while (mk_load_acquire(&counters[wt.counter]) < wt.target) mk_pause();
     }
     __syncthreads();
-    if (trace != nullptr && threadIdx.x == 0) trace[3 * (unsigned long long)this_ti + 1] = mk_now();
+    if (trace != nullptr && threadIdx.x == 0) {
+      mk_ready_at = mk_now();
+      trace[3 * (unsigned long long)this_ti + 1] = mk_ready_at;
+    }
     if (next != nullptr && ahead.rows < (int)(next->tile_end - next->tile_begin))
       mk_prefetch(*next, KILN_MK_PREFETCH_NEXT);
     switch (t.kind) {
@@ -1589,7 +1605,10 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
     __syncthreads();
     if (threadIdx.x == 0) {
       mk_release_add(&counters[counter]);
-      if (trace != nullptr) trace[3 * (unsigned long long)this_ti + 2] = mk_now();
+      if (trace != nullptr) {
+        trace[3 * (unsigned long long)this_ti + 2] = mk_now();
+        trace[3 * (unsigned long long)queue_start[gridDim.x] + this_ti] = mk_ready_at;
+      }
     }
     // mk_gemv waited for this stage's end once: its next completion has
     // the other parity.

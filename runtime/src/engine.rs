@@ -595,11 +595,12 @@ impl Engine {
                 Some(tape) if carries_interpreter => {
                     if options.trace_megakernel {
                         let n = tape.tasks.len() as u32;
-                        let t = backend.alloc(
-                            24 * n.max(1) as u64,
-                            &format!("megakernel trace {}", kp.key),
-                        )?;
+                        let bytes = TRACE_BYTES_PER_TASK * n.max(1) as u64;
+                        let t = backend.alloc(bytes, &format!("megakernel trace {}", kp.key))?;
                         allocations.push(t);
+                        // Zeroed: an interpreter that writes only the
+                        // first three stamps leaves the fourth at 0.
+                        backend.upload(t, &vec![0u8; bytes as usize])?;
                         trace = Some((t, n));
                     }
                     let (launch, buf) = megakernel_launch(
@@ -762,10 +763,14 @@ impl Engine {
     }
 
     /// The last step's trace of `key`'s tape, one `[reached, waits met,
-    /// done]` per task (the device's global timer, ns), or `None` where the
-    /// key is not a traced megakernel key (see
-    /// [`EngineOptions::trace_megakernel`]). Synchronizes the backend.
-    pub fn megakernel_trace(&mut self, key: Key) -> Result<Option<Vec<[u64; 3]>>, EngineError> {
+    /// inputs ready, done]` per task (the device's global timer, ns), or
+    /// `None` where the key is not a traced megakernel key (see
+    /// [`EngineOptions::trace_megakernel`]). Inputs ready is when a GEMV
+    /// task's activations and staged weights were in shared memory; for
+    /// other tasks, and for an interpreter that did not stamp it (0, or a
+    /// stamp outside the task's waits-met..done), it is the waits-met time.
+    /// Synchronizes the backend.
+    pub fn megakernel_trace(&mut self, key: Key) -> Result<Option<Vec<[u64; 4]>>, EngineError> {
         let Some((ptr, n)) = self
             .keys
             .iter()
@@ -775,17 +780,9 @@ impl Engine {
             return Ok(None);
         };
         self.backend.synchronize()?;
-        let mut bytes = vec![0u8; 24 * n as usize];
+        let mut bytes = vec![0u8; (TRACE_BYTES_PER_TASK * n as u64) as usize];
         self.backend.download(ptr, &mut bytes)?;
-        Ok(Some(
-            bytes
-                .chunks_exact(24)
-                .map(|c| {
-                    let w = |i: usize| u64::from_le_bytes(c[8 * i..8 * i + 8].try_into().unwrap());
-                    [w(0), w(1), w(2)]
-                })
-                .collect(),
-        ))
+        Ok(Some(decode_trace(&bytes, n as usize)))
     }
 
     pub fn graph_decision(&self) -> &GraphDecision {
@@ -1636,5 +1633,56 @@ mod tests {
     fn an_engine_can_move_to_another_thread() {
         fn send<T: Send>() {}
         send::<super::Engine>();
+    }
+}
+
+/// Bytes of a megakernel trace per task: three u64 stamps per task (reached,
+/// waits met, done), then one per task (inputs ready), as the interpreter
+/// (kernels/gpu/megakernel.cu, `megakernel_run`) writes them.
+const TRACE_BYTES_PER_TASK: u64 = 32;
+
+/// A downloaded trace of `n` tasks as `[reached, waits met, inputs ready,
+/// done]` (see [`Engine::megakernel_trace`]).
+fn decode_trace(bytes: &[u8], n: usize) -> Vec<[u64; 4]> {
+    let w = |i: usize| {
+        bytes
+            .get(8 * i..8 * i + 8)
+            .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+    };
+    (0..n)
+        .map(|t| {
+            let (reach, met, done) = (w(3 * t), w(3 * t + 1), w(3 * t + 2));
+            let ready = w(3 * n + t);
+            let ready = if ready >= met && ready <= done {
+                ready
+            } else {
+                met
+            };
+            [reach, met, ready, done]
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod trace_tests {
+    use super::*;
+
+    fn bytes(words: &[u64]) -> Vec<u8> {
+        words.iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
+
+    /// The fourth stamp comes from its own array after the triples; where
+    /// an interpreter left it at zero, or it falls outside the task's
+    /// waits-met..done, the task's inputs count as ready when its waits
+    /// were met.
+    #[test]
+    fn a_trace_decodes_the_ready_stamps_after_the_triples_and_falls_back_to_waits_met() {
+        let t = decode_trace(
+            &bytes(&[10, 20, 90, 100, 110, 150, 200, 300, 400, 35, 0, 999]),
+            3,
+        );
+        assert_eq!(t[0], [10, 20, 35, 90]);
+        assert_eq!(t[1], [100, 110, 110, 150]);
+        assert_eq!(t[2], [200, 300, 300, 400]);
     }
 }
