@@ -123,12 +123,6 @@ KILN_DEV void mk_release_add(unsigned int* p) {
 #endif
 }
 
-// Between two polls of a counter: a short sleep, so 256 polling threads
-// leave the SM's issue slots and load pipeline to the block's other work.
-// KILN_MK_PAUSE_NS 0 spins instead (an A/B knob, not yet measured).
-#ifndef KILN_MK_PAUSE_NS
-#define KILN_MK_PAUSE_NS 64
-#endif
 // The device's global timer, ns (0 off CUDA): the trace's clock.
 KILN_DEV unsigned long long mk_now() {
 #if defined(KILN_CUDA)
@@ -139,6 +133,13 @@ KILN_DEV unsigned long long mk_now() {
   return 0;
 #endif
 }
+
+// Between two polls of a counter: a short sleep, so 256 polling threads
+// leave the SM's issue slots and load pipeline to the block's other work.
+// KILN_MK_PAUSE_NS 0 spins instead (an A/B knob, not yet measured).
+#ifndef KILN_MK_PAUSE_NS
+#define KILN_MK_PAUSE_NS 64
+#endif
 
 KILN_DEV void mk_pause() {
 #if defined(KILN_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 700)
@@ -644,6 +645,12 @@ KILN_DEV void mk_argmax_block(float& best, int& bi, float* smem) {
   __syncthreads();
 }
 
+// When the current task's inputs were in shared memory (thread 0 writes
+// and reads it): the trace's fourth stamp, no effect on results. A GEMV
+// notes it after its first chunk's activations and staged weights landed;
+// the loop sets it to the waits-met time before every task.
+__shared__ unsigned long long mk_ready_at;
+
 // The GEMV kinds. KILN_MK_GEMV_BF16 / _F32: output columns [tile_begin,
 // tile_end) of out[T, cols]. i: 0 T, 1 K, 2 cols, 3 epilogue (0 none,
 // 1 silu_mul, 2 gelu_tanh_mul, 3 residual), 4 prologue, 5 unit_offset,
@@ -665,11 +672,6 @@ KILN_DEV void mk_argmax_block(float& best, int& bi, float* smem) {
 // this one and may still be landing): their products read
 // them from there, in the same order, so the results are the unstaged ones
 // bit for bit; the rest stream from global memory as before.
-// When the current task's inputs were in shared memory (thread 0 writes
-// and reads it): the trace's fourth stamp, no effect on results. A GEMV
-// notes it after its first chunk's activations and staged weights landed;
-// the loop sets it to the waits-met time before every task.
-__shared__ unsigned long long mk_ready_at;
 
 template <int TT>
 KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, const MkStage& stg,
