@@ -648,7 +648,8 @@ KILN_DEV void mk_argmax_block(float& best, int& bi, float* smem) {
 // When the current task's inputs were in shared memory (thread 0 writes
 // and reads it): the trace's fourth stamp, no effect on results. A GEMV
 // notes it after its first chunk's activations and staged weights landed;
-// the loop sets it to the waits-met time before every task.
+// a traced loop sets it to the waits-met time before every task. It is 0
+// for the whole of an untraced run, and the GEMV then reads no timer.
 __shared__ unsigned long long mk_ready_at;
 
 // The GEMV kinds. KILN_MK_GEMV_BF16 / _F32: output columns [tile_begin,
@@ -722,7 +723,8 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, const MkStage& st
       mk_stage_wait(stg, ring, later);
       __syncthreads();
     }
-    if (t0 == 0 && threadIdx.x == 0) mk_ready_at = mk_now();
+    // Only a traced run stamps (mk_ready_at stays 0 untraced: no timer read).
+    if (t0 == 0 && threadIdx.x == 0 && mk_ready_at != 0) mk_ready_at = mk_now();
     float best = 0.0f;
     int bi = KILN_MK_NO_INDEX;
     for (int j = j0 + rstep * warp; j < j1; j += rstep * KILN_MK_WARPS) {
@@ -1494,6 +1496,7 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
   const unsigned int begin = queue_start[q], end = queue_start[q + 1];
   MkRing ring{bars, 0u};
   mk_ring_init(ring);
+  if (threadIdx.x == 0) mk_ready_at = 0;
   // The current task's weight stage when the previous task issued it
   // (mk_stage_next; rows 0: it did not, and the task stages itself).
   MkStage ahead{0, 0u, 0u, false};
