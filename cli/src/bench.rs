@@ -732,7 +732,7 @@ fn bench_plan(
     };
     let traced_plan = args.profile.then(|| plan.clone());
     let backend = open_backend_ranks(*spec, tp)?;
-    let mut engine = Engine::with_weights(plan, weights.clone(), backend, options.clone())?;
+    let mut engine = Engine::with_weights(plan, weights, backend, options)?;
     let info = engine.device();
     let bw = engine.copy_bandwidth(1 << 30, 10)?;
     let eager_steps = (args.steps / 10).max(10);
