@@ -58,6 +58,15 @@
 // The look-ahead prefetch's cap per block: 132 queues x 256 KB stays under
 // an H200's 50 MB L2.
 #define KILN_MK_PREFETCH_NEXT (256u << 10)
+// A/B knobs of that look-ahead (off by default): KILN_MK_PREFETCH_EARLY 1
+// issues it when the task starts, before its waits, instead of after them;
+// KILN_MK_PREFETCH_AHEAD 2 also asks for the task after the next one.
+#ifndef KILN_MK_PREFETCH_EARLY
+#define KILN_MK_PREFETCH_EARLY 0
+#endif
+#ifndef KILN_MK_PREFETCH_AHEAD
+#define KILN_MK_PREFETCH_AHEAD 1
+#endif
 
 // Task kinds (kiln_kernels::megakernel::TaskKind).
 #define KILN_MK_GEMV_BF16 1
@@ -1535,6 +1544,9 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
     // L2 prefetch of what the stage does not hold (all of it when nothing
     // is staged; the whole tile when part is: a hint).
     if (stage.rows < (int)(t.tile_end - t.tile_begin)) mk_prefetch(t);
+    if (KILN_MK_PREFETCH_EARLY && next != nullptr &&
+        ahead.rows < (int)(next->tile_end - next->tile_begin))
+      mk_prefetch(*next, KILN_MK_PREFETCH_NEXT);
     for (unsigned int n = threadIdx.x; n < t.wait_count; n += KILN_MK_THREADS) {
       const MkWait wt = waits[t.wait_begin + n];
       while (mk_load_acquire(&counters[wt.counter]) < wt.target) mk_pause();
@@ -1544,8 +1556,11 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
       mk_ready_at = mk_now();
       trace[3 * (unsigned long long)this_ti + 1] = mk_ready_at;
     }
-    if (next != nullptr && ahead.rows < (int)(next->tile_end - next->tile_begin))
+    if (!KILN_MK_PREFETCH_EARLY && next != nullptr &&
+        ahead.rows < (int)(next->tile_end - next->tile_begin))
       mk_prefetch(*next, KILN_MK_PREFETCH_NEXT);
+    if (KILN_MK_PREFETCH_AHEAD > 1 && i + 2 < end)
+      mk_prefetch(tasks[queue_tasks[i + 2]], KILN_MK_PREFETCH_NEXT);
     switch (t.kind) {
       case KILN_MK_GEMV_BF16:
       case KILN_MK_GEMV_BF16_F32:
