@@ -484,7 +484,7 @@ fn dropping_any_one_wait_makes_the_verifier_refuse_the_tape_naming_the_task() {
     assert!(dropped > 10, "only {dropped} waits in the tape");
 }
 
-/// `--megakernel-counters op`: an op whose tiles every consumer takes whole
+/// `--megakernel-counters op` (the default): an op whose tiles every consumer takes whole
 /// gets one counter, bumped by each of its tiles and waited on once for all
 /// of them; the QKV projection, whose columns the query heads' RoPE reads a
 /// head at a time, keeps a counter per tile, so a head still waits for its
@@ -498,7 +498,9 @@ fn with_per_op_counters_a_whole_op_is_waited_on_once_and_a_rope_head_still_waits
     opts.megakernel.counters = CounterKind::Op;
     let plan = compile_synth(&spec, &opts).plan;
     validate(&plan).unwrap_or_else(|e| panic!("{e}"));
-    let tiles = compile_synth(&spec, &options("cuda:sm_90", "b1q1s0", 3)).plan;
+    let mut per_tile = options("cuda:sm_90", "b1q1s0", 3);
+    per_tile.megakernel.counters = CounterKind::Tile;
+    let tiles = compile_synth(&spec, &per_tile).plan;
     let (kp, t) = (&plan.keys[0], tape(&plan, 0));
     let bumpers = |c: u32| -> Vec<u32> {
         (0..t.tasks.len() as u32)
