@@ -83,8 +83,10 @@ pub enum CounterKind {
     /// ops' tiles keep their own counters, so a task still waits only for
     /// what it reads. On Qwen3-0.6B at 132 queues a b1 tape then holds
     /// 32,864 waits instead of 1,441,566 (a GEMV tile waited on 127
-    /// counters, each polled by its own thread), and on an H100 the step
-    /// measured 1-3% faster (bench/results/gpu-2026-12-07-s36).
+    /// counters, each polled by its own thread), and on an H100 the b1 step
+    /// of SmolLM2-135M / Qwen3-0.6B / Llama-3.2-1B measured -1.0 / -1.3 /
+    /// -3.1% and -0.8 / -5.5 / +0.3% against per-tile counters in two
+    /// calls (bench/results/gpu-2026-12-07-s36).
     #[default]
     Op,
 }
