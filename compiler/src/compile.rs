@@ -962,6 +962,11 @@ pub struct CompileArgs {
     /// narrower than this).
     #[arg(long, default_value_t = passes::megakernel::MegakernelOptions::default().min_tile, value_parser = clap::value_parser!(u32).range(1..))]
     pub megakernel_min_tile: u32,
+    /// With --schedule megakernel: `op` (the tiles of an op whose consumers
+    /// each take all of them share one counter, waited on once) or `tile`
+    /// (each task its own completion counter).
+    #[arg(long, value_enum, default_value_t = passes::megakernel::MegakernelOptions::default().counters)]
+    pub megakernel_counters: passes::megakernel::CounterKind,
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "model.kiln")]
     pub output: PathBuf,
@@ -1025,6 +1030,7 @@ impl CompileArgs {
                 sm_count: self.megakernel_sms,
                 blocks_per_sm: self.megakernel_blocks_per_sm,
                 min_tile: self.megakernel_min_tile,
+                counters: self.megakernel_counters,
             },
         }
     }

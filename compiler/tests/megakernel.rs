@@ -6,7 +6,7 @@
 mod planner_support;
 
 use kiln_compiler::compile::{CompileError, CompileOptions};
-use kiln_compiler::passes::megakernel::{MegakernelOptions, ScheduleKind};
+use kiln_compiler::passes::megakernel::{CounterKind, MegakernelOptions, ScheduleKind};
 use kiln_compiler::passes::synth::{SynthFamily, SynthSpec};
 use kiln_compiler::passes::Pass;
 use kiln_ir::plan::{Plan, Region};
@@ -26,6 +26,7 @@ fn options(target: &str, keys_: &str, sms: u32) -> CompileOptions {
             sm_count: sms,
             blocks_per_sm: 2,
             min_tile: 8,
+            counters: Default::default(),
         },
         ..CompileOptions::default()
     }
@@ -481,6 +482,88 @@ fn dropping_any_one_wait_makes_the_verifier_refuse_the_tape_naming_the_task() {
         }
     }
     assert!(dropped > 10, "only {dropped} waits in the tape");
+}
+
+/// `--megakernel-counters op` (the default): an op whose tiles every consumer takes whole
+/// gets one counter, bumped by each of its tiles and waited on once for all
+/// of them; the QKV projection, whose columns the query heads' RoPE reads a
+/// head at a time, keeps a counter per tile, so a head still waits for its
+/// own columns only. The verifier accepts the tape, and refuses it without
+/// any one of its waits.
+#[test]
+fn with_per_op_counters_a_whole_op_is_waited_on_once_and_a_rope_head_still_waits_for_its_own_columns(
+) {
+    let spec = SynthSpec::tiny(SynthFamily::Qwen3);
+    let mut opts = options("cuda:sm_90", "b1q1s0", 3);
+    opts.megakernel.counters = CounterKind::Op;
+    let plan = compile_synth(&spec, &opts).plan;
+    validate(&plan).unwrap_or_else(|e| panic!("{e}"));
+    let mut per_tile = options("cuda:sm_90", "b1q1s0", 3);
+    per_tile.megakernel.counters = CounterKind::Tile;
+    let tiles = compile_synth(&spec, &per_tile).plan;
+    let (kp, t) = (&plan.keys[0], tape(&plan, 0));
+    let bumpers = |c: u32| -> Vec<u32> {
+        (0..t.tasks.len() as u32)
+            .filter(|&i| t.tasks[i as usize].counter == c)
+            .collect()
+    };
+    let mut shared = 0;
+    for (i, task) in t.tasks.iter().enumerate() {
+        for w in &task.waits {
+            let b = bumpers(w.counter);
+            // A wait names every bumper of its counter: all tiles of one op.
+            assert_eq!(b.len() as u32, w.target, "task {i}: {w:?}");
+            let op = t.tasks[b[0] as usize].op;
+            let whole = t.tasks.iter().filter(|x| x.op == op).count() as u32;
+            assert!(b.iter().all(|&x| t.tasks[x as usize].op == op));
+            assert!(w.target == 1 || w.target == whole, "task {i}: {w:?}");
+            shared += (w.target > 1) as u32;
+        }
+    }
+    assert!(shared > 0, "no wait on a shared counter");
+    let waits = |t: &Tape| t.tasks.iter().map(|x| x.waits.len()).sum::<usize>();
+    assert!(
+        waits(t) < waits(tape(&tiles, 0)),
+        "{} vs {}",
+        waits(t),
+        waits(tape(&tiles, 0))
+    );
+    // The query heads' RoPE tasks wait on single QKV tiles (target 1).
+    let mut rope_on_qkv = 0;
+    for (i, op) in kp.ops.iter().enumerate() {
+        let Op::QkvRopeKvWrite { heads, .. } = op.op else {
+            continue;
+        };
+        let qkv = kp.ops[..i]
+            .iter()
+            .rposition(|o| o.results.iter().any(|r| r.buf == op.args[0].buf))
+            .expect("a qkv producer");
+        let qkv_tiles = t.tasks.iter().filter(|x| x.op as usize == qkv).count();
+        assert!(qkv_tiles > 1, "the qkv GEMV is tiled");
+        for task in t
+            .tasks
+            .iter()
+            .filter(|x| x.op as usize == i)
+            .take(heads as usize)
+        {
+            for w in &task.waits {
+                if t.tasks[w.counter as usize].op as usize == qkv {
+                    assert_eq!(w.target, 1, "a rope head waits for all of the qkv GEMV");
+                    rope_on_qkv += 1;
+                }
+            }
+        }
+    }
+    // (At 3 SMs x 2 queues some heads' columns are on other queues.)
+    assert!(rope_on_qkv > 0, "no rope head waits on a qkv tile");
+    for i in 0..t.tasks.len() {
+        for w in 0..t.tasks[i].waits.len() {
+            let mut bad = plan.clone();
+            tape_mut(&mut bad, 0).tasks[i].waits.remove(w);
+            let e = validate(&bad).expect_err("a tape missing a wait");
+            assert!(e.problem.contains("without waiting"), "{e}");
+        }
+    }
 }
 
 #[test]

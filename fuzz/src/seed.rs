@@ -286,6 +286,7 @@ fn plan(root: &Path) -> Result<Vec<(String, Vec<u8>)>, SeedError> {
                 sm_count: 2,
                 blocks_per_sm: 2,
                 min_tile: 16,
+                counters: Default::default(),
             },
             kv: KvOptions {
                 block_size: 16,

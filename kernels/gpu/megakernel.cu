@@ -58,6 +58,19 @@
 // The look-ahead prefetch's cap per block: 132 queues x 256 KB stays under
 // an H200's 50 MB L2.
 #define KILN_MK_PREFETCH_NEXT (256u << 10)
+// A/B knobs of that look-ahead (off by default): KILN_MK_PREFETCH_EARLY 1
+// issues it when the task starts, before its waits, instead of after them;
+// KILN_MK_PREFETCH_AHEAD 2 also asks for the task after the next one. On an
+// H100 (bench/results/gpu-2026-12-07-s36, one call) EARLY took SmolLM2-135M
+// / Qwen3-0.6B / Llama-3.2-1B from 1.159 / 1.611 / 1.816 to 1.134 / 1.591
+// / 1.818 ms (faster tiles, slower hops: the polls wait behind the
+// prefetches), AHEAD 2 to 1.378 / 1.865 / 2.099.
+#ifndef KILN_MK_PREFETCH_EARLY
+#define KILN_MK_PREFETCH_EARLY 0
+#endif
+#ifndef KILN_MK_PREFETCH_AHEAD
+#define KILN_MK_PREFETCH_AHEAD 1
+#endif
 
 // Task kinds (kiln_kernels::megakernel::TaskKind).
 #define KILN_MK_GEMV_BF16 1
@@ -648,7 +661,8 @@ KILN_DEV void mk_argmax_block(float& best, int& bi, float* smem) {
 // When the current task's inputs were in shared memory (thread 0 writes
 // and reads it): the trace's fourth stamp, no effect on results. A GEMV
 // notes it after its first chunk's activations and staged weights landed;
-// the loop sets it to the waits-met time before every task.
+// a traced loop sets it to the waits-met time before every task. It is 0
+// for the whole of an untraced run, and the GEMV then reads no timer.
 __shared__ unsigned long long mk_ready_at;
 
 // The GEMV kinds. KILN_MK_GEMV_BF16 / _F32: output columns [tile_begin,
@@ -722,7 +736,8 @@ KILN_DEV void mk_gemv(const MkTask& t, float* smem, uint4* xs, const MkStage& st
       mk_stage_wait(stg, ring, later);
       __syncthreads();
     }
-    if (t0 == 0 && threadIdx.x == 0) mk_ready_at = mk_now();
+    // Only a traced run stamps (mk_ready_at stays 0 untraced: no timer read).
+    if (t0 == 0 && threadIdx.x == 0 && mk_ready_at != 0) mk_ready_at = mk_now();
     float best = 0.0f;
     int bi = KILN_MK_NO_INDEX;
     for (int j = j0 + rstep * warp; j < j1; j += rstep * KILN_MK_WARPS) {
@@ -1494,6 +1509,7 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
   const unsigned int begin = queue_start[q], end = queue_start[q + 1];
   MkRing ring{bars, 0u};
   mk_ring_init(ring);
+  if (threadIdx.x == 0) mk_ready_at = 0;
   // The current task's weight stage when the previous task issued it
   // (mk_stage_next; rows 0: it did not, and the task stages itself).
   MkStage ahead{0, 0u, 0u, false};
@@ -1532,6 +1548,9 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
     // L2 prefetch of what the stage does not hold (all of it when nothing
     // is staged; the whole tile when part is: a hint).
     if (stage.rows < (int)(t.tile_end - t.tile_begin)) mk_prefetch(t);
+    if (KILN_MK_PREFETCH_EARLY && next != nullptr &&
+        ahead.rows < (int)(next->tile_end - next->tile_begin))
+      mk_prefetch(*next, KILN_MK_PREFETCH_NEXT);
     for (unsigned int n = threadIdx.x; n < t.wait_count; n += KILN_MK_THREADS) {
       const MkWait wt = waits[t.wait_begin + n];
       while (mk_load_acquire(&counters[wt.counter]) < wt.target) mk_pause();
@@ -1541,8 +1560,11 @@ KILN_GLOBAL void __launch_bounds__(KILN_MK_THREADS)
       mk_ready_at = mk_now();
       trace[3 * (unsigned long long)this_ti + 1] = mk_ready_at;
     }
-    if (next != nullptr && ahead.rows < (int)(next->tile_end - next->tile_begin))
+    if (!KILN_MK_PREFETCH_EARLY && next != nullptr &&
+        ahead.rows < (int)(next->tile_end - next->tile_begin))
       mk_prefetch(*next, KILN_MK_PREFETCH_NEXT);
+    if (KILN_MK_PREFETCH_AHEAD > 1 && i + 2 < end)
+      mk_prefetch(tasks[queue_tasks[i + 2]], KILN_MK_PREFETCH_NEXT);
     switch (t.kind) {
       case KILN_MK_GEMV_BF16:
       case KILN_MK_GEMV_BF16_F32:

@@ -1664,6 +1664,8 @@ mod tests {
             "#define KILN_MK_USE_TMA 1",
             "#define KILN_MK_LOOKAHEAD 1",
             "#define KILN_MK_PAUSE_NS 0",
+            "#define KILN_MK_PREFETCH_EARLY 1",
+            "#define KILN_MK_PREFETCH_AHEAD 2",
         ] {
             let source: &'static str =
                 Box::leak(format!("{knob}\n{}", MEGAKERNEL_MODULE.raw_source).into_boxed_str());

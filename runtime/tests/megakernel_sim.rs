@@ -50,6 +50,7 @@ fn plan_with(sms: u32, blocks_per_sm: u32) -> (tempfile::TempDir, Plan) {
             sm_count: sms,
             blocks_per_sm,
             min_tile: 8,
+            counters: Default::default(),
         },
         ..CompileOptions::default()
     };

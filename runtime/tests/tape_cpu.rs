@@ -8,7 +8,7 @@
 //! no task wrote yet, which the executor reports and the outputs show.
 
 use kiln_compiler::compile::{compile_traced, CompileOptions};
-use kiln_compiler::passes::megakernel::{MegakernelOptions, ScheduleKind};
+use kiln_compiler::passes::megakernel::{CounterKind, MegakernelOptions, ScheduleKind};
 use kiln_compiler::passes::synth::{SynthFamily, SynthSpec};
 use kiln_ir::plan::{BufRef, KeyPlan, ModelInfo, ModelMeta, Plan, Region, Target};
 use kiln_ir::rng::SplitMix64;
@@ -23,6 +23,17 @@ fn compile(spec: &SynthSpec, target: &str, keys: &str) -> Plan {
 /// [`compile`] for a tape of `sms` SMs x 2 blocks (more queues than a
 /// key's (sequence, head) pairs split its attention over the context).
 fn compile_on(spec: &SynthSpec, target: &str, keys: &str, sms: u32) -> Plan {
+    compile_counters(spec, target, keys, sms, CounterKind::Tile)
+}
+
+/// [`compile_on`] with the tape's completion counters per tile or per op.
+fn compile_counters(
+    spec: &SynthSpec,
+    target: &str,
+    keys: &str,
+    sms: u32,
+    counters: CounterKind,
+) -> Plan {
     let opts = CompileOptions {
         keys: keys.split(',').map(|k| k.parse().unwrap()).collect(),
         target: target.parse().unwrap(),
@@ -32,6 +43,7 @@ fn compile_on(spec: &SynthSpec, target: &str, keys: &str, sms: u32) -> Plan {
             sm_count: sms,
             blocks_per_sm: 2,
             min_tile: 8,
+            counters,
         },
         ..CompileOptions::default()
     };
@@ -235,6 +247,32 @@ fn tapes_with_attention_split_over_the_context_equal_the_op_list_bitwise_in_ever
                 kp.key
             );
             check_key(&plan, kp, &orders(tape(kp)), 4);
+        }
+    }
+}
+
+#[test]
+fn tapes_with_per_op_counters_equal_the_op_list_bitwise_in_every_order_over_changing_steps() {
+    for (family, keys, sms) in [
+        (SynthFamily::Llama, "b1q1s0", 3),
+        (SynthFamily::Qwen2, "b1q1s0", 3),
+        (SynthFamily::Qwen3, "b1q1s0,b2q4s0", 8),
+    ] {
+        let spec = SynthSpec::tiny(family);
+        let plan = compile_counters(&spec, "cuda:sm_90", keys, sms, CounterKind::Op);
+        let tiles = compile_counters(&spec, "cuda:sm_90", keys, sms, CounterKind::Tile);
+        for (kp, tk) in plan.keys.iter().zip(&tiles.keys) {
+            let t = tape(kp);
+            // Some counter is shared (a wait for several bumps), and the
+            // tape waits less often than the per-tile one.
+            assert!(
+                t.tasks.iter().flat_map(|x| &x.waits).any(|w| w.target > 1),
+                "{family:?} key {}: no shared counter",
+                kp.key
+            );
+            let waits = |t: &Tape| t.tasks.iter().map(|x| x.waits.len()).sum::<usize>();
+            assert!(waits(t) < waits(tape(tk)), "{family:?} key {}", kp.key);
+            check_key(&plan, kp, &orders(t), 4);
         }
     }
 }

@@ -556,6 +556,7 @@ fn compile_schedule(
     sm: u32,
     schedule: kiln_compiler::passes::megakernel::ScheduleKind,
     sms: u32,
+    counters: kiln_compiler::passes::megakernel::CounterKind,
 ) -> Plan {
     let opts = CompileOptions {
         keys: MEGAKERNEL_KEYS
@@ -575,6 +576,7 @@ fn compile_schedule(
             sm_count: sms,
             blocks_per_sm: 1,
             min_tile: 16,
+            counters,
         },
         ..CompileOptions::default()
     };
@@ -595,11 +597,12 @@ fn megakernel_against_graph(
     sm: u32,
     rel: f32,
     faults: kiln_runtime::Faults,
+    counters: kiln_compiler::passes::megakernel::CounterKind,
 ) -> Result<String, String> {
     use kiln_compiler::passes::megakernel::ScheduleKind;
     let sms = CudaBackend::new(0).unwrap().sm_count();
-    let gplan = compile_schedule(dir, sm, ScheduleKind::Graph, sms);
-    let mplan = compile_schedule(dir, sm, ScheduleKind::Megakernel, sms);
+    let gplan = compile_schedule(dir, sm, ScheduleKind::Graph, sms, counters);
+    let mplan = compile_schedule(dir, sm, ScheduleKind::Megakernel, sms, counters);
     // The megakernel schedule fuses its GEMVs (the interpreter's rule).
     if !mplan.keys.iter().any(|kp| {
         kp.ops
@@ -684,6 +687,7 @@ fn megakernel_against_graph(
 
 #[test]
 fn the_megakernel_schedule_generates_the_graph_schedules_tokens_on_every_key() {
+    use kiln_compiler::passes::megakernel::CounterKind;
     let Some(sm) = gpu() else { return };
     let mut failures = Vec::new();
     for family in [
@@ -695,12 +699,22 @@ fn the_megakernel_schedule_generates_the_graph_schedules_tokens_on_every_key() {
     ] {
         let dir = tempfile::tempdir().unwrap();
         write_tiny_model(dir.path(), family, &TinySpec::for_family(family)).unwrap();
-        let name = format!("{family:?}");
-        match megakernel_against_graph(&name, dir.path(), sm, CPU_LOGIT_REL, Default::default()) {
-            Ok(line) => eprintln!("{line}"),
-            Err(e) => {
-                eprintln!("FAILED {e}");
-                failures.push(e);
+        // Both tape counter layouts: one per task, and shared per op.
+        for counters in [CounterKind::Tile, CounterKind::Op] {
+            let name = format!("{family:?} ({counters:?} counters)");
+            match megakernel_against_graph(
+                &name,
+                dir.path(),
+                sm,
+                CPU_LOGIT_REL,
+                Default::default(),
+                counters,
+            ) {
+                Ok(line) => eprintln!("{line}"),
+                Err(e) => {
+                    eprintln!("FAILED {e}");
+                    failures.push(e);
+                }
             }
         }
     }
@@ -718,6 +732,7 @@ fn the_megakernel_schedule_generates_the_graph_schedules_tokens_on_gemma3_270m_s
         sm,
         GEMMA3_270M_LOGIT_REL,
         Default::default(),
+        kiln_compiler::passes::megakernel::CounterKind::Op,
     )
     .unwrap_or_else(|e| panic!("{e}"));
     eprintln!("{line}");
@@ -747,6 +762,7 @@ fn a_dropped_tape_wait_makes_the_megakernel_disagree_with_the_graph_schedule() {
         sm,
         kiln_compiler::passes::megakernel::ScheduleKind::Megakernel,
         sms,
+        Default::default(),
     );
     let kp = &mplan.keys[0];
     let tape = kp.schedule.tape().unwrap();
@@ -775,6 +791,7 @@ fn a_dropped_tape_wait_makes_the_megakernel_disagree_with_the_graph_schedule() {
         sm,
         CPU_LOGIT_REL,
         faults,
+        Default::default(),
     );
     eprintln!("with task {task}'s last wait dropped: {out:?}");
     assert!(

@@ -71,6 +71,26 @@ pub enum ScheduleKind {
     Megakernel,
 }
 
+/// How the tape's tasks signal completion (`kiln compile
+/// --megakernel-counters`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum CounterKind {
+    /// Every task bumps its own counter; a wait names one task (target 1).
+    Tile,
+    /// The default. The tiles of an op that no later task needs only part
+    /// of share one counter, and a task that needs them all waits once
+    /// (target: the op's tile count) instead of once per tile; the other
+    /// ops' tiles keep their own counters, so a task still waits only for
+    /// what it reads. On Qwen3-0.6B at 132 queues a b1 tape then holds
+    /// 32,864 waits instead of 1,441,566 (a GEMV tile waited on 127
+    /// counters, each polled by its own thread), and on an H100 the b1 step
+    /// of SmolLM2-135M / Qwen3-0.6B / Llama-3.2-1B measured -1.0 / -1.3 /
+    /// -3.1% and -0.8 / -5.5 / +0.3% against per-tile counters in two
+    /// calls (bench/results/gpu-2026-12-07-s36).
+    #[default]
+    Op,
+}
+
 /// Shape of the persistent kernel the tape is cut for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MegakernelOptions {
@@ -83,6 +103,8 @@ pub struct MegakernelOptions {
     /// step from 1.884 to 1.650 ms and Llama-3.2-1B's from 2.111 to 2.044
     /// (N = 1024 projections fill 128 queues instead of 64).
     pub min_tile: u32,
+    /// Per-task or per-op completion counters ([`CounterKind`]).
+    pub counters: CounterKind,
 }
 
 impl Default for MegakernelOptions {
@@ -91,6 +113,7 @@ impl Default for MegakernelOptions {
             sm_count: 132,
             blocks_per_sm: 1,
             min_tile: 8,
+            counters: CounterKind::Op,
         }
     }
 }
@@ -143,6 +166,131 @@ fn tiles(op: &PlanOp, queues: u32, min_tile: u32) -> Vec<Tile> {
         .collect()
 }
 
+/// The op whose tasks include task `t` (`op_tasks`: each op's first task
+/// and count, in order).
+fn task_op(op_tasks: &[(u32, u32)], t: u32) -> usize {
+    op_tasks.partition_point(|&(first, _)| first <= t) - 1
+}
+
+/// One task before it has a queue: its op, tile, footprint and the earlier
+/// tasks whose bytes conflict with it (newest first).
+struct Cut {
+    op: u32,
+    tile: Tile,
+    reads: Vec<BufRef>,
+    writes: Vec<BufRef>,
+    deps: Vec<u32>,
+}
+
+/// Which ops' tiles share one counter under [`CounterKind::Op`], from the
+/// per-tile tape `tile_tasks` of the same cuts: every op of several tiles,
+/// except one that some task needs only part of (its conflicts cover some
+/// of the op's tiles, not all) where that part is not already implied by
+/// its other waits and queue order (the per-tile tape kept a wait on it).
+/// Such an op keeps per-tile counters, so no task waits for tiles it does
+/// not read where that could delay it: the queries' RoPE waits for its
+/// heads' QKV columns only. A residual read a column at a time, by a tile
+/// that also waits on every tile of a later op, is implied and does not
+/// count.
+fn shared_counter_ops(cuts: &[Cut], tile_tasks: &[Task], op_tasks: &[(u32, u32)]) -> Vec<bool> {
+    let mut shared: Vec<bool> = op_tasks.iter().map(|&(_, count)| count > 1).collect();
+    let mut raw: std::collections::HashMap<usize, u32> = Default::default();
+    for (cut, task) in cuts.iter().zip(tile_tasks) {
+        raw.clear();
+        for &d in &cut.deps {
+            *raw.entry(task_op(op_tasks, d)).or_default() += 1;
+        }
+        for w in &task.waits {
+            let o = task_op(op_tasks, w.counter);
+            if raw.get(&o).is_some_and(|&n| n < op_tasks[o].1) {
+                shared[o] = false;
+            }
+        }
+    }
+    shared
+}
+
+/// The list schedule: each task goes to the queue where it would finish
+/// first, given when the queue frees up and when the tasks it depends on
+/// finish (estimates: [`task_cost_ns`]). Every queue frees up at about the
+/// same time after an op, so an op's tiles spread over distinct queues, and
+/// no queue collects a long run of tasks that the next op then waits for.
+/// A dependency already implied (queue order, or transitively by vector
+/// clocks) gets no wait; one on an op whose tiles share a counter
+/// (`shared`) waits for all of them once.
+fn place(
+    kp: &KeyPlan,
+    cuts: &[Cut],
+    op_tasks: &[(u32, u32)],
+    shared: &[bool],
+    nq: usize,
+) -> (Vec<Task>, Vec<Vec<u32>>) {
+    let mut tasks: Vec<Task> = Vec::with_capacity(cuts.len());
+    let mut queues: Vec<Vec<u32>> = vec![Vec::new(); nq];
+    let mut free = vec![0u64; nq];
+    let mut finish: Vec<u64> = Vec::with_capacity(cuts.len());
+    let mut clocks = Clocks::new(nq);
+    for (t, cut) in cuts.iter().enumerate() {
+        let t = t as u32;
+        let i = cut.op;
+        let op = &kp.ops[i as usize];
+        let cost = task_cost_ns(op, cut.tile, &cut.reads, &cut.writes);
+        let ready = cut
+            .deps
+            .iter()
+            .map(|&d| finish[d as usize])
+            .max()
+            .unwrap_or(0);
+        let q = (0..nq)
+            .min_by_key(|&q| (free[q].max(ready), q))
+            .unwrap_or(0);
+        free[q] = free[q].max(ready) + cost;
+        finish.push(free[q]);
+        let prev = queues[q].last().copied();
+        // The tasks the waits guarantee done (a shared counter's wait
+        // guarantees every tile of its op), and the waits.
+        let mut after = Vec::new();
+        let mut waits = Vec::new();
+        for &d in &cut.deps {
+            if clocks.before_new(d, prev, &after) {
+                continue;
+            }
+            let dop = task_op(op_tasks, d);
+            if shared[dop] {
+                let (first, count) = op_tasks[dop];
+                after.extend(first..first + count);
+                waits.push(Wait {
+                    counter: first,
+                    target: count,
+                });
+            } else {
+                after.push(d);
+                waits.push(Wait {
+                    counter: d,
+                    target: 1,
+                });
+            }
+        }
+        clocks.push(q as u32, queues[q].len() as u32, prev, &after);
+        waits.sort_unstable_by_key(|w| w.counter);
+        let counter = if shared[i as usize] {
+            op_tasks[i as usize].0
+        } else {
+            t
+        };
+        tasks.push(Task {
+            op: i,
+            tile: cut.tile,
+            reads: cut.reads.clone(),
+            writes: cut.writes.clone(),
+            counter,
+            waits,
+        });
+        queues[q].push(t);
+    }
+    (tasks, queues)
+}
+
 /// The tape of one key, its counters starting at byte `counters_at` of the
 /// Counters region.
 pub fn schedule_key(
@@ -174,23 +322,18 @@ pub fn schedule_key(
             });
         }
     }
-    let mut tasks: Vec<Task> = Vec::new();
-    let mut queues: Vec<Vec<u32>> = vec![Vec::new(); nq];
-    // A list schedule over estimated times: each task goes to the queue
-    // where it would finish first, given when the queue frees up and when
-    // the tasks it depends on finish (estimates: [`task_cost_ns`]). Every
-    // queue frees up at about the same time after an op, so an op's tiles
-    // spread over distinct queues, and no queue collects a long run of
-    // tasks that the next op then waits for.
-    let mut free = vec![0u64; nq];
-    let mut finish: Vec<u64> = Vec::new();
+    // First every task's tile, footprint and the earlier tasks it conflicts
+    // with; then which ops share a counter (their tiles' consumers all take
+    // every tile: `CounterKind::Op`), then the queues and the waits.
+    let mut cuts: Vec<Cut> = Vec::new();
+    // Each op's tasks: first id, count.
+    let mut op_tasks: Vec<(u32, u32)> = Vec::with_capacity(kp.ops.len());
     let mut hazards = Hazards::new();
-    let mut clocks = Clocks::new(nq);
     for (i, op) in kp.ops.iter().enumerate() {
+        let first = cuts.len() as u32;
         for tile in tiles(op, nq as u32, opts.min_tile) {
             let (reads, writes) = footprint(op, tile).map_err(MegakernelError::Options)?;
-            let t = tasks.len() as u32;
-            let cost = task_cost_ns(op, tile, &reads, &writes);
+            let t = cuts.len() as u32;
             let mut deps: Vec<u32> = hazards
                 .access(t, &reads, &writes)
                 .into_iter()
@@ -198,36 +341,22 @@ pub fn schedule_key(
                 .collect();
             deps.sort_unstable_by(|a, b| b.cmp(a));
             deps.dedup();
-            let ready = deps.iter().map(|&d| finish[d as usize]).max().unwrap_or(0);
-            let q = (0..nq)
-                .min_by_key(|&q| (free[q].max(ready), q))
-                .unwrap_or(0);
-            free[q] = free[q].max(ready) + cost;
-            finish.push(free[q]);
-            let prev = queues[q].last().copied();
-            let mut after = Vec::new();
-            for d in deps {
-                if !clocks.before_new(d, prev, &after) {
-                    after.push(d);
-                }
-            }
-            clocks.push(q as u32, queues[q].len() as u32, prev, &after);
-            after.sort_unstable();
-            tasks.push(Task {
+            cuts.push(Cut {
                 op: i as u32,
                 tile,
                 reads,
                 writes,
-                counter: t,
-                waits: after
-                    .into_iter()
-                    .map(|d| Wait {
-                        counter: d,
-                        target: 1,
-                    })
-                    .collect(),
+                deps,
             });
-            queues[q].push(t);
+        }
+        op_tasks.push((first, cuts.len() as u32 - first));
+    }
+    let unshared = vec![false; op_tasks.len()];
+    let (mut tasks, mut queues) = place(kp, &cuts, &op_tasks, &unshared, nq);
+    if opts.counters == CounterKind::Op {
+        let shared = shared_counter_ops(&cuts, &tasks, &op_tasks);
+        if shared.iter().any(|&s| s) {
+            (tasks, queues) = place(kp, &cuts, &op_tasks, &shared, nq);
         }
     }
     Ok(Tape {
@@ -266,9 +395,10 @@ pub struct Estimate {
 /// task bumps.
 pub fn estimate(kp: &KeyPlan, tape: &Tape, hop_ns: u64) -> Result<Estimate, String> {
     let n = tape.tasks.len();
-    let mut by_counter = std::collections::HashMap::with_capacity(n);
+    let mut bumpers: std::collections::HashMap<u32, Vec<usize>> =
+        std::collections::HashMap::with_capacity(n);
     for (t, task) in tape.tasks.iter().enumerate() {
-        by_counter.insert(task.counter, t);
+        bumpers.entry(task.counter).or_default().push(t);
     }
     let mut queue_of = vec![usize::MAX; n];
     for (q, list) in tape.queues.iter().enumerate() {
@@ -300,12 +430,15 @@ pub fn estimate(kp: &KeyPlan, tape: &Tape, hop_ns: u64) -> Result<Estimate, Stri
         }
         let (mut start, mut why) = (free[q].0, free[q].1.map(|p| (p, false)));
         for w in &task.waits {
-            let d = match by_counter.get(&w.counter) {
-                Some(&d) if d < t => d,
-                _ => {
+            let d = match bumpers
+                .get(&w.counter)
+                .and_then(|b| wait_producer(b, t, w.target, &finish))
+            {
+                Some(d) => d,
+                None => {
                     return Err(format!(
-                        "task {t} waits on counter {}, which no earlier task bumps",
-                        w.counter
+                        "task {t} waits for counter {} to reach {}, which earlier tasks do not bump that often",
+                        w.counter, w.target
                     ))
                 }
             };
@@ -338,6 +471,20 @@ pub fn estimate(kp: &KeyPlan, tape: &Tape, hop_ns: u64) -> Result<Estimate, Stri
         path_tasks,
         path_hops,
     })
+}
+
+/// The task whose finish meets a wait for `target` bumps of a counter that
+/// `bumpers` (in tape order) bump, for waiter `t`: of the bumpers earlier
+/// than `t`, the `target`-th to finish (`finish` holds theirs). `None`
+/// where fewer than `target` earlier tasks bump it.
+fn wait_producer(bumpers: &[usize], t: usize, target: u32, finish: &[u64]) -> Option<usize> {
+    let mut earlier: Vec<usize> = bumpers.iter().copied().filter(|&b| b < t).collect();
+    let k = target as usize;
+    if k == 0 || k > earlier.len() {
+        return None;
+    }
+    earlier.sort_by_key(|&b| (finish[b], b));
+    Some(earlier[k - 1])
 }
 
 /// The queue time a task is estimated to take, for placing it (not a
@@ -418,6 +565,10 @@ pub fn schedule_plan(plan: &mut Plan, opts: &MegakernelOptions) -> Result<(), Me
 /// (`kiln bench --profile` traces the real one); what it is good for is
 /// comparing two tapes of the same key.
 pub fn estimated_span_ns(kp: &KeyPlan, tape: &Tape) -> u64 {
+    let mut bumpers: std::collections::HashMap<u32, Vec<usize>> = Default::default();
+    for (t, task) in tape.tasks.iter().enumerate() {
+        bumpers.entry(task.counter).or_default().push(t);
+    }
     let mut finish = vec![0u64; tape.tasks.len()];
     let mut prev: Vec<Option<u32>> = vec![None; tape.tasks.len()];
     for q in &tape.queues {
@@ -430,7 +581,12 @@ pub fn estimated_span_ns(kp: &KeyPlan, tape: &Tape) -> u64 {
         let start = t
             .waits
             .iter()
-            .map(|w| finish.get(w.counter as usize).copied().unwrap_or(0))
+            .map(|w| {
+                bumpers
+                    .get(&w.counter)
+                    .and_then(|b| wait_producer(b, i, w.target, &finish))
+                    .map_or(0, |d| finish[d])
+            })
             .chain(prev[i].map(|p| finish[p as usize]))
             .max()
             .unwrap_or(0);
