@@ -1305,6 +1305,20 @@ mod tests {
         }
     }
 
+    /// Whether a CUDA device is usable; without one a GPU test prints
+    /// SKIPPED and passes, unless `KILN_REQUIRE_CUDA=1` (the GPU machine).
+    #[cfg(feature = "cuda")]
+    fn cuda_here() -> bool {
+        if kiln_runtime::cuda::CudaBackend::available() {
+            return true;
+        }
+        if std::env::var("KILN_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
+            panic!("KILN_REQUIRE_CUDA=1 but no CUDA device is usable");
+        }
+        eprintln!("SKIPPED: no CUDA driver or device on this machine");
+        false
+    }
+
     /// The GPU machine's check of `--profile` (feature `cuda`; without a
     /// device it prints SKIPPED and passes unless `KILN_REQUIRE_CUDA=1`):
     /// classes are the plan's own `module.entry` launches (or the BLAS
@@ -1315,11 +1329,7 @@ mod tests {
     fn on_cuda_the_profile_names_the_plans_kernel_entries_and_their_share_of_the_copy_peak() {
         use kiln_ir::plan::Lowering;
         use kiln_runtime::cuda::CudaBackend;
-        if !CudaBackend::available() {
-            if std::env::var("KILN_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
-                panic!("KILN_REQUIRE_CUDA=1 but no CUDA device is usable");
-            }
-            eprintln!("SKIPPED: no CUDA driver or device on this machine");
+        if !cuda_here() {
             return;
         }
         let sm = CudaBackend::new(0).expect("open CUDA device 0").sm();
@@ -1383,11 +1393,7 @@ mod tests {
     #[test]
     fn on_cuda_a_megakernel_key_is_timed_untraced_and_profiled_from_a_traced_load() {
         use kiln_runtime::cuda::CudaBackend;
-        if !CudaBackend::available() {
-            if std::env::var("KILN_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
-                panic!("KILN_REQUIRE_CUDA=1 but no CUDA device is usable");
-            }
-            eprintln!("SKIPPED: no CUDA driver or device on this machine");
+        if !cuda_here() {
             return;
         }
         let dev = CudaBackend::new(0).expect("open CUDA device 0");
