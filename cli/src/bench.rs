@@ -1013,18 +1013,22 @@ mod tests {
     /// The tiny Llama compiled with the megakernel schedule (key b1, a tape
     /// of four queues), for the trace tests.
     fn tiny_megakernel_plan() -> kiln_ir::plan::Plan {
+        tiny_megakernel_plan_for(CompileOptions::default().target, 4)
+    }
+
+    /// [`tiny_megakernel_plan`] for `target`, its tape cut for `sms` SMs.
+    fn tiny_megakernel_plan_for(target: Target, sms: u32) -> kiln_ir::plan::Plan {
         let dir = tempfile::tempdir().unwrap();
         let model = dir.path().join("model");
         std::fs::create_dir_all(&model).unwrap();
         write_tiny_model(&model, Family::Llama, &TinySpec::for_family(Family::Llama)).unwrap();
         let opts = CompileOptions {
             keys: vec![Key::new(1, 1, 0)],
+            target,
             schedule: kiln_compiler::passes::megakernel::ScheduleKind::Megakernel,
             megakernel: kiln_compiler::passes::megakernel::MegakernelOptions {
-                sm_count: 4,
-                blocks_per_sm: 1,
-                min_tile: 8,
-                counters: Default::default(),
+                sm_count: sms,
+                ..Default::default()
             },
             kv: KvOptions {
                 max_context: Some(64),
@@ -1400,24 +1404,7 @@ mod tests {
         let (sm, sms) = (dev.sm(), dev.sm_count());
         drop(dev);
         let dir = tempfile::tempdir().unwrap();
-        let model = dir.path().join("model");
-        std::fs::create_dir_all(&model).unwrap();
-        write_tiny_model(&model, Family::Llama, &TinySpec::for_family(Family::Llama)).unwrap();
-        let opts = CompileOptions {
-            keys: vec![Key::new(1, 1, 0)],
-            target: Target::Cuda { sm },
-            schedule: kiln_compiler::passes::megakernel::ScheduleKind::Megakernel,
-            megakernel: kiln_compiler::passes::megakernel::MegakernelOptions {
-                sm_count: sms,
-                ..Default::default()
-            },
-            kv: KvOptions {
-                max_context: Some(64),
-                ..KvOptions::default()
-            },
-            ..Default::default()
-        };
-        let plan = compile_dir(&model, &opts, &mut |_, _| {}).unwrap().plan;
+        let plan = tiny_megakernel_plan_for(Target::Cuda { sm }, sms);
         let tasks = plan.keys[0].schedule.tape().expect("a tape").tasks.len();
         let path = dir.path().join("mk.kiln");
         kiln_ir::artifact::write_plan_atomic(&path, &plan).unwrap();
