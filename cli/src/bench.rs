@@ -730,13 +730,16 @@ fn bench_plan(
         trace_megakernel: false,
         ..EngineOptions::default()
     };
-    let traced_plan = args.profile.then(|| plan.clone());
+    let traced_plan = (args.profile && plan.keys.iter().any(|k| k.schedule.tape().is_some()))
+        .then(|| plan.clone());
     let backend = open_backend_ranks(*spec, tp)?;
     let mut engine = Engine::with_weights(plan, weights, backend, options)?;
     let info = engine.device();
     let bw = engine.copy_bandwidth(1 << 30, 10)?;
     let eager_steps = (args.steps / 10).max(10);
     let mut results = Vec::new();
+    // The rows of megakernel keys, profiled from the traced load.
+    let mut traced = Vec::new();
     for &key in keys {
         let facts = engine.key_facts(key)?;
         let eager = engine.time_steps(key, StepMode::Eager, args.context, 3, eager_steps)?;
@@ -752,6 +755,9 @@ fn bench_plan(
         let floor = bw.map(|bw| bytes as f64 / bw * 1e3);
         let megakernel = engine.runs_megakernel(key);
         // A megakernel key's profile is filled in from the traced load.
+        if megakernel {
+            traced.push(results.len());
+        }
         let profile = if args.profile && !megakernel {
             let p = engine.profile_ops(key, args.context, 3, eager_steps)?;
             Some((class_rows(&p, bw.map(|b| b / 1e9)), p.total_ms()))
@@ -791,9 +797,6 @@ fn bench_plan(
             critical_path: None,
         });
     }
-    let traced: Vec<usize> = (0..keys.len())
-        .filter(|&i| results[i].schedule == "megakernel")
-        .collect();
     if let (Some(plan), false) = (traced_plan, traced.is_empty()) {
         // The timed engine goes first, so the traced one has its memory.
         drop(engine);
