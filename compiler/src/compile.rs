@@ -1207,12 +1207,14 @@ mod tests {
 
     #[test]
     fn the_megakernel_flags_set_the_tape_options_and_the_default_tile_is_eight_columns() {
+        use passes::megakernel::CounterKind;
         let plain = options(&["m", "--schedule", "megakernel"]).unwrap();
         assert_eq!(
             plain.megakernel,
             passes::megakernel::MegakernelOptions::default()
         );
         assert_eq!(plain.megakernel.min_tile, 8);
+        assert_eq!(plain.megakernel.counters, CounterKind::Op);
         let o = options(&[
             "m",
             "--schedule",
@@ -1221,10 +1223,14 @@ mod tests {
             "66",
             "--megakernel-min-tile",
             "16",
+            "--megakernel-counters",
+            "tile",
         ])
         .unwrap();
         assert_eq!((o.megakernel.sm_count, o.megakernel.min_tile), (66, 16));
+        assert_eq!(o.megakernel.counters, CounterKind::Tile);
         assert!(options(&["m", "--megakernel-min-tile", "0"]).is_err());
+        assert!(options(&["m", "--megakernel-counters", "task"]).is_err());
     }
 
     #[test]
