@@ -247,10 +247,11 @@ fn the_checker_refuses_scratch_that_shares_bytes_with_a_live_value() {
 #[test]
 fn inspect_shows_the_launch_list_with_grids_blocks_and_params() {
     let c = compile(&SynthSpec::tiny(SynthFamily::Llama), "hip:gfx1100").unwrap();
-    // b1 runs fused GEMVs: the qkv projection with its norm folded in.
+    // b1 runs fused GEMVs: the qkv projection with its norm folded in, over
+    // the staged GEMV (a small weight: the plain GEMV would stage it too).
     let text = render(&c.plan, Some("b1q1s0".parse().unwrap()), Format::Text).unwrap();
     assert!(
-        text.contains("gemv.gemv_fused_norm_t1_bf16_bf16 grid "),
+        text.contains("gemv.gemv_staged_fused_norm_t1_bf16_bf16 grid "),
         "{text}"
     );
     let text = render(&c.plan, Some("b12q1s0".parse().unwrap()), Format::Text).unwrap();

@@ -159,6 +159,129 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
   }
 }
 
+// fused_matmul's epilogues (see the fused_matmul section below).
+#define KILN_FUSED_NONE 0
+#define KILN_FUSED_SILU 1
+#define KILN_FUSED_GELU 2
+#define KILN_FUSED_RESIDUAL 3
+
+KILN_DEV float fused_silu(float g) { return g / (1.0f + expf(-g)); }
+KILN_DEV float fused_gelu_tanh(float g) {
+  const float k0 = 0.7978845608028654f;  // sqrt(2/pi)
+  return 0.5f * g * (1.0f + tanhf(k0 * (g + 0.044715f * g * g * g)));
+}
+
+// What the staged GEMV does besides the plain product (its `Fuse`
+// parameter): GemvPlain nothing; GemvFuse the fused_matmul prologue and
+// epilogues of gemv_fused_rows (below), with the same rounding points and
+// the same per-warp statistic, so a fused matmul keeps the staged weight
+// stream and the split-K of the plain GEMV it replaces (without them the
+// o_proj / down of a 1024-wide model ran 64 blocks on 132 SMs).
+struct GemvPlain {
+  static constexpr bool on = false;
+  template <typename T>
+  KILN_DEV void after_wait(const T*, int, int, int, i64, i64, bool) {}
+  KILN_DEV void xform(int, int, float*) const {}
+};
+// Virtual rows of a fused GEMV's tile: under an activation epilogue (outs
+// > 0) row 2j is gate row j and row 2j + 1 up row j + outs, so a warp's
+// row pair is one output; otherwise the identity.
+struct GemvFusedRows {
+  static constexpr bool may_pair = false;
+  i64 outs;
+  KILN_DEV bool on() const { return false; }
+  KILN_DEV void after_wait() {}
+  KILN_DEV i64 row(i64 l) const { return outs > 0 ? (l >> 1) + (l & 1) * outs : l; }
+  KILN_DEV void store(i64, float, float) const {}
+};
+template <typename T, int TT, int PRE>
+struct GemvFuse {
+  static constexpr bool on = true;
+  const T* norm_w;
+  const T* res;
+  float eps;
+  int unit_offset, mode;
+  float inv_rms[TT];
+  float rv[2][TT];
+  // Right after the dependency wait: the residual this thread stores
+  // against (the row pair's holder only), then the warp's inverse RMS of
+  // each token row, summed exactly as gemv_fused_dot sums it.
+  KILN_DEV void after_wait(const T* x, int tokens, int kv, int k, i64 row0, i64 n, bool holder) {
+    if (mode == KILN_FUSED_RESIDUAL && holder) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int t = 0; t < TT; ++t)
+          rv[r][t] = row0 + r < n && t < tokens ? ld(res[(i64)t * n + row0 + r]) : 0.0f;
+    }
+    if (PRE) {
+      const int lane = threadIdx.x % KILN_WARP;
+      const uint4* xv = reinterpret_cast<const uint4*>(x);
+      float ss[TT];
+#pragma unroll
+      for (int t = 0; t < TT; ++t) ss[t] = 0.0f;
+      for (int cc = lane; cc < kv; cc += KILN_WARP) {
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+          if (t < tokens) {
+            float xf[8];
+            unpack8(xv[(i64)t * kv + cc], x, xf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss[t] += xf[e] * xf[e];
+          }
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < TT; ++t) inv_rms[t] = 1.0f / sqrtf(warp_sum(ss[t]) / (float)k + eps);
+    }
+  }
+  // Vector c of token t's x, normalized and rounded to T as rms_norm stores it.
+  KILN_DEV void xform(int t, int c, float* xf) const {
+    if (PRE) {
+      float nf[8];
+      unpack8(reinterpret_cast<const uint4*>(norm_w)[c], norm_w, nf);
+      const float s = inv_rms[t];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xf[e] = round_to<T>(xf[e] * s * (nf[e] + (unit_offset ? 1.0f : 0.0f)));
+    }
+  }
+  // The row pair's results (virtual rows row0, row0 + 1 of n), as
+  // gemv_fused_rows stores them.
+  template <typename O>
+  KILN_DEV void store(i64 row0, const float (&acc)[2][TT], const T* bias, O* out, int tokens,
+                      i64 n) const {
+    if (mode == KILN_FUSED_SILU || mode == KILN_FUSED_GELU) {
+      const i64 outs = n / 2, j = row0 >> 1;
+      const float bg = bias ? ld(bias[j]) : 0.0f;
+      const float bu = bias ? ld(bias[j + outs]) : 0.0f;
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        if (t < tokens) {
+          const float g = round_to<T>(acc[0][t] + bg);
+          const float u = round_to<T>(acc[1][t] + bu);
+          const float a = mode == KILN_FUSED_SILU ? fused_silu(g) : fused_gelu_tanh(g);
+          out[(i64)t * outs + j] = st<O>(a * u);
+        }
+      }
+      return;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const i64 row = row0 + r;
+      if (row >= n) continue;
+      const float b = bias ? ld(bias[row]) : 0.0f;
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        if (t < tokens) {
+          float v = acc[r][t] + b;
+          if (mode == KILN_FUSED_RESIDUAL) v = round_to<T>(v) + rv[r][t];
+          out[(i64)t * n + row] = st<O>(v);
+        }
+      }
+    }
+  }
+};
+
 // ---- The staged GEMV (CUDA sm_80+): weights through shared memory ----
 //
 // Why: in gemv_rows a lane keeps UNROLL vectors per row in registers and
@@ -195,10 +318,11 @@ KILN_DEV void gemv_rows(const T* __restrict__ x, const T* __restrict__ w,
 #if defined(KILN_CUDA)
 #define KILN_GEMV_STAGED 1
 
-template <typename T, typename O, int TT, int KS, typename Map = KilnRows>
+template <typename T, typename O, int TT, int KS, typename Map = KilnRows,
+          typename Fuse = GemvPlain>
 KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
                                const T* __restrict__ bias, O* __restrict__ out, int tokens, int n,
-                               int k, int w_const, Map map = Map{}) {
+                               int k, int w_const, Map map = Map{}, Fuse fuse = Fuse{}) {
   static_assert(!Map::may_pair || (TT == 1 && KILN_GEMV_ROWS == 2), "a warp's rows are one pair");
   constexpr int RB = 16 / KS;                       // rows per block
   constexpr int CV = KILN_GEMV_STAGE_VECS / RB;     // vectors per row per stage
@@ -248,6 +372,7 @@ KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
     for (int s = 0; s < KILN_GEMV_STAGES - 1; ++s) issue(s);
   }
+  fuse.after_wait(x, tokens, kv, k, row0, n, lane == 0 && slice == 0);
   float acc[KILN_GEMV_ROWS][TT];
 #pragma unroll
   for (int r = 0; r < KILN_GEMV_ROWS; ++r)
@@ -270,6 +395,7 @@ KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
           if (t < tokens) {
             float xf[8];
             unpack8(xv[(i64)t * kv + c], x, xf);
+            fuse.xform(t, c, xf);
 #pragma unroll
             for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
               float wf[8];
@@ -309,7 +435,9 @@ KILN_DEV void gemv_staged_rows(const T* __restrict__ x, const T* __restrict__ w,
         acc[r][t] = s2;
       }
   }
-  if (lane == 0 && row0 < n && Map::may_pair && map.on()) {
+  if constexpr (Fuse::on) {
+    if (lane == 0 && row0 < n) fuse.store(row0, acc, bias, out, tokens, n);
+  } else if (lane == 0 && row0 < n && Map::may_pair && map.on()) {
     const float b0 = bias ? ld(bias[map.row(row0)]) : 0.0f;
     const float b1 = bias ? ld(bias[map.row(row0 + 1)]) : 0.0f;
     map.store(row0, round_to<O>(acc[0][0] + b0), round_to<O>(acc[1][0] + b1));
@@ -432,17 +560,6 @@ KILN_GEMV_ROPE_ALL(kf16, f16)
 // KILN_PROLOGUE(); out never aliases an input (the op allows no reuse).
 // consts: bit 0 the weight, bit 1 the norm weight never change while the
 // engine lives (they may be read before the wait).
-#define KILN_FUSED_NONE 0
-#define KILN_FUSED_SILU 1
-#define KILN_FUSED_GELU 2
-#define KILN_FUSED_RESIDUAL 3
-
-KILN_DEV float fused_silu(float g) { return g / (1.0f + expf(-g)); }
-KILN_DEV float fused_gelu_tanh(float g) {
-  const float k0 = 0.7978845608028654f;  // sqrt(2/pi)
-  return 0.5f * g * (1.0f + tanhf(k0 * (g + 0.044715f * g * g * g)));
-}
-
 // The product part shared by gemv_fused_rows and gemv_argmax_rows (one
 // source, so an argmax GEMV's logits are the f32 sums the fused GEMV would
 // store): this warp's two weight rows `rows` (clamped to valid rows when
@@ -682,6 +799,45 @@ KILN_GEMV_FUSED_TOKENS(kbf16, bf16, kbf16, bf16)
 KILN_GEMV_FUSED_TOKENS(kbf16, bf16, float, f32)
 KILN_GEMV_FUSED_TOKENS(kf16, f16, kf16, f16)
 KILN_GEMV_FUSED_TOKENS(kf16, f16, float, f32)
+
+// The staged fused entries (one token): gemv_staged_fused_[norm_][k2_|k4_]t1_S_OS,
+// fused_matmul over the staged GEMV with the split the plain matmul of
+// the same shape gets (kiln_kernels::gpu::fused_matmul_launch picks them
+// where gemv_staged_applies). The grid counts 16 / KS virtual rows per
+// block (GemvFusedRows: an activation epilogue's outputs count twice).
+// Same parameters as gemv_fused_*. Where cp.async is missing (HIP) they run
+// gemv_fused_rows, whose blocks past its own grid find no live row.
+#if defined(KILN_GEMV_STAGED)
+#define KILN_GEMV_STAGED_FUSED_BODY(T, O, KS, PRE)                                              \
+  const int act = mode == KILN_FUSED_SILU || mode == KILN_FUSED_GELU;                           \
+  GemvFuse<T, 1, PRE> f{norm_w, res, eps, unit_offset, mode, {}, {}};                          \
+  gemv_staged_rows<T, O, 1, KS, GemvFusedRows, GemvFuse<T, 1, PRE>>(                            \
+      x, w, bias, out, tokens, n, k, consts & 1, GemvFusedRows{act ? (i64)(n / 2) : 0}, f);
+#else
+#define KILN_GEMV_STAGED_FUSED_BODY(T, O, KS, PRE)                                              \
+  gemv_fused_rows<T, O, 1, PRE>(x, w, bias, norm_w, res, out, tokens, n, k, consts, eps,        \
+                                unit_offset, mode);
+#endif
+#define KILN_GEMV_STAGED_FUSED_KS(T, S, O, OS, KS, PFX)                                         \
+  KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
+      gemv_staged_fused_##PFX##t1_##S##_##OS(const T* x, const T* w, const T* bias,            \
+                                             const T* norm_w, const T* res, O* out, int tokens, \
+                                             int n, int k, int consts, float eps,               \
+                                             int unit_offset, int mode) {                       \
+    KILN_GEMV_STAGED_FUSED_BODY(T, O, KS, 0)                                                    \
+  }                                                                                             \
+  KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
+      gemv_staged_fused_norm_##PFX##t1_##S##_##OS(                                              \
+          const T* x, const T* w, const T* bias, const T* norm_w, const T* res, O* out,         \
+          int tokens, int n, int k, int consts, float eps, int unit_offset, int mode) {         \
+    KILN_GEMV_STAGED_FUSED_BODY(T, O, KS, 1)                                                    \
+  }
+#define KILN_GEMV_STAGED_FUSED_ALL(T, S, O, OS)                                                 \
+  KILN_GEMV_STAGED_FUSED_KS(T, S, O, OS, 1, )                                                   \
+  KILN_GEMV_STAGED_FUSED_KS(T, S, O, OS, 2, k2_)                                                \
+  KILN_GEMV_STAGED_FUSED_KS(T, S, O, OS, 4, k4_)
+KILN_GEMV_STAGED_FUSED_ALL(kbf16, bf16, kbf16, bf16)
+KILN_GEMV_STAGED_FUSED_ALL(kf16, f16, kf16, f16)
 
 // ---- fused_matmul{argmax}: the lm_head GEMV reducing its rows' argmax ----
 //

@@ -411,10 +411,17 @@ pub fn fused_matmul_launch(
         ));
     }
     let act = matches!(post, Epilogue::SiluMul | Epilogue::GeluTanhMul);
-    let grid = if act {
-        (n / 2).div_ceil(GEMV_ROWS_PER_BLOCK / 2)
-    } else {
-        n.div_ceil(GEMV_ROWS_PER_BLOCK)
+    // One token over a weight the plain GEMV would stage: the staged fused
+    // entry with the plain GEMV's split (its grid counts 16 / split
+    // virtual rows per block, an activation's outputs twice).
+    let staged = match gemv_split(t, n, k) {
+        (true, ks) if o == i => Some(ks),
+        _ => None,
+    };
+    let grid = match staged {
+        Some(ks) => n.div_ceil(GEMV_ROWS_PER_BLOCK / ks),
+        None if act => (n / 2).div_ceil(GEMV_ROWS_PER_BLOCK / 2),
+        None => n.div_ceil(GEMV_ROWS_PER_BLOCK),
     };
     let mode = match post {
         Epilogue::None => 0,
@@ -439,7 +446,10 @@ pub fn fused_matmul_launch(
     let norm = if pre.is_some() { "norm_" } else { "" };
     Ok(KernelCall {
         module: "gemv",
-        entry: format!("gemv_fused_{norm}t{tt}_{i}_{o}"),
+        entry: match staged {
+            Some(ks) => format!("gemv_staged_fused_{norm}{}t1_{i}_{o}", ksplit_prefix(ks)),
+            None => format!("gemv_fused_{norm}t{tt}_{i}_{o}"),
+        },
         grid: [grid, 1, 1],
         block: [256, 1, 1],
         shared_bytes: 0,
@@ -765,6 +775,16 @@ pub fn entry_points(module: &str) -> Vec<String> {
                 for staged in ["", "staged_"] {
                     for ks in GEMV_KSPLITS {
                         v.push(format!("gemv_{staged}{}rope_t1_{s}_{s}", ksplit_prefix(ks)));
+                    }
+                }
+            }
+            for s in ["bf16", "f16"] {
+                for ks in GEMV_KSPLITS {
+                    for norm in ["", "norm_"] {
+                        v.push(format!(
+                            "gemv_staged_fused_{norm}{}t1_{s}_{s}",
+                            ksplit_prefix(ks)
+                        ));
                     }
                 }
             }
@@ -3522,14 +3542,61 @@ mod tests {
         assert_eq!(c.entry, "gemv_fused_t8_bf16_bf16");
         assert_eq!(&c.params[2..5], &[Param::Null, Param::Null, Param::Arg(2)]);
         assert_eq!(c.params[9], Param::I32(0));
-        // An activation epilogue: one output per warp, 8 per block.
+        // An activation epilogue: one output per warp, 8 per block (two
+        // tokens: the register kernel).
         let op = fused(false, d, false, Epilogue::GeluTanhMul);
-        let c = fused_matmul_call(&op, &[tt(d, &[1, 96]), tt(d, &[200, 96])], true).unwrap();
+        let c = fused_matmul_call(&op, &[tt(d, &[2, 96]), tt(d, &[200, 96])], true).unwrap();
         assert_eq!(
             (c.entry.as_str(), c.grid[0]),
-            ("gemv_fused_t1_bf16_bf16", 13)
+            ("gemv_fused_t2_bf16_bf16", 13)
         );
         assert_eq!(c.params.last(), Some(&Param::I32(2)));
+        // One token over a weight the plain GEMV stages: the staged fused
+        // entry with the plain GEMV's split, its grid in 16 / split virtual
+        // rows (an activation's gate and up rows both count).
+        let staged = gemv_staged_enabled();
+        let c = fused_matmul_call(&op, &[tt(d, &[1, 96]), tt(d, &[200, 96])], true).unwrap();
+        if staged {
+            assert_eq!(
+                (c.entry.as_str(), c.grid[0]),
+                ("gemv_staged_fused_t1_bf16_bf16", 13)
+            );
+        }
+        let norm = fused(false, d, true, Epilogue::SiluMul);
+        let c = fused_matmul_call(
+            &norm,
+            &[tt(d, &[1, 1024]), tt(d, &[2048, 1024]), tt(d, &[1024])],
+            true,
+        )
+        .unwrap();
+        let plain = gemv_call(
+            &GemmCall {
+                dtype: d,
+                out: d,
+                t: 1,
+                n: 2048,
+                k: 1024,
+                bias: false,
+            },
+            true,
+        )
+        .unwrap();
+        if staged {
+            assert_eq!(plain.entry, "gemv_staged_k4_t1_bf16_bf16");
+            assert_eq!(
+                (c.entry.as_str(), c.grid),
+                ("gemv_staged_fused_norm_k4_t1_bf16_bf16", plain.grid)
+            );
+        }
+        // f32 results (a small lm_head) keep the register kernel.
+        let lm = fused(false, DType::F32, true, Epilogue::None);
+        let c = fused_matmul_call(
+            &lm,
+            &[tt(d, &[1, 1024]), tt(d, &[2048, 1024]), tt(d, &[1024])],
+            true,
+        )
+        .unwrap();
+        assert_eq!(c.entry, "gemv_fused_norm_t1_bf16_f32");
     }
 
     #[test]

@@ -1415,6 +1415,9 @@ fn fused_matmul_matches_for_every_prologue_and_epilogue_at_awkward_sizes() {
             (8, 4098, 1024),
             (2, 6, 8),
             (7, 768, 3072),
+            // One token over the staged kernel's split 2 and 1.
+            (1, 2050, 520),
+            (1, 70, 264),
         ] {
             // The argmax epilogue has its own test (its ties need care).
             for post in kiln_ir::Epilogue::ALL
@@ -1446,10 +1449,17 @@ fn fused_matmul_matches_for_every_prologue_and_epilogue_at_awkward_sizes() {
 
 #[test]
 fn a_step_of_fused_gemvs_replays_what_it_computes_eagerly_with_fresh_inputs() {
+    // Four tokens run the register kernels; one token the staged ones.
+    for t in [4, 1] {
+        fused_step_replays(t);
+    }
+}
+
+fn fused_step_replays(t: u32) {
     use kiln_ir::Epilogue;
     let Some(mut b) = device() else { return };
-    let mut r = Rng::new(16);
-    let (t, h, i, v) = (4u32, 256u32, 384u32, 2048u32);
+    let mut r = Rng::new(16 + t as u64);
+    let (h, i, v) = (256u32, 384u32, 2048u32);
     let d = DType::BF16;
     let tt = |s: &[u32]| TensorType::new(d, s.to_vec());
     // h -> gate_up(norm, silu) -> down(+h) -> lm_head(norm, f32) -> argmax

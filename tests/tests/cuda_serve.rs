@@ -71,21 +71,35 @@ fn gpu() -> Option<u32> {
 fn compile(family: Family, target: Target) -> (TempDir, Plan) {
     let dir = tempfile::tempdir().unwrap();
     write_tiny_model(dir.path(), family, &TinySpec::for_family(family)).unwrap();
-    let plan = compile_in(dir.path(), target, false);
+    let plan = compile_in(dir.path(), target, GpuFusion::Default);
     (dir, plan)
 }
 
+/// Which of the GPU target's opt-in fusions a test's CUDA plan takes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum GpuFusion {
+    /// The defaults, except `matmul_qkv_rope` never forms (so the pair is
+    /// tested whatever its default).
+    Default,
+    /// `QkvRopeFusion::All`: the packed q/k/v GEMV ropes the heads and
+    /// writes the KV row everywhere the kernels run it.
+    QkvRope,
+    /// `kiln compile --fused-gemv`: dense GEMVs take the RMSNorm prologue
+    /// and the SiLU / residual epilogues (one-token keys: the staged fused
+    /// kernels).
+    FusedGemv,
+}
+
 /// The model in `dir` compiled for `target` with the tests' keys and KV
-/// options (`matmul_qkv_rope`: GPU plans fuse the packed q/k/v GEMV with
-/// the rope everywhere the kernels run it, `QkvRopeFusion::All`; else
-/// never, so the pair is tested whatever the default).
-fn compile_in(dir: &Path, target: Target, matmul_qkv_rope: bool) -> Plan {
+/// options and `fusion`'s choices.
+fn compile_in(dir: &Path, target: Target, fusion: GpuFusion) -> Plan {
     let opts = CompileOptions {
-        matmul_qkv_rope: if matmul_qkv_rope {
+        matmul_qkv_rope: if fusion == GpuFusion::QkvRope {
             QkvRopeFusion::All
         } else {
             QkvRopeFusion::Off
         },
+        fused_gemv: fusion == GpuFusion::FusedGemv,
         keys: KEYS.split(',').map(|k| k.parse::<Key>().unwrap()).collect(),
         target,
         logits: true,
@@ -198,19 +212,39 @@ fn the_cuda_engine_generates_the_cpu_engines_tokens_on_compiled_models() {
     tiny_families_against_cpu(
         sm,
         &[Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3],
-        false,
+        GpuFusion::Default,
+    );
+}
+
+/// The same with the CUDA plans compiled `--fused-gemv`: every dense GEMV
+/// of the one-token key folds the RMSNorm before it and the SiLU or
+/// residual add after it (the staged fused kernels); the CPU engine runs
+/// its own plan.
+#[test]
+fn the_cuda_engine_with_fused_gemvs_generates_the_cpu_engines_tokens() {
+    let Some(sm) = gpu() else { return };
+    tiny_families_against_cpu(
+        sm,
+        &[
+            Family::Llama,
+            Family::Mistral,
+            Family::Qwen2,
+            Family::Qwen3,
+            Family::Gemma3,
+        ],
+        GpuFusion::FusedGemv,
     );
 }
 
 /// [`cuda_against_cpu`] on each family's tiny model; every failure is
 /// reported before the test fails.
-fn tiny_families_against_cpu(sm: u32, families: &[Family], matmul_qkv_rope: bool) {
+fn tiny_families_against_cpu(sm: u32, families: &[Family], fusion: GpuFusion) {
     let mut failures = Vec::new();
     for &family in families {
         let dir = tempfile::tempdir().unwrap();
         write_tiny_model(dir.path(), family, &TinySpec::for_family(family)).unwrap();
         let name = format!("{family:?}");
-        match cuda_against_cpu(&name, dir.path(), sm, CPU_LOGIT_REL, matmul_qkv_rope) {
+        match cuda_against_cpu(&name, dir.path(), sm, CPU_LOGIT_REL, fusion) {
             Ok(line) => eprintln!("{line}"),
             Err(e) => {
                 eprintln!("FAILED {e}");
@@ -236,7 +270,7 @@ fn the_cuda_engine_with_the_rope_tail_gemv_generates_the_cpu_engines_tokens() {
             Family::Qwen3,
             Family::Gemma3,
         ],
-        true,
+        GpuFusion::QkvRope,
     );
 }
 
@@ -246,8 +280,14 @@ fn the_cuda_engine_generates_the_cpu_engines_tokens_on_a_tiny_gemma3() {
     let dir = tempfile::tempdir().unwrap();
     let spec = TinySpec::for_family(Family::Gemma3);
     write_tiny_model(dir.path(), Family::Gemma3, &spec).unwrap();
-    let line = cuda_against_cpu("Gemma3 (tiny)", dir.path(), sm, CPU_LOGIT_REL, false)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let line = cuda_against_cpu(
+        "Gemma3 (tiny)",
+        dir.path(),
+        sm,
+        CPU_LOGIT_REL,
+        GpuFusion::Default,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     eprintln!("{line}");
 }
 
@@ -261,7 +301,7 @@ fn the_cuda_engine_generates_the_cpu_engines_tokens_on_gemma3_270m_shaped_random
         dir.path(),
         sm,
         GEMMA3_270M_LOGIT_REL,
-        false,
+        GpuFusion::Default,
     )
     .unwrap_or_else(|e| panic!("{e}"));
     eprintln!("{line}");
@@ -394,18 +434,38 @@ fn cuda_against_cpu(
     dir: &Path,
     sm: u32,
     rel: f32,
-    matmul_qkv_rope: bool,
+    fusion: GpuFusion,
 ) -> Result<String, String> {
-    let cplan = compile_in(dir, Target::Cpu, false);
-    let gplan = compile_in(dir, Target::Cuda { sm }, matmul_qkv_rope);
-    if matmul_qkv_rope
-        && !gplan
+    let cplan = compile_in(dir, Target::Cpu, GpuFusion::Default);
+    let gplan = compile_in(dir, Target::Cuda { sm }, fusion);
+    let formed = |f: &dyn Fn(&kiln_ir::Op) -> bool| {
+        gplan
             .keys
             .iter()
+            .filter(|k| k.key.batch == 1 && k.key.query == 1)
             .flat_map(|k| &k.ops)
-            .any(|o| matches!(o.op, kiln_ir::Op::MatMulQkvRope { .. }))
+            .any(|o| f(&o.op))
+    };
+    if fusion == GpuFusion::QkvRope
+        && !formed(&|op| matches!(op, kiln_ir::Op::MatMulQkvRope { .. }))
     {
         return Err(format!("{family}: no matmul_qkv_rope in the CUDA plan"));
+    }
+    if fusion == GpuFusion::FusedGemv
+        && !formed(&|op| {
+            matches!(
+                op,
+                kiln_ir::Op::FusedMatMul {
+                    pre: Some(_),
+                    post: kiln_ir::Epilogue::SiluMul | kiln_ir::Epilogue::GeluTanhMul,
+                    ..
+                }
+            )
+        })
+    {
+        return Err(format!(
+            "{family}: no fused_matmul with a norm and an activation in the one-token key"
+        ));
     }
     let vocab = cplan.meta.info.vocab_size;
     let mut cpu = Engine::new(
@@ -443,7 +503,7 @@ fn cuda_against_cpu(
     // The mixed workload keeps two or more sequences live nearly always, so
     // its steps take the multi-sequence keys; `matmul_qkv_rope` forms in
     // the one-token key only, which one sequence decoding alone runs.
-    let alone = if matmul_qkv_rope {
+    let alone = if fusion != GpuFusion::Default {
         one_sequence(&mut [&mut cpu, &mut cuda], vocab, 24, &mut check)
             .map_err(|e| format!("{family} (one sequence): {e}"))?
     } else {
@@ -452,7 +512,7 @@ fn cuda_against_cpu(
     let compared = workload(&mut [&mut cpu, &mut cuda], vocab, 30, &mut check)
         .map_err(|e| format!("{family}: {e}"))?;
     let c = cuda.total_counters();
-    if compared < 30 || (matmul_qkv_rope && alone < 24) {
+    if compared < 30 || (fusion != GpuFusion::Default && alone < 24) {
         return Err(format!(
             "{family}: only {compared} tokens compared ({alone} of one sequence alone)"
         ));
