@@ -908,9 +908,12 @@ pub struct CompileArgs {
     /// epilogues into the dense one-token GEMVs and into the quantized
     /// matmuls of multi-token keys (`fused_matmul`). Without it only
     /// one-token matmuls over quantized weights fuse: on the H200 the dense
-    /// fused GEMV is 7-15% slower than the unfused staged GEMV and the fused
+    /// fused GEMV was 7-15% slower than the unfused staged GEMV and the fused
     /// eight-token qskinny slower than the unfused one
-    /// (bench/results/gpu-2026-12-04-s18/).
+    /// (bench/results/gpu-2026-12-04-s18/). The dense one-token fused GEMV
+    /// now runs the staged kernel with the plain GEMV's split where that one
+    /// would (`gemv_staged_fused_*`), not yet measured against the default
+    /// (bench/results/gpu-2026-12-07-s37/).
     #[arg(long)]
     pub fused_gemv: bool,
     /// GPU targets, graph schedule: run the q/k norm + RoPE + KV write

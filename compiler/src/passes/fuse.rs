@@ -695,8 +695,9 @@ impl FuseRule {
     /// where K <= 1024. Measured on the H200 (bench/results/gpu-2026-12-04-s18/),
     /// the one-token integer-dot GEMV with its RMSNorm prologue and
     /// SiLU/residual epilogues is faster than the unfused ops it replaces,
-    /// while the dense fused GEMV is still slower than the unfused staged
-    /// GEMV. At eight tokens, once the skinny GEMM's fused entries kept a
+    /// while the dense fused GEMV was slower than the unfused staged GEMV
+    /// (then the register kernel at every shape; its staged form, session
+    /// 37, is not yet measured: bench/results/gpu-2026-12-07-s37/). At eight tokens, once the skinny GEMM's fused entries kept a
     /// unit ring (H100, Q4_K shapes, b8 steps, unfused / epilogues only /
     /// epilogues and prologues, bench/results/gpu-2026-12-06-s26/ call
     /// 13): Qwen3-0.6B (K 1024) 1.334 / 1.286 / 1.153 ms, Llama-3.2-1B
