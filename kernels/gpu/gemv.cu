@@ -177,6 +177,74 @@ KILN_DEV float fused_gelu_tanh(float g) {
 // the same per-warp statistic, so a fused matmul keeps the staged weight
 // stream and the split-K of the plain GEMV it replaces (without them the
 // o_proj / down of a 1024-wide model ran 64 blocks on 132 SMs).
+// One warp's inverse RMS of each token row of x (T x K, kv 8-element
+// vectors per row): its lanes sum the squares over the whole row, one warp
+// reduction. The fused GEMVs' RMSNorm prologue, register and staged alike
+// (the same order, so the same bits).
+template <typename T, int TT>
+KILN_DEV void gemv_warp_inv_rms(const T* __restrict__ x, int tokens, int kv, int k, float eps,
+                                float (&inv_rms)[TT]) {
+  const int lane = threadIdx.x % KILN_WARP;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  float ss[TT];
+#pragma unroll
+  for (int t = 0; t < TT; ++t) ss[t] = 0.0f;
+  for (int cc = lane; cc < kv; cc += KILN_WARP) {
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      if (t < tokens) {
+        float xf[8];
+        unpack8(xv[(i64)t * kv + cc], x, xf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss[t] += xf[e] * xf[e];
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < TT; ++t) inv_rms[t] = 1.0f / sqrtf(warp_sum(ss[t]) / (float)k + eps);
+}
+
+// The fused epilogues of one warp's two sums per token (the caller's
+// lane holding them). Under an activation (mode 1, 2) `rows` are the gate
+// and up rows j and j + n/2 and out[t, j] = act(g) * u, g and u rounded as
+// the unfused matmul stores them; otherwise `rows` are two output rows (a
+// row >= n is skipped) and out[t, row] = acc + bias, with the residual
+// (mode 3) added to the rounded sum.
+template <typename T, typename O, int TT>
+KILN_DEV void gemv_fused_store(int mode, const i64 (&rows)[2], i64 n, const float (&acc)[2][TT],
+                               const float (&rv)[2][TT], const T* __restrict__ bias,
+                               O* __restrict__ out, int tokens) {
+  if (mode == KILN_FUSED_SILU || mode == KILN_FUSED_GELU) {
+    const i64 outs = n / 2;
+    const float bg = bias ? ld(bias[rows[0]]) : 0.0f;
+    const float bu = bias ? ld(bias[rows[1]]) : 0.0f;
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      if (t < tokens) {
+        const float g = round_to<T>(acc[0][t] + bg);
+        const float u = round_to<T>(acc[1][t] + bu);
+        const float a = mode == KILN_FUSED_SILU ? fused_silu(g) : fused_gelu_tanh(g);
+        out[(i64)t * outs + rows[0]] = st<O>(a * u);
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const i64 row = rows[r];
+    if (row >= n) continue;
+    const float b = bias ? ld(bias[row]) : 0.0f;
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      if (t < tokens) {
+        float v = acc[r][t] + b;
+        if (mode == KILN_FUSED_RESIDUAL) v = round_to<T>(v) + rv[r][t];
+        out[(i64)t * n + row] = st<O>(v);
+      }
+    }
+  }
+}
+
 struct GemvPlain {
   static constexpr bool on = false;
   template <typename T>
@@ -214,26 +282,7 @@ struct GemvFuse {
         for (int t = 0; t < TT; ++t)
           rv[r][t] = row0 + r < n && t < tokens ? ld(res[(i64)t * n + row0 + r]) : 0.0f;
     }
-    if (PRE) {
-      const int lane = threadIdx.x % KILN_WARP;
-      const uint4* xv = reinterpret_cast<const uint4*>(x);
-      float ss[TT];
-#pragma unroll
-      for (int t = 0; t < TT; ++t) ss[t] = 0.0f;
-      for (int cc = lane; cc < kv; cc += KILN_WARP) {
-#pragma unroll
-        for (int t = 0; t < TT; ++t) {
-          if (t < tokens) {
-            float xf[8];
-            unpack8(xv[(i64)t * kv + cc], x, xf);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) ss[t] += xf[e] * xf[e];
-          }
-        }
-      }
-#pragma unroll
-      for (int t = 0; t < TT; ++t) inv_rms[t] = 1.0f / sqrtf(warp_sum(ss[t]) / (float)k + eps);
-    }
+    if (PRE) gemv_warp_inv_rms<T, TT>(x, tokens, kv, k, eps, inv_rms);
   }
   // Vector c of token t's x, normalized and rounded to T as rms_norm stores it.
   KILN_DEV void xform(int t, int c, float* xf) const {
@@ -250,35 +299,9 @@ struct GemvFuse {
   template <typename O>
   KILN_DEV void store(i64 row0, const float (&acc)[2][TT], const T* bias, O* out, int tokens,
                       i64 n) const {
-    if (mode == KILN_FUSED_SILU || mode == KILN_FUSED_GELU) {
-      const i64 outs = n / 2, j = row0 >> 1;
-      const float bg = bias ? ld(bias[j]) : 0.0f;
-      const float bu = bias ? ld(bias[j + outs]) : 0.0f;
-#pragma unroll
-      for (int t = 0; t < TT; ++t) {
-        if (t < tokens) {
-          const float g = round_to<T>(acc[0][t] + bg);
-          const float u = round_to<T>(acc[1][t] + bu);
-          const float a = mode == KILN_FUSED_SILU ? fused_silu(g) : fused_gelu_tanh(g);
-          out[(i64)t * outs + j] = st<O>(a * u);
-        }
-      }
-      return;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const i64 row = row0 + r;
-      if (row >= n) continue;
-      const float b = bias ? ld(bias[row]) : 0.0f;
-#pragma unroll
-      for (int t = 0; t < TT; ++t) {
-        if (t < tokens) {
-          float v = acc[r][t] + b;
-          if (mode == KILN_FUSED_RESIDUAL) v = round_to<T>(v) + rv[r][t];
-          out[(i64)t * n + row] = st<O>(v);
-        }
-      }
-    }
+    const bool act = mode == KILN_FUSED_SILU || mode == KILN_FUSED_GELU;
+    const i64 rows[2] = {act ? row0 >> 1 : row0, act ? (row0 >> 1) + n / 2 : row0 + 1};
+    gemv_fused_store<T, O, TT>(mode, rows, n, acc, rv, bias, out, tokens);
   }
 };
 
@@ -619,25 +642,8 @@ KILN_DEV void gemv_fused_dot(const T* __restrict__ x, const T* __restrict__ w,
     for (int u = 0; u < UNROLL; ++u) nr[u] = nv[c + u * KILN_WARP];
   }
   float inv_rms[TT];
-  if (PRE) {
-    // Per-token sum of squares over the whole row, by this warp alone.
-    float ss[TT];
-#pragma unroll
-    for (int t = 0; t < TT; ++t) ss[t] = 0.0f;
-    for (int cc = lane; cc < kv; cc += KILN_WARP) {
-#pragma unroll
-      for (int t = 0; t < TT; ++t) {
-        if (t < tokens) {
-          float xf[8];
-          unpack8(xv[(i64)t * kv + cc], x, xf);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) ss[t] += xf[e] * xf[e];
-        }
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < TT; ++t) inv_rms[t] = 1.0f / sqrtf(warp_sum(ss[t]) / (float)k + eps);
-  }
+  // Per-token inverse RMS over the whole row, by this warp alone.
+  if (PRE) gemv_warp_inv_rms<T, TT>(x, tokens, kv, k, eps, inv_rms);
   // One 8-element chunk of token t's (normalized) x.
   auto x_chunk = [&](int t, int cc, const float* nf, float* xf) {
     unpack8(xv[(i64)t * kv + cc], x, xf);
@@ -733,7 +739,7 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
   for (int r = 0; r < KILN_GEMV_ROWS; ++r) rows[r] = act ? first + r * (i64)outs : first + r;
   // The residual this lane stores against (lane 0 only), loaded right
   // after the wait.
-  float rv[KILN_GEMV_ROWS][TT];
+  float rv[KILN_GEMV_ROWS][TT] = {};
   auto load_residual = [&]() {
     if (mode == KILN_FUSED_RESIDUAL && lane == 0 && live) {
 #pragma unroll
@@ -747,34 +753,7 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
   gemv_fused_dot<T, TT, PRE>(x, w, norm_w, rows, live, tokens, n, k, consts, eps, unit_offset,
                              acc, load_residual);
   if (!live || lane != 0) return;
-  if (act) {
-    const float bg = bias ? ld(bias[rows[0]]) : 0.0f;
-    const float bu = bias ? ld(bias[rows[1]]) : 0.0f;
-#pragma unroll
-    for (int t = 0; t < TT; ++t) {
-      if (t < tokens) {
-        const float g = round_to<T>(acc[0][t] + bg);
-        const float u = round_to<T>(acc[1][t] + bu);
-        const float a = mode == KILN_FUSED_SILU ? fused_silu(g) : fused_gelu_tanh(g);
-        out[(i64)t * outs + first] = st<O>(a * u);
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
-    const i64 row = rows[r];
-    if (row >= n) continue;
-    const float b = bias ? ld(bias[row]) : 0.0f;
-#pragma unroll
-    for (int t = 0; t < TT; ++t) {
-      if (t < tokens) {
-        float v = acc[r][t] + b;
-        if (mode == KILN_FUSED_RESIDUAL) v = round_to<T>(v) + rv[r][t];
-        out[(i64)t * n + row] = st<O>(v);
-      }
-    }
-  }
+  gemv_fused_store<T, O, TT>(mode, rows, n, acc, rv, bias, out, tokens);
 }
 
 #define KILN_GEMV_FUSED(T, S, O, OS, TT)                                                        \

@@ -223,18 +223,17 @@ fn the_cuda_engine_generates_the_cpu_engines_tokens_on_compiled_models() {
 #[test]
 fn the_cuda_engine_with_fused_gemvs_generates_the_cpu_engines_tokens() {
     let Some(sm) = gpu() else { return };
-    tiny_families_against_cpu(
-        sm,
-        &[
-            Family::Llama,
-            Family::Mistral,
-            Family::Qwen2,
-            Family::Qwen3,
-            Family::Gemma3,
-        ],
-        GpuFusion::FusedGemv,
-    );
+    tiny_families_against_cpu(sm, ALL_FAMILIES, GpuFusion::FusedGemv);
 }
+
+/// Every family the tiny-model writer knows, for the fusion variants.
+const ALL_FAMILIES: &[Family] = &[
+    Family::Llama,
+    Family::Mistral,
+    Family::Qwen2,
+    Family::Qwen3,
+    Family::Gemma3,
+];
 
 /// [`cuda_against_cpu`] on each family's tiny model; every failure is
 /// reported before the test fails.
@@ -261,17 +260,7 @@ fn tiny_families_against_cpu(sm: u32, families: &[Family], fusion: GpuFusion) {
 #[test]
 fn the_cuda_engine_with_the_rope_tail_gemv_generates_the_cpu_engines_tokens() {
     let Some(sm) = gpu() else { return };
-    tiny_families_against_cpu(
-        sm,
-        &[
-            Family::Llama,
-            Family::Mistral,
-            Family::Qwen2,
-            Family::Qwen3,
-            Family::Gemma3,
-        ],
-        GpuFusion::QkvRope,
-    );
+    tiny_families_against_cpu(sm, ALL_FAMILIES, GpuFusion::QkvRope);
 }
 
 #[test]
