@@ -132,15 +132,16 @@ pub struct CompileOptions {
     /// tune`); without one the target's default rule decides
     /// (`kiln_kernels::gpu::default_gemm_kind`).
     pub tuning: Option<kiln_kernels::tuning::TuningTable>,
-    /// GPU targets: let the `fuse-matmul` pass fold RMSNorm prologues and
-    /// SiLU/GELU/residual epilogues into kiln's GEMV (`kiln compile
-    /// --fused-gemv`). The megakernel schedule fuses regardless (with its
-    /// own rule, `Pass::FuseMatMulTape`). Without it GPU targets run
-    /// `fuse-matmul-quant` instead: one-token matmuls over weights kept
-    /// quantized fuse, dense ones do not (measured on the H200, the dense
-    /// fused GEMV is still slower than the unfused staged GEMV; see
-    /// `FuseRule::GRAPH_QUANT`). The CPU target always runs the full pass
-    /// (its reference is the unfused sequence).
+    /// GPU targets: run the full `fuse-matmul` rule (`kiln compile
+    /// --fused-gemv`), which also fuses the RMSNorm prologues of quantized
+    /// matmuls in multi-token keys at any K. The megakernel schedule fuses
+    /// regardless (with its own rule, `Pass::FuseMatMulTape`). Without it
+    /// GPU targets run `fuse-matmul-graph`: every one-token matmul fuses
+    /// (dense ones over the staged fused GEMV), quantized ones of up to
+    /// eight tokens fuse their epilogues and, where K <= 1024, their
+    /// prologues (see `FuseRule::GRAPH_DEFAULT` for the measurements). The
+    /// CPU target always runs the full pass (its reference is the unfused
+    /// sequence).
     pub fused_gemv: bool,
     /// GPU targets, graph schedule: where `fuse-matmul-qkv-rope` (in
     /// `passes`) forms `matmul_qkv_rope`, the packed q/k/v GEMV that ropes
@@ -558,8 +559,7 @@ pub fn compile_traced<E: Display>(
     let mut graphs = Vec::with_capacity(keys.len());
     let mut stats = Vec::with_capacity(keys.len());
     // On GPU targets the graph schedule runs `fuse-matmul` with
-    // `fused_gemv` and `fuse-matmul-quant` (quantized one-token matmuls
-    // only) without; a megakernel schedule always runs it, with the
+    // `fused_gemv` and `fuse-matmul-graph` (its default rule) without; a megakernel schedule always runs it, with the
     // interpreter's rule (`fuse-matmul-tape`): its fused tiles are never
     // slower than the unfused ops and take a hop off the tape per fusion
     // (bench/results/gpu-2026-12-02-s14/).
@@ -583,7 +583,7 @@ pub fn compile_traced<E: Display>(
             }
             Pass::FuseMatMul if tape_rule => Pass::FuseMatMulTape,
             Pass::FuseMatMul if !opts.fused_gemv && !matches!(opts.target, Target::Cpu) => {
-                Pass::FuseMatMulQuant
+                Pass::FuseMatMulGraph
             }
             p => p,
         })
@@ -904,16 +904,13 @@ pub struct CompileArgs {
     /// decides.
     #[arg(long)]
     pub tuning: Option<PathBuf>,
-    /// GPU targets: also fold RMSNorm prologues and SiLU/GELU/residual
-    /// epilogues into the dense one-token GEMVs and into the quantized
-    /// matmuls of multi-token keys (`fused_matmul`). Without it only
-    /// one-token matmuls over quantized weights fuse: on the H200 the dense
-    /// fused GEMV was 7-15% slower than the unfused staged GEMV and the fused
-    /// eight-token qskinny slower than the unfused one
-    /// (bench/results/gpu-2026-12-04-s18/). The dense one-token fused GEMV
-    /// now runs the staged kernel with the plain GEMV's split where that one
-    /// would (`gemv_staged_fused_*`), not yet measured against the default
-    /// (bench/results/gpu-2026-12-07-s37/).
+    /// GPU targets: also fold RMSNorm prologues into the quantized matmuls
+    /// of multi-token keys at any K (`fused_matmul`). Without it those fuse
+    /// their prologues only where K <= 1024: past that the fused
+    /// eight-token qskinny is slower than the unfused one
+    /// (bench/results/gpu-2026-12-06-s26/). One-token matmuls, dense or
+    /// quantized, fuse either way (`KILN_FUSE_DENSE=0` at compile time
+    /// keeps dense ones unfused, for measuring).
     #[arg(long)]
     pub fused_gemv: bool,
     /// GPU targets, graph schedule: run the q/k norm + RoPE + KV write
