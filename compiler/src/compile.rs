@@ -143,6 +143,13 @@ pub struct CompileOptions {
     /// CPU target always runs the full pass (its reference is the unfused
     /// sequence).
     pub fused_gemv: bool,
+    /// GPU targets, graph schedule: fuse dense one-token matmuls
+    /// (`fuse-matmul-graph`, the default). Off (`kiln compile
+    /// --no-dense-fusion`), or with `matmul_qkv_rope` on (the dense rope
+    /// GEMV takes no RMSNorm prologue), `fuse-matmul-quant` fuses only
+    /// matmuls over quantized weights. A `kiln tune` entry for a one-token
+    /// dense shape matters only then: a fused matmul is kiln's GEMV.
+    pub dense_fusion: bool,
     /// GPU targets, graph schedule: where `fuse-matmul-qkv-rope` (in
     /// `passes`) forms `matmul_qkv_rope`, the packed q/k/v GEMV that ropes
     /// the heads and writes the KV row itself, one launch per layer fewer
@@ -186,6 +193,7 @@ impl Default for CompileOptions {
             no_attn_clusters: false,
             tuning: None,
             fused_gemv: false,
+            dense_fusion: true,
             matmul_qkv_rope: QkvRopeFusion::default(),
             tp: 1,
             device_memory: None,
@@ -582,9 +590,14 @@ pub fn compile_traced<E: Display>(
                 Pass::FuseMatMulQkvRopePairs
             }
             Pass::FuseMatMul if tape_rule => Pass::FuseMatMulTape,
-            Pass::FuseMatMul if !opts.fused_gemv && !matches!(opts.target, Target::Cpu) => {
-                Pass::FuseMatMulGraph
+            Pass::FuseMatMul
+                if !opts.fused_gemv
+                    && gpu
+                    && (!opts.dense_fusion || opts.matmul_qkv_rope != QkvRopeFusion::Off) =>
+            {
+                Pass::FuseMatMulQuant
             }
+            Pass::FuseMatMul if !opts.fused_gemv && gpu => Pass::FuseMatMulGraph,
             p => p,
         })
         .collect();
@@ -909,10 +922,15 @@ pub struct CompileArgs {
     /// their prologues only where K <= 1024: past that the fused
     /// eight-token qskinny is slower than the unfused one
     /// (bench/results/gpu-2026-12-06-s26/). One-token matmuls, dense or
-    /// quantized, fuse either way (`KILN_FUSE_DENSE=0` at compile time
-    /// keeps dense ones unfused, for measuring).
+    /// quantized, fuse either way (unless `--no-dense-fusion`).
     #[arg(long)]
     pub fused_gemv: bool,
+    /// GPU targets: keep dense one-token matmuls unfused (RMSNorm,
+    /// SiLU*up and the residual add as their own launches), as every
+    /// kiln before the staged fused GEMV did; for A/B measurements and
+    /// for `kiln tune` entries of one-token dense shapes.
+    #[arg(long, conflicts_with = "fused_gemv")]
+    pub no_dense_fusion: bool,
     /// GPU targets, graph schedule: run the q/k norm + RoPE + KV write
     /// inside the attention kernel (`rope_attention`, the
     /// `fuse-rope-attention` pass): one launch per layer fewer, but measured
@@ -1021,6 +1039,7 @@ impl CompileArgs {
             no_attn_clusters: self.no_attn_clusters,
             tuning: None,
             fused_gemv: self.fused_gemv,
+            dense_fusion: !self.no_dense_fusion,
             matmul_qkv_rope: self.matmul_qkv_rope,
             tp: self.tp,
             device_memory: self.device_memory,

@@ -468,7 +468,7 @@ fn the_packed_qkv_projection_and_its_rope_become_one_op_where_the_target_runs_it
         let passes: Vec<Pass> = DEFAULT_PIPELINE
             .iter()
             .map(|&p| match p {
-                Pass::FuseMatMul if !matches!(target, Target::Cpu) => Pass::FuseMatMulGraph,
+                Pass::FuseMatMul if !matches!(target, Target::Cpu) => Pass::FuseMatMulQuant,
                 p => p,
             })
             .collect();

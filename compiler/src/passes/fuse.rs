@@ -699,8 +699,8 @@ impl FuseRule {
     /// gemv_staged_fused_*), it was 7-12% slower per step than the unfused
     /// ops (bench/results/gpu-2026-12-04-s18/: its o_proj / down ran 36-64
     /// blocks on 132 SMs); with them it is faster
-    /// (bench/results/gpu-2026-12-07-s37/). `KILN_FUSE_DENSE=0` at compile
-    /// time is the A/B knob.
+    /// (bench/results/gpu-2026-12-07-s37/). `kiln compile
+    /// --no-dense-fusion` (`fuse-matmul-quant`) is the A/B.
     ///
     /// Quantized: measured on the H200 (bench/results/gpu-2026-12-04-s18/),
     /// the one-token integer-dot GEMV with its RMSNorm prologue and
@@ -725,13 +725,9 @@ impl FuseRule {
 
     /// [`FuseRule::GRAPH_DEFAULT`] unless `KILN_FUSE_QUANT` (a compile-time
     /// A/B knob, checked at compile start by [`quant_fuse_override`])
-    /// overrides its multi-token part, or `KILN_FUSE_DENSE=0` keeps dense
-    /// matmuls unfused.
+    /// overrides its multi-token part.
     pub fn graph_default() -> FuseRule {
-        let base = FuseRule {
-            dense: std::env::var("KILN_FUSE_DENSE").map_or(true, |v| v.trim() != "0"),
-            ..FuseRule::GRAPH_DEFAULT
-        };
+        let base = FuseRule::GRAPH_DEFAULT;
         match quant_fuse_override(std::env::var("KILN_FUSE_QUANT").ok().as_deref()) {
             Ok(Some((quant_max_tokens, quant_multi_norm_max_k))) => FuseRule {
                 quant_max_tokens,

@@ -77,6 +77,10 @@ pub enum Pass {
     /// keys, matmuls over weights kept quantized in keys of up to eight
     /// tokens (see `FuseRule::GRAPH_DEFAULT` for the measurements).
     FuseMatMulGraph,
+    /// `fuse-matmul-graph` without its dense fusions: what GPU targets
+    /// run with `--matmul-qkv-rope` (the dense rope GEMV takes no RMSNorm
+    /// prologue, so the packed q/k/v matmul stays plain for it).
+    FuseMatMulQuant,
     /// The packed q/k/v projection + `qkv_rope_kv_write` ->
     /// `matmul_qkv_rope`, where the target's kernels run it: one-token
     /// keys on CUDA through kiln's GEMV (dense, or over a weight kept
@@ -103,6 +107,7 @@ impl Pass {
             Pass::FuseMatMul => "fuse-matmul",
             Pass::FuseMatMulTape => "fuse-matmul-tape",
             Pass::FuseMatMulGraph => "fuse-matmul-graph",
+            Pass::FuseMatMulQuant => "fuse-matmul-quant",
             Pass::FuseMatMulQkvRope => "fuse-matmul-qkv-rope",
             Pass::FuseMatMulQkvRopePairs => "fuse-matmul-qkv-rope-pairs",
         }
@@ -224,6 +229,19 @@ pub fn run_pass_for(
         Pass::FuseMatMulGraph => {
             let c = fuse::fuse_matmul(&mut ed, target, fuse::FuseRule::graph_default())
                 .map_err(failed)?;
+            stats.matmul_epilogues += c.epilogues;
+            stats.matmul_prologues += c.prologues;
+        }
+        Pass::FuseMatMulQuant => {
+            let c = fuse::fuse_matmul(
+                &mut ed,
+                target,
+                fuse::FuseRule {
+                    dense: false,
+                    ..fuse::FuseRule::graph_default()
+                },
+            )
+            .map_err(failed)?;
             stats.matmul_epilogues += c.epilogues;
             stats.matmul_prologues += c.prologues;
         }
