@@ -698,7 +698,8 @@ impl FuseRule {
     /// split-K of the plain GEMV it replaces (`gemv.cu`'s
     /// gemv_staged_fused_*), it was 7-12% slower per step than the unfused
     /// ops (bench/results/gpu-2026-12-04-s18/: its o_proj / down ran 36-64
-    /// blocks on 132 SMs); with them it is faster
+    /// blocks on 132 SMs); with them it should not be (TO MEASURE before
+    /// this branch lands, see
     /// (bench/results/gpu-2026-12-07-s37/). `kiln compile
     /// --no-dense-fusion` (`fuse-matmul-quant`) is the A/B.
     ///
