@@ -132,16 +132,24 @@ pub struct CompileOptions {
     /// tune`); without one the target's default rule decides
     /// (`kiln_kernels::gpu::default_gemm_kind`).
     pub tuning: Option<kiln_kernels::tuning::TuningTable>,
-    /// GPU targets: let the `fuse-matmul` pass fold RMSNorm prologues and
-    /// SiLU/GELU/residual epilogues into kiln's GEMV (`kiln compile
-    /// --fused-gemv`). The megakernel schedule fuses regardless (with its
-    /// own rule, `Pass::FuseMatMulTape`). Without it GPU targets run
-    /// `fuse-matmul-quant` instead: one-token matmuls over weights kept
-    /// quantized fuse, dense ones do not (measured on the H200, the dense
-    /// fused GEMV is still slower than the unfused staged GEMV; see
-    /// `FuseRule::GRAPH_QUANT`). The CPU target always runs the full pass
-    /// (its reference is the unfused sequence).
+    /// GPU targets: run the full `fuse-matmul` rule (`kiln compile
+    /// --fused-gemv`), which also fuses the RMSNorm prologues of quantized
+    /// matmuls in multi-token keys at any K. The megakernel schedule fuses
+    /// regardless (with its own rule, `Pass::FuseMatMulTape`). Without it
+    /// GPU targets run `fuse-matmul-graph`: every one-token matmul fuses
+    /// (dense ones over the staged fused GEMV), quantized ones of up to
+    /// eight tokens fuse their epilogues and, where K <= 1024, their
+    /// prologues (see `FuseRule::GRAPH_DEFAULT` for the measurements). The
+    /// CPU target always runs the full pass (its reference is the unfused
+    /// sequence).
     pub fused_gemv: bool,
+    /// GPU targets, graph schedule: fuse dense one-token matmuls
+    /// (`fuse-matmul-graph`, the default). Off (`kiln compile
+    /// --no-dense-fusion`), or with `matmul_qkv_rope` on (the dense rope
+    /// GEMV takes no RMSNorm prologue), `fuse-matmul-quant` fuses only
+    /// matmuls over quantized weights. A `kiln tune` entry for a one-token
+    /// dense shape matters only then: a fused matmul is kiln's GEMV.
+    pub dense_fusion: bool,
     /// GPU targets, graph schedule: where `fuse-matmul-qkv-rope` (in
     /// `passes`) forms `matmul_qkv_rope`, the packed q/k/v GEMV that ropes
     /// the heads and writes the KV row itself, one launch per layer fewer
@@ -185,6 +193,7 @@ impl Default for CompileOptions {
             no_attn_clusters: false,
             tuning: None,
             fused_gemv: false,
+            dense_fusion: true,
             matmul_qkv_rope: QkvRopeFusion::default(),
             tp: 1,
             device_memory: None,
@@ -558,8 +567,7 @@ pub fn compile_traced<E: Display>(
     let mut graphs = Vec::with_capacity(keys.len());
     let mut stats = Vec::with_capacity(keys.len());
     // On GPU targets the graph schedule runs `fuse-matmul` with
-    // `fused_gemv` and `fuse-matmul-quant` (quantized one-token matmuls
-    // only) without; a megakernel schedule always runs it, with the
+    // `fused_gemv` and `fuse-matmul-graph` (its default rule) without; a megakernel schedule always runs it, with the
     // interpreter's rule (`fuse-matmul-tape`): its fused tiles are never
     // slower than the unfused ops and take a hop off the tape per fusion
     // (bench/results/gpu-2026-12-02-s14/).
@@ -582,9 +590,14 @@ pub fn compile_traced<E: Display>(
                 Pass::FuseMatMulQkvRopePairs
             }
             Pass::FuseMatMul if tape_rule => Pass::FuseMatMulTape,
-            Pass::FuseMatMul if !opts.fused_gemv && !matches!(opts.target, Target::Cpu) => {
+            Pass::FuseMatMul
+                if !opts.fused_gemv
+                    && gpu
+                    && (!opts.dense_fusion || opts.matmul_qkv_rope != QkvRopeFusion::Off) =>
+            {
                 Pass::FuseMatMulQuant
             }
+            Pass::FuseMatMul if !opts.fused_gemv && gpu => Pass::FuseMatMulGraph,
             p => p,
         })
         .collect();
@@ -904,18 +917,20 @@ pub struct CompileArgs {
     /// decides.
     #[arg(long)]
     pub tuning: Option<PathBuf>,
-    /// GPU targets: also fold RMSNorm prologues and SiLU/GELU/residual
-    /// epilogues into the dense one-token GEMVs and into the quantized
-    /// matmuls of multi-token keys (`fused_matmul`). Without it only
-    /// one-token matmuls over quantized weights fuse: on the H200 the dense
-    /// fused GEMV was 7-15% slower than the unfused staged GEMV and the fused
-    /// eight-token qskinny slower than the unfused one
-    /// (bench/results/gpu-2026-12-04-s18/). The dense one-token fused GEMV
-    /// now runs the staged kernel with the plain GEMV's split where that one
-    /// would (`gemv_staged_fused_*`), not yet measured against the default
-    /// (bench/results/gpu-2026-12-07-s37/).
+    /// GPU targets: also fold RMSNorm prologues into the quantized matmuls
+    /// of multi-token keys at any K (`fused_matmul`). Without it those fuse
+    /// their prologues only where K <= 1024: past that the fused
+    /// eight-token qskinny is slower than the unfused one
+    /// (bench/results/gpu-2026-12-06-s26/). One-token matmuls, dense or
+    /// quantized, fuse either way (unless `--no-dense-fusion`).
     #[arg(long)]
     pub fused_gemv: bool,
+    /// GPU targets: keep dense one-token matmuls unfused (RMSNorm,
+    /// SiLU*up and the residual add as their own launches), as every
+    /// kiln before the staged fused GEMV did; for A/B measurements and
+    /// for `kiln tune` entries of one-token dense shapes.
+    #[arg(long, conflicts_with = "fused_gemv")]
+    pub no_dense_fusion: bool,
     /// GPU targets, graph schedule: run the q/k norm + RoPE + KV write
     /// inside the attention kernel (`rope_attention`, the
     /// `fuse-rope-attention` pass): one launch per layer fewer, but measured
@@ -1024,6 +1039,7 @@ impl CompileArgs {
             no_attn_clusters: self.no_attn_clusters,
             tuning: None,
             fused_gemv: self.fused_gemv,
+            dense_fusion: !self.no_dense_fusion,
             matmul_qkv_rope: self.matmul_qkv_rope,
             tp: self.tp,
             device_memory: self.device_memory,

@@ -315,7 +315,7 @@ fn the_greedy_argmax_joins_the_lm_head_only_when_nothing_else_reads_the_logits()
 }
 
 /// With the projections kept quantized (FP8 here), the graph schedule's
-/// default GPU rule (`fuse-matmul-quant`) fuses the residual and SiLU*up
+/// default GPU rule (`fuse-matmul-graph`) fuses the residual and SiLU*up
 /// epilogues of keys of up to eight tokens, and past one token an
 /// RMSNorm prologue only where K <= 1024 (the b8 A/B of
 /// bench/results/gpu-2026-12-06-s26/); keys of more tokens stay unfused.
@@ -326,7 +326,7 @@ fn quantized_keys_of_up_to_eight_tokens_fuse_epilogues_and_only_narrow_prologues
         .iter()
         .map(|&p| {
             if p == Pass::FuseMatMul {
-                Pass::FuseMatMulQuant
+                Pass::FuseMatMulGraph
             } else {
                 p
             }

@@ -16,11 +16,20 @@ use planner_support::*;
 use std::collections::BTreeMap;
 
 fn compile(target: &str, tuning: Option<TuningTable>) -> Compiled {
+    compile_with(target, tuning, false)
+}
+
+/// The synthetic model compiled for `target` with the keys the tests
+/// use; `dense_fusion` as `CompileOptions::dense_fusion` (off by default
+/// here: with it a one-token key's dense matmuls are fused GEMVs and no
+/// GEMM choice is left to test).
+fn compile_with(target: &str, tuning: Option<TuningTable>, dense_fusion: bool) -> Compiled {
     let spec = SynthSpec::tiny(SynthFamily::Llama);
     let opts = CompileOptions {
         keys: keys("b1q1s0,b3q1s0,b40q1s0"),
         target: target.parse().unwrap(),
         tuning,
+        dense_fusion,
         ..CompileOptions::default()
     };
     compile_traced(
@@ -94,6 +103,19 @@ fn without_a_table_the_default_rule_picks_gemv_for_one_token_then_blas() {
     let back = decode(&encode(&c.plan)).unwrap();
     assert_eq!(back, c.plan);
     validate(&back).unwrap();
+}
+
+#[test]
+fn with_dense_fusion_a_one_token_key_has_no_gemm_left_to_choose() {
+    let c = compile_with("cuda:sm_90", None, true);
+    let g = gemms(&c.plan);
+    assert!(g.iter().all(|x| x.0 != 1), "{g:?}");
+    assert!(g.iter().any(|x| x.0 == 3), "{g:?}");
+    let b1 = c.plan.keys.iter().find(|k| k.key.batch == 1).unwrap();
+    assert!(b1
+        .ops
+        .iter()
+        .any(|o| matches!(o.op, kiln_ir::Op::FusedMatMul { pre: Some(_), .. })));
 }
 
 #[test]

@@ -690,14 +690,23 @@ impl FuseRule {
     };
 
     /// The graph schedule's default rule on GPU targets
-    /// (`fuse-matmul-quant`): only matmuls over quantized weights, in keys
-    /// of up to eight tokens, with an RMSNorm prologue past one token only
-    /// where K <= 1024. Measured on the H200 (bench/results/gpu-2026-12-04-s18/),
+    /// (`fuse-matmul-graph`): dense matmuls of one-token keys, and matmuls
+    /// over quantized weights in keys of up to eight tokens, with an
+    /// RMSNorm prologue past one token only where K <= 1024.
+    ///
+    /// Dense: until the fused GEMV ran over the staged weight stream and
+    /// split-K of the plain GEMV it replaces (`gemv.cu`'s
+    /// gemv_staged_fused_*), it was 7-12% slower per step than the unfused
+    /// ops (bench/results/gpu-2026-12-04-s18/: its o_proj / down ran 36-64
+    /// blocks on 132 SMs); with them it should not be (TO MEASURE before
+    /// this branch lands, see
+    /// (bench/results/gpu-2026-12-07-s37/). `kiln compile
+    /// --no-dense-fusion` (`fuse-matmul-quant`) is the A/B.
+    ///
+    /// Quantized: measured on the H200 (bench/results/gpu-2026-12-04-s18/),
     /// the one-token integer-dot GEMV with its RMSNorm prologue and
-    /// SiLU/residual epilogues is faster than the unfused ops it replaces,
-    /// while the dense fused GEMV was slower than the unfused staged GEMV
-    /// (then the register kernel at every shape; its staged form, session
-    /// 37, is not yet measured: bench/results/gpu-2026-12-07-s37/). At eight tokens, once the skinny GEMM's fused entries kept a
+    /// SiLU/residual epilogues is faster than the unfused ops it replaces.
+    /// At eight tokens, once the skinny GEMM's fused entries kept a
     /// unit ring (H100, Q4_K shapes, b8 steps, unfused / epilogues only /
     /// epilogues and prologues, bench/results/gpu-2026-12-06-s26/ call
     /// 13): Qwen3-0.6B (K 1024) 1.334 / 1.286 / 1.153 ms, Llama-3.2-1B
@@ -707,19 +716,19 @@ impl FuseRule {
     /// block recomputes its tokens' inverse RMS over the whole rows) only
     /// at K 1024. Keys past eight tokens were not measured and stay
     /// unfused.
-    pub const GRAPH_QUANT: FuseRule = FuseRule {
-        dense: false,
+    pub const GRAPH_DEFAULT: FuseRule = FuseRule {
+        dense: true,
         max_tokens: GPU_FUSE_MAX_TOKENS,
         quant_max_tokens: 8,
         quant_multi_norm_max_k: 1024,
         argmax: true,
     };
 
-    /// [`FuseRule::GRAPH_QUANT`] unless `KILN_FUSE_QUANT` (a compile-time
+    /// [`FuseRule::GRAPH_DEFAULT`] unless `KILN_FUSE_QUANT` (a compile-time
     /// A/B knob, checked at compile start by [`quant_fuse_override`])
     /// overrides its multi-token part.
-    pub fn graph_quant() -> FuseRule {
-        let base = FuseRule::GRAPH_QUANT;
+    pub fn graph_default() -> FuseRule {
+        let base = FuseRule::GRAPH_DEFAULT;
         match quant_fuse_override(std::env::var("KILN_FUSE_QUANT").ok().as_deref()) {
             Ok(Some((quant_max_tokens, quant_multi_norm_max_k))) => FuseRule {
                 quant_max_tokens,

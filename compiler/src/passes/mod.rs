@@ -72,9 +72,14 @@ pub enum Pass {
     /// and the lm_head keeps its argmax separate, because a fused argmax
     /// is a whole-op task that one block would run alone.
     FuseMatMulTape,
-    /// `fuse-matmul` for matmuls over weights kept quantized only, in
-    /// one-token keys: what the graph schedule runs on GPU targets without
-    /// `--fused-gemv` (see `FuseRule::GRAPH_QUANT` for the measurements).
+    /// `fuse-matmul` with the graph schedule's default GPU rule (what GPU
+    /// targets run without `--fused-gemv`): dense matmuls in one-token
+    /// keys, matmuls over weights kept quantized in keys of up to eight
+    /// tokens (see `FuseRule::GRAPH_DEFAULT` for the measurements).
+    FuseMatMulGraph,
+    /// `fuse-matmul-graph` without its dense fusions: what GPU targets
+    /// run with `--matmul-qkv-rope` (the dense rope GEMV takes no RMSNorm
+    /// prologue, so the packed q/k/v matmul stays plain for it).
     FuseMatMulQuant,
     /// The packed q/k/v projection + `qkv_rope_kv_write` ->
     /// `matmul_qkv_rope`, where the target's kernels run it: one-token
@@ -101,6 +106,7 @@ impl Pass {
             Pass::FuseGateUp => "fuse-gate-up",
             Pass::FuseMatMul => "fuse-matmul",
             Pass::FuseMatMulTape => "fuse-matmul-tape",
+            Pass::FuseMatMulGraph => "fuse-matmul-graph",
             Pass::FuseMatMulQuant => "fuse-matmul-quant",
             Pass::FuseMatMulQkvRope => "fuse-matmul-qkv-rope",
             Pass::FuseMatMulQkvRopePairs => "fuse-matmul-qkv-rope-pairs",
@@ -220,9 +226,22 @@ pub fn run_pass_for(
             stats.matmul_epilogues += c.epilogues;
             stats.matmul_prologues += c.prologues;
         }
-        Pass::FuseMatMulQuant => {
-            let c = fuse::fuse_matmul(&mut ed, target, fuse::FuseRule::graph_quant())
+        Pass::FuseMatMulGraph => {
+            let c = fuse::fuse_matmul(&mut ed, target, fuse::FuseRule::graph_default())
                 .map_err(failed)?;
+            stats.matmul_epilogues += c.epilogues;
+            stats.matmul_prologues += c.prologues;
+        }
+        Pass::FuseMatMulQuant => {
+            let c = fuse::fuse_matmul(
+                &mut ed,
+                target,
+                fuse::FuseRule {
+                    dense: false,
+                    ..fuse::FuseRule::graph_default()
+                },
+            )
+            .map_err(failed)?;
             stats.matmul_epilogues += c.epilogues;
             stats.matmul_prologues += c.prologues;
         }
