@@ -698,10 +698,10 @@ impl FuseRule {
     /// split-K of the plain GEMV it replaces (`gemv.cu`'s
     /// gemv_staged_fused_*), it was 7-12% slower per step than the unfused
     /// ops (bench/results/gpu-2026-12-04-s18/: its o_proj / down ran 36-64
-    /// blocks on 132 SMs); with them it should not be (TO MEASURE before
-    /// this branch lands, see
-    /// (bench/results/gpu-2026-12-07-s37/). `kiln compile
-    /// --no-dense-fusion` (`fuse-matmul-quant`) is the A/B.
+    /// blocks on 132 SMs). With them it is faster (H100, b1 ctx 512,
+    /// fused / unfused ms, bench/results/gpu-2026-12-07-s38/): SmolLM2-135M
+    /// 0.714 / 0.789, Qwen3-0.6B 0.977 / 1.089, Llama-3.2-1B 1.247 / 1.252.
+    /// `kiln compile --no-dense-fusion` (`fuse-matmul-quant`) is the A/B.
     ///
     /// Quantized: measured on the H200 (bench/results/gpu-2026-12-04-s18/),
     /// the one-token integer-dot GEMV with its RMSNorm prologue and
@@ -777,6 +777,32 @@ pub fn quant_fuse_override(v: Option<&str>) -> Result<Option<(u32, u64)>, String
     }
 }
 
+/// `KILN_FUSE_LMHEAD`, a compile-time A/B knob for GPU targets: what the
+/// lm_head GEMV (a matmul with an f32 result or an argmax epilogue) takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LmHeadFusion {
+    /// Unset: the final RMSNorm prologue and the argmax epilogue.
+    All,
+    /// `argmax`: the argmax epilogue only (the final norm is its own
+    /// launch).
+    Argmax,
+    /// `plain`: neither (rms_norm, the GEMV, argmax_chunk + argmax_final).
+    Plain,
+}
+
+fn lm_head_fusion() -> LmHeadFusion {
+    match std::env::var("KILN_FUSE_LMHEAD").as_deref().map(str::trim) {
+        Ok("argmax") => LmHeadFusion::Argmax,
+        Ok("plain") => LmHeadFusion::Plain,
+        _ => LmHeadFusion::All,
+    }
+}
+
+/// Whether `f` is an lm_head: an f32 result or an argmax epilogue.
+fn lm_head_like(f: &Fusable) -> bool {
+    f.out == DType::F32 || f.post == Epilogue::Argmax
+}
+
 /// What [`fuse_matmul`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct MatMulFusions {
@@ -808,6 +834,11 @@ pub(crate) fn fuse_matmul(
     rule: FuseRule,
 ) -> Result<MatMulFusions, String> {
     let mut count = MatMulFusions::default();
+    let lm_head = if matches!(target, Target::Cpu) {
+        LmHeadFusion::All
+    } else {
+        lm_head_fusion()
+    };
     // 1. Epilogues.
     for i in 0..ed.node_count() {
         let n = NodeId(i as u32);
@@ -849,7 +880,10 @@ pub(crate) fn fuse_matmul(
             }
             // The greedy lm_head: its logits are read only by the argmax
             // (so not an output: plans without --logits / --sampling).
-            Op::Argmax if rule.argmax || matches!(target, Target::Cpu) => {
+            Op::Argmax
+                if (rule.argmax && lm_head != LmHeadFusion::Plain)
+                    || matches!(target, Target::Cpu) =>
+            {
                 let y = node.args[0];
                 let Some(mut f) = unfused(ed, y).filter(|_| sole(ed, y)) else {
                     continue;
@@ -902,6 +936,9 @@ pub(crate) fn fuse_matmul(
             continue;
         };
         if f.pre.is_some() || f.x != node.results[0] || !is_available_anywhere(ed, node.args[1]) {
+            continue;
+        }
+        if lm_head != LmHeadFusion::All && lm_head_like(&f) {
             continue;
         }
         f.x = node.args[0];
