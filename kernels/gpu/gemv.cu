@@ -335,8 +335,6 @@ struct GemvFuse {
 #ifndef KILN_GEMV_STAGES
 #define KILN_GEMV_STAGES 3
 #endif
-// The largest K the staged GEMV runs (kiln_kernels::gpu::GEMV_STAGED_MAX_K).
-#define KILN_GEMV_STAGED_MAX_K 8192
 #define KILN_GEMV_STAGE_VECS 1024
 
 // CUDA targets are sm_80 and sm_90 (kernels/src/nvrtc.rs), all with cp.async.
@@ -585,64 +583,18 @@ KILN_GEMV_ROPE_ALL(kf16, f16)
 // KILN_PROLOGUE(); out never aliases an input (the op allows no reuse).
 // consts: bit 0 the weight, bit 1 the norm weight never change while the
 // engine lives (they may be read before the wait).
-// The RMSNorm prologue of the register fused GEMVs, once per block: warp 0
-// takes the inverse RMS of each token row (gemv_warp_inv_rms, the staged
-// kernel's statistic, so the same bits), then the block writes x
-// normalized and rounded to T, as rms_norm stores it, into xs (tokens x kv
-// vectors of dynamic shared memory, `gemv_fused_norm_smem` bytes in the
-// launch). Every thread of the block must call it (two block barriers).
-// Why not per warp, as the staged kernel does: the register kernel keeps
-// UNROLL weight vectors per row in registers, and a per-warp statistic
-// plus the norm weight's vectors took it from 60 to 95 registers per
-// thread (79 for the argmax form), two resident blocks per SM instead of
-// four, half the weight bytes in flight: measured on the H100 the
-// normalized lm_head ran at 2286 GB/s where the plain one reached 3040
-// (bench/results/gpu-2026-12-07-s38/).
-template <typename T, int TT>
-KILN_DEV void gemv_block_norm_x(const T* __restrict__ x, const T* __restrict__ norm_w,
-                                int tokens, int kv, int k, float eps, int unit_offset,
-                                uint4* __restrict__ xs) {
-  __shared__ float s_inv[TT];
-  if (threadIdx.x < KILN_WARP) {
-    float inv_rms[TT];
-    gemv_warp_inv_rms<T, TT>(x, tokens, kv, k, eps, inv_rms);
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int t = 0; t < TT; ++t) s_inv[t] = inv_rms[t];
-    }
-  }
-  __syncthreads();
-  const uint4* xv = reinterpret_cast<const uint4*>(x);
-  const uint4* nv = reinterpret_cast<const uint4*>(norm_w);
-  T* xt = reinterpret_cast<T*>(xs);
-  for (int i = threadIdx.x; i < tokens * kv; i += blockDim.x) {
-    const int t = i / kv;
-    const int c = i - t * kv;
-    float xf[8], nf[8];
-    unpack8(xv[i], x, xf);
-    unpack8(nv[c], norm_w, nf);
-    const float s = s_inv[t];
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      xt[(i64)i * 8 + e] = st<T>(xf[e] * s * (nf[e] + (unit_offset ? 1.0f : 0.0f)));
-  }
-  __syncthreads();
-}
-
 // The product part shared by gemv_fused_rows and gemv_argmax_rows (one
 // source, so an argmax GEMV's logits are the f32 sums the fused GEMV would
 // store): this warp's two weight rows `rows` (clamped to valid rows when
-// past the end) times the token rows of x, normalized first when PRE (by
-// the whole block into dynamic shared memory: gemv_block_norm_x); acc ends
-// warp-reduced in every lane. `after_wait` runs right after the dependency
-// wait (a caller's early loads). A warp that is not `live` returns right
-// after it (after the prologue's block barriers when PRE) with acc zero.
+// past the end) times the token rows of x, normalized first when PRE; acc
+// ends warp-reduced in every lane. `after_wait` runs right after the
+// dependency wait (a caller's early loads). A warp that is not `live`
+// returns right after it with acc zero; no block barrier is inside.
 template <typename T, int TT, int PRE, typename AfterWait>
 KILN_DEV void gemv_fused_dot(const T* __restrict__ x, const T* __restrict__ w,
                              const T* __restrict__ norm_w, const i64* rows, bool live, int tokens,
                              int n, int k, int consts, float eps, int unit_offset,
-                             uint4* __restrict__ xs, float (&acc)[KILN_GEMV_ROWS][TT],
-                             AfterWait after_wait) {
+                             float (&acc)[KILN_GEMV_ROWS][TT], AfterWait after_wait) {
   const int lane = threadIdx.x % KILN_WARP;
   const int w_const = consts & 1;
   const int n_const = consts & 2;
@@ -655,8 +607,8 @@ KILN_DEV void gemv_fused_dot(const T* __restrict__ x, const T* __restrict__ w,
     const i64 row = live && rows[r] < n ? rows[r] : 0;
     wv[r] = reinterpret_cast<const uint4*>(w + row * k);
   }
-  // x as the product reads it: the block's normalized copy when PRE.
-  const uint4* xv = PRE ? xs : reinterpret_cast<const uint4*>(x);
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* nv = reinterpret_cast<const uint4*>(norm_w);
 #pragma unroll
   for (int r = 0; r < KILN_GEMV_ROWS; ++r)
 #pragma unroll
@@ -664,6 +616,7 @@ KILN_DEV void gemv_fused_dot(const T* __restrict__ x, const T* __restrict__ w,
   constexpr int UNROLL = 4;
   int c = lane;
   uint4 wr[KILN_GEMV_ROWS][UNROLL];
+  uint4 nr[UNROLL];  // the norm weight's vectors of the current step (PRE)
   bool full = c + (UNROLL - 1) * KILN_WARP < kv;
   if (full && w_const) {
 #pragma unroll
@@ -671,11 +624,12 @@ KILN_DEV void gemv_fused_dot(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
   }
-  // The norm weight never needs an early load: the block reads it once.
-  (void)n_const;
+  if (PRE && full && n_const) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) nr[u] = nv[c + u * KILN_WARP];
+  }
   KILN_PROLOGUE();
   after_wait();
-  if (PRE) gemv_block_norm_x<T, TT>(x, norm_w, tokens, kv, k, eps, unit_offset, xs);
   if (!live) return;
   if (full && !w_const) {
 #pragma unroll
@@ -683,17 +637,42 @@ KILN_DEV void gemv_fused_dot(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
   }
+  if (PRE && full && !n_const) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) nr[u] = nv[c + u * KILN_WARP];
+  }
+  float inv_rms[TT];
+  // Per-token inverse RMS over the whole row, by this warp alone.
+  if (PRE) gemv_warp_inv_rms<T, TT>(x, tokens, kv, k, eps, inv_rms);
   // One 8-element chunk of token t's (normalized) x.
-  auto x_chunk = [&](int t, int cc, float* xf) { unpack8(xv[(i64)t * kv + cc], x, xf); };
+  auto x_chunk = [&](int t, int cc, const float* nf, float* xf) {
+    unpack8(xv[(i64)t * kv + cc], x, xf);
+    if (PRE) {
+      const float s = inv_rms[t];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xf[e] = round_to<T>(xf[e] * s * nf[e]);
+    }
+  };
+  auto norm_unpack = [&](uint4 raw, float* nf) {
+    if (PRE) {
+      unpack8(raw, norm_w, nf);
+      if (unit_offset) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) nf[e] += 1.0f;
+      }
+    }
+  };
   while (full) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int cc = c + u * KILN_WARP;
+      float nf[8];
+      norm_unpack(nr[u], nf);
 #pragma unroll
       for (int t = 0; t < TT; ++t) {
         if (t < tokens) {
           float xf[8];
-          x_chunk(t, cc, xf);
+          x_chunk(t, cc, nf, xf);
 #pragma unroll
           for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
             float wf[8];
@@ -711,9 +690,15 @@ KILN_DEV void gemv_fused_dot(const T* __restrict__ x, const T* __restrict__ w,
       for (int r = 0; r < KILN_GEMV_ROWS; ++r)
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) wr[r][u] = wv[r][c + u * KILN_WARP];
+      if (PRE) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) nr[u] = nv[c + u * KILN_WARP];
+      }
     }
   }
   for (; c < kv; c += KILN_WARP) {
+    float nf[8];
+    if (PRE) norm_unpack(nv[c], nf);
 #pragma unroll
     for (int r = 0; r < KILN_GEMV_ROWS; ++r) {
       float wf[8];
@@ -722,7 +707,7 @@ KILN_DEV void gemv_fused_dot(const T* __restrict__ x, const T* __restrict__ w,
       for (int t = 0; t < TT; ++t) {
         if (t < tokens) {
           float xf[8];
-          x_chunk(t, c, xf);
+          x_chunk(t, c, nf, xf);
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[r][t] += xf[e] * wf[e];
         }
@@ -735,19 +720,11 @@ KILN_DEV void gemv_fused_dot(const T* __restrict__ x, const T* __restrict__ w,
     for (int t = 0; t < TT; ++t) acc[r][t] = warp_sum(acc[r][t]);
 }
 
-// The launch's dynamic shared memory: a register fused GEMV's normalized x
-// (`gemv_fused_norm_smem` bytes, kiln_kernels::gpu).
-KILN_DEV uint4* gemv_dyn_xs() {
-  extern __shared__ uint4 kiln_gemv_xs[];
-  return kiln_gemv_xs;
-}
-
 template <typename T, typename O, int TT, int PRE>
 KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
                               const T* __restrict__ bias, const T* __restrict__ norm_w,
                               const T* __restrict__ res, O* __restrict__ out, int tokens, int n,
-                              int k, int consts, float eps, int unit_offset, int mode,
-                              uint4* __restrict__ xs) {
+                              int k, int consts, float eps, int unit_offset, int mode) {
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
   const int act = mode == KILN_FUSED_SILU || mode == KILN_FUSED_GELU;
@@ -774,30 +751,25 @@ KILN_DEV void gemv_fused_rows(const T* __restrict__ x, const T* __restrict__ w,
   };
   float acc[KILN_GEMV_ROWS][TT];
   gemv_fused_dot<T, TT, PRE>(x, w, norm_w, rows, live, tokens, n, k, consts, eps, unit_offset,
-                             xs, acc, load_residual);
+                             acc, load_residual);
   if (!live || lane != 0) return;
   gemv_fused_store<T, O, TT>(mode, rows, n, acc, rv, bias, out, tokens);
 }
 
-// One-token register fused GEMVs keep four blocks (32 warps) resident per
-// SM, as the plain GEMV at 60 registers does: its weight vectors in flight
-// are what its speed is (unbounded, the epilogues took it to 68 registers
-// and the RMSNorm prologue to 78, three blocks).
-#define KILN_GEMV_FUSED_LB(TT) __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP, (TT) == 1 ? 4 : 1)
 #define KILN_GEMV_FUSED(T, S, O, OS, TT)                                                        \
-  KILN_GLOBAL void KILN_GEMV_FUSED_LB(TT) gemv_fused_t##TT##_##S##_##OS(                         \
+  KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP) gemv_fused_t##TT##_##S##_##OS( \
       const T* x, const T* w, const T* bias, const T* norm_w, const T* res, O* out, int tokens,  \
       int n, int k, int consts, float eps, int unit_offset, int mode) {                         \
     gemv_fused_rows<T, O, TT, 0>(x, w, bias, norm_w, res, out, tokens, n, k, consts, eps,       \
-                                 unit_offset, mode, nullptr);                                   \
+                                 unit_offset, mode);                                            \
   }                                                                                             \
-  KILN_GLOBAL void KILN_GEMV_FUSED_LB(TT)                                                       \
+  KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
       gemv_fused_norm_t##TT##_##S##_##OS(const T* x, const T* w, const T* bias,                \
                                          const T* norm_w, const T* res, O* out, int tokens,    \
                                          int n, int k, int consts, float eps, int unit_offset,  \
                                          int mode) {                                            \
     gemv_fused_rows<T, O, TT, 1>(x, w, bias, norm_w, res, out, tokens, n, k, consts, eps,       \
-                                 unit_offset, mode, gemv_dyn_xs());                             \
+                                 unit_offset, mode);                                            \
   }
 #define KILN_GEMV_FUSED_TOKENS(T, S, O, OS)                                                     \
   KILN_GEMV_FUSED(T, S, O, OS, 1) KILN_GEMV_FUSED(T, S, O, OS, 2)                               \
@@ -821,12 +793,9 @@ KILN_GEMV_FUSED_TOKENS(kf16, f16, float, f32)
   gemv_staged_rows<T, O, 1, KS, GemvFusedRows, GemvFuse<T, 1, PRE>>(                            \
       x, w, bias, out, tokens, n, k, consts & 1, GemvFusedRows{act ? (i64)(n / 2) : 0}, f);
 #else
-// The staged entries launch without dynamic shared memory, so the
-// fallback's normalized x (one token, K <= KILN_GEMV_STAGED_MAX_K) is static.
 #define KILN_GEMV_STAGED_FUSED_BODY(T, O, KS, PRE)                                              \
-  __shared__ uint4 xs[PRE ? KILN_GEMV_STAGED_MAX_K / 8 : 1];                                    \
   gemv_fused_rows<T, O, 1, PRE>(x, w, bias, norm_w, res, out, tokens, n, k, consts, eps,        \
-                                unit_offset, mode, xs);
+                                unit_offset, mode);
 #endif
 #define KILN_GEMV_STAGED_FUSED_KS(T, S, O, OS, KS, PFX)                                         \
   KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
@@ -890,8 +859,7 @@ KILN_DEV void gemv_argmax_rows(const T* __restrict__ x, const T* __restrict__ w,
                                const T* __restrict__ bias, const T* __restrict__ norm_w,
                                float* __restrict__ part_v, int* __restrict__ part_i,
                                unsigned int* __restrict__ counter, int* __restrict__ out,
-                               int tokens, int n, int k, int consts, float eps, int unit_offset,
-                               uint4* __restrict__ xs) {
+                               int tokens, int n, int k, int consts, float eps, int unit_offset) {
   __shared__ float wbest[KILN_GEMV_WARPS][TT];
   __shared__ int widx[KILN_GEMV_WARPS][TT];
   __shared__ int last_block;
@@ -904,7 +872,7 @@ KILN_DEV void gemv_argmax_rows(const T* __restrict__ x, const T* __restrict__ w,
   for (int r = 0; r < KILN_GEMV_ROWS; ++r) rows[r] = first + r;
   float acc[KILN_GEMV_ROWS][TT];
   gemv_fused_dot<T, TT, PRE>(x, w, norm_w, rows, live, tokens, n, k, consts, eps, unit_offset,
-                             xs, acc, [] {});
+                             acc, [] {});
   // The warp's pair per token: its rows in order, each logit as stored.
   if (lane == 0) {
 #pragma unroll
@@ -972,21 +940,21 @@ KILN_DEV void gemv_argmax_rows(const T* __restrict__ x, const T* __restrict__ w,
 }
 
 #define KILN_GEMV_ARGMAX(T, S, O, OS, TT)                                                       \
-  KILN_GLOBAL void KILN_GEMV_FUSED_LB(TT)                                                       \
+  KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
       gemv_argmax_t##TT##_##S##_##OS(const T* x, const T* w, const T* bias, const T* norm_w,    \
                                      float* part_v, int* part_i, unsigned int* counter,        \
                                      int* out, int tokens, int n, int k, int consts,           \
                                      float eps, int unit_offset) {                              \
     gemv_argmax_rows<T, O, TT, 0>(x, w, bias, norm_w, part_v, part_i, counter, out, tokens, n,  \
-                                  k, consts, eps, unit_offset, nullptr);                        \
+                                  k, consts, eps, unit_offset);                                 \
   }                                                                                             \
-  KILN_GLOBAL void KILN_GEMV_FUSED_LB(TT)                                                       \
+  KILN_GLOBAL void __launch_bounds__(KILN_GEMV_WARPS * KILN_WARP)                               \
       gemv_argmax_norm_t##TT##_##S##_##OS(const T* x, const T* w, const T* bias,               \
                                           const T* norm_w, float* part_v, int* part_i,         \
                                           unsigned int* counter, int* out, int tokens, int n,  \
                                           int k, int consts, float eps, int unit_offset) {     \
     gemv_argmax_rows<T, O, TT, 1>(x, w, bias, norm_w, part_v, part_i, counter, out, tokens, n,  \
-                                  k, consts, eps, unit_offset, gemv_dyn_xs());                  \
+                                  k, consts, eps, unit_offset);                                 \
   }
 #define KILN_GEMV_ARGMAX_TOKENS(T, S, O, OS)                                                    \
   KILN_GEMV_ARGMAX(T, S, O, OS, 1) KILN_GEMV_ARGMAX(T, S, O, OS, 2)                             \

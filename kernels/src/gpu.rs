@@ -400,25 +400,13 @@ pub fn fused_matmul_launch(
             "{n} x {k} weights are outside the kernel's 32-bit index range"
         )));
     }
-    // The register kernel's RMSNorm prologue normalizes x once per block
-    // into dynamic shared memory (gemv.cu's gemv_block_norm_x).
-    let norm_smem = if pre.is_some() {
-        gemv_fused_norm_smem(t, k).ok_or_else(|| {
-            unsupported(format!(
-                "{t} token rows of {k} take more than {GEMV_FUSED_NORM_MAX_SMEM} bytes of shared \
-                 memory normalized; such matmuls keep their RMSNorm unfused"
-            ))
-        })?
-    } else {
-        0
-    };
     if *post == Epilogue::Argmax {
         return Ok(fused_argmax_call(
             (t, n, k),
             tt,
             (i, o),
             *bias,
-            (*pre, norm_smem),
+            *pre,
             consts(weight_args, *bias, pre.is_some()),
         ));
     }
@@ -464,9 +452,7 @@ pub fn fused_matmul_launch(
         },
         grid: [grid, 1, 1],
         block: [256, 1, 1],
-        // The staged kernel normalizes x per warp (its weights hold no
-        // registers); its HIP fallback keeps a static copy.
-        shared_bytes: if staged.is_some() { 0 } else { norm_smem },
+        shared_bytes: 0,
         cluster: 1,
         params: vec![
             Param::Arg(0),
@@ -515,7 +501,7 @@ fn fused_argmax_call(
     tt: u32,
     (i, o): (&str, &str),
     bias: bool,
-    (pre, norm_smem): (Option<kiln_ir::PreNorm>, u32),
+    pre: Option<kiln_ir::PreNorm>,
     consts: i32,
 ) -> KernelCall {
     let (idx_offset, _) = fused_argmax_scratch(t, n);
@@ -525,7 +511,7 @@ fn fused_argmax_call(
         entry: format!("gemv_argmax_{norm}t{tt}_{i}_{o}"),
         grid: [n.div_ceil(GEMV_ROWS_PER_BLOCK), 1, 1],
         block: [256, 1, 1],
-        shared_bytes: norm_smem,
+        shared_bytes: 0,
         cluster: 1,
         params: vec![
             Param::Arg(0),
@@ -548,19 +534,6 @@ fn fused_argmax_call(
             Param::I32(pre.is_some_and(|p| p.unit_offset) as i32),
         ],
     }
-}
-
-/// The most dynamic shared memory a register fused GEMV's normalized x
-/// takes: what a launch gets without opting in.
-pub const GEMV_FUSED_NORM_MAX_SMEM: u32 = 48 * 1024;
-
-/// The bytes of `t` normalized token rows of `k` bf16/f16 elements, the
-/// register fused GEMV's dynamic shared memory under an RMSNorm prologue;
-/// `None` past [`GEMV_FUSED_NORM_MAX_SMEM`].
-pub fn gemv_fused_norm_smem(t: u32, k: u32) -> Option<u32> {
-    t.checked_mul(k)?
-        .checked_mul(2)
-        .filter(|&b| b <= GEMV_FUSED_NORM_MAX_SMEM)
 }
 
 /// A `fused_matmul`'s lowering: [`fused_matmul_call`] with the scratch and

@@ -439,10 +439,10 @@ fn cuda_against_cpu(
     {
         return Err(format!("{family}: no matmul_qkv_rope in the CUDA plan"));
     }
-    // Gemma 3's sandwich norms leave its gate/up GEMV without a prologue
-    // (an add_rms_norm of a norm's output feeds it), so the prologue and
-    // the activation are checked apart; the final norm folds into the
-    // lm_head in every family.
+    // Gemma 3's sandwich norms leave its GEMVs without a prologue (an
+    // add_rms_norm of a norm's output feeds them, and the dense lm_head
+    // keeps its final norm), so only its activation epilogue forms.
+    let sandwich = family.starts_with("Gemma3");
     let fused_dense = formed(&|op| {
         matches!(
             op,
@@ -451,11 +451,16 @@ fn cuda_against_cpu(
                 ..
             }
         )
-    }) && formed(&|op| matches!(op, kiln_ir::Op::FusedMatMul { pre: Some(_), .. }));
+    }) && (sandwich
+        || formed(&|op| matches!(op, kiln_ir::Op::FusedMatMul { pre: Some(_), .. })));
     if fused_dense != (fusion == GpuFusion::Default) {
         return Err(format!(
             "{family}: dense fusion {} in the one-token key with {fusion:?}",
-            if fused_dense { "formed" } else { "did not form" }
+            if fused_dense {
+                "formed"
+            } else {
+                "did not form"
+            }
         ));
     }
     let vocab = cplan.meta.info.vocab_size;
