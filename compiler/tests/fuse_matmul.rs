@@ -314,6 +314,61 @@ fn the_greedy_argmax_joins_the_lm_head_only_when_nothing_else_reads_the_logits()
     }
 }
 
+/// The graph schedule's default GPU rule (`fuse-matmul-graph`) fuses every
+/// dense one-token GEMV of the layers but leaves the dense lm_head plain:
+/// the final rms_norm, the matmul and the argmax stay three ops (measured
+/// faster than the fused register GEMV, `FuseRule::dense_lm_head`), while
+/// `fuse-matmul` (`--fused-gemv`) folds both into it.
+#[test]
+fn the_default_gpu_rule_fuses_the_layers_but_not_the_dense_lm_head() {
+    let cuda = Target::Cuda { sm: 90 };
+    let with = |fuse: Pass| -> Vec<Pass> {
+        DEFAULT_PIPELINE
+            .iter()
+            .map(|&p| if p == Pass::FuseMatMul { fuse } else { p })
+            .collect()
+    };
+    for fam in FAMILIES {
+        let spec = SynthSpec::tiny(fam);
+        let key: Key = "b1q1s0".parse().unwrap();
+        let kv = kv_for(&spec, key);
+        let (g, _, _) = pipeline(
+            &spec,
+            spec.graph(key, &kv, false),
+            &with(Pass::FuseMatMulGraph),
+            &cuda,
+        );
+        assert!(fused_with(&g, true, Epilogue::SiluMul) > 0, "{fam:?}");
+        assert!(fused_with(&g, false, Epilogue::Residual) > 0, "{fam:?}");
+        assert_eq!(
+            count(&g, |o| matches!(
+                o,
+                Op::FusedMatMul {
+                    post: Epilogue::Argmax,
+                    ..
+                }
+            )),
+            0,
+            "{fam:?}"
+        );
+        assert_eq!(count(&g, |o| *o == Op::Argmax), 1, "{fam:?}");
+        assert_eq!(
+            count(&g, |o| matches!(o, Op::RmsNorm { .. })),
+            1,
+            "{fam:?}: only the final norm stays: {}",
+            kiln_ir::print(&g)
+        );
+        let (g, _, _) = pipeline(
+            &spec,
+            spec.graph(key, &kv, false),
+            &with(Pass::FuseMatMul),
+            &cuda,
+        );
+        assert_eq!(fused_with(&g, true, Epilogue::Argmax), 1, "{fam:?}");
+        assert_eq!(count(&g, |o| *o == Op::Argmax), 0, "{fam:?}");
+    }
+}
+
 /// With the projections kept quantized (FP8 here), the graph schedule's
 /// default GPU rule (`fuse-matmul-graph`) fuses the residual and SiLU*up
 /// epilogues of keys of up to eight tokens, and past one token an

@@ -677,6 +677,16 @@ pub(crate) struct FuseRule {
     pub quant_multi_norm_max_k: u64,
     /// Whether `argmax(matmul)` becomes `fused_matmul{argmax}`.
     pub argmax: bool,
+    /// Whether a dense lm_head (an f32 result or the argmax epilogue, over
+    /// a weight not kept quantized) takes the final RMSNorm prologue and the
+    /// argmax epilogue on a GPU target. Measured on the H100 (b1 ctx 512,
+    /// bench/results/gpu-2026-12-07-s38/ call 2) the unfused rms_norm, GEMV
+    /// (3040 GB/s on Qwen3-0.6B's 311 MB lm_head) and two argmax launches
+    /// beat the fused register GEMV (2287 GB/s: the per-warp statistic and
+    /// the norm weight take it from 60 to 79 registers, three resident
+    /// blocks per SM instead of four) by 1-2% per step: SmolLM2-135M 0.704
+    /// vs 0.721 ms, Qwen3-0.6B 0.959 vs 0.977, Llama-3.2-1B 1.253 vs 1.262.
+    pub dense_lm_head: bool,
 }
 
 impl FuseRule {
@@ -687,21 +697,23 @@ impl FuseRule {
         quant_max_tokens: u32::MAX,
         quant_multi_norm_max_k: u64::MAX,
         argmax: true,
+        dense_lm_head: true,
     };
 
     /// The graph schedule's default rule on GPU targets
-    /// (`fuse-matmul-graph`): dense matmuls of one-token keys, and matmuls
-    /// over quantized weights in keys of up to eight tokens, with an
-    /// RMSNorm prologue past one token only where K <= 1024.
+    /// (`fuse-matmul-graph`): dense matmuls of one-token keys except the
+    /// lm_head (see `dense_lm_head`), and matmuls over quantized weights in
+    /// keys of up to eight tokens, with an RMSNorm prologue past one token
+    /// only where K <= 1024.
     ///
     /// Dense: until the fused GEMV ran over the staged weight stream and
     /// split-K of the plain GEMV it replaces (`gemv.cu`'s
     /// gemv_staged_fused_*), it was 7-12% slower per step than the unfused
     /// ops (bench/results/gpu-2026-12-04-s18/: its o_proj / down ran 36-64
-    /// blocks on 132 SMs); with them it should not be (TO MEASURE before
-    /// this branch lands, see
-    /// (bench/results/gpu-2026-12-07-s37/). `kiln compile
-    /// --no-dense-fusion` (`fuse-matmul-quant`) is the A/B.
+    /// blocks on 132 SMs). With them it is faster (H100, b1 ctx 512,
+    /// fused / unfused ms, bench/results/gpu-2026-12-07-s38/): SmolLM2-135M
+    /// 0.714 / 0.789, Qwen3-0.6B 0.977 / 1.089, Llama-3.2-1B 1.247 / 1.252.
+    /// `kiln compile --no-dense-fusion` (`fuse-matmul-quant`) is the A/B.
     ///
     /// Quantized: measured on the H200 (bench/results/gpu-2026-12-04-s18/),
     /// the one-token integer-dot GEMV with its RMSNorm prologue and
@@ -722,6 +734,7 @@ impl FuseRule {
         quant_max_tokens: 8,
         quant_multi_norm_max_k: 1024,
         argmax: true,
+        dense_lm_head: false,
     };
 
     /// [`FuseRule::GRAPH_DEFAULT`] unless `KILN_FUSE_QUANT` (a compile-time
@@ -750,6 +763,7 @@ impl FuseRule {
         quant_max_tokens: u32::MAX,
         quant_multi_norm_max_k: u64::MAX,
         argmax: false,
+        dense_lm_head: true,
     };
 }
 
@@ -775,6 +789,13 @@ pub fn quant_fuse_override(v: Option<&str>) -> Result<Option<(u32, u64)>, String
             )),
         },
     }
+}
+
+/// Whether `f` is a dense lm_head, which only a rule with `dense_lm_head`
+/// fuses on a GPU: an f32 result or an argmax epilogue over a weight that
+/// is not kept quantized.
+fn dense_lm_head(ed: &Editor, f: &Fusable) -> bool {
+    (f.out == DType::F32 || f.post == Epilogue::Argmax) && ed.g.ty(f.w).storage.is_none()
 }
 
 /// What [`fuse_matmul`] did.
@@ -808,6 +829,7 @@ pub(crate) fn fuse_matmul(
     rule: FuseRule,
 ) -> Result<MatMulFusions, String> {
     let mut count = MatMulFusions::default();
+    let gpu = !matches!(target, Target::Cpu);
     // 1. Epilogues.
     for i in 0..ed.node_count() {
         let n = NodeId(i as u32);
@@ -849,12 +871,15 @@ pub(crate) fn fuse_matmul(
             }
             // The greedy lm_head: its logits are read only by the argmax
             // (so not an output: plans without --logits / --sampling).
-            Op::Argmax if rule.argmax || matches!(target, Target::Cpu) => {
+            Op::Argmax if rule.argmax || !gpu => {
                 let y = node.args[0];
                 let Some(mut f) = unfused(ed, y).filter(|_| sole(ed, y)) else {
                     continue;
                 };
                 f.post = Epilogue::Argmax;
+                if gpu && !rule.dense_lm_head && dense_lm_head(ed, &f) {
+                    continue;
+                }
                 if !f.runs_on(ed, target, rule) {
                     continue;
                 }
@@ -902,6 +927,9 @@ pub(crate) fn fuse_matmul(
             continue;
         };
         if f.pre.is_some() || f.x != node.results[0] || !is_available_anywhere(ed, node.args[1]) {
+            continue;
+        }
+        if gpu && !rule.dense_lm_head && dense_lm_head(ed, &f) {
             continue;
         }
         f.x = node.args[0];
