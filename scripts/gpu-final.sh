@@ -167,7 +167,11 @@ if [[ " $stages " == *" bench "* ]]; then
       [[ -f "$plan" ]] || { echo "bench $v $m: no plan" >> "$S"; continue; }
       timeout 150 "$B/kiln-$v" bench "$plan" --device cuda --steps 200 --context 512 ${KILN_BENCH_KEYS:+--keys $KILN_BENCH_KEYS} ${KILN_BENCH_ARGS:-} \
         --json "$OUT/logs/bench-$v-$m$sfx.json" > "$OUT/logs/bench-$v-$m$sfx.txt" 2>&1
-      echo "bench $v $m$sfx: rc=$?" >> "$S"
+      rc=$?
+      echo "bench $v $m$sfx: rc=$rc" >> "$S"
+      # A failed bench's reason in the summary (its log may not come back:
+      # a call returns at most 8 files), e.g. a plan refused as stale.
+      [[ $rc -ne 0 ]] && grep -m2 -E "^Error|error:" "$OUT/logs/bench-$v-$m$sfx.txt" | sed 's/^/  /' >> "$S"
     done
   done
   [[ -n "$sfx" ]] && echo "round $round:" >> "$S"

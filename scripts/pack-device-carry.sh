@@ -4,7 +4,12 @@
 #
 #   scripts/pack-device-carry.sh VARIANT KILN_BINARY "COMPILE FLAGS" [MODEL...]
 #       compiles plans of the shaped models (scripts/make-shaped-model.py) with
-#       KILN_BINARY and the flags, into .device-carry/bench/VARIANT/
+#       KILN_BINARY and the flags, into .device-carry/bench/VARIANT/, with
+#       KILN_BINARY itself (kiln.xz). Deleting a variant's kiln.xz to save
+#       carry (gpu-final.sh then runs bin/kiln) is safe only where bin/kiln
+#       was built from the same kernel sources: a plan embeds its kernel
+#       images and the loader refuses one compiled from other sources as
+#       stale (session 38 lost a variant that way)
 #   scripts/pack-device-carry.sh --test BINARY...
 #       adds test executables (stripped, xz'd) to bin/ and tests.txt
 #   scripts/pack-device-carry.sh --bin BINARY...
