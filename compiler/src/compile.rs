@@ -148,7 +148,8 @@ pub struct CompileOptions {
     /// --no-dense-fusion`), or with `matmul_qkv_rope` on (the dense rope
     /// GEMV takes no RMSNorm prologue), `fuse-matmul-quant` fuses only
     /// matmuls over quantized weights. A `kiln tune` entry for a one-token
-    /// dense shape matters only then: a fused matmul is kiln's GEMV.
+    /// dense shape matters only then (and for a dense lm_head, which stays
+    /// unfused): a fused matmul is kiln's GEMV.
     pub dense_fusion: bool,
     /// GPU targets, graph schedule: where `fuse-matmul-qkv-rope` (in
     /// `passes`) forms `matmul_qkv_rope`, the packed q/k/v GEMV that ropes
