@@ -25,6 +25,10 @@
 #           e.g. "gemma-3-270m-window16"; KILN_ORACLE_ARGS: more arguments)
 #   serve   `kiln serve --device cuda` on the new Qwen3-0.6B plan driven by
 #           scripts/bench-serve.py at concurrency 1, 8, 32
+#   tune    `kiln tune` of the first variant's plan of every model in
+#           KILN_TUNE_MODELS (default: none): each GEMM shape of the plan timed
+#           as gemv, skinny and cuBLASLt; tables in logs/tune-<model>.json, the
+#           per-shape medians in the summary
 #   ncu     Nsight Compute summary of one step per model (KILN_NCU_MODEL, a
 #           list, default qwen3-0.6b), variant and key (see the stage);
 #           KILN_NCU_SECTIONS adds whole sections (e.g. WarpStateStats),
@@ -206,6 +210,26 @@ for m in models:
         last = r[variants[-1]].get(key, {})
         line += f" {f(last.get('hbm_floor_ms')):>9} {f(last.get('replay_over_floor')):>10}"
         print(line)
+PY
+  done
+fi
+
+
+if [[ " $stages " == *" tune "* ]]; then
+  first=""
+  for v in $variants; do [[ -z "$first" ]] && first=$v; done
+  for m in ${KILN_TUNE_MODELS:-}; do
+    plan=/tmp/plans-$first/$m.kiln
+    [[ -f "$plan" ]] || { echo "tune $m: no plan" >> "$S"; continue; }
+    timeout 200 "$B/kiln-$first" tune "$plan" --device cuda -o "$OUT/logs/tune-$m.json" \
+      > "$OUT/logs/tune-$m.txt" 2>&1
+    echo "tune $m: rc=$?" >> "$S"
+    python3 - "$OUT/logs/tune-$m.json" >> "$S" 2>&1 <<'PY'
+import json, sys
+for e in json.load(open(sys.argv[1]))["entries"]:
+    s = e["shape"]
+    med = " ".join(f"{k} {v:.2f}" for k, v in sorted(e["median_us"].items()))
+    print(f"  t{s['t']} n{s['n']} k{s['k']} {s['dtype']}->{s['out']}: best {e['best']} ({med} us)")
 PY
   done
 fi

@@ -777,6 +777,8 @@ pub fn compile_model(
         .map_err(CompileError::Options)?;
         crate::passes::quant_fuse_override(std::env::var("KILN_FUSE_QUANT").ok().as_deref())
             .map_err(CompileError::Options)?;
+        crate::passes::dense_fuse_override(std::env::var("KILN_FUSE_DENSE").ok().as_deref())
+            .map_err(CompileError::Options)?;
         kiln_kernels::quant_gpu::skinny_prefetch(
             std::env::var("KILN_QSKINNY_PF").ok().as_deref(),
             kiln_kernels::quant_gpu::QuantType::Fp8E4M3,

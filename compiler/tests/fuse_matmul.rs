@@ -451,6 +451,24 @@ fn the_quantized_fusion_override_takes_one_epi_all_or_a_width_and_refuses_the_re
     );
 }
 
+/// `KILN_FUSE_DENSE` names the most tokens of a dense fused key, from one
+/// to the fused kernels' eight, or is refused with what it takes.
+#[test]
+fn the_dense_fusion_override_takes_a_token_count_up_to_eight_and_refuses_the_rest() {
+    use kiln_compiler::passes::dense_fuse_override as o;
+    assert_eq!(o(None), Ok(None));
+    assert_eq!(o(Some("")), Ok(None));
+    assert_eq!(o(Some("1")), Ok(Some(1)));
+    assert_eq!(o(Some(" 8 ")), Ok(Some(8)));
+    for bad in ["0", "9", "all"] {
+        let e = o(Some(bad)).unwrap_err();
+        assert!(
+            e.contains(&format!("KILN_FUSE_DENSE={bad} is not")) && e.contains("from 1 to 8"),
+            "{e}"
+        );
+    }
+}
+
 /// Marks the q/k/v projections (and, with `all`, every projection) as
 /// stored `q` in the graph and the manifest.
 fn quantize_projections(g: &mut Graph, m: &mut WeightManifest, q: kiln_ir::QuantType, all: bool) {

@@ -116,16 +116,104 @@ KILN_DEV void skinny_store(int i, int ln, float s, i64 row0, const T* bias, O* o
   }
 }
 
-template <typename T, typename O, int NT, int MT>
-KILN_DEV void skinny_gemm(const T* __restrict__ x, const T* __restrict__ w,
-                          const T* __restrict__ bias, O* __restrict__ out, int tokens, int n,
-                          int k, int w_const) {
+// The fused epilogue modes (fused_matmul; the same numbers as gemv.cu's).
+#define KILN_SKINNY_NONE 0
+#define KILN_SKINNY_SILU 1
+#define KILN_SKINNY_GELU 2
+#define KILN_SKINNY_RESIDUAL 3
+
+// Token row `t`'s inverse RMS for the fused RMSNorm prologue, every row of
+// x (T x K) at once: warp w of the block takes rows w, w + warps, ..., its
+// lanes KILN_RMS_BATCH 8-element chunks in flight at a time, f32 sums in a
+// fixed order (deterministic). The caller synchronizes the block before
+// reading inv.
+template <typename T>
+KILN_DEV void skinny_inv_rms_rows(const T* __restrict__ x, int tokens, int k, float eps,
+                                  float* inv) {
+  const int lane = threadIdx.x % KILN_WARP;
+  const int warps = blockDim.x / KILN_WARP;
+  const int kv = k / 8;
+  for (int t = threadIdx.x / KILN_WARP; t < tokens; t += warps) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x + (i64)t * k);
+    float ss = 0.0f;
+    for (int c0 = lane; c0 < kv; c0 += 4 * KILN_WARP) {
+      uint4 v[4];
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        if (c0 + b * KILN_WARP < kv) v[b] = xv[c0 + b * KILN_WARP];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        if (c0 + b * KILN_WARP < kv) {
+          float f[8];
+          unpack8(v[b], x, f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+        }
+      }
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) inv[t] = 1.0f / sqrtf(ss / (float)k + eps);
+  }
+}
+
+// Eight elements of x normalized as rms_norm stores them: x * inv * (w +
+// offset), rounded to T, repacked (word j holds elements 2j and 2j + 1).
+template <typename T>
+KILN_DEV uint4 skinny_norm8(uint4 xv, uint4 nv, float inv, int unit_offset) {
+  float xf[8], nf[8];
+  unpack8(xv, (const T*)nullptr, xf);
+  unpack8(nv, (const T*)nullptr, nf);
+  unsigned int wd[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float off = unit_offset ? 1.0f : 0.0f;
+    const unsigned int lo = st<T>(xf[2 * j] * inv * (nf[2 * j] + off)).bits;
+    const unsigned int hi = st<T>(xf[2 * j + 1] * inv * (nf[2 * j + 1] + off)).bits;
+    wd[j] = lo | (hi << 16);
+  }
+  uint4 r;
+  r.x = wd[0];
+  r.y = wd[1];
+  r.z = wd[2];
+  r.w = wd[3];
+  return r;
+}
+
+// The product and, when FUSED, fused_matmul's prologue and epilogues:
+//   PRE   the RMSNorm prologue: every block computes each token row's
+//         inverse RMS after the dependency wait (skinny_inv_rms_rows, one
+//         block barrier), and each x vector is normalized and rounded to T
+//         as it is loaded (the value the unfused rms_norm stores), so the
+//         MMA multiplies exactly what the unfused pair would;
+//   mode  1 silu / 2 gelu_tanh: w stacks gate rows over up rows ([2I, K]);
+//         with MT = 2 (required) a block's tile 0 is gate rows [16b, 16b +
+//         16) and tile 1 the up rows I further, so the thread that sums a
+//         gate slot over the split-K warps sums the same slot of the up
+//         tile and writes act(g) * u, g and u rounded to T first;
+//         3 residual: out = round(acc + bias) + res, rounded again, the
+//         residual loaded right after the wait (its latency hides behind
+//         the weight loop).
+// consts: bit 0 the weight, bit 1 the norm weight never change while the
+// engine lives. Nothing another kernel writes (x, residual) is read, and
+// nothing is written, before KILN_PROLOGUE().
+template <typename T, typename O, int NT, int MT, int PRE, bool FUSED>
+KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
+                          const T* __restrict__ bias, const T* __restrict__ norm_w,
+                          const T* __restrict__ res, O* __restrict__ out, int tokens, int n, int k,
+                          int consts, float eps, int unit_offset, int mode) {
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
   const int warps = blockDim.x / KILN_WARP;
-  const i64 row0 = (i64)blockIdx.x * (16 * MT);
+  const int w_const = consts & 1;
+  const bool act = FUSED && (mode == KILN_SKINNY_SILU || mode == KILN_SKINNY_GELU);
+  // Under an activation tile mt is rows [mt * n/2 + 16b, ... + 16) of the
+  // stacked weight; otherwise the block's MT consecutive tiles.
+  const i64 half = act ? (i64)(n / 2) : 0;
+  const i64 row0 = act ? (i64)blockIdx.x * 16 : (i64)blockIdx.x * (16 * MT);
+  const i64 tile_rows = act ? half : (i64)n;  // rows of the output space
 #if defined(KILN_SKINNY_MMA)
   extern __shared__ float skinny_red[];  // [warps][R][32]
+  __shared__ float inv_rms[PRE ? 32 : 1];
   constexpr int R = MT * NT * 4;
   const int g = lane >> 2;
   const int t = lane & 3;
@@ -135,15 +223,17 @@ KILN_DEV void skinny_gemm(const T* __restrict__ x, const T* __restrict__ w,
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      i64 r = row0 + 16 * mt + 8 * h + g;
-      if (r >= n) r = n - 1;
-      wrow[mt][h] = w + r * k;
+      i64 r = act ? row0 + 8 * h + g : row0 + 16 * mt + 8 * h + g;
+      if (r >= tile_rows) r = tile_rows - 1;
+      wrow[mt][h] = w + (r + (act ? mt * half : 0)) * k;
     }
   const T* xrow[NT];
+  int xtok[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     int tk = 8 * nt + g;
     if (tk >= tokens) tk = tokens - 1;
+    xtok[nt] = tk;
     xrow[nt] = x + (i64)tk * k;
   }
   float acc[MT][NT][4];
@@ -159,15 +249,42 @@ KILN_DEV void skinny_gemm(const T* __restrict__ x, const T* __restrict__ w,
   if (w_const) skinny_load_w<T, MT>(wv, wrow, c, warps, k, t);
   KILN_PROLOGUE();
   if (!w_const) skinny_load_w<T, MT>(wv, wrow, c, warps, k, t);
+  // The residual of the slots this thread stores (see the store loop).
+  constexpr int RES_SLOTS = 4;
+  float rres[RES_SLOTS] = {};
+  if (FUSED && mode == KILN_SKINNY_RESIDUAL) {
+#pragma unroll
+    for (int j = 0; j < RES_SLOTS; ++j) {
+      const int v = threadIdx.x + j * blockDim.x;
+      if (v < R * KILN_WARP) {
+        const int i = v / KILN_WARP, ln = v % KILN_WARP, cc = i & 3;
+        const int nt = (i >> 2) % NT, mt = (i >> 2) / NT;
+        const i64 row = row0 + 16 * mt + (ln >> 2) + 8 * (cc >> 1);
+        const int tok = 8 * nt + 2 * (ln & 3) + (cc & 1);
+        if (row < n && tok < tokens) rres[j] = ld(res[(i64)tok * n + row]);
+      }
+    }
+  }
+  float inv[NT];
+  if (PRE) {
+    skinny_inv_rms_rows<T>(x, tokens, k, eps, inv_rms);
+    __syncthreads();
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) inv[nt] = inv_rms[xtok[nt]];
+  }
   const int step = 2 * warps;
   for (; c < chunks; c += step) {
     uint4 xv[2][NT];
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int off = (c + u * warps) * 32 + 8 * t;
+      uint4 nv = skinny_zero4();
+      if (PRE && off < k) nv = *reinterpret_cast<const uint4*>(norm_w + off);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NT; ++nt) {
         xv[u][nt] = off < k ? *reinterpret_cast<const uint4*>(xrow[nt] + off) : skinny_zero4();
+        if (PRE && off < k) xv[u][nt] = skinny_norm8<T>(xv[u][nt], nv, inv[nt], unit_offset);
+      }
     }
     // The next iteration's weights, in flight during this one's MMAs.
     uint4 wn[2][MT][2];
@@ -202,36 +319,103 @@ KILN_DEV void skinny_gemm(const T* __restrict__ x, const T* __restrict__ w,
       for (int i = 0; i < 4; ++i)
         skinny_red[(warp * R + (mt * NT + nt) * 4 + i) * KILN_WARP + lane] = acc[mt][nt][i];
   __syncthreads();
-  for (int v = threadIdx.x; v < R * KILN_WARP; v += blockDim.x) {
+  // Under an activation only tile 0's slots are walked; each also sums
+  // the same slot of tile 1 (its up rows).
+  const int slots = (act ? R / 2 : R) * KILN_WARP;
+  for (int v = threadIdx.x, j = 0; v < slots; v += blockDim.x, ++j) {
     float s = 0.0f;
     for (int q = 0; q < warps; ++q) s += skinny_red[q * R * KILN_WARP + v];
-    skinny_store<T, O, NT>(v / KILN_WARP, v % KILN_WARP, s, row0, bias, out, tokens, n);
+    if (!FUSED) {
+      skinny_store<T, O, NT>(v / KILN_WARP, v % KILN_WARP, s, row0, bias, out, tokens, n);
+      continue;
+    }
+    const int i = v / KILN_WARP, ln = v % KILN_WARP, cc = i & 3;
+    const int nt = (i >> 2) % NT, mt = (i >> 2) / NT;
+    const i64 row = row0 + 16 * mt + (ln >> 2) + 8 * (cc >> 1);
+    const int tok = 8 * nt + 2 * (ln & 3) + (cc & 1);
+    if (act) {
+      float su = 0.0f;
+      const int vu = v + (R / 2) * KILN_WARP;
+      for (int q = 0; q < warps; ++q) su += skinny_red[q * R * KILN_WARP + vu];
+      if (row < half && tok < tokens) {
+        const float bg = bias ? ld(bias[row]) : 0.0f;
+        const float bu = bias ? ld(bias[row + half]) : 0.0f;
+        const float gg = round_to<T>(s + bg);
+        const float uu = round_to<T>(su + bu);
+        const float a = mode == KILN_SKINNY_SILU ? kiln_silu(gg) : kiln_gelu_tanh(gg);
+        out[(i64)tok * half + row] = st<O>(a * uu);
+      }
+    } else if (row < n && tok < tokens) {
+      float r = s + (bias ? ld(bias[row]) : 0.0f);
+      if (mode == KILN_SKINNY_RESIDUAL) {
+        const float rv = j < RES_SLOTS ? rres[j] : ld(res[(i64)tok * n + row]);
+        r = round_to<T>(r) + rv;
+      }
+      out[(i64)tok * n + row] = st<O>(r);
+    }
   }
 #else
-  // Portable path: one warp per (row, token), lanes over 8-element vectors.
+  // Portable path: one warp per (row, token), lanes over 8-element vectors;
+  // the prologue and epilogues as above, per element.
   KILN_PROLOGUE();
   const int kv = k / 8;
-  for (int r = warp; r < 16 * MT; r += warps) {
+  const int outs = 16 * MT;  // output rows of the block (act: 16 of them used)
+  for (int r = warp; r < (act ? 16 : outs); r += warps) {
     const i64 row = row0 + r;
-    if (row >= n) break;
-    const uint4* wr = reinterpret_cast<const uint4*>(w + row * k);
-    const float b = bias ? ld(bias[row]) : 0.0f;
+    if (row >= tile_rows) break;
     for (int tk = 0; tk < tokens; ++tk) {
       const uint4* xr = reinterpret_cast<const uint4*>(x + (i64)tk * k);
-      float a = 0.0f;
-      for (int cc = lane; cc < kv; cc += KILN_WARP) {
-        float wf[8];
-        float xf[8];
-        unpack8(wr[cc], w, wf);
-        unpack8(xr[cc], x, xf);
+      float inv = 1.0f;
+      if (PRE) {
+        float ss = 0.0f;
+        for (int cc = lane; cc < kv; cc += KILN_WARP) {
+          float xf[8];
+          unpack8(xr[cc], x, xf);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) a += xf[e] * wf[e];
+          for (int e = 0; e < 8; ++e) ss += xf[e] * xf[e];
+        }
+        inv = 1.0f / sqrtf(warp_sum(ss) / (float)k + eps);
       }
-      a = warp_sum(a);
-      if (lane == 0) out[(i64)tk * n + row] = st<O>(a + b);
+      float a2[2] = {0.0f, 0.0f};
+      for (int h = 0; h < (act ? 2 : 1); ++h) {
+        const uint4* wr = reinterpret_cast<const uint4*>(w + (row + h * half) * k);
+        float a = 0.0f;
+        for (int cc = lane; cc < kv; cc += KILN_WARP) {
+          uint4 xq = xr[cc];
+          if (PRE) xq = skinny_norm8<T>(xq, reinterpret_cast<const uint4*>(norm_w)[cc], inv, unit_offset);
+          float wf[8];
+          float xf[8];
+          unpack8(wr[cc], w, wf);
+          unpack8(xq, x, xf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) a += xf[e] * wf[e];
+        }
+        a2[h] = warp_sum(a);
+      }
+      if (lane != 0) continue;
+      if (act) {
+        const float bg = bias ? ld(bias[row]) : 0.0f;
+        const float bu = bias ? ld(bias[row + half]) : 0.0f;
+        const float gg = round_to<T>(a2[0] + bg);
+        const float uu = round_to<T>(a2[1] + bu);
+        const float a = mode == KILN_SKINNY_SILU ? kiln_silu(gg) : kiln_gelu_tanh(gg);
+        out[(i64)tk * half + row] = st<O>(a * uu);
+      } else {
+        float r2 = a2[0] + (bias ? ld(bias[row]) : 0.0f);
+        if (FUSED && mode == KILN_SKINNY_RESIDUAL) r2 = round_to<T>(r2) + ld(res[(i64)tk * n + row]);
+        out[(i64)tk * n + row] = st<O>(r2);
+      }
     }
   }
 #endif
+}
+
+template <typename T, typename O, int NT, int MT>
+KILN_DEV void skinny_gemm(const T* __restrict__ x, const T* __restrict__ w,
+                          const T* __restrict__ bias, O* __restrict__ out, int tokens, int n,
+                          int k, int w_const) {
+  skinny_body<T, O, NT, MT, 0, false>(x, w, bias, nullptr, nullptr, out, tokens, n, k, w_const,
+                                      0.0f, 0, KILN_SKINNY_NONE);
 }
 
 // Entry points: skinny_t<8*NT>_r<MT>_<in>_<out>.
@@ -250,3 +434,28 @@ KILN_SKINNY_TILES(kbf16, bf16, kbf16, bf16)
 KILN_SKINNY_TILES(kbf16, bf16, float, f32)
 KILN_SKINNY_TILES(kf16, f16, kf16, f16)
 KILN_SKINNY_TILES(kf16, f16, float, f32)
+
+// Fused entries (fused_matmul over a dense weight, 2..8 tokens):
+// skinny_fused_[norm_]t8_rMT_<in>_<out>, with gemv_fused_*'s parameters
+// (x, w, bias, norm_w, res, out, tokens, n, k, consts, eps, unit_offset,
+// mode). An activation epilogue takes MT = 2 (its gate and up tiles) and a
+// grid over the n / 2 outputs; the others MT = 1.
+#define KILN_SKINNY_FUSED(T, S, O, OS, MT)                                                      \
+  KILN_GLOBAL void __launch_bounds__(512 / MT) skinny_fused_t8_r##MT##_##S##_##OS(             \
+      const T* x, const T* w, const T* bias, const T* norm_w, const T* res, O* out, int tokens,  \
+      int n, int k, int consts, float eps, int unit_offset, int mode) {                         \
+    skinny_body<T, O, 1, MT, 0, true>(x, w, bias, norm_w, res, out, tokens, n, k, consts, eps,  \
+                                      unit_offset, mode);                                       \
+  }                                                                                             \
+  KILN_GLOBAL void __launch_bounds__(512 / MT) skinny_fused_norm_t8_r##MT##_##S##_##OS(        \
+      const T* x, const T* w, const T* bias, const T* norm_w, const T* res, O* out, int tokens,  \
+      int n, int k, int consts, float eps, int unit_offset, int mode) {                         \
+    skinny_body<T, O, 1, MT, 1, true>(x, w, bias, norm_w, res, out, tokens, n, k, consts, eps,  \
+                                      unit_offset, mode);                                       \
+  }
+#define KILN_SKINNY_FUSED_TILES(T, S, O, OS)                                                    \
+  KILN_SKINNY_FUSED(T, S, O, OS, 1) KILN_SKINNY_FUSED(T, S, O, OS, 2)
+KILN_SKINNY_FUSED_TILES(kbf16, bf16, kbf16, bf16)
+KILN_SKINNY_FUSED_TILES(kbf16, bf16, float, f32)
+KILN_SKINNY_FUSED_TILES(kf16, f16, kf16, f16)
+KILN_SKINNY_FUSED_TILES(kf16, f16, float, f32)

@@ -314,10 +314,14 @@ pub fn gemv_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
 /// `fuse-matmul` pass asks [`fused_matmul_call`] before it fuses).
 pub const FUSED_MAX_TOKENS: u32 = 8;
 
-/// The fused GEMV launch of a `fused_matmul` with operand types `args`
-/// (see `gemv.cu`): one warp per two weight rows (per output under an
-/// activation epilogue, whose rows are `j` and `j + N/2`), 16 outputs (8)
-/// per block. `w_const` as for [`gemv_call`]. Refuses what the kernel
+/// The fused launch of a `fused_matmul` with operand types `args`. One
+/// token: the fused GEMV (see `gemv.cu`), one warp per two weight rows
+/// (per output under an activation epilogue, whose rows are `j` and
+/// `j + N/2`), 16 outputs (8) per block. Two to eight tokens: the fused
+/// skinny GEMM on tensor cores (`skinny.cu`, [`skinny_fused_call`]), which
+/// reads each weight byte once where the register GEMV re-reads x per row
+/// pair and runs out of FMA throughput. The `argmax` epilogue keeps the
+/// GEMV at every token count. `w_const` as for [`gemv_call`]. Refuses what the kernel
 /// cannot run: activations other than bf16/f16, an f32 result with an
 /// epilogue other than `argmax`, more than [`FUSED_MAX_TOKENS`] tokens, `K % 8 != 0`, sizes
 /// beyond the 32-bit index range.
@@ -411,6 +415,18 @@ pub fn fused_matmul_launch(
         ));
     }
     let act = matches!(post, Epilogue::SiluMul | Epilogue::GeluTanhMul);
+    if t > 1 {
+        return Ok(skinny_fused_call(
+            (t, n, k),
+            (i, o),
+            act,
+            *bias,
+            *pre,
+            *post == Epilogue::Residual,
+            post_mode(*post),
+            consts(weight_args, *bias, pre.is_some()),
+        ));
+    }
     // One token over a weight the plain GEMV would stage: the staged fused
     // entry with the plain GEMV's split (its grid counts 16 / split
     // virtual rows per block, an activation's outputs twice).
@@ -423,14 +439,7 @@ pub fn fused_matmul_launch(
         None if act => (n / 2).div_ceil(GEMV_ROWS_PER_BLOCK / 2),
         None => n.div_ceil(GEMV_ROWS_PER_BLOCK),
     };
-    let mode = match post {
-        Epilogue::None => 0,
-        Epilogue::SiluMul => 1,
-        Epilogue::GeluTanhMul => 2,
-        Epilogue::Residual => 3,
-        // Lowered by `fused_argmax_call` above.
-        Epilogue::Argmax => 0,
-    };
+    let mode = post_mode(*post);
     let mut next = 2;
     let mut optional = |present: bool| {
         if present {
@@ -470,6 +479,81 @@ pub fn fused_matmul_launch(
             Param::I32(mode),
         ],
     })
+}
+
+/// The fused kernels' epilogue `mode` (gemv.cu, skinny.cu): 0 none, 1
+/// silu_mul, 2 gelu_tanh_mul, 3 residual (`argmax` has its own entries).
+fn post_mode(post: Epilogue) -> i32 {
+    match post {
+        Epilogue::None | Epilogue::Argmax => 0,
+        Epilogue::SiluMul => 1,
+        Epilogue::GeluTanhMul => 2,
+        Epilogue::Residual => 3,
+    }
+}
+
+/// The fused skinny GEMM (`skinny.cu`, `skinny_fused_[norm_]t8_r<MT>`) for
+/// a `fused_matmul` of `t` in 2..=8 tokens: the plain skinny GEMM's
+/// tensor-core product (each weight byte read once per launch, whatever
+/// the token count) with the fused GEMV's prologue and epilogues. An
+/// activation epilogue takes two row tiles per block (16 gate rows and
+/// the 16 up rows `n / 2` further) and a grid over the `n / 2` outputs;
+/// the others one tile of 16 rows. The split-K warps are the plain skinny
+/// GEMM's ([`skinny_call`]).
+#[allow(clippy::too_many_arguments)]
+fn skinny_fused_call(
+    (t, n, k): (u32, u32, u32),
+    (i, o): (&str, &str),
+    act: bool,
+    bias: bool,
+    pre: Option<kiln_ir::PreNorm>,
+    residual: bool,
+    mode: i32,
+    consts: i32,
+) -> KernelCall {
+    let mt: u32 = if act { 2 } else { 1 };
+    let chunks = k.div_ceil(32);
+    let mut warps = skinny_max_warps(mt);
+    while warps > 1 && 2 * warps > chunks {
+        warps /= 2;
+    }
+    let rows = if act { n / 2 } else { n };
+    let mut next = 2;
+    let mut optional = |present: bool| {
+        if present {
+            next += 1;
+            Param::Arg(next - 1)
+        } else {
+            Param::Null
+        }
+    };
+    let bias_p = optional(bias);
+    let norm_p = optional(pre.is_some());
+    let res_p = optional(residual);
+    let norm = if pre.is_some() { "norm_" } else { "" };
+    KernelCall {
+        module: "skinny",
+        entry: format!("skinny_fused_{norm}t8_r{mt}_{i}_{o}"),
+        grid: [rows.div_ceil(16), 1, 1],
+        block: [32 * warps, 1, 1],
+        shared_bytes: warps * mt * 4 * 32 * 4,
+        cluster: 1,
+        params: vec![
+            Param::Arg(0),
+            Param::Arg(1),
+            bias_p,
+            norm_p,
+            res_p,
+            Param::Result(0),
+            Param::I32(t as i32),
+            Param::I32(n as i32),
+            Param::I32(k as i32),
+            Param::I32(consts),
+            Param::F32(pre.map_or(0.0, |p| p.eps)),
+            Param::I32(pre.is_some_and(|p| p.unit_offset) as i32),
+            Param::I32(mode),
+        ],
+    }
 }
 
 /// The fused GEMV kernels' `consts` flags for `weight_args` (bit `i` set
@@ -806,6 +890,9 @@ pub fn entry_points(module: &str) -> Vec<String> {
                 for mt in SKINNY_ROW_TILES {
                     for tp in SKINNY_TOKENS {
                         v.push(format!("skinny_t{tp}_r{mt}_{i}_{o}"));
+                    }
+                    for norm in ["", "norm_"] {
+                        v.push(format!("skinny_fused_{norm}t8_r{mt}_{i}_{o}"));
                     }
                 }
             }
@@ -3503,8 +3590,9 @@ mod tests {
             tt(d, &[5, 40]),
         ];
         let c = fused_matmul_call(&op, &a, true).unwrap();
-        assert_eq!(c.entry, "gemv_fused_norm_t8_bf16_bf16");
-        assert!(entry_points("gemv").contains(&c.entry));
+        assert_eq!(c.entry, "skinny_fused_norm_t8_r1_bf16_bf16");
+        assert_eq!(c.module, "skinny");
+        assert!(entry_points("skinny").contains(&c.entry));
         assert_eq!(
             &c.params[..6],
             &[
@@ -3516,7 +3604,10 @@ mod tests {
                 Param::Result(0)
             ]
         );
-        assert_eq!(c.grid[0], 40u32.div_ceil(GEMV_ROWS_PER_BLOCK));
+        // Five tokens take the skinny GEMM: one 16-row tile per block; K
+        // 96 is three 32-wide chunks, so one split-K warp pair.
+        assert_eq!((c.grid[0], c.block[0]), (3, 32));
+        assert_eq!(c.shared_bytes, 32 * 4 * 4);
         assert_eq!(
             &c.params[9..],
             &[
@@ -3539,17 +3630,27 @@ mod tests {
         // Only a residual: it is argument 2; absent operands are null.
         let op = fused(false, d, false, Epilogue::Residual);
         let c = fused_matmul_call(&op, &[a[0].clone(), a[1].clone(), a[4].clone()], false).unwrap();
-        assert_eq!(c.entry, "gemv_fused_t8_bf16_bf16");
+        assert_eq!(c.entry, "skinny_fused_t8_r1_bf16_bf16");
         assert_eq!(&c.params[2..5], &[Param::Null, Param::Null, Param::Arg(2)]);
         assert_eq!(c.params[9], Param::I32(0));
-        // An activation epilogue: one output per warp, 8 per block (two
-        // tokens: the register kernel).
+        // An activation epilogue over two tokens: the skinny GEMM's gate and
+        // up tiles, 16 of the 100 outputs per block.
         let op = fused(false, d, false, Epilogue::GeluTanhMul);
         let c = fused_matmul_call(&op, &[tt(d, &[2, 96]), tt(d, &[200, 96])], true).unwrap();
         assert_eq!(
             (c.entry.as_str(), c.grid[0]),
-            ("gemv_fused_t2_bf16_bf16", 13)
+            ("skinny_fused_t8_r2_bf16_bf16", 7)
         );
+        assert!(entry_points("skinny").contains(&c.entry));
+        // One token, the same epilogue: the register GEMV, 8 outputs per
+        // block, where the plain GEMV would not stage.
+        let c = fused_matmul_call(&op, &[tt(d, &[1, 4096]), tt(d, &[200, 4096])], true).unwrap();
+        if !matches!(gemv_split(1, 200, 4096), (true, _)) {
+            assert_eq!(
+                (c.entry.as_str(), c.grid[0]),
+                ("gemv_fused_t1_bf16_bf16", 13)
+            );
+        }
         assert_eq!(c.params.last(), Some(&Param::I32(2)));
         // One token over a weight the plain GEMV stages: the staged fused
         // entry with the plain GEMV's split, its grid in 16 / split virtual
@@ -3606,7 +3707,7 @@ mod tests {
         let w = tt(d, &[40, 64]);
         let nw = tt(d, &[64]);
         let ok = fused_matmul_call(&none, &[tt(d, &[8, 64]), w.clone(), nw.clone()], true);
-        assert_eq!(ok.unwrap().entry, "gemv_fused_norm_t8_bf16_f32");
+        assert_eq!(ok.unwrap().entry, "skinny_fused_norm_t8_r1_bf16_f32");
         let e = fused_matmul_call(&none, &[tt(d, &[9, 64]), w.clone(), nw.clone()], true)
             .unwrap_err()
             .to_string();

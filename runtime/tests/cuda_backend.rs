@@ -1449,7 +1449,7 @@ fn fused_matmul_matches_for_every_prologue_and_epilogue_at_awkward_sizes() {
 
 #[test]
 fn a_step_of_fused_gemvs_replays_what_it_computes_eagerly_with_fresh_inputs() {
-    // Four tokens run the register kernels; one token the staged ones.
+    // Four tokens run the fused skinny GEMM; one token the staged GEMVs.
     for t in [4, 1] {
         fused_step_replays(t);
     }

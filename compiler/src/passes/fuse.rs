@@ -741,7 +741,10 @@ impl FuseRule {
     /// A/B knob, checked at compile start by [`quant_fuse_override`])
     /// overrides its multi-token part.
     pub fn graph_default() -> FuseRule {
-        let base = FuseRule::GRAPH_DEFAULT;
+        let mut base = FuseRule::GRAPH_DEFAULT;
+        if let Ok(Some(t)) = dense_fuse_override(std::env::var("KILN_FUSE_DENSE").ok().as_deref()) {
+            base.max_tokens = t;
+        }
         match quant_fuse_override(std::env::var("KILN_FUSE_QUANT").ok().as_deref()) {
             Ok(Some((quant_max_tokens, quant_multi_norm_max_k))) => FuseRule {
                 quant_max_tokens,
@@ -786,6 +789,25 @@ pub fn quant_fuse_override(v: Option<&str>) -> Result<Option<(u32, u64)>, String
             Err(_) => Err(format!(
                 "KILN_FUSE_QUANT={v} is not a fusion rule; set it to one, epi, all or a \
                  largest K for multi-token RMSNorm prologues (or unset it for the default)"
+            )),
+        },
+    }
+}
+
+/// `KILN_FUSE_DENSE`, the most tokens a key may have for the default graph
+/// schedule's dense fusions (a compile-time A/B knob): unset or empty
+/// keeps the rule's own; a number from 1 to
+/// [`kiln_kernels::gpu::FUSED_MAX_TOKENS`] replaces it (one token runs the
+/// fused GEMV, more the fused skinny GEMM).
+pub fn dense_fuse_override(v: Option<&str>) -> Result<Option<u32>, String> {
+    let most = kiln_kernels::gpu::FUSED_MAX_TOKENS;
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(v) => match v.parse::<u32>() {
+            Ok(t) if (1..=most).contains(&t) => Ok(Some(t)),
+            _ => Err(format!(
+                "KILN_FUSE_DENSE={v} is not a token count; set it to a number from 1 to {most} \
+                 (or unset it for the default)"
             )),
         },
     }

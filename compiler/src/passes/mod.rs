@@ -32,7 +32,7 @@
 
 mod editor;
 mod fuse;
-pub use fuse::quant_fuse_override;
+pub use fuse::{dense_fuse_override, quant_fuse_override};
 pub mod megakernel;
 pub mod shard;
 #[doc(hidden)]
