@@ -122,38 +122,58 @@ KILN_DEV void skinny_store(int i, int ln, float s, i64 row0, const T* bias, O* o
 #define KILN_SKINNY_GELU 2
 #define KILN_SKINNY_RESIDUAL 3
 
-// Token row `t`'s inverse RMS for the fused RMSNorm prologue, every row of
-// x (T x K) at once: warp w of the block takes rows w, w + warps, ..., its
-// lanes KILN_RMS_BATCH 8-element chunks in flight at a time, f32 sums in a
-// fixed order (deterministic). The caller synchronizes the block before
-// reading inv.
+// Every token row's inverse RMS for the fused RMSNorm prologue (x is
+// T x K, T <= 8, L2-resident): the whole block sums, thread i taking the
+// 8-element chunks i, i + blockDim, ... of every row, two chunks of each
+// row in flight per pass, so up to K = 16 * blockDim elements take one L2
+// round trip (a warp per row took K / 256 of them in turn); then one warp
+// reduction per row and the warps' partials added in warp order by thread
+// t (deterministic). Every thread must call it; it synchronizes the block
+// before and after, so inv is ready when it returns.
 template <typename T>
 KILN_DEV void skinny_inv_rms_rows(const T* __restrict__ x, int tokens, int k, float eps,
-                                  float* inv) {
+                                  float* inv, float* part) {
   const int lane = threadIdx.x % KILN_WARP;
+  const int warp = threadIdx.x / KILN_WARP;
   const int warps = blockDim.x / KILN_WARP;
   const int kv = k / 8;
-  for (int t = threadIdx.x / KILN_WARP; t < tokens; t += warps) {
-    const uint4* xv = reinterpret_cast<const uint4*>(x + (i64)t * k);
-    float ss = 0.0f;
-    for (int c0 = lane; c0 < kv; c0 += 4 * KILN_WARP) {
-      uint4 v[4];
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  float ss[8];
 #pragma unroll
-      for (int b = 0; b < 4; ++b)
-        if (c0 + b * KILN_WARP < kv) v[b] = xv[c0 + b * KILN_WARP];
+  for (int t = 0; t < 8; ++t) ss[t] = 0.0f;
+  for (int c0 = threadIdx.x; c0 < kv; c0 += 2 * blockDim.x) {
+    uint4 v[8][2];
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        if (c0 + b * KILN_WARP < kv) {
+    for (int t = 0; t < 8; ++t)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int c = c0 + b * blockDim.x;
+        if (t < tokens && c < kv) v[t][b] = xv[(i64)t * kv + c];
+      }
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        if (t < tokens && c0 + b * (int)blockDim.x < kv) {
           float f[8];
-          unpack8(v[b], x, f);
+          unpack8(v[t][b], x, f);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+          for (int e = 0; e < 8; ++e) ss[t] += f[e] * f[e];
         }
       }
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) inv[t] = 1.0f / sqrtf(ss / (float)k + eps);
   }
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const float w = warp_sum(ss[t]);
+    if (lane == 0 && t < tokens) part[warp * 8 + t] = w;
+  }
+  __syncthreads();
+  if (threadIdx.x < tokens) {
+    float s2 = 0.0f;
+    for (int q = 0; q < warps; ++q) s2 += part[q * 8 + threadIdx.x];
+    inv[threadIdx.x] = 1.0f / sqrtf(s2 / (float)k + eps);
+  }
+  __syncthreads();
 }
 
 // Eight elements of x normalized as rms_norm stores them: x * inv * (w +
@@ -201,6 +221,7 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
                           const T* __restrict__ bias, const T* __restrict__ norm_w,
                           const T* __restrict__ res, O* __restrict__ out, int tokens, int n, int k,
                           int consts, float eps, int unit_offset, int mode) {
+  static_assert(!PRE || NT == 1, "the RMSNorm prologue takes at most 8 tokens");
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
   const int warps = blockDim.x / KILN_WARP;
@@ -213,7 +234,8 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
   const i64 tile_rows = act ? half : (i64)n;  // rows of the output space
 #if defined(KILN_SKINNY_MMA)
   extern __shared__ float skinny_red[];  // [warps][R][32]
-  __shared__ float inv_rms[PRE ? 32 : 1];
+  __shared__ float inv_rms[PRE ? 8 : 1];
+  __shared__ float rms_part[PRE ? 16 * 8 : 1];  // [warps][8 tokens]
   constexpr int R = MT * NT * 4;
   const int g = lane >> 2;
   const int t = lane & 3;
@@ -267,8 +289,7 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
   }
   float inv[NT];
   if (PRE) {
-    skinny_inv_rms_rows<T>(x, tokens, k, eps, inv_rms);
-    __syncthreads();
+    skinny_inv_rms_rows<T>(x, tokens, k, eps, inv_rms, rms_part);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) inv[nt] = inv_rms[xtok[nt]];
   }
