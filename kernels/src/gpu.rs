@@ -439,19 +439,6 @@ pub fn fused_matmul_launch(
         None if act => (n / 2).div_ceil(GEMV_ROWS_PER_BLOCK / 2),
         None => n.div_ceil(GEMV_ROWS_PER_BLOCK),
     };
-    let mode = post_mode(*post);
-    let mut next = 2;
-    let mut optional = |present: bool| {
-        if present {
-            next += 1;
-            Param::Arg(next - 1)
-        } else {
-            Param::Null
-        }
-    };
-    let bias_p = optional(*bias);
-    let norm_p = optional(pre.is_some());
-    let res_p = optional(*post == Epilogue::Residual);
     let norm = if pre.is_some() { "norm_" } else { "" };
     Ok(KernelCall {
         module: "gemv",
@@ -463,21 +450,14 @@ pub fn fused_matmul_launch(
         block: [256, 1, 1],
         shared_bytes: 0,
         cluster: 1,
-        params: vec![
-            Param::Arg(0),
-            Param::Arg(1),
-            bias_p,
-            norm_p,
-            res_p,
-            Param::Result(0),
-            Param::I32(t as i32),
-            Param::I32(n as i32),
-            Param::I32(k as i32),
-            Param::I32(consts(weight_args, *bias, pre.is_some())),
-            Param::F32(pre.map_or(0.0, |p| p.eps)),
-            Param::I32(pre.is_some_and(|p| p.unit_offset) as i32),
-            Param::I32(mode),
-        ],
+        params: fused_params(
+            (t, n, k),
+            *bias,
+            *pre,
+            *post == Epilogue::Residual,
+            consts(weight_args, *bias, pre.is_some()),
+            post_mode(*post),
+        ),
     })
 }
 
@@ -518,6 +498,30 @@ fn skinny_fused_call(
         warps /= 2;
     }
     let rows = if act { n / 2 } else { n };
+    let norm = if pre.is_some() { "norm_" } else { "" };
+    KernelCall {
+        module: "skinny",
+        entry: format!("skinny_fused_{norm}t8_r{mt}_{i}_{o}"),
+        grid: [rows.div_ceil(16), 1, 1],
+        block: [32 * warps, 1, 1],
+        shared_bytes: warps * mt * 4 * 32 * 4,
+        cluster: 1,
+        params: fused_params((t, n, k), bias, pre, residual, consts, mode),
+    }
+}
+
+/// The parameters every fused GEMV / skinny entry takes (`gemv.cu`,
+/// `skinny.cu`): x, w, then the bias, the prologue's norm weight and the
+/// residual as the next arguments when present (null otherwise), the
+/// result, the sizes, `consts`, eps, the (1 + w) flag and the epilogue mode.
+fn fused_params(
+    (t, n, k): (u32, u32, u32),
+    bias: bool,
+    pre: Option<kiln_ir::PreNorm>,
+    residual: bool,
+    consts: i32,
+    mode: i32,
+) -> Vec<Param> {
     let mut next = 2;
     let mut optional = |present: bool| {
         if present {
@@ -530,30 +534,21 @@ fn skinny_fused_call(
     let bias_p = optional(bias);
     let norm_p = optional(pre.is_some());
     let res_p = optional(residual);
-    let norm = if pre.is_some() { "norm_" } else { "" };
-    KernelCall {
-        module: "skinny",
-        entry: format!("skinny_fused_{norm}t8_r{mt}_{i}_{o}"),
-        grid: [rows.div_ceil(16), 1, 1],
-        block: [32 * warps, 1, 1],
-        shared_bytes: warps * mt * 4 * 32 * 4,
-        cluster: 1,
-        params: vec![
-            Param::Arg(0),
-            Param::Arg(1),
-            bias_p,
-            norm_p,
-            res_p,
-            Param::Result(0),
-            Param::I32(t as i32),
-            Param::I32(n as i32),
-            Param::I32(k as i32),
-            Param::I32(consts),
-            Param::F32(pre.map_or(0.0, |p| p.eps)),
-            Param::I32(pre.is_some_and(|p| p.unit_offset) as i32),
-            Param::I32(mode),
-        ],
-    }
+    vec![
+        Param::Arg(0),
+        Param::Arg(1),
+        bias_p,
+        norm_p,
+        res_p,
+        Param::Result(0),
+        Param::I32(t as i32),
+        Param::I32(n as i32),
+        Param::I32(k as i32),
+        Param::I32(consts),
+        Param::F32(pre.map_or(0.0, |p| p.eps)),
+        Param::I32(pre.is_some_and(|p| p.unit_offset) as i32),
+        Param::I32(mode),
+    ]
 }
 
 /// The fused GEMV kernels' `consts` flags for `weight_args` (bit `i` set
