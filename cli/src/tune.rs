@@ -77,6 +77,45 @@ fn random_bytes(d: DType, n: u64, seed: &mut u64) -> Vec<u8> {
     out
 }
 
+/// The kernel modules every candidate of `plan`'s GEMM shapes launches
+/// (`gemm_kernel_call`'s), whether or not the plan uses them.
+pub fn candidate_modules(plan: &Plan) -> std::collections::BTreeSet<String> {
+    let mut m = std::collections::BTreeSet::new();
+    for shape in plan_gemm_shapes(plan) {
+        for kind in GemmKind::ALL {
+            if gemm_kind_applies(kind, &plan.meta.target, &shape) {
+                if let Some(c) = gemm_kernel_call(kind, &shape, true) {
+                    m.insert(c.module.to_string());
+                }
+            }
+        }
+    }
+    m
+}
+
+/// The plan's kernel images plus those of the candidate modules it does
+/// not embed: a plan carries only the modules its own choices launch (a
+/// plan whose b8 GEMMs run as cuBLASLt holds no `skinny`), and every
+/// candidate must be timed. The missing ones are compiled for the plan's
+/// target as `kiln compile` would (through the kernel image cache).
+fn candidate_images(plan: &Plan) -> anyhow::Result<Vec<kiln_ir::plan::KernelImage>> {
+    let mut images = plan.kernels.clone();
+    let missing: std::collections::BTreeSet<String> = candidate_modules(plan)
+        .into_iter()
+        .filter(|m| !images.iter().any(|i| &i.name == m))
+        .collect();
+    if !missing.is_empty() {
+        let more =
+            kiln_compiler::compile::kernel_images(&plan.meta.target, &missing).map_err(|e| {
+                anyhow::anyhow!(
+                    "compiling the candidate modules {missing:?} the plan does not embed: {e}"
+                )
+            })?;
+        images.extend(more.into_iter().filter(|i| missing.contains(&i.name)));
+    }
+    Ok(images)
+}
+
 /// Times every applicable implementation of every GEMM shape of `plan` on
 /// `b` and returns the table entries (one per shape).
 pub fn tune_plan(b: &mut dyn Backend, plan: &Plan, reps: u32) -> anyhow::Result<Vec<TuningEntry>> {
@@ -87,7 +126,7 @@ pub fn tune_plan(b: &mut dyn Backend, plan: &Plan, reps: u32) -> anyhow::Result<
         );
     }
     let pdl = LowerOptions::for_target(&target, 1).pdl;
-    b.load_kernels(&plan.kernels)?;
+    b.load_kernels(&candidate_images(plan)?)?;
     let ws = b.reserve_workspace(plan.workspace_bytes)?;
     let device = b.info().name;
     let fingerprint = fingerprint_hex();
@@ -281,6 +320,18 @@ mod tests {
             assert_eq!(shapes.iter().filter(|x| *x == s).count(), 1);
         }
         assert!(shapes.iter().any(|s| s.t == 1) && shapes.iter().any(|s| s.t == 3));
+    }
+
+    #[test]
+    fn a_plan_whose_gemms_run_as_blas_still_names_the_skinny_and_gemv_modules_to_time() {
+        let p = plan("cuda:sm_90");
+        let used: Vec<&str> = p.kernels.iter().map(|i| i.name.as_str()).collect();
+        assert!(
+            !used.contains(&"skinny"),
+            "this plan's b3 GEMMs default to cuBLASLt, so it embeds no skinny: {used:?}"
+        );
+        let m = candidate_modules(&p);
+        assert!(m.contains("skinny") && m.contains("gemv"), "{m:?}");
     }
 
     #[test]

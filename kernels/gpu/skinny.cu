@@ -13,7 +13,8 @@
 // geometry and documents it):
 //   * block b owns output rows [16*MT*b, 16*MT*(b+1)): MT row tiles of 16;
 //   * the block's W warps split K: warp w takes the 32-element k-chunks
-//     w, w+W, w+2W, ... (two per iteration, the next two prefetched), so
+//     w, w+W, w+2W, ... (two per iteration, the next iteration's two in
+//     flight while they are multiplied), so
 //     neighbouring warps stream neighbouring bytes of the same rows;
 //   * each warp keeps every token: NT tiles of 8 tokens (T <= 8*NT);
 //   * the W per-warp partial sums meet in dynamic shared memory
@@ -43,9 +44,9 @@
 // past the end loads zeros in both operands. Requires K % 8 == 0 and
 // 16-byte aligned rows (the catalog checks).
 //
-// PDL: the first weight chunks are loaded before KILN_PROLOGUE() only when
-// w_const (the weights never change while a plan is loaded); x, bias and
-// the output are touched only after it.
+// PDL: the first two iterations' weights are loaded before KILN_PROLOGUE()
+// only when w_const (the weights never change while a plan is loaded); x,
+// bias and the output are touched only after it.
 //
 // Portable path: HIP and CUDA before sm_80 compile the same entry points
 // (same parameters, geometry and shared memory) as a plain FMA loop, one
@@ -124,9 +125,11 @@ KILN_DEV void skinny_store(int i, int ln, float s, i64 row0, const T* bias, O* o
 
 // Every token row's inverse RMS for the fused RMSNorm prologue (x is
 // T x K, T <= 8, L2-resident): the whole block sums, thread i taking the
-// 8-element chunks i, i + blockDim, ... of every row, two chunks of each
-// row in flight per pass, so up to K = 16 * blockDim elements take one L2
-// round trip (a warp per row took K / 256 of them in turn); then one warp
+// 8-element chunks i, i + blockDim, ... of every row, one chunk of each
+// row in flight per pass, so up to K = 8 * blockDim elements take one L2
+// round trip (a warp per row took K / 256 of them in turn; two chunks a
+// row cost 32 more registers, live beside the weights loaded before the
+// wait, for one round trip saved only past K = 2048); then one warp
 // reduction per row and the warps' partials added in warp order by thread
 // t (deterministic). Every thread must call it; it synchronizes the block
 // before and after, so inv is ready when it returns.
@@ -141,26 +144,20 @@ KILN_DEV void skinny_inv_rms_rows(const T* __restrict__ x, int tokens, int k, fl
   float ss[8];
 #pragma unroll
   for (int t = 0; t < 8; ++t) ss[t] = 0.0f;
-  for (int c0 = threadIdx.x; c0 < kv; c0 += 2 * blockDim.x) {
-    uint4 v[8][2];
+  for (int c = threadIdx.x; c < kv; c += blockDim.x) {
+    uint4 v[8];
 #pragma unroll
     for (int t = 0; t < 8; ++t)
+      if (t < tokens) v[t] = xv[(i64)t * kv + c];
 #pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        const int c = c0 + b * blockDim.x;
-        if (t < tokens && c < kv) v[t][b] = xv[(i64)t * kv + c];
+    for (int t = 0; t < 8; ++t) {
+      if (t < tokens) {
+        float f[8];
+        unpack8(v[t], x, f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss[t] += f[e] * f[e];
       }
-#pragma unroll
-    for (int t = 0; t < 8; ++t)
-#pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        if (t < tokens && c0 + b * (int)blockDim.x < kv) {
-          float f[8];
-          unpack8(v[t][b], x, f);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) ss[t] += f[e] * f[e];
-        }
-      }
+    }
   }
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
@@ -266,11 +263,27 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
+  // Two iterations of weights in flight (wv this one's, wn the next's):
+  // each iteration issues the one after next as soon as its own are
+  // multiplied, so the weight stream never waits behind the x loads (a
+  // lookahead of one iteration issued after the x loads left session 40's
+  // 64-block o_proj at a fifth of DRAM peak). Constant weights go out
+  // before the dependency wait; under the RMSNorm prologue the second
+  // iteration's only after it, so its row loads and these never hold
+  // registers together (168 registers, one block per SM, otherwise).
   int c = warp;
+  const int step = 2 * warps;
   uint4 wv[2][MT][2];
-  if (w_const) skinny_load_w<T, MT>(wv, wrow, c, warps, k, t);
+  uint4 wn[2][MT][2];
+  if (w_const) {
+    skinny_load_w<T, MT>(wv, wrow, c, warps, k, t);
+    if (!PRE) skinny_load_w<T, MT>(wn, wrow, c + step, warps, k, t);
+  }
   KILN_PROLOGUE();
-  if (!w_const) skinny_load_w<T, MT>(wv, wrow, c, warps, k, t);
+  if (!w_const) {
+    skinny_load_w<T, MT>(wv, wrow, c, warps, k, t);
+    if (!PRE) skinny_load_w<T, MT>(wn, wrow, c + step, warps, k, t);
+  }
   // The residual of the slots this thread stores (see the store loop).
   constexpr int RES_SLOTS = 4;
   float rres[RES_SLOTS] = {};
@@ -292,8 +305,8 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
     skinny_inv_rms_rows<T>(x, tokens, k, eps, inv_rms, rms_part);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) inv[nt] = inv_rms[xtok[nt]];
+    skinny_load_w<T, MT>(wn, wrow, c + step, warps, k, t);
   }
-  const int step = 2 * warps;
   for (; c < chunks; c += step) {
     uint4 xv[2][NT];
 #pragma unroll
@@ -307,9 +320,6 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
         if (PRE && off < k) xv[u][nt] = skinny_norm8<T>(xv[u][nt], nv, inv[nt], unit_offset);
       }
     }
-    // The next iteration's weights, in flight during this one's MMAs.
-    uint4 wn[2][MT][2];
-    skinny_load_w<T, MT>(wn, wrow, c + step, warps, k, t);
 #pragma unroll
     for (int u = 0; u < 2; ++u)
 #pragma unroll
@@ -329,6 +339,7 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) wv[u][mt][h] = wn[u][mt][h];
+    skinny_load_w<T, MT>(wn, wrow, c + 2 * step, warps, k, t);
   }
   // Split-K reduction: every warp's partials to shared memory, then each
   // thread sums one (register, lane) slot over the warps in warp order.
@@ -439,9 +450,24 @@ KILN_DEV void skinny_gemm(const T* __restrict__ x, const T* __restrict__ w,
                                       0.0f, 0, KILN_SKINNY_NONE);
 }
 
+// Launch bounds: 512 / MT threads, and on CUDA MT blocks per SM, so a
+// two-tile block keeps to 128 registers and two of its eight-warp blocks
+// share an SM (sixteen warps of loads in flight, as one block of the
+// one-tile entries has); HIP's second bound means warps per execution
+// unit, so it keeps the thread bound only.
+// (A minimum of one block for MT = 1 is not the same hint as none: it
+// let ptxas take 92 registers for the fused one-tile entry instead of 58.)
+#define KILN_SKINNY_BOUNDS_1 __launch_bounds__(512)
+#if defined(KILN_CUDA)
+#define KILN_SKINNY_BOUNDS_2 __launch_bounds__(256, 2)
+#else
+#define KILN_SKINNY_BOUNDS_2 __launch_bounds__(256)
+#endif
+#define KILN_SKINNY_BOUNDS(MT) KILN_SKINNY_BOUNDS_##MT
+
 // Entry points: skinny_t<8*NT>_r<MT>_<in>_<out>.
 #define KILN_SKINNY(T, S, O, OS, TP, MT)                                                        \
-  KILN_GLOBAL void __launch_bounds__(512 / MT)                                                     \
+  KILN_GLOBAL void KILN_SKINNY_BOUNDS(MT)                                                     \
       skinny_t##TP##_r##MT##_##S##_##OS(const T* x, const T* w, const T* bias, O* out,         \
                                          int tokens, int n, int k, int w_const) {               \
     skinny_gemm<T, O, TP / 8, MT>(x, w, bias, out, tokens, n, k, w_const);                      \
@@ -462,13 +488,13 @@ KILN_SKINNY_TILES(kf16, f16, float, f32)
 // mode). An activation epilogue takes MT = 2 (its gate and up tiles) and a
 // grid over the n / 2 outputs; the others MT = 1.
 #define KILN_SKINNY_FUSED(T, S, O, OS, MT)                                                      \
-  KILN_GLOBAL void __launch_bounds__(512 / MT) skinny_fused_t8_r##MT##_##S##_##OS(             \
+  KILN_GLOBAL void KILN_SKINNY_BOUNDS(MT) skinny_fused_t8_r##MT##_##S##_##OS(             \
       const T* x, const T* w, const T* bias, const T* norm_w, const T* res, O* out, int tokens,  \
       int n, int k, int consts, float eps, int unit_offset, int mode) {                         \
     skinny_body<T, O, 1, MT, 0, true>(x, w, bias, norm_w, res, out, tokens, n, k, consts, eps,  \
                                       unit_offset, mode);                                       \
   }                                                                                             \
-  KILN_GLOBAL void __launch_bounds__(512 / MT) skinny_fused_norm_t8_r##MT##_##S##_##OS(        \
+  KILN_GLOBAL void KILN_SKINNY_BOUNDS(MT) skinny_fused_norm_t8_r##MT##_##S##_##OS(        \
       const T* x, const T* w, const T* bias, const T* norm_w, const T* res, O* out, int tokens,  \
       int n, int k, int consts, float eps, int unit_offset, int mode) {                         \
     skinny_body<T, O, 1, MT, 1, true>(x, w, bias, norm_w, res, out, tokens, n, k, consts, eps,  \
