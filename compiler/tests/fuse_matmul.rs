@@ -452,15 +452,18 @@ fn the_quantized_fusion_override_takes_one_epi_all_or_a_width_and_refuses_the_re
 }
 
 /// `KILN_FUSE_DENSE` names the most tokens of a dense fused key, from one
-/// to the fused kernels' eight, or is refused with what it takes.
+/// to the fused kernels' eight, optionally with the largest K of a
+/// multi-token RMSNorm prologue, or is refused with what it takes.
 #[test]
 fn the_dense_fusion_override_takes_a_token_count_up_to_eight_and_refuses_the_rest() {
     use kiln_compiler::passes::dense_fuse_override as o;
     assert_eq!(o(None), Ok(None));
     assert_eq!(o(Some("")), Ok(None));
-    assert_eq!(o(Some("1")), Ok(Some(1)));
-    assert_eq!(o(Some(" 8 ")), Ok(Some(8)));
-    for bad in ["0", "9", "all"] {
+    assert_eq!(o(Some("1")), Ok(Some((1, u64::MAX))));
+    assert_eq!(o(Some(" 8 ")), Ok(Some((8, u64::MAX))));
+    assert_eq!(o(Some("8:1024")), Ok(Some((8, 1024))));
+    assert_eq!(o(Some("8:0")), Ok(Some((8, 0))));
+    for bad in ["0", "9", "all", "8:", "8:big", ":1024"] {
         let e = o(Some(bad)).unwrap_err();
         assert!(
             e.contains(&format!("KILN_FUSE_DENSE={bad} is not")) && e.contains("from 1 to 8"),

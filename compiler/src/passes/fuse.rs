@@ -636,7 +636,11 @@ impl Fusable {
                             || within(1)
                             || k.is_some_and(|k| u64::from(k) <= rule.quant_multi_norm_max_k))
                 } else {
-                    rule.dense && within(rule.max_tokens)
+                    rule.dense
+                        && within(rule.max_tokens)
+                        && (self.pre.is_none()
+                            || within(1)
+                            || k.is_some_and(|k| u64::from(k) <= rule.dense_multi_norm_max_k))
                 }) && kiln_kernels::gpu::fused_matmul_runs(&self.op(), &tys, target).is_ok()
             }
         }
@@ -675,6 +679,11 @@ pub(crate) struct FuseRule {
     /// tokens' inverse RMS from the whole x rows, L2 traffic that grows as
     /// N * K; one-token keys always may).
     pub quant_multi_norm_max_k: u64,
+    /// The largest K whose dense matmuls of more than one token take an
+    /// RMSNorm prologue (the fused skinny GEMM's blocks each recompute
+    /// their tokens' inverse RMS, as the quantized one's do); past it the
+    /// norm stays its own op and only the epilogues fuse.
+    pub dense_multi_norm_max_k: u64,
     /// Whether `argmax(matmul)` becomes `fused_matmul{argmax}`.
     pub argmax: bool,
     /// Whether a dense lm_head (an f32 result or the argmax epilogue, over
@@ -696,6 +705,7 @@ impl FuseRule {
         max_tokens: GPU_FUSE_MAX_TOKENS,
         quant_max_tokens: u32::MAX,
         quant_multi_norm_max_k: u64::MAX,
+        dense_multi_norm_max_k: u64::MAX,
         argmax: true,
         dense_lm_head: true,
     };
@@ -733,6 +743,7 @@ impl FuseRule {
         max_tokens: GPU_FUSE_MAX_TOKENS,
         quant_max_tokens: 8,
         quant_multi_norm_max_k: 1024,
+        dense_multi_norm_max_k: u64::MAX,
         argmax: true,
         dense_lm_head: false,
     };
@@ -742,8 +753,11 @@ impl FuseRule {
     /// overrides its multi-token part.
     pub fn graph_default() -> FuseRule {
         let mut base = FuseRule::GRAPH_DEFAULT;
-        if let Ok(Some(t)) = dense_fuse_override(std::env::var("KILN_FUSE_DENSE").ok().as_deref()) {
+        if let Ok(Some((t, k))) =
+            dense_fuse_override(std::env::var("KILN_FUSE_DENSE").ok().as_deref())
+        {
             base.max_tokens = t;
+            base.dense_multi_norm_max_k = k;
         }
         match quant_fuse_override(std::env::var("KILN_FUSE_QUANT").ok().as_deref()) {
             Ok(Some((quant_max_tokens, quant_multi_norm_max_k))) => FuseRule {
@@ -765,6 +779,7 @@ impl FuseRule {
         max_tokens: 8,
         quant_max_tokens: u32::MAX,
         quant_multi_norm_max_k: u64::MAX,
+        dense_multi_norm_max_k: u64::MAX,
         argmax: false,
         dense_lm_head: true,
     };
@@ -796,20 +811,31 @@ pub fn quant_fuse_override(v: Option<&str>) -> Result<Option<(u32, u64)>, String
 
 /// `KILN_FUSE_DENSE`, the most tokens a key may have for the default graph
 /// schedule's dense fusions (a compile-time A/B knob): unset or empty
-/// keeps the rule's own; a number from 1 to
+/// keeps the rule's own; `T` from 1 to
 /// [`kiln_kernels::gpu::FUSED_MAX_TOKENS`] replaces it (one token runs the
-/// fused GEMV, more the fused skinny GEMM).
-pub fn dense_fuse_override(v: Option<&str>) -> Result<Option<u32>, String> {
+/// fused GEMV, more the fused skinny GEMM), and `T:K` also keeps the
+/// RMSNorm prologue of multi-token keys to K of at most `K` (`T:0`: the
+/// epilogues only). Returns (`max_tokens`, `dense_multi_norm_max_k`).
+pub fn dense_fuse_override(v: Option<&str>) -> Result<Option<(u32, u64)>, String> {
     let most = kiln_kernels::gpu::FUSED_MAX_TOKENS;
-    match v.map(str::trim) {
-        None | Some("") => Ok(None),
-        Some(v) => match v.parse::<u32>() {
-            Ok(t) if (1..=most).contains(&t) => Ok(Some(t)),
-            _ => Err(format!(
-                "KILN_FUSE_DENSE={v} is not a token count; set it to a number from 1 to {most} \
-                 (or unset it for the default)"
-            )),
-        },
+    let v = match v.map(str::trim) {
+        None | Some("") => return Ok(None),
+        Some(v) => v,
+    };
+    let bad = || {
+        format!(
+            "KILN_FUSE_DENSE={v} is not a token count; set it to a number from 1 to {most}, \
+             optionally with `:K`, the largest K of a multi-token RMSNorm prologue \
+             (or unset it for the default)"
+        )
+    };
+    let (t, k) = match v.split_once(':') {
+        Some((t, k)) => (t.trim(), Some(k.trim().parse::<u64>().map_err(|_| bad())?)),
+        None => (v, None),
+    };
+    match t.parse::<u32>() {
+        Ok(t) if (1..=most).contains(&t) => Ok(Some((t, k.unwrap_or(u64::MAX)))),
+        _ => Err(bad()),
     }
 }
 
