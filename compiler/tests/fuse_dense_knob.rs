@@ -47,8 +47,24 @@ fn the_dense_knob_fuses_eight_token_keys_and_bounds_their_norm_prologues_by_k() 
             run_pipeline_for(g, &mut m, &passes, true, &cuda).unwrap_or_else(|e| panic!("{e}"));
         let what = format!("KILN_FUSE_DENSE={knob:?} hidden {hidden}: {s:?}");
         let count = |f: &dyn Fn(&Op) -> bool| g.nodes.iter().filter(|n| f(&n.op)).count();
-        let silu = count(&|o| matches!(o, Op::FusedMatMul { post: Epilogue::SiluMul, .. }));
-        let residual = count(&|o| matches!(o, Op::FusedMatMul { post: Epilogue::Residual, .. }));
+        let silu = count(&|o| {
+            matches!(
+                o,
+                Op::FusedMatMul {
+                    post: Epilogue::SiluMul,
+                    ..
+                }
+            )
+        });
+        let residual = count(&|o| {
+            matches!(
+                o,
+                Op::FusedMatMul {
+                    post: Epilogue::Residual,
+                    ..
+                }
+            )
+        });
         let pre = count(&|o| matches!(o, Op::FusedMatMul { pre: Some(_), .. }));
         let layers = spec.layers as usize;
         assert_eq!(silu, if epilogues { layers } else { 0 }, "{what}");
