@@ -3,24 +3,18 @@
 //! the knob. The knob is process-wide, so this file holds one test and
 //! sets it in turn (no other test of this binary can read it midway).
 
+mod planner_support;
+
 use kiln_compiler::passes::synth::{SynthFamily, SynthSpec};
-use kiln_compiler::passes::{run_pipeline_for, Pass, DEFAULT_PIPELINE};
+use kiln_compiler::passes::{run_pipeline_for, Pass};
 use kiln_ir::plan::Target;
 use kiln_ir::{Epilogue, Key, Op};
+use planner_support::default_pipeline_with;
 
 #[test]
 fn the_dense_knob_fuses_eight_token_keys_and_bounds_their_norm_prologues_by_k() {
     let cuda = Target::Cuda { sm: 90 };
-    let passes: Vec<Pass> = DEFAULT_PIPELINE
-        .iter()
-        .map(|&p| {
-            if p == Pass::FuseMatMul {
-                Pass::FuseMatMulGraph
-            } else {
-                p
-            }
-        })
-        .collect();
+    let passes = default_pipeline_with(Pass::FuseMatMulGraph);
     // (knob, hidden, fused epilogues, fused prologues) for the b8 key.
     let cases: [(Option<&str>, u32, bool, bool); 6] = [
         (None, 1024, false, false),

@@ -322,12 +322,6 @@ fn the_greedy_argmax_joins_the_lm_head_only_when_nothing_else_reads_the_logits()
 #[test]
 fn the_default_gpu_rule_fuses_the_layers_but_not_the_dense_lm_head() {
     let cuda = Target::Cuda { sm: 90 };
-    let with = |fuse: Pass| -> Vec<Pass> {
-        DEFAULT_PIPELINE
-            .iter()
-            .map(|&p| if p == Pass::FuseMatMul { fuse } else { p })
-            .collect()
-    };
     for fam in FAMILIES {
         let spec = SynthSpec::tiny(fam);
         let key: Key = "b1q1s0".parse().unwrap();
@@ -335,7 +329,7 @@ fn the_default_gpu_rule_fuses_the_layers_but_not_the_dense_lm_head() {
         let (g, _, _) = pipeline(
             &spec,
             spec.graph(key, &kv, false),
-            &with(Pass::FuseMatMulGraph),
+            &default_pipeline_with(Pass::FuseMatMulGraph),
             &cuda,
         );
         assert!(fused_with(&g, true, Epilogue::SiluMul) > 0, "{fam:?}");
@@ -361,7 +355,7 @@ fn the_default_gpu_rule_fuses_the_layers_but_not_the_dense_lm_head() {
         let (g, _, _) = pipeline(
             &spec,
             spec.graph(key, &kv, false),
-            &with(Pass::FuseMatMul),
+            &default_pipeline_with(Pass::FuseMatMul),
             &cuda,
         );
         assert_eq!(fused_with(&g, true, Epilogue::Argmax), 1, "{fam:?}");
@@ -377,16 +371,7 @@ fn the_default_gpu_rule_fuses_the_layers_but_not_the_dense_lm_head() {
 #[test]
 fn quantized_keys_of_up_to_eight_tokens_fuse_epilogues_and_only_narrow_prologues() {
     let cuda = Target::Cuda { sm: 90 };
-    let passes: Vec<Pass> = DEFAULT_PIPELINE
-        .iter()
-        .map(|&p| {
-            if p == Pass::FuseMatMul {
-                Pass::FuseMatMulGraph
-            } else {
-                p
-            }
-        })
-        .collect();
+    let passes = default_pipeline_with(Pass::FuseMatMulGraph);
     for hidden in [1024u32, 2048] {
         let spec = SynthSpec {
             hidden,

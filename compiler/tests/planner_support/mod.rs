@@ -889,3 +889,15 @@ pub fn compile_synth(spec: &SynthSpec, opts: &CompileOptions) -> Compiled {
 pub fn keys(s: &str) -> Vec<Key> {
     s.split(',').map(|k| k.parse().unwrap()).collect()
 }
+
+/// The default pipeline with `fuse` in place of `fuse-matmul` (the GPU
+/// schedules' rules: `fuse-matmul-graph`, `fuse-matmul-quant`, ...).
+pub fn default_pipeline_with(
+    fuse: kiln_compiler::passes::Pass,
+) -> Vec<kiln_compiler::passes::Pass> {
+    use kiln_compiler::passes::{Pass, DEFAULT_PIPELINE};
+    DEFAULT_PIPELINE
+        .iter()
+        .map(|&p| if p == Pass::FuseMatMul { fuse } else { p })
+        .collect()
+}
