@@ -12,6 +12,11 @@
 // Work split (the catalog, kernels/src/gpu.rs `skinny_call`, picks the
 // geometry and documents it):
 //   * block b owns output rows [16*MT*b, 16*MT*(b+1)): MT row tiles of 16;
+//     or, in the half-tile entries (`r<MT>h`, eight tokens, H = 1 in
+//     skinny_body), MT tiles of 8: the A operand's rows g + 8 are zeros,
+//     so a lane loads one weight vector per chunk instead of two and keeps
+//     accumulators 0 and 1 only. They double the grid where 16-row tiles
+//     would leave SMs idle (kiln_kernels::gpu::SKINNY_HALF_BELOW);
 //   * the block's W warps split K: warp w takes the 32-element k-chunks
 //     w, w+W, w+2W, ... (two per iteration, the next iteration's two in
 //     flight while they are multiplied), so
@@ -84,10 +89,11 @@ KILN_DEV void skinny_mma(float* d, unsigned int a0, unsigned int a1, unsigned in
 }
 
 // The weight vectors of the two chunks c and c + warps this lane multiplies:
-// wv[u][mt][h] is row 16*mt + 8*h + g of the block's tile at element
-// 32*(c + u*warps) + 8t, zero past the end of k.
-template <typename T, int MT>
-KILN_DEV void skinny_load_w(uint4 (&wv)[2][MT][2], const T* const (&wrow)[MT][2], int c, int warps,
+// wv[u][mt][h] is row 16*mt + 8*h + g of the block's tile (8*mt + g of a
+// half tile, H = 1) at element 32*(c + u*warps) + 8t, zero past the end of
+// k.
+template <typename T, int MT, int H>
+KILN_DEV void skinny_load_w(uint4 (&wv)[2][MT][H], const T* const (&wrow)[MT][H], int c, int warps,
                             int k, int t) {
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
@@ -95,22 +101,34 @@ KILN_DEV void skinny_load_w(uint4 (&wv)[2][MT][2], const T* const (&wrow)[MT][2]
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < H; ++h)
         wv[u][mt][h] =
             off < k ? *reinterpret_cast<const uint4*>(wrow[mt][h] + off) : skinny_zero4();
   }
 }
 #endif
 
-// Writes reduced accumulator `i` (PTX layout, see the top) of lane `ln`.
-template <typename T, typename O, int NT>
+// The output of reduced slot `i` of lane `ln` (PTX's accumulator layout,
+// see the top): its row offset in the block's rows and its token. A slot
+// index is (mt * NT + nt) * 2H + c over a tile's 2H kept registers c: all
+// four of a 16-row tile (H = 2), the first two of a half tile (H = 1),
+// whose registers 2 and 3 are the zero rows g + 8 and are never kept.
+template <int NT, int H>
+KILN_DEV void skinny_slot(int i, int ln, int& roff, int& tok) {
+  const int c = i % (2 * H);
+  const int nt = (i / (2 * H)) % NT;
+  const int mt = (i / (2 * H)) / NT;
+  roff = 8 * H * mt + (ln >> 2) + 8 * (c >> 1);
+  tok = 8 * nt + 2 * (ln & 3) + (c & 1);
+}
+
+// Writes reduced slot `i` of lane `ln` (skinny_slot).
+template <typename T, typename O, int NT, int H>
 KILN_DEV void skinny_store(int i, int ln, float s, i64 row0, const T* bias, O* out, int tokens,
                            int n) {
-  const int c = i & 3;
-  const int nt = (i >> 2) % NT;
-  const int mt = (i >> 2) / NT;
-  const i64 row = row0 + 16 * mt + (ln >> 2) + 8 * (c >> 1);
-  const int tok = 8 * nt + 2 * (ln & 3) + (c & 1);
+  int roff, tok;
+  skinny_slot<NT, H>(i, ln, roff, tok);
+  const i64 row = row0 + roff;
   if (row < n && tok < tokens) {
     const float b = bias ? ld(bias[row]) : 0.0f;
     out[(i64)tok * n + row] = st<O>(s + b);
@@ -213,36 +231,38 @@ KILN_DEV uint4 skinny_norm8(uint4 xv, uint4 nv, float inv, int unit_offset) {
 // consts: bit 0 the weight, bit 1 the norm weight never change while the
 // engine lives. Nothing another kernel writes (x, residual) is read, and
 // nothing is written, before KILN_PROLOGUE().
-template <typename T, typename O, int NT, int MT, int PRE, bool FUSED>
+template <typename T, typename O, int NT, int MT, int PRE, bool FUSED, int H = 2>
 KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
                           const T* __restrict__ bias, const T* __restrict__ norm_w,
                           const T* __restrict__ res, O* __restrict__ out, int tokens, int n, int k,
                           int consts, float eps, int unit_offset, int mode) {
   static_assert(!PRE || NT == 1, "the RMSNorm prologue takes at most 8 tokens");
+  static_assert(H == 1 || H == 2, "a tile is 16 rows (H = 2) or 8 (H = 1)");
+  constexpr int TR = 8 * H;  // rows of one tile
   const int lane = threadIdx.x % KILN_WARP;
   const int warp = threadIdx.x / KILN_WARP;
   const int warps = blockDim.x / KILN_WARP;
   const int w_const = consts & 1;
   const bool act = FUSED && (mode == KILN_SKINNY_SILU || mode == KILN_SKINNY_GELU);
-  // Under an activation tile mt is rows [mt * n/2 + 16b, ... + 16) of the
+  // Under an activation tile mt is rows [mt * n/2 + TR*b, ... + TR) of the
   // stacked weight; otherwise the block's MT consecutive tiles.
   const i64 half = act ? (i64)(n / 2) : 0;
-  const i64 row0 = act ? (i64)blockIdx.x * 16 : (i64)blockIdx.x * (16 * MT);
+  const i64 row0 = act ? (i64)blockIdx.x * TR : (i64)blockIdx.x * (TR * MT);
   const i64 tile_rows = act ? half : (i64)n;  // rows of the output space
 #if defined(KILN_SKINNY_MMA)
   extern __shared__ float skinny_red[];  // [warps][R][32]
   __shared__ float inv_rms[PRE ? 8 : 1];
   __shared__ float rms_part[PRE ? 16 * 8 : 1];  // [warps][8 tokens]
-  constexpr int R = MT * NT * 4;
+  constexpr int R = MT * NT * 2 * H;  // kept accumulator slots per lane
   const int g = lane >> 2;
   const int t = lane & 3;
   const int chunks = (k + 31) / 32;
-  const T* wrow[MT][2];
+  const T* wrow[MT][H];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      i64 r = act ? row0 + 8 * h + g : row0 + 16 * mt + 8 * h + g;
+    for (int h = 0; h < H; ++h) {
+      i64 r = act ? row0 + 8 * h + g : row0 + TR * mt + 8 * h + g;
       if (r >= tile_rows) r = tile_rows - 1;
       wrow[mt][h] = w + (r + (act ? mt * half : 0)) * k;
     }
@@ -273,16 +293,16 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
   // registers together (168 registers, one block per SM, otherwise).
   int c = warp;
   const int step = 2 * warps;
-  uint4 wv[2][MT][2];
-  uint4 wn[2][MT][2];
+  uint4 wv[2][MT][H];
+  uint4 wn[2][MT][H];
   if (w_const) {
-    skinny_load_w<T, MT>(wv, wrow, c, warps, k, t);
-    if (!PRE) skinny_load_w<T, MT>(wn, wrow, c + step, warps, k, t);
+    skinny_load_w<T, MT, H>(wv, wrow, c, warps, k, t);
+    if (!PRE) skinny_load_w<T, MT, H>(wn, wrow, c + step, warps, k, t);
   }
   KILN_PROLOGUE();
   if (!w_const) {
-    skinny_load_w<T, MT>(wv, wrow, c, warps, k, t);
-    if (!PRE) skinny_load_w<T, MT>(wn, wrow, c + step, warps, k, t);
+    skinny_load_w<T, MT, H>(wv, wrow, c, warps, k, t);
+    if (!PRE) skinny_load_w<T, MT, H>(wn, wrow, c + step, warps, k, t);
   }
   // The residual of the slots this thread stores (see the store loop).
   constexpr int RES_SLOTS = 4;
@@ -292,10 +312,9 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
     for (int j = 0; j < RES_SLOTS; ++j) {
       const int v = threadIdx.x + j * blockDim.x;
       if (v < R * KILN_WARP) {
-        const int i = v / KILN_WARP, ln = v % KILN_WARP, cc = i & 3;
-        const int nt = (i >> 2) % NT, mt = (i >> 2) / NT;
-        const i64 row = row0 + 16 * mt + (ln >> 2) + 8 * (cc >> 1);
-        const int tok = 8 * nt + 2 * (ln & 3) + (cc & 1);
+        int roff, tok;
+        skinny_slot<NT, H>(v / KILN_WARP, v % KILN_WARP, roff, tok);
+        const i64 row = row0 + roff;
         if (row < n && tok < tokens) rres[j] = ld(res[(i64)tok * n + row]);
       }
     }
@@ -305,7 +324,7 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
     skinny_inv_rms_rows<T>(x, tokens, k, eps, inv_rms, rms_part);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) inv[nt] = inv_rms[xtok[nt]];
-    skinny_load_w<T, MT>(wn, wrow, c + step, warps, k, t);
+    skinny_load_w<T, MT, H>(wn, wrow, c + step, warps, k, t);
   }
   for (; c < chunks; c += step) {
     uint4 xv[2][NT];
@@ -325,7 +344,9 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const uint4 wa = wv[u][mt][0];
-        const uint4 wb = wv[u][mt][1];
+        // A half tile's rows g + 8 are zeros: the MMA's lower half is idle
+        // (tensor-core time is not what a skinny product waits for).
+        const uint4 wb = H == 2 ? wv[u][mt][H - 1] : skinny_zero4();
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           const uint4 xb = xv[u][nt];
@@ -338,8 +359,8 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) wv[u][mt][h] = wn[u][mt][h];
-    skinny_load_w<T, MT>(wn, wrow, c + 2 * step, warps, k, t);
+        for (int h = 0; h < H; ++h) wv[u][mt][h] = wn[u][mt][h];
+    skinny_load_w<T, MT, H>(wn, wrow, c + 2 * step, warps, k, t);
   }
   // Split-K reduction: every warp's partials to shared memory, then each
   // thread sums one (register, lane) slot over the warps in warp order.
@@ -348,8 +369,8 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        skinny_red[(warp * R + (mt * NT + nt) * 4 + i) * KILN_WARP + lane] = acc[mt][nt][i];
+      for (int i = 0; i < 2 * H; ++i)
+        skinny_red[(warp * R + (mt * NT + nt) * 2 * H + i) * KILN_WARP + lane] = acc[mt][nt][i];
   __syncthreads();
   // Under an activation only tile 0's slots are walked; each also sums
   // the same slot of tile 1 (its up rows).
@@ -358,13 +379,12 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
     float s = 0.0f;
     for (int q = 0; q < warps; ++q) s += skinny_red[q * R * KILN_WARP + v];
     if (!FUSED) {
-      skinny_store<T, O, NT>(v / KILN_WARP, v % KILN_WARP, s, row0, bias, out, tokens, n);
+      skinny_store<T, O, NT, H>(v / KILN_WARP, v % KILN_WARP, s, row0, bias, out, tokens, n);
       continue;
     }
-    const int i = v / KILN_WARP, ln = v % KILN_WARP, cc = i & 3;
-    const int nt = (i >> 2) % NT, mt = (i >> 2) / NT;
-    const i64 row = row0 + 16 * mt + (ln >> 2) + 8 * (cc >> 1);
-    const int tok = 8 * nt + 2 * (ln & 3) + (cc & 1);
+    int roff, tok;
+    skinny_slot<NT, H>(v / KILN_WARP, v % KILN_WARP, roff, tok);
+    const i64 row = row0 + roff;
     if (act) {
       float su = 0.0f;
       const int vu = v + (R / 2) * KILN_WARP;
@@ -391,8 +411,8 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
   // the prologue and epilogues as above, per element.
   KILN_PROLOGUE();
   const int kv = k / 8;
-  const int outs = 16 * MT;  // output rows of the block (act: 16 of them used)
-  for (int r = warp; r < (act ? 16 : outs); r += warps) {
+  const int outs = TR * MT;  // output rows of the block (act: TR of them used)
+  for (int r = warp; r < (act ? TR : outs); r += warps) {
     const i64 row = row0 + r;
     if (row >= tile_rows) break;
     for (int tk = 0; tk < tokens; ++tk) {
@@ -442,12 +462,12 @@ KILN_DEV void skinny_body(const T* __restrict__ x, const T* __restrict__ w,
 #endif
 }
 
-template <typename T, typename O, int NT, int MT>
+template <typename T, typename O, int NT, int MT, int H = 2>
 KILN_DEV void skinny_gemm(const T* __restrict__ x, const T* __restrict__ w,
                           const T* __restrict__ bias, O* __restrict__ out, int tokens, int n,
                           int k, int w_const) {
-  skinny_body<T, O, NT, MT, 0, false>(x, w, bias, nullptr, nullptr, out, tokens, n, k, w_const,
-                                      0.0f, 0, KILN_SKINNY_NONE);
+  skinny_body<T, O, NT, MT, 0, false, H>(x, w, bias, nullptr, nullptr, out, tokens, n, k, w_const,
+                                         0.0f, 0, KILN_SKINNY_NONE);
 }
 
 // Launch bounds: 512 / MT threads, and on CUDA MT blocks per SM, so a
@@ -465,18 +485,27 @@ KILN_DEV void skinny_gemm(const T* __restrict__ x, const T* __restrict__ w,
 #endif
 #define KILN_SKINNY_BOUNDS(MT) KILN_SKINNY_BOUNDS_##MT
 
-// Entry points: skinny_t<8*NT>_r<MT>_<in>_<out>.
+// Entry points: skinny_t<8*NT>_r<MT>_<in>_<out>, and the half-tile
+// skinny_t8_r1h_<in>_<out> (one tile of 8 rows a block: twice the grid of
+// r1, for weights whose 16-row grid would leave SMs idle).
 #define KILN_SKINNY(T, S, O, OS, TP, MT)                                                        \
   KILN_GLOBAL void KILN_SKINNY_BOUNDS(MT)                                                     \
       skinny_t##TP##_r##MT##_##S##_##OS(const T* x, const T* w, const T* bias, O* out,         \
                                          int tokens, int n, int k, int w_const) {               \
     skinny_gemm<T, O, TP / 8, MT>(x, w, bias, out, tokens, n, k, w_const);                      \
   }
+#define KILN_SKINNY_HALF(T, S, O, OS)                                                           \
+  KILN_GLOBAL void KILN_SKINNY_BOUNDS(1)                                                      \
+      skinny_t8_r1h_##S##_##OS(const T* x, const T* w, const T* bias, O* out, int tokens,      \
+                               int n, int k, int w_const) {                                     \
+    skinny_gemm<T, O, 1, 1, 1>(x, w, bias, out, tokens, n, k, w_const);                         \
+  }
 #define KILN_SKINNY_TILES(T, S, O, OS)                                                          \
   KILN_SKINNY(T, S, O, OS, 8, 1) KILN_SKINNY(T, S, O, OS, 16, 1)                              \
   KILN_SKINNY(T, S, O, OS, 24, 1) KILN_SKINNY(T, S, O, OS, 32, 1)                             \
   KILN_SKINNY(T, S, O, OS, 8, 2) KILN_SKINNY(T, S, O, OS, 16, 2)                              \
-  KILN_SKINNY(T, S, O, OS, 24, 2) KILN_SKINNY(T, S, O, OS, 32, 2)
+  KILN_SKINNY(T, S, O, OS, 24, 2) KILN_SKINNY(T, S, O, OS, 32, 2)                             \
+  KILN_SKINNY_HALF(T, S, O, OS)
 KILN_SKINNY_TILES(kbf16, bf16, kbf16, bf16)
 KILN_SKINNY_TILES(kbf16, bf16, float, f32)
 KILN_SKINNY_TILES(kf16, f16, kf16, f16)
@@ -486,22 +515,24 @@ KILN_SKINNY_TILES(kf16, f16, float, f32)
 // skinny_fused_[norm_]t8_rMT_<in>_<out>, with gemv_fused_*'s parameters
 // (x, w, bias, norm_w, res, out, tokens, n, k, consts, eps, unit_offset,
 // mode). An activation epilogue takes MT = 2 (its gate and up tiles) and a
-// grid over the n / 2 outputs; the others MT = 1.
-#define KILN_SKINNY_FUSED(T, S, O, OS, MT)                                                      \
-  KILN_GLOBAL void KILN_SKINNY_BOUNDS(MT) skinny_fused_t8_r##MT##_##S##_##OS(             \
+// grid over the n / 2 outputs; the others MT = 1. The `h` entries
+// (skinny_fused_[norm_]t8_r<MT>h_*) take half tiles of 8 rows, H = 1.
+#define KILN_SKINNY_FUSED(T, S, O, OS, MT, HS, H)                                               \
+  KILN_GLOBAL void KILN_SKINNY_BOUNDS(MT) skinny_fused_t8_r##MT##HS##_##S##_##OS(         \
       const T* x, const T* w, const T* bias, const T* norm_w, const T* res, O* out, int tokens,  \
       int n, int k, int consts, float eps, int unit_offset, int mode) {                         \
-    skinny_body<T, O, 1, MT, 0, true>(x, w, bias, norm_w, res, out, tokens, n, k, consts, eps,  \
-                                      unit_offset, mode);                                       \
+    skinny_body<T, O, 1, MT, 0, true, H>(x, w, bias, norm_w, res, out, tokens, n, k, consts,    \
+                                         eps, unit_offset, mode);                               \
   }                                                                                             \
-  KILN_GLOBAL void KILN_SKINNY_BOUNDS(MT) skinny_fused_norm_t8_r##MT##_##S##_##OS(        \
+  KILN_GLOBAL void KILN_SKINNY_BOUNDS(MT) skinny_fused_norm_t8_r##MT##HS##_##S##_##OS(    \
       const T* x, const T* w, const T* bias, const T* norm_w, const T* res, O* out, int tokens,  \
       int n, int k, int consts, float eps, int unit_offset, int mode) {                         \
-    skinny_body<T, O, 1, MT, 1, true>(x, w, bias, norm_w, res, out, tokens, n, k, consts, eps,  \
-                                      unit_offset, mode);                                       \
+    skinny_body<T, O, 1, MT, 1, true, H>(x, w, bias, norm_w, res, out, tokens, n, k, consts,    \
+                                         eps, unit_offset, mode);                               \
   }
 #define KILN_SKINNY_FUSED_TILES(T, S, O, OS)                                                    \
-  KILN_SKINNY_FUSED(T, S, O, OS, 1) KILN_SKINNY_FUSED(T, S, O, OS, 2)
+  KILN_SKINNY_FUSED(T, S, O, OS, 1, , 2) KILN_SKINNY_FUSED(T, S, O, OS, 2, , 2)               \
+  KILN_SKINNY_FUSED(T, S, O, OS, 1, h, 1) KILN_SKINNY_FUSED(T, S, O, OS, 2, h, 1)
 KILN_SKINNY_FUSED_TILES(kbf16, bf16, kbf16, bf16)
 KILN_SKINNY_FUSED_TILES(kbf16, bf16, float, f32)
 KILN_SKINNY_FUSED_TILES(kf16, f16, kf16, f16)

@@ -499,12 +499,16 @@ fn skinny_fused_call(
     }
     let rows = if act { n / 2 } else { n };
     let norm = if pre.is_some() { "norm_" } else { "" };
+    // Half tiles (8 rows, two kept accumulators a lane) where 16-row
+    // tiles would leave SMs idle (SKINNY_HALF_BELOW).
+    let half = skinny_half(rows, 8);
+    let (tile_rows, kept, h) = if half { (8, 2, "h") } else { (16, 4, "") };
     KernelCall {
         module: "skinny",
-        entry: format!("skinny_fused_{norm}t8_r{mt}_{i}_{o}"),
-        grid: [rows.div_ceil(16), 1, 1],
+        entry: format!("skinny_fused_{norm}t8_r{mt}{h}_{i}_{o}"),
+        grid: [rows.div_ceil(tile_rows), 1, 1],
         block: [32 * warps, 1, 1],
-        shared_bytes: warps * mt * 4 * 32 * 4,
+        shared_bytes: warps * mt * kept * 32 * 4,
         cluster: 1,
         params: fused_params((t, n, k), bias, pre, residual, consts, mode),
     }
@@ -652,6 +656,24 @@ const fn skinny_max_warps(row_tiles: u32) -> u32 {
     16 / row_tiles
 }
 
+/// Below this many blocks of 16-row tiles, an eight-token skinny GEMM takes
+/// half tiles of 8 rows (the `r<MT>h` entries) and twice the grid. Its
+/// weight stream is what bounds it, and a block keeps its SM's loads in
+/// flight only while there are blocks for every SM: Hopper has 132 (H100
+/// SXM, H200) and Ampere's A100 108, so a grid under 120 leaves SMs idle on
+/// the parts kiln targets. Session 40 measured the 64-block o_proj/down of
+/// Qwen3-0.6B at b8 (1,024 rows) at 559 GB/s, against 1,567 GB/s for the
+/// 1,536-block gate/up of Llama-3.2-1B (bench/results/gpu-2026-12-07-s40/).
+/// The lower half of each MMA then multiplies zero rows: tensor-core time
+/// is not what an eight-token product waits for.
+pub const SKINNY_HALF_BELOW: u32 = 120;
+
+/// Whether an eight-token skinny GEMM over `rows` output rows (per tile:
+/// the gate rows of an activation pair) takes half tiles.
+pub const fn skinny_half(rows: u32, tp: u32) -> bool {
+    tp == 8 && rows.div_ceil(16) < SKINNY_HALF_BELOW
+}
+
 /// kiln's tensor-core skinny GEMM (`kernels/gpu/skinny.cu`) for `g` when
 /// it applies (T <= 32, bf16/f16 inputs, output of the input dtype or f32,
 /// K a multiple of 8). `w_const` as for [`gemv_call`].
@@ -661,11 +683,13 @@ const fn skinny_max_warps(row_tiles: u32) -> u32 {
 /// * `mt` row tiles of 16 per block: 2 when `tp >= 24` and there are at
 ///   least 256 such 32-row blocks (x is then re-read from L2 half as often
 ///   and the grid still fills the chip), else 1;
+/// * at eight tokens, one half tile of 8 rows (`skinny_t8_r1h`) instead
+///   where the 16-row grid is under [`SKINNY_HALF_BELOW`] blocks;
 /// * `warps` split K per block: the largest power of two up to
 ///   16 / `mt` that still gives every warp two 32-wide k-chunks (one loop
 ///   iteration); at least 1;
 /// * dynamic shared memory for the split-K partials:
-///   `warps * mt * (tp / 8) * 4 * 32` f32.
+///   `warps * mt * (tp / 8) * 4 * 32` f32 (`* 2 * 32` for a half tile).
 pub fn skinny_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
     let i = match g.dtype {
         DType::BF16 => "bf16",
@@ -694,11 +718,15 @@ pub fn skinny_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
     while warps > 1 && 2 * warps > chunks {
         warps /= 2;
     }
-    let shared = warps * mt * (tp / 8) * 4 * 32 * 4;
+    // Half tiles where 16-row tiles leave SMs idle (SKINNY_HALF_BELOW;
+    // eight tokens, one tile a block): two kept accumulators a lane.
+    let half = mt == 1 && skinny_half(g.n, tp);
+    let (tile_rows, kept, h) = if half { (8, 2, "h") } else { (16, 4, "") };
+    let shared = warps * mt * (tp / 8) * kept * 32 * 4;
     Some(KernelCall {
         module: "skinny",
-        entry: format!("skinny_t{tp}_r{mt}_{i}_{o}"),
-        grid: [g.n.div_ceil(16 * mt), 1, 1],
+        entry: format!("skinny_t{tp}_r{mt}{h}_{i}_{o}"),
+        grid: [g.n.div_ceil(tile_rows * mt), 1, 1],
         block: [32 * warps, 1, 1],
         shared_bytes: shared,
         cluster: 1,
@@ -796,7 +824,7 @@ pub fn gemm_fingerprint() -> u64 {
 /// Bump when [`gemv_call`]'s or [`skinny_call`]'s geometry (grid, block,
 /// shared memory, instantiation choice) changes: tuning tables measured
 /// under the old geometry become stale.
-pub const GEMM_GEOMETRY_REVISION: u32 = 2;
+pub const GEMM_GEOMETRY_REVISION: u32 = 3;
 
 /// Every entry point a module defines (after macro expansion), so a backend
 /// can resolve them all when it loads the module and fail early.
@@ -888,8 +916,10 @@ pub fn entry_points(module: &str) -> Vec<String> {
                     }
                     for norm in ["", "norm_"] {
                         v.push(format!("skinny_fused_{norm}t8_r{mt}_{i}_{o}"));
+                        v.push(format!("skinny_fused_{norm}t8_r{mt}h_{i}_{o}"));
                     }
                 }
+                v.push(format!("skinny_t8_r1h_{i}_{o}"));
             }
         }
         "sampling" => {
@@ -2824,7 +2854,11 @@ mod tests {
                             tok.len() > p && tok[p..].bytes().all(|c| c.is_ascii_digit())
                         };
                         let inst = (tok.starts_with(['t', 'r', 'v', 'k']) && digits(1))
-                            || (tok.starts_with("pf") && digits(2));
+                            || (tok.starts_with("pf") && digits(2))
+                            || (tok.starts_with('r')
+                                && tok.len() > 2
+                                && tok.ends_with('h')
+                                && tok[1..tok.len() - 1].bytes().all(|c| c.is_ascii_digit()));
                         let geom = crate::quant_gpu::QDOT_GEOMS
                             .iter()
                             .any(|g| g.tag().trim_start_matches('_') == *tok);
@@ -3585,7 +3619,7 @@ mod tests {
             tt(d, &[5, 40]),
         ];
         let c = fused_matmul_call(&op, &a, true).unwrap();
-        assert_eq!(c.entry, "skinny_fused_norm_t8_r1_bf16_bf16");
+        assert_eq!(c.entry, "skinny_fused_norm_t8_r1h_bf16_bf16");
         assert_eq!(c.module, "skinny");
         assert!(entry_points("skinny").contains(&c.entry));
         assert_eq!(
@@ -3599,10 +3633,12 @@ mod tests {
                 Param::Result(0)
             ]
         );
-        // Five tokens take the skinny GEMM: one 16-row tile per block; K
-        // 96 is three 32-wide chunks, so one split-K warp pair.
-        assert_eq!((c.grid[0], c.block[0]), (3, 32));
-        assert_eq!(c.shared_bytes, 32 * 4 * 4);
+        // Five tokens take the skinny GEMM: 40 rows are far too few blocks
+        // of 16 for the chip, so one half tile of 8 rows per block (two
+        // kept accumulators a lane); K 96 is three 32-wide chunks, so one
+        // split-K warp.
+        assert_eq!((c.grid[0], c.block[0]), (5, 32));
+        assert_eq!(c.shared_bytes, 32 * 2 * 4);
         assert_eq!(
             &c.params[9..],
             &[
@@ -3625,16 +3661,23 @@ mod tests {
         // Only a residual: it is argument 2; absent operands are null.
         let op = fused(false, d, false, Epilogue::Residual);
         let c = fused_matmul_call(&op, &[a[0].clone(), a[1].clone(), a[4].clone()], false).unwrap();
-        assert_eq!(c.entry, "skinny_fused_t8_r1_bf16_bf16");
+        assert_eq!(c.entry, "skinny_fused_t8_r1h_bf16_bf16");
         assert_eq!(&c.params[2..5], &[Param::Null, Param::Null, Param::Arg(2)]);
         assert_eq!(c.params[9], Param::I32(0));
         // An activation epilogue over two tokens: the skinny GEMM's gate and
-        // up tiles, 16 of the 100 outputs per block.
+        // up tiles, half tiles of 8 of the 100 outputs per block.
         let op = fused(false, d, false, Epilogue::GeluTanhMul);
         let c = fused_matmul_call(&op, &[tt(d, &[2, 96]), tt(d, &[200, 96])], true).unwrap();
         assert_eq!(
             (c.entry.as_str(), c.grid[0]),
-            ("skinny_fused_t8_r2_bf16_bf16", 7)
+            ("skinny_fused_t8_r2h_bf16_bf16", 13)
+        );
+        assert!(entry_points("skinny").contains(&c.entry));
+        // Enough outputs for the chip (4,000: 250 blocks of 16): full tiles.
+        let c = fused_matmul_call(&op, &[tt(d, &[2, 96]), tt(d, &[8000, 96])], true).unwrap();
+        assert_eq!(
+            (c.entry.as_str(), c.grid[0], c.shared_bytes),
+            ("skinny_fused_t8_r2_bf16_bf16", 250, 2 * 4 * 32 * 4)
         );
         assert!(entry_points("skinny").contains(&c.entry));
         // One token, the same epilogue: the register GEMV, 8 outputs per
@@ -3702,7 +3745,7 @@ mod tests {
         let w = tt(d, &[40, 64]);
         let nw = tt(d, &[64]);
         let ok = fused_matmul_call(&none, &[tt(d, &[8, 64]), w.clone(), nw.clone()], true);
-        assert_eq!(ok.unwrap().entry, "skinny_fused_norm_t8_r1_bf16_f32");
+        assert_eq!(ok.unwrap().entry, "skinny_fused_norm_t8_r1h_bf16_f32");
         let e = fused_matmul_call(&none, &[tt(d, &[9, 64]), w.clone(), nw.clone()], true)
             .unwrap_err()
             .to_string();
@@ -3747,15 +3790,24 @@ mod tests {
 
     #[test]
     fn the_skinny_gemm_geometry_follows_tokens_rows_and_k() {
-        // 3 tokens pad to one 8-token tile; 1000 rows are 63 blocks of 16;
-        // K = 1000 is 32 chunks of 32, so 16 warps get two chunks each.
-        let c = skinny_call(&shape(3, 1000, 1000, DType::BF16), true).unwrap();
+        // 3 tokens pad to one 8-token tile; 4000 rows are 250 blocks of
+        // 16; K = 1000 is 32 chunks of 32, so 16 warps get two chunks each.
+        let c = skinny_call(&shape(3, 4000, 1000, DType::BF16), true).unwrap();
         assert_eq!(c.entry, "skinny_t8_r1_bf16_bf16");
         assert!(entry_points("skinny").contains(&c.entry));
-        assert_eq!((c.grid, c.block), ([63, 1, 1], [512, 1, 1]));
+        assert_eq!((c.grid, c.block), ([250, 1, 1], [512, 1, 1]));
         assert_eq!(c.shared_bytes, 16 * 4 * 32 * 4);
         assert_eq!(c.params[2], Param::Null);
         assert_eq!(c.params.last(), Some(&Param::I32(1)));
+        // 1000 rows would be 63 blocks of 16, too few for the chip: half
+        // tiles of 8, 125 blocks, two kept accumulators a lane.
+        let c = skinny_call(&shape(3, 1000, 1000, DType::BF16), true).unwrap();
+        assert_eq!(c.entry, "skinny_t8_r1h_bf16_bf16");
+        assert!(entry_points("skinny").contains(&c.entry));
+        assert_eq!((c.grid, c.block), ([125, 1, 1], [512, 1, 1]));
+        assert_eq!(c.shared_bytes, 16 * 2 * 32 * 4);
+        // The boundary: 119 blocks of 16 take halves, 120 do not.
+        assert!(skinny_half(119 * 16, 8) && !skinny_half(120 * 16, 8) && !skinny_half(16, 16));
         // Short K: fewer warps, never below one.
         let c = skinny_call(&shape(17, 1000, 64, DType::F16), false).unwrap();
         assert_eq!(c.entry, "skinny_t24_r1_f16_f16");
