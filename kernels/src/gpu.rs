@@ -538,20 +538,34 @@ fn fused_params(
     let bias_p = optional(bias);
     let norm_p = optional(pre.is_some());
     let res_p = optional(residual);
-    vec![
+    let mut v = vec![
         Param::Arg(0),
         Param::Arg(1),
         bias_p,
         norm_p,
         res_p,
         Param::Result(0),
+    ];
+    v.extend(fused_sizes_tail((t, n, k), pre, consts));
+    v.push(Param::I32(mode));
+    v
+}
+
+/// The parameters every fused GEMV entry (plain, skinny and argmax) takes
+/// after its pointers: the sizes, `consts`, the prologue's eps and its
+/// (1 + w) flag.
+fn fused_sizes_tail(
+    (t, n, k): (u32, u32, u32),
+    pre: Option<kiln_ir::PreNorm>,
+    consts: i32,
+) -> [Param; 6] {
+    [
         Param::I32(t as i32),
         Param::I32(n as i32),
         Param::I32(k as i32),
         Param::I32(consts),
         Param::F32(pre.map_or(0.0, |p| p.eps)),
         Param::I32(pre.is_some_and(|p| p.unit_offset) as i32),
-        Param::I32(mode),
     ]
 }
 
@@ -589,6 +603,21 @@ fn fused_argmax_call(
 ) -> KernelCall {
     let (idx_offset, _) = fused_argmax_scratch(t, n);
     let norm = if pre.is_some() { "norm_" } else { "" };
+    let mut params = vec![
+        Param::Arg(0),
+        Param::Arg(1),
+        if bias { Param::Arg(2) } else { Param::Null },
+        if pre.is_some() {
+            Param::Arg(2 + bias as usize)
+        } else {
+            Param::Null
+        },
+        Param::Scratch(0),
+        Param::Scratch(idx_offset),
+        Param::Counters(0),
+        Param::Result(0),
+    ];
+    params.extend(fused_sizes_tail((t, n, k), pre, consts));
     KernelCall {
         module: "gemv",
         entry: format!("gemv_argmax_{norm}t{tt}_{i}_{o}"),
@@ -596,26 +625,7 @@ fn fused_argmax_call(
         block: [256, 1, 1],
         shared_bytes: 0,
         cluster: 1,
-        params: vec![
-            Param::Arg(0),
-            Param::Arg(1),
-            if bias { Param::Arg(2) } else { Param::Null },
-            if pre.is_some() {
-                Param::Arg(2 + bias as usize)
-            } else {
-                Param::Null
-            },
-            Param::Scratch(0),
-            Param::Scratch(idx_offset),
-            Param::Counters(0),
-            Param::Result(0),
-            Param::I32(t as i32),
-            Param::I32(n as i32),
-            Param::I32(k as i32),
-            Param::I32(consts),
-            Param::F32(pre.map_or(0.0, |p| p.eps)),
-            Param::I32(pre.is_some_and(|p| p.unit_offset) as i32),
-        ],
+        params,
     }
 }
 
@@ -659,9 +669,9 @@ const fn skinny_max_warps(row_tiles: u32) -> u32 {
 /// Below this many blocks of 16-row tiles, an eight-token skinny GEMM takes
 /// half tiles of 8 rows (the `r<MT>h` entries) and twice the grid. Its
 /// weight stream is what bounds it, and a block keeps its SM's loads in
-/// flight only while there are blocks for every SM: Hopper has 132 (H100
-/// SXM, H200) and Ampere's A100 108, so a grid under 120 leaves SMs idle on
-/// the parts kiln targets. Session 40 measured the 64-block o_proj/down of
+/// flight only while there are blocks for every SM: an H100 SXM or H200
+/// has 132, so a grid under 120 leaves a tenth of them or more idle (an
+/// A100 has 108: its boundary grids lose a little). Session 40 measured the 64-block o_proj/down of
 /// Qwen3-0.6B at b8 (1,024 rows) at 559 GB/s, against 1,567 GB/s for the
 /// 1,536-block gate/up of Llama-3.2-1B (bench/results/gpu-2026-12-07-s40/).
 /// The lower half of each MMA then multiplies zero rows: tensor-core time
