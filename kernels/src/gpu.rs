@@ -493,7 +493,17 @@ fn skinny_fused_call(
 ) -> KernelCall {
     let mt: u32 = if act { 2 } else { 1 };
     let chunks = k.div_ceil(32);
-    let mut warps = skinny_max_warps(mt);
+    // The one-tile RMSNorm entry holds 100 registers a thread (its x rows
+    // beside the weights in flight), so a 16-warp block is alone on its SM
+    // and a grid of more blocks than SMs runs in two waves (Llama-3.2-1B's
+    // 192-block qkv at 700 GB/s, bench/results/gpu-2026-12-07-s40/); eight
+    // warps put two blocks on an SM, one wave up to twice the SM count.
+    let most = if pre.is_some() && mt == 1 {
+        8
+    } else {
+        skinny_max_warps(mt)
+    };
+    let mut warps = most;
     while warps > 1 && 2 * warps > chunks {
         warps /= 2;
     }
@@ -3690,6 +3700,26 @@ mod tests {
             ("skinny_fused_t8_r2_bf16_bf16", 250, 2 * 4 * 32 * 4)
         );
         assert!(entry_points("skinny").contains(&c.entry));
+        // The one-tile RMSNorm entry takes at most eight warps (two blocks
+        // an SM at its register count); the plain one sixteen.
+        let k = 2048;
+        let norm = fused(false, d, true, Epilogue::None);
+        let c = fused_matmul_call(
+            &norm,
+            &[tt(d, &[8, k]), tt(d, &[4000, k]), tt(d, &[k])],
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            (c.entry.as_str(), c.grid[0], c.block[0]),
+            ("skinny_fused_norm_t8_r1_bf16_bf16", 250, 256)
+        );
+        let plain = fused(false, d, false, Epilogue::None);
+        let c = fused_matmul_call(&plain, &[tt(d, &[8, k]), tt(d, &[4000, k])], true).unwrap();
+        assert_eq!(
+            (c.entry.as_str(), c.block[0]),
+            ("skinny_fused_t8_r1_bf16_bf16", 512)
+        );
         // One token, the same epilogue: the register GEMV, 8 outputs per
         // block, where the plain GEMV would not stage.
         let c = fused_matmul_call(&op, &[tt(d, &[1, 4096]), tt(d, &[200, 4096])], true).unwrap();
