@@ -523,6 +523,9 @@ fn matmul_matches_through_cublaslt_the_gemv_and_the_skinny_gemm() {
 /// and K off every power of two (partial 16-row tiles, partial 32-wide
 /// k-chunks, K = 8 and K < 32 per warp), with and without bias, bf16 and
 /// f16 in, the input dtype or f32 out, outputs poisoned before the run.
+/// At up to eight tokens N = 1000, 17 and 200 take half tiles of 8 rows
+/// (`skinny_t8_r1h`, fewer than `SKINNY_HALF_BELOW` 16-row blocks; 17 and
+/// 1000 leave a partial one), N = 4099 and 9000 full tiles.
 #[test]
 fn the_skinny_gemm_matches_the_reference_at_awkward_sizes() {
     let Some(mut b) = device() else { return };
@@ -1408,6 +1411,9 @@ fn fused_matmul_matches_for_every_prologue_and_epilogue_at_awkward_sizes() {
     for d in [DType::BF16, DType::F16] {
         // (t, n, k): odd block tails, K not a multiple of the unrolled
         // stride, every token-count instantiation, a wide tied lm_head.
+        // Past one token, n = 4098 runs the skinny GEMM's 16-row tiles
+        // (its activation pairs 2049 outputs, also 16-row tiles) and the
+        // smaller n its half tiles of 8 (kiln_kernels::gpu::skinny_half).
         for (t, n, k) in [
             (1, 1000, 1024),
             (3, 130, 72),
