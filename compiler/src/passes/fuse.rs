@@ -664,8 +664,9 @@ impl Fusable {
 /// in its first form, faster only on the smallest model (H100, b8 ctx
 /// 512, `KILN_FUSE_DENSE=8` / default ms, bench/results/gpu-2026-12-07-s40/):
 /// SmolLM2-135M 0.872 / 1.094, Qwen3-0.6B 1.598 / 1.571, Llama-3.2-1B
-/// 1.665 / 1.499, Qwen3-4B 5.286 / 4.537; its pipelined form is not
-/// measured yet, so the default stays at one token.
+/// 1.665 / 1.499, Qwen3-4B 5.286 / 4.537. Its pipelined form (session
+/// 40) and its half tiles and eight-warp RMSNorm entry (session 41) are
+/// not measured yet, so the default stays at one token.
 pub(crate) const GPU_FUSE_MAX_TOKENS: u32 = 1;
 
 /// Which fusions [`fuse_matmul`] makes on GPU targets (the CPU target
