@@ -498,21 +498,17 @@ fn skinny_fused_call(
     // and a grid of more blocks than SMs runs in two waves (Llama-3.2-1B's
     // 192-block qkv at 700 GB/s, bench/results/gpu-2026-12-07-s40/); eight
     // warps put two blocks on an SM, one wave up to twice the SM count.
-    let most = if pre.is_some() && mt == 1 {
+    let mut warps = if pre.is_some() && mt == 1 {
         8
     } else {
         skinny_max_warps(mt)
     };
-    let mut warps = most;
     while warps > 1 && 2 * warps > chunks {
         warps /= 2;
     }
     let rows = if act { n / 2 } else { n };
     let norm = if pre.is_some() { "norm_" } else { "" };
-    // Half tiles (8 rows, two kept accumulators a lane) where 16-row
-    // tiles would leave SMs idle (SKINNY_HALF_BELOW).
-    let half = skinny_half(rows, 8);
-    let (tile_rows, kept, h) = if half { (8, 2, "h") } else { (16, 4, "") };
+    let (tile_rows, kept, h) = skinny_tile(skinny_half(rows, 8));
     KernelCall {
         module: "skinny",
         entry: format!("skinny_fused_{norm}t8_r{mt}{h}_{i}_{o}"),
@@ -681,9 +677,10 @@ const fn skinny_max_warps(row_tiles: u32) -> u32 {
 /// weight stream is what bounds it, and a block keeps its SM's loads in
 /// flight only while there are blocks for every SM: an H100 SXM or H200
 /// has 132, so a grid under 120 leaves a tenth of them or more idle (an
-/// A100 has 108: its boundary grids lose a little). Session 40 measured the 64-block o_proj/down of
-/// Qwen3-0.6B at b8 (1,024 rows) at 559 GB/s, against 1,567 GB/s for the
-/// 1,536-block gate/up of Llama-3.2-1B (bench/results/gpu-2026-12-07-s40/).
+/// A100 has 108: its boundary grids lose a little). Session 40 measured
+/// the 64-block o_proj/down of Qwen3-0.6B at b8 (1,024 rows) at 559 GB/s,
+/// against 1,567 GB/s for the 1,536-block gate/up of Llama-3.2-1B
+/// (bench/results/gpu-2026-12-07-s40/).
 /// The lower half of each MMA then multiplies zero rows: tensor-core time
 /// is not what an eight-token product waits for.
 pub const SKINNY_HALF_BELOW: u32 = 120;
@@ -692,6 +689,17 @@ pub const SKINNY_HALF_BELOW: u32 = 120;
 /// the gate rows of an activation pair) takes half tiles.
 pub const fn skinny_half(rows: u32, tp: u32) -> bool {
     tp == 8 && rows.div_ceil(16) < SKINNY_HALF_BELOW
+}
+
+/// A skinny block's tile: its rows, the accumulators a lane keeps of each
+/// MMA (all four, or the first two of a half tile, whose rows g + 8 are
+/// zeros) and the entry-name suffix.
+const fn skinny_tile(half: bool) -> (u32, u32, &'static str) {
+    if half {
+        (8, 2, "h")
+    } else {
+        (16, 4, "")
+    }
 }
 
 /// kiln's tensor-core skinny GEMM (`kernels/gpu/skinny.cu`) for `g` when
@@ -738,10 +746,7 @@ pub fn skinny_call(g: &GemmCall, w_const: bool) -> Option<KernelCall> {
     while warps > 1 && 2 * warps > chunks {
         warps /= 2;
     }
-    // Half tiles where 16-row tiles leave SMs idle (SKINNY_HALF_BELOW;
-    // eight tokens, one tile a block): two kept accumulators a lane.
-    let half = mt == 1 && skinny_half(g.n, tp);
-    let (tile_rows, kept, h) = if half { (8, 2, "h") } else { (16, 4, "") };
+    let (tile_rows, kept, h) = skinny_tile(mt == 1 && skinny_half(g.n, tp));
     let shared = warps * mt * (tp / 8) * kept * 32 * 4;
     Some(KernelCall {
         module: "skinny",
